@@ -1,0 +1,94 @@
+"""arrayckpt: distributed PyTorch checkpoints in which every tensor is a chunked Zarr v3 array.
+
+>>> import arrayckpt, torch, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+>>> arrayckpt.save({"model": torch.nn.Linear(3, 2), "step": 10}, path, step=10)
+>>> arrayckpt.open(path)["model.weight"].shape
+(2, 3)
+
+Importing the package is cheap and does not import torch: the public names are loaded on first use
+(PEP 562), so zarr-python can load ``arrayckpt._zarr_dtypes`` through its entry points without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import _zarr_dtypes as _zarr_dtypes  # registers bfloat16/float8 with zarr-python
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from ._codecs import Codec
+    from ._errors import (
+        ArrayckptError,
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        FormatError,
+        IncompleteCheckpointError,
+        KeyMismatchError,
+        PickleNotAllowedError,
+        StateError,
+        StorageError,
+    )
+    from ._load import LoadResult, load
+    from ._reader import Checkpoint, LazyArray
+    from ._reader import open_checkpoint as open  # noqa: A004
+    from ._save import save
+
+_LAZY = {
+    "ArrayckptError": "._errors",
+    "Checkpoint": "._reader",
+    "CheckpointExistsError": "._errors",
+    "CheckpointNotFoundError": "._errors",
+    "Codec": "._codecs",
+    "CorruptCheckpointError": "._errors",
+    "FormatError": "._errors",
+    "IncompleteCheckpointError": "._errors",
+    "KeyMismatchError": "._errors",
+    "LazyArray": "._reader",
+    "LoadResult": "._load",
+    "PickleNotAllowedError": "._errors",
+    "StateError": "._errors",
+    "StorageError": "._errors",
+    "load": "._load",
+    "open": "._reader:open_checkpoint",
+    "save": "._save",
+}
+
+__all__ = [
+    "ArrayckptError",
+    "Checkpoint",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "Codec",
+    "CorruptCheckpointError",
+    "FormatError",
+    "IncompleteCheckpointError",
+    "KeyMismatchError",
+    "LazyArray",
+    "LoadResult",
+    "PickleNotAllowedError",
+    "StateError",
+    "StorageError",
+    "__version__",
+    "load",
+    "open",
+    "save",
+]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'arrayckpt' has no attribute {name!r}")
+    module_name, _, attribute = target.partition(":")
+    value = getattr(importlib.import_module(module_name, __name__), attribute or name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,226 @@
+"""The manifest: what a checkpoint holds, as frozen dataclasses with JSON round trips.
+
+The manifest lives in the root group's ``zarr.json`` under ``attributes["arrayckpt"]``, next to the
+consolidated metadata of every array, so opening a checkpoint is one read. Writing that document is the
+commit. Parsing is strict: unknown versions, wrong types and unsafe paths raise :class:`FormatError`
+naming the entry, and unknown entry kinds are refused rather than skipped. See ``spec/FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._dtypes import DType, dtype_by_name
+from ._errors import FormatError
+from ._keys import Key, array_path, parse_array_path, parse_key_parts
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_ATTRIBUTE",
+    "ArrayEntry",
+    "Entry",
+    "Manifest",
+    "PickleEntry",
+    "ValueEntry",
+    "parse_root_document",
+    "root_document",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_ATTRIBUTE = "arrayckpt"
+MAX_NDIM = 64
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """A tensor (``kind="tensor"``) or numpy array (``kind="ndarray"``) stored as a Zarr array."""
+
+    key: str
+    parts: Key
+    dtype: DType
+    shape: tuple[int, ...]
+    kind: Literal["tensor", "ndarray"] = "tensor"
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "keys": list(self.parts),
+            "path": self.path,
+            "dtype": self.dtype.name,
+            "shape": list(self.shape),
+        }
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A plain value stored inline as typed JSON (see ``_values.py``)."""
+
+    key: str
+    parts: Key
+    value: Any  # the encoded JSON form
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "value", "keys": list(self.parts), "value": self.value}
+
+
+@dataclass(frozen=True)
+class PickleEntry:
+    """A value only pickle could store, kept as a 1-D uint8 array; loading it needs consent."""
+
+    key: str
+    parts: Key
+    nbytes: int
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "pickle", "keys": list(self.parts), "path": self.path, "nbytes": self.nbytes}
+
+
+Entry = ArrayEntry | ValueEntry | PickleEntry
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs besides the arrays' own metadata."""
+
+    entries: Mapping[str, Entry]
+    step: int | None = None
+    # Containers that are not dicts, by dotted prefix ("list" or "tuple"), to rebuild nested state.
+    containers: Mapping[str, str] = field(default_factory=dict)
+    created: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created": dict(self.created),
+            "containers": dict(self.containers),
+            "entries": {key: entry.to_dict() for key, entry in self.entries.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> Manifest:
+        if not isinstance(data, dict):
+            raise FormatError(f"manifest must be a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise FormatError(f"manifest has no valid format_version (got {version!r})")
+        if version > FORMAT_VERSION or version < 1:
+            raise FormatError(
+                f"checkpoint format version {version} is not supported by this arrayckpt "
+                f"(reads versions 1..{FORMAT_VERSION}); upgrade arrayckpt"
+            )
+        step = data.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise FormatError(f"manifest 'step' must be an integer or null, got {step!r}")
+        entries = data.get("entries")
+        if not isinstance(entries, dict):
+            raise FormatError("manifest 'entries' must be a JSON object")
+        containers = data.get("containers", {})
+        if not isinstance(containers, dict) or not all(v in ("list", "tuple") for v in containers.values()):
+            raise FormatError(f"manifest 'containers' must map prefixes to 'list' or 'tuple', got {containers!r}")
+        created = data.get("created", {})
+        if not isinstance(created, dict):
+            raise FormatError("manifest 'created' must be a JSON object")
+        parsed = {key: parse_entry(key, value) for key, value in entries.items()}
+        return cls(parsed, step, containers, created, version)
+
+
+def _parse_shape(shape: object, key: str) -> tuple[int, ...]:
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
+    ):
+        raise FormatError(f"entry {key!r}: shape {shape!r} must be a list of non-negative integers")
+    return tuple(shape)
+
+
+def parse_entry(key: object, data: object) -> Entry:
+    """Parse one manifest entry, refusing anything unexpected."""
+    if not isinstance(key, str):
+        raise FormatError(f"entry name {key!r} must be a string")
+    if not isinstance(data, dict):
+        raise FormatError(f"entry {key!r} must be a JSON object")
+    kind = data.get("kind")
+    parts = parse_key_parts(data.get("keys"), key)
+    if kind in ("tensor", "ndarray"):
+        parse_array_path(data.get("path"), key)
+        try:
+            dtype = dtype_by_name(data.get("dtype"))
+        except FormatError as e:
+            raise FormatError(f"entry {key!r}: {e}") from None
+        return ArrayEntry(key, parts, dtype, _parse_shape(data.get("shape"), key), kind)
+    if kind == "value":
+        if "value" not in data:
+            raise FormatError(f"entry {key!r}: value entry has no 'value'")
+        return ValueEntry(key, parts, data["value"])
+    if kind == "pickle":
+        parse_array_path(data.get("path"), key)
+        nbytes = data.get("nbytes")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise FormatError(f"entry {key!r}: 'nbytes' must be a non-negative integer, got {nbytes!r}")
+        return PickleEntry(key, parts, nbytes)
+    raise FormatError(f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle")
+
+
+def _group_paths(array_paths: list[str]) -> list[str]:
+    """Every intermediate group path above the given arrays (Zarr v3 has no implicit groups)."""
+    groups: set[str] = set()
+    for path in array_paths:
+        segments = path.split("/")
+        groups.update("/".join(segments[:i]) for i in range(1, len(segments)))
+    return sorted(groups)
+
+
+GROUP_METADATA: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def node_documents(arrays: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``zarr.json`` documents for every array and every intermediate group, by path."""
+    nodes: dict[str, dict[str, Any]] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
+    nodes.update(arrays)
+    return nodes
+
+
+def root_document(manifest: Manifest, nodes: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The root ``zarr.json``: the manifest plus consolidated metadata of every node below."""
+    return {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {MANIFEST_ATTRIBUTE: manifest.to_dict()},
+        "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": dict(nodes)},
+    }
+
+
+def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, dict[str, Any]]]:
+    """The manifest and consolidated node metadata of a root ``zarr.json``."""
+    if not isinstance(document, dict) or document.get("zarr_format") != 3 or document.get("node_type") != "group":
+        raise FormatError(f"{where}: root zarr.json is not a Zarr v3 group")
+    attributes = document.get("attributes")
+    if not isinstance(attributes, dict) or MANIFEST_ATTRIBUTE not in attributes:
+        raise FormatError(f"{where}: root group has no '{MANIFEST_ATTRIBUTE}' manifest; not an arrayckpt checkpoint")
+    try:
+        manifest = Manifest.from_dict(attributes[MANIFEST_ATTRIBUTE])
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    consolidated = document.get("consolidated_metadata")
+    metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
+    return manifest, metadata

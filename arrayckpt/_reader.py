@@ -1,0 +1,237 @@
+"""Reading: a committed checkpoint opened as lazy arrays, with no torch needed to look inside.
+
+``open`` costs one read (the root ``zarr.json`` holds the manifest and every array's metadata); array
+data is read only when sliced, and only the chunks the slice touches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._dtypes import DType
+from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
+from ._format import ArrayEntry, PickleEntry, ValueEntry, parse_root_document
+from ._io import ArrayIO, array_spec, new_context, open_array, read_into
+from ._storage import LocalLocation, parse_location, read_root_json
+from ._values import decode_value
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+    import torch
+
+__all__ = ["Checkpoint", "LazyArray", "open_checkpoint"]
+
+
+class LazyArray:
+    """One stored tensor: metadata now, data on slicing.
+
+    ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
+        self._checkpoint = checkpoint
+        self.entry = entry
+        self.metadata = metadata
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype the tensor was saved with."""
+        return self.entry.dtype.torch
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return self.entry.dtype.numpy
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.entry.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.entry.dtype.name})"
+
+    @cached_property
+    def _store(self) -> ts.TensorStore:
+        return open_array(self.spec, self._checkpoint._context)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The TensorStore spec of this array (metadata included, so opening needs no request)."""
+        return array_spec(self._checkpoint.location.kvstore(self.entry.path), self.metadata)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        try:
+            return np.asarray(self._store[index].read().result())
+        except (IndexError, TypeError):
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}") from e
+
+    def numpy(self) -> np.ndarray:
+        """The whole array as numpy."""
+        return self[()] if not self.shape else self[...]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def torch(self) -> torch.Tensor:
+        """The whole array as a new CPU torch tensor of the saved dtype."""
+        import torch
+
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+    def read_into(self, tensor: torch.Tensor) -> None:
+        """Read the whole array into an existing CPU tensor of the same shape and dtype."""
+        from ._tensors import writable_numpy
+
+        read_into([ArrayIO(self.key, self.spec, writable_numpy(tensor, self.entry.dtype, self.key))],
+                  self._checkpoint._context, str(self._checkpoint.location))
+
+
+class _Values(Mapping[str, Any]):
+    """Plain values by key; pickled ones are unpickled on access, only with consent."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+        self._entries = {
+            k: e for k, e in checkpoint.manifest.entries.items() if isinstance(e, (ValueEntry, PickleEntry))
+        }
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._entries:
+            raise KeyError(key)
+        return self._checkpoint.value(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Checkpoint(Mapping[str, LazyArray]):
+    """A committed checkpoint, read-only: dotted key -> :class:`LazyArray`.
+
+    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`.
+    """
+
+    def __init__(self, location: LocalLocation, allow_pickle: bool = False) -> None:
+        self.location = location
+        self.allow_pickle = allow_pickle
+        where = str(location)
+        self.manifest, self._nodes = parse_root_document(read_root_json(location), where)
+        self._context = new_context()
+        self._arrays: dict[str, LazyArray] = {}
+        for key, entry in self.manifest.entries.items():
+            if isinstance(entry, ArrayEntry):
+                self._arrays[key] = LazyArray(self, entry, self._node(entry.path, entry.key, entry.dtype))
+
+    def _node(self, path: str, key: str, dtype: DType) -> dict[str, Any]:
+        metadata = self._nodes.get(path)
+        if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
+            raise FormatError(f"{self.location}: entry {key!r}: no array metadata for {path!r} in the root")
+        if metadata.get("data_type") != dtype.name:
+            raise FormatError(
+                f"{self.location}: entry {key!r}: array data_type {metadata.get('data_type')!r} "
+                f"does not match the manifest's {dtype.name!r}"
+            )
+        return metadata
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    @cached_property
+    def plain_values(self) -> Mapping[str, Any]:
+        """Plain values by dotted key (pickled ones raise unless opened with ``allow_pickle=True``)."""
+        return _Values(self)
+
+    def value(self, key: str) -> Any:
+        """One plain value, decoded."""
+        entry = self.manifest.entries[key]
+        if isinstance(entry, ValueEntry):
+            return decode_value(entry.value, key)
+        if isinstance(entry, PickleEntry):
+            return self._unpickle(entry)
+        raise KeyError(f"{key!r} is an array, not a plain value; use checkpoint[{key!r}]")
+
+    def _unpickle(self, entry: PickleEntry) -> Any:
+        if not self.allow_pickle:
+            raise PickleNotAllowedError(
+                f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
+                "needs allow_pickle=True (only for checkpoints you trust)"
+            )
+        metadata = self._node(entry.path, entry.key, _uint8())
+        raw = np.empty((entry.nbytes,), np.uint8)
+        read_into([ArrayIO(entry.key, array_spec(self.location.kvstore(entry.path), metadata), raw)],
+                  self._context, str(self.location))
+        return pickle.loads(raw.tobytes())
+
+    def __getitem__(self, key: str) -> LazyArray:
+        try:
+            return self._arrays[key]
+        except KeyError:
+            hint = " (it is a plain value: see .plain_values)" if key in self.manifest.entries else ""
+            raise KeyError(f"{self.location}: no tensor {key!r}{hint}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __repr__(self) -> str:
+        return f"arrayckpt.Checkpoint({str(self.location)!r}, {len(self)} arrays, {len(self.plain_values)} values)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
+
+
+def _uint8() -> DType:
+    from ._dtypes import DTYPES
+
+    return DTYPES["uint8"]
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Checkpoint:
+    """Open a committed checkpoint read-only.
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> arrayckpt.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, d)
+    >>> ckpt = arrayckpt.open(d)
+    >>> ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
+    ((2, 3), [3.0, 4.0], 7)
+    """
+    return Checkpoint(parse_location(path), allow_pickle)

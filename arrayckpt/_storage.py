@@ -1,0 +1,243 @@
+"""Storage: where a checkpoint's bytes live, and the commit that makes them a checkpoint.
+
+The interface is deliberately small (cf. zarr-python's ``abc/store.py``). Call order for a save::
+
+    writer = open_writer(location, overwrite)   # refuses to replace a committed checkpoint
+    writer.write_json(path, doc)                # array/group metadata, any order
+    writer.kvstore(path)                        # TensorStore kvstore spec for array data
+    writer.commit(root_doc)                     # last: root zarr.json, then durable, then visible
+    writer.abort()                              # on any failure before commit: removes the leftovers
+
+On a local filesystem a save writes into a hidden sibling directory and renames it into place (an
+atomic exchange when replacing an old checkpoint), so the path only ever holds a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+
+__all__ = ["LocalLocation", "LocalWriter", "parse_location", "read_root_json"]
+
+ROOT_METADATA = "zarr.json"
+TEMP_MARKER = ".arrayckpt-tmp-"
+
+
+@dataclass(frozen=True)
+class LocalLocation:
+    """A checkpoint directory on a local (or locally mounted) filesystem."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec of a directory inside the checkpoint."""
+        return _file_kvstore(self.path, subpath)
+
+    def leftovers(self) -> list[Path]:
+        """Temporary directories of interrupted saves to this path."""
+        parent = self.path.parent
+        if not parent.is_dir():
+            return []
+        return sorted(parent.glob(f".{self.path.name}{TEMP_MARKER}*"))
+
+
+def _file_kvstore(root: Path, subpath: str) -> dict[str, Any]:
+    directory = root / subpath if subpath else root
+    return {"driver": "file", "path": f"{directory}/"}
+
+
+def parse_location(path: str | os.PathLike[str]) -> LocalLocation:
+    """Turn what the user passed into a location; only local paths are supported so far."""
+    text = os.fspath(path)
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        if scheme != "file":
+            raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported yet; use a local path")
+        text = rest
+    return LocalLocation(Path(text).expanduser().absolute())
+
+
+def read_root_json(location: LocalLocation) -> dict[str, Any]:
+    """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
+    root = location.path / ROOT_METADATA
+    try:
+        data = root.read_bytes()
+    except FileNotFoundError:
+        if location.path.is_dir():
+            raise IncompleteCheckpointError(
+                f"{location}: incomplete checkpoint (no root zarr.json: its save never committed)"
+            ) from None
+        hint = ""
+        if location.leftovers():
+            hint = " (an interrupted save left temporary data beside it; `arrayckpt gc` removes it)"
+        raise CheckpointNotFoundError(f"{location}: no checkpoint here{hint}") from None
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{location}: is a file, not a checkpoint directory") from None
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{location}: root zarr.json is damaged: {e}") from None
+
+
+def is_committed(location: LocalLocation) -> bool:
+    """Whether ``location`` holds a checkpoint's root metadata (it may still fail validation)."""
+    return (location.path / ROOT_METADATA).is_file()
+
+
+class LocalWriter:
+    """One save to a local directory: a temporary sibling directory, committed by rename."""
+
+    def __init__(self, location: LocalLocation, overwrite: bool) -> None:
+        self.location = location
+        self.overwrite = overwrite
+        _check_replaceable(location, overwrite)
+        location.path.parent.mkdir(parents=True, exist_ok=True)
+        self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
+        self.temp.mkdir()
+
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        return _file_kvstore(self.temp, subpath)
+
+    def write_json(self, subpath: str, document: dict[str, Any]) -> None:
+        """Write one ``zarr.json`` below the checkpoint (made durable at commit)."""
+        directory = self.temp / subpath if subpath else self.temp
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / ROOT_METADATA).write_text(json.dumps(document))
+
+    def commit(self, root_document: dict[str, Any]) -> None:
+        """Write the root metadata, make everything durable, then make it visible at the path."""
+        self.write_json("", root_document)
+        _make_durable(self.temp)
+        target = self.location.path
+        if _rename_noreplace(self.temp, target):
+            _fsync_dir(target.parent)
+            return
+        _check_replaceable(self.location, self.overwrite)  # something appeared meanwhile
+        if _is_empty_dir(target):
+            target.rmdir()
+            os.rename(self.temp, target)
+        else:
+            _exchange(self.temp, target)  # self.temp now holds the old checkpoint
+            shutil.rmtree(self.temp, ignore_errors=True)
+        _fsync_dir(target.parent)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
+    """Refuse to replace a committed checkpoint without ``overwrite``, and anything else always."""
+    path = location.path
+    if not path.exists() or _is_empty_dir(path):
+        return
+    if not path.is_dir():
+        raise CheckpointExistsError(f"{location}: a file is in the way; remove it or choose another path")
+    if is_committed(location):
+        if overwrite:
+            return
+        raise CheckpointExistsError(
+            f"{location}: a committed checkpoint is already here; pass overwrite=True to replace it "
+            "(the old one stays readable until the new one commits)"
+        )
+    raise CheckpointExistsError(
+        f"{location}: the directory exists and is not an arrayckpt checkpoint; "
+        "refusing to replace it (remove it yourself, or choose another path)"
+    )
+
+
+# --- durability and atomic renames (Linux fast paths, portable fallbacks) -----------------------
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> int:
+    """``renameat2(2)``; returns 0 or the errno (ENOSYS/EINVAL where unsupported)."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return errno.ENOSYS
+    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist; False if it does."""
+    err = _renameat2(src, dst, _RENAME_NOREPLACE)
+    if err == 0:
+        return True
+    if err == errno.EEXIST:
+        return False
+    if err not in (errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err), str(dst))
+    if dst.exists():
+        return False
+    os.rename(src, dst)
+    return True
+
+
+def _exchange(new: Path, old: Path) -> None:
+    """Atomically swap two directories where the OS can; otherwise two renames (a short gap)."""
+    err = _renameat2(new, old, _RENAME_EXCHANGE)
+    if err == 0:
+        return
+    if err not in (errno.ENOSYS, errno.EINVAL):
+        raise OSError(err, os.strerror(err), str(old))
+    aside = old.with_name(old.name + ".old-" + uuid.uuid4().hex[:8])
+    os.rename(old, aside)
+    os.rename(new, old)
+    os.rename(aside, new)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_durable(root: Path) -> None:
+    """Flush everything written below ``root``: one ``syncfs`` on Linux, else fsync file by file.
+
+    TensorStore is told not to fsync each chunk (``file_io_sync: false``); one filesystem-wide flush
+    before the commit rename is far cheaper than thousands of per-file fsyncs.
+    """
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        syncfs = getattr(_libc, "syncfs", None)
+        if syncfs is not None and syncfs(fd) == 0:
+            return
+    finally:
+        os.close(fd)
+    for directory, _, files in os.walk(root):
+        for name in files:
+            file_fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(file_fd)
+            finally:
+                os.close(file_fd)
+        _fsync_dir(Path(directory))

@@ -1,0 +1,25 @@
+"""Shared fixtures: checkpoint paths and a knob that forces small chunks, so small tensors exercise
+the sharded (outer/inner chunk) layout that big tensors get."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import arrayckpt._plan as plan
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """A path for one checkpoint (not yet created)."""
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture(params=["whole", "sharded"])
+def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Default chunk targets, or tiny ones so that every non-trivial tensor is split and sharded."""
+    if request.param == "sharded":
+        monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
+        monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+    return request.param

@@ -1,0 +1,170 @@
+"""Damage is detected and named; a save never leaves a half-written checkpoint or hurts an older one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import arrayckpt
+import arrayckpt._plan as plan
+
+
+def _chunk_files(array_dir: Path) -> list[Path]:
+    return sorted(p for p in (array_dir / "c").rglob("*") if p.is_file())
+
+
+def _state() -> dict:
+    return {"model": {"w": torch.arange(64, dtype=torch.float32).reshape(16, 4), "b": torch.ones(4)}, "step": 1}
+
+
+@pytest.mark.parametrize("where", ["data", "shard-index"])
+def test_flipped_byte_is_detected_by_load_and_open_naming_the_key(ckpt, monkeypatch, where):
+    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 64)
+    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 128)
+    arrayckpt.save(_state(), ckpt)
+    victim = _chunk_files(ckpt / "model" / "w")[1]
+    raw = bytearray(victim.read_bytes())
+    raw[3 if where == "data" else -6] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'model\.w'.*(Digest mismatch|checksum)"):
+        arrayckpt.load(_state(), ckpt)
+    opened = arrayckpt.open(ckpt)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'model\.w'") as info:
+        opened["model.w"][...]
+    assert "c/1/0" in str(info.value)  # the damaged chunk file is named
+    assert torch.equal(opened["model.b"].torch(), torch.ones(4))  # undamaged tensors still read
+
+
+def test_flipped_byte_in_unsharded_chunk(ckpt):
+    arrayckpt.save(_state(), ckpt)
+    victim = _chunk_files(ckpt / "model" / "b")[0]
+    raw = bytearray(victim.read_bytes())
+    raw[0] ^= 1
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'model\.b'"):
+        arrayckpt.open(ckpt)["model.b"][:]
+
+
+def test_deleted_chunk_is_an_error_not_zeros(ckpt, chunking):
+    zeros = {"z": torch.zeros(16, 4)}
+    arrayckpt.save(zeros, ckpt)
+    files = _chunk_files(ckpt / "z")
+    assert files, "all-zero chunks must still be written"
+    files[-1].unlink()
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'z'.*(missing|NOT_FOUND)"):
+        arrayckpt.open(ckpt)["z"][...]
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="'z'"):
+        arrayckpt.load({"z": torch.ones(16, 4)}, ckpt)
+
+
+def test_damaged_root_metadata_is_reported(ckpt):
+    arrayckpt.save(_state(), ckpt)
+    (ckpt / "zarr.json").write_text("{ not json")
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="root zarr.json is damaged"):
+        arrayckpt.open(ckpt)
+
+
+def test_incomplete_and_absent_checkpoints_are_reported(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model").mkdir()
+    with pytest.raises(arrayckpt.IncompleteCheckpointError, match="incomplete checkpoint"):
+        arrayckpt.open(tmp_path / "half")
+    with pytest.raises(arrayckpt.IncompleteCheckpointError):
+        arrayckpt.load({}, tmp_path / "half")
+    with pytest.raises(arrayckpt.CheckpointNotFoundError, match="no checkpoint here"):
+        arrayckpt.open(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError):  # the builtin base works too
+        arrayckpt.open(tmp_path / "nothing")
+
+
+def test_save_refuses_to_replace_without_overwrite(ckpt):
+    arrayckpt.save(_state(), ckpt)
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="overwrite=True"):
+        arrayckpt.save({"other": torch.zeros(1)}, ckpt)
+    assert sorted(arrayckpt.open(ckpt)) == ["model.b", "model.w"]
+    arrayckpt.save({"other": torch.zeros(1)}, ckpt, overwrite=True)
+    assert sorted(arrayckpt.open(ckpt)) == ["other"]
+    assert [p.name for p in ckpt.parent.iterdir()] == ["ckpt"]  # no temporary leftovers
+
+
+def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
+    precious = tmp_path / "data"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):
+            arrayckpt.save(_state(), precious, overwrite=overwrite)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    arrayckpt.save(_state(), empty)  # an empty directory is fine
+    assert "model.w" in arrayckpt.open(empty)
+
+
+_KILLED_SAVE = textwrap.dedent(
+    """
+    import os, sys, torch, arrayckpt, arrayckpt._io as io, arrayckpt._storage as storage
+    point = sys.argv[2]
+    if point == "during-data":
+        real = io.write_all
+        def write_half(jobs, context, where):
+            real(jobs[: len(jobs) // 2], context, where)
+            os._exit(17)
+        import arrayckpt._save as save_module
+        save_module.write_all = write_half
+    elif point == "before-commit":
+        storage.LocalWriter.commit = lambda self, root: os._exit(17)
+    elif point == "during-commit":
+        storage._make_durable = lambda root: os._exit(17)  # root zarr.json written, not yet renamed
+    state = {"w": torch.full((64, 8), 2.0), "extra": torch.ones(3), "step": 2}
+    arrayckpt.save(state, sys.argv[1], overwrite=True)
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["during-data", "before-commit", "during-commit"])
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
+def test_killed_save_leaves_no_committed_checkpoint_and_the_previous_intact(ckpt, point, previous):
+    if previous:
+        arrayckpt.save({"w": torch.full((64, 8), 1.0), "step": 1}, ckpt)
+    done = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(ckpt), point], capture_output=True, text=True)
+    assert done.returncode == 17, done.stderr
+    if previous:
+        opened = arrayckpt.open(ckpt)
+        assert opened.plain_values["step"] == 1
+        assert torch.equal(opened["w"].torch(), torch.full((64, 8), 1.0))
+        assert sorted(opened) == ["w"]
+    else:
+        with pytest.raises(arrayckpt.CheckpointNotFoundError, match="interrupted save"):
+            arrayckpt.open(ckpt)
+    leftovers = [p for p in ckpt.parent.iterdir() if p.name != "ckpt"]
+    assert leftovers and all(".arrayckpt-tmp-" in p.name for p in leftovers)
+
+
+def test_failed_save_cleans_up_and_keeps_previous(ckpt, monkeypatch):
+    arrayckpt.save({"w": torch.ones(4), "step": 1}, ckpt)
+    import arrayckpt._save as save_module
+
+    def fail(*args, **kwargs):
+        raise arrayckpt.StorageError("disk on fire")
+
+    monkeypatch.setattr(save_module, "write_all", fail)
+    with pytest.raises(arrayckpt.StorageError, match="disk on fire"):
+        arrayckpt.save({"w": torch.zeros(4), "step": 2}, ckpt, overwrite=True)
+    assert arrayckpt.open(ckpt).plain_values["step"] == 1
+    assert [p.name for p in ckpt.parent.iterdir()] == ["ckpt"]
+
+
+def test_unknown_format_version_is_refused(ckpt):
+    arrayckpt.save(_state(), ckpt)
+    root = json.loads((ckpt / "zarr.json").read_text())
+    root["attributes"]["arrayckpt"]["format_version"] = 99
+    (ckpt / "zarr.json").write_text(json.dumps(root))
+    with pytest.raises(arrayckpt.FormatError, match="format version 99 is not supported"):
+        arrayckpt.open(ckpt)
