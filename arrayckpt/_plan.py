@@ -53,7 +53,7 @@ def _split(shape: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...
             break
         if unit <= target:
             pieces = math.ceil(chunk[d] * unit / target)
-            chunk[d] = math.ceil(chunk[d] / pieces)
+            chunk[d] = min(math.ceil(chunk[d] / pieces), target // unit)  # balanced, never over target
             break
         chunk[d] = 1
     return tuple(chunk)

@@ -18,7 +18,7 @@ import numpy as np
 from ._dtypes import DType
 from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ._format import ArrayEntry, PickleEntry, ValueEntry, parse_root_document
-from ._io import ArrayIO, array_spec, new_context, open_array, read_into
+from ._io import ArrayIO, array_spec, open_array, read_context, read_into
 from ._storage import LocalLocation, parse_location, read_root_json
 from ._values import decode_value
 
@@ -150,7 +150,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         self.allow_pickle = allow_pickle
         where = str(location)
         self.manifest, self._nodes = parse_root_document(read_root_json(location), where)
-        self._context = new_context()
+        self._context = read_context()
         self._arrays: dict[str, LazyArray] = {}
         for key, entry in self.manifest.entries.items():
             if isinstance(entry, ArrayEntry):

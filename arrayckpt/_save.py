@@ -16,7 +16,7 @@ from ._codecs import CodecChoice, resolve_codec
 from ._dtypes import DTYPES, dtype_of_numpy, dtype_of_torch
 from ._errors import PickleNotAllowedError, StateError
 from ._format import ArrayEntry, Entry, Manifest, PickleEntry, ValueEntry, node_documents, root_document
-from ._io import ArrayIO, array_spec, new_context, write_all
+from ._io import ArrayIO, array_spec, write_all, write_context
 from ._keys import array_path
 from ._plan import ArrayPlan, array_metadata, plan_array
 from ._state import Leaf, walk
@@ -74,7 +74,7 @@ def save(
         for node_path, document in nodes.items():
             writer.write_json(node_path, document)
         jobs = [ArrayIO(p.key, array_spec(writer.kvstore(p.path), metadata[p.path]), data) for p, data in plans]
-        write_all(jobs, new_context(), where)
+        write_all(jobs, write_context(), where)
         writer.commit(root_document(manifest, nodes))
     except BaseException:
         writer.abort()

@@ -583,6 +583,7 @@ def describe(args: argparse.Namespace, state: State, root: Path, notes: Sequence
         "timing": "wall clock (perf_counter); median over repeats; GB = 1e9 bytes of tensor data; "
         "CPU s = median user+sys CPU seconds of this process (all threads) during the op",
         "peak_rss": "VmHWM - VmRSS(before) after resetting VmHWM via /proc/self/clear_refs; max over repeats",
+        "loadavg_1min_at_start": os.getloadavg()[0],
         "notes": list(notes),
     }
 
@@ -591,7 +592,7 @@ def print_report(info: dict[str, Any], rows: Sequence[Summary]) -> None:
     print()
     for key, value in info.items():
         for line in value if key == "notes" else [value]:
-            print(f"{key:>18}: {line:.3f}" if isinstance(line, float) else f"{key:>18}: {line}")
+            print(f"{key:>21}: {line:.3f}" if isinstance(line, float) else f"{key:>21}: {line}")
     print()
     print(format_table(rows))
     print("\nx DCP / x plain: that system's median / this median for the same op (> 1 = faster).")
@@ -676,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = run_benchmark(systems, state, root, repeats=args.repeats, drop_caches=args.drop_caches)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    info["loadavg_1min_at_end"] = os.getloadavg()[0]  # > cpus while running: other processes competed
     rows = summarise(records, state_nbytes(state))
     print_report(info, rows)
     if args.json:

@@ -1,0 +1,55 @@
+"""The ``arrayckpt`` console script, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import arrayckpt
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("arrayckpt")
+    assert exe, "the arrayckpt console script is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def saved(ckpt):
+    state = {"model": {"w": torch.zeros(64, 32, dtype=torch.bfloat16), "b": torch.ones(32)}, "step": 7, "name": "run-1"}
+    arrayckpt.save(state, ckpt, step=7, codec={"model.w": "zstd"})
+    return ckpt
+
+
+def test_info_prints_a_table_of_tensors_and_values(saved):
+    done = _run("info", str(saved))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "step 7" in out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("model.")}
+    assert lines["model.w"][1:3] == ["bfloat16", "64×32"] and lines["model.w"][-1] == "zstd(3)"
+    assert lines["model.b"][1:3] == ["float32", "32"] and lines["model.b"][-1] == "none"
+    assert "name = 'run-1'" in out and "2 tensors" in out
+
+
+def test_info_json_is_machine_readable(saved):
+    done = _run("info", "--json", str(saved))
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["step"] == 7 and info["format_version"] == 1
+    assert info["tensors"]["model.w"] == {"dtype": "bfloat16", "shape": [64, 32], "nbytes": 4096, "codec": "zstd(3)",
+                                          "kind": "tensor"}
+    assert info["values"] == {"step": 7, "name": "run-1"}
+    assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
+
+
+def test_info_on_missing_or_incomplete_checkpoint_fails_clearly(tmp_path):
+    done = _run("info", str(tmp_path / "nope"))
+    assert done.returncode == 2 and "no checkpoint here" in done.stderr
+    (tmp_path / "half").mkdir()
+    done = _run("info", str(tmp_path / "half"))
+    assert done.returncode == 2 and "incomplete checkpoint" in done.stderr
