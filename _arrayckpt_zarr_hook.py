@@ -93,6 +93,8 @@ class _RegisteringLoader:
         register()
 
     def __getattr__(self, name: str) -> object:
+        if name == "loader":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._reader import Checkpoint, LazyArray
     from ._reader import open_checkpoint as open  # noqa: A004
     from ._save import save
+    from ._shards import PerRank, Shard
 
 _LAZY = {
     "ArrayckptError": "._errors",
@@ -50,6 +51,8 @@ _LAZY = {
     "KeyMismatchError": "._errors",
     "LazyArray": "._reader",
     "LoadResult": "._load",
+    "PerRank": "._shards",
+    "Shard": "._shards",
     "PickleNotAllowedError": "._errors",
     "StateError": "._errors",
     "StorageError": "._errors",
@@ -70,7 +73,9 @@ __all__ = [
     "KeyMismatchError",
     "LazyArray",
     "LoadResult",
+    "PerRank",
     "PickleNotAllowedError",
+    "Shard",
     "StateError",
     "StorageError",
     "__version__",

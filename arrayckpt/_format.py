@@ -23,9 +23,11 @@ __all__ = [
     "ArrayEntry",
     "Entry",
     "Manifest",
+    "PerRankEntry",
     "PickleEntry",
     "ValueEntry",
     "parse_root_document",
+    "per_rank_path",
     "root_document",
 ]
 
@@ -90,7 +92,35 @@ class PickleEntry:
         return {"kind": "pickle", "keys": list(self.parts), "path": self.path, "nbytes": self.nbytes}
 
 
-Entry = ArrayEntry | ValueEntry | PickleEntry
+@dataclass(frozen=True)
+class PerRankEntry:
+    """A value saved once per rank; ``items[r]`` is rank ``r``'s: a :class:`ValueEntry` or :class:`ArrayEntry`
+    (whose array lives at ``<key path>/%r<r>``, a segment no escaped key can produce)."""
+
+    key: str
+    parts: Key
+    items: tuple[ValueEntry | ArrayEntry | None, ...]  # None: that rank did not hold the key
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "per_rank",
+            "keys": list(self.parts),
+            "ranks": [None if item is None else _per_rank_item(item) for item in self.items],
+        }
+
+
+def per_rank_path(key: str, rank: int) -> str:
+    """Where rank ``rank``'s array of a per-rank entry is stored."""
+    return f"{array_path(key)}/%r{rank}"
+
+
+def _per_rank_item(item: ValueEntry | ArrayEntry) -> dict[str, Any]:
+    if isinstance(item, ValueEntry):
+        return {"value": item.value}
+    return {"dtype": item.dtype.name, "shape": list(item.shape), "kind": item.kind}
+
+
+Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry
 
 
 @dataclass(frozen=True)
@@ -176,7 +206,31 @@ def parse_entry(key: object, data: object) -> Entry:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise FormatError(f"entry {key!r}: 'nbytes' must be a non-negative integer, got {nbytes!r}")
         return PickleEntry(key, parts, nbytes)
-    raise FormatError(f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle")
+    if kind == "per_rank":
+        ranks = data.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise FormatError(f"entry {key!r}: 'ranks' must be a non-empty list")
+        return PerRankEntry(key, parts, tuple(_parse_per_rank_item(key, parts, item) for item in ranks))
+    raise FormatError(
+        f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle, per_rank"
+    )
+
+
+def _parse_per_rank_item(key: str, parts: Key, item: object) -> ValueEntry | ArrayEntry | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict):
+        raise FormatError(f"entry {key!r}: per-rank item {item!r} must be an object or null")
+    if "value" in item:
+        return ValueEntry(key, parts, item["value"])
+    kind = item.get("kind", "tensor")
+    if kind not in ("tensor", "ndarray"):
+        raise FormatError(f"entry {key!r}: per-rank item kind {kind!r} must be tensor or ndarray")
+    try:
+        dtype = dtype_by_name(item.get("dtype"))
+    except FormatError as e:
+        raise FormatError(f"entry {key!r}: {e}") from None
+    return ArrayEntry(key, parts, dtype, _parse_shape(item.get("shape"), key), kind)
 
 
 def _group_paths(array_paths: list[str]) -> list[str]:

@@ -58,6 +58,7 @@ class ArrayIO:
     key: str
     spec: dict[str, Any]
     data: np.ndarray
+    index: tuple[slice, ...] | None = None  # the part of the array ``data`` covers (None: all of it)
 
 
 def _describe(error: BaseException) -> str:
@@ -83,7 +84,8 @@ def _transfer(
     pending = []
     try:
         for job, future in zip(jobs, opened, strict=True):
-            pending.append((job, start(_result(future, job.key, where, "open"), job.data)))
+            store = _result(future, job.key, where, "open")
+            pending.append((job, start(store if job.index is None else store[job.index], job.data)))
     finally:  # even when an open fails, never return while transfers still use the memory
         _wait_all(pending, where, action)
 

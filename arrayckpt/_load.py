@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,14 +11,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._dist import resolve_group
 from ._dtypes import dtype_of_numpy
 from ._errors import KeyMismatchError, StateError
-from ._format import ArrayEntry, Entry
+from ._format import ArrayEntry, Entry, PerRankEntry
 from ._io import ArrayIO, read_into
+from ._keys import dotted
 from ._reader import Checkpoint, open_checkpoint
-from ._save import _require_single_process
+from ._shards import PerRank, Shard, to_local_box
 from ._state import Leaf, StatefulNode, Walk, walk
 from ._tensors import writable_numpy
+from ._values import decode_value
 
 __all__ = ["LoadResult", "load"]
 
@@ -57,7 +61,7 @@ def load(
     >>> state
     {'w': tensor([1., 1., 1.]), 'step': 5}
     """
-    _require_single_process(process_group)
+    group = resolve_group(process_group)
     checkpoint = open_checkpoint(path, allow_pickle=allow_pickle)
     where = str(checkpoint.location)
     walked = walk(state)
@@ -71,17 +75,11 @@ def load(
             + (f"; the checkpoint has {len(unexpected)} other key(s): {_few(unexpected)}" if unexpected else "")
             + ". Pass strict=False to load the rest"
         )
-    reads: list[ArrayIO] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    replacements: list[tuple[Leaf, Any]] = []
+    plan = _LoadPlan(checkpoint, group.rank, group.size)
     for key, leaf in walked.leaves.items():
         if key in entries:
-            _plan_leaf(checkpoint, entries[key], leaf, reads, copies, replacements)
-    read_into(reads, checkpoint._context, where)
-    for target, staged in copies:
-        target.copy_(staged)
-    for leaf, value in replacements:
-        leaf.parent[leaf.slot] = value
+            plan.add(entries[key], leaf)
+    plan.run()
     _hand_back(walked.statefuls)
     return LoadResult(missing, unexpected)
 
@@ -91,61 +89,113 @@ def _few(keys: list[str], limit: int = 10) -> str:
     return shown + (f", … ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _plan_leaf(
-    checkpoint: Checkpoint,
-    entry: Entry,
-    leaf: Leaf,
-    reads: list[ArrayIO],
-    copies: list[tuple[torch.Tensor, torch.Tensor]],
-    replacements: list[tuple[Leaf, Any]],
-) -> None:
-    """Decide how one entry reaches its leaf, validating without reading any array data."""
-    key, target = entry.key, leaf.value
-    where = str(checkpoint.location)
-    if not isinstance(entry, ArrayEntry):
-        if isinstance(target, (torch.Tensor, np.ndarray)):
-            raise StateError(f"{where}: {key!r} is a plain value in the checkpoint but an array in the state")
-        replacements.append((leaf, checkpoint.value(key)))
-        _check_assignable(leaf, where, key)
-        return
-    spec = checkpoint[key].spec
-    if isinstance(target, torch.Tensor):
-        _check_match(where, key, entry, target.dtype, entry.dtype.torch, tuple(target.shape))
-        if target.device.type == "cpu":
-            reads.append(ArrayIO(key, spec, writable_numpy(target, entry.dtype, key)))
+class _LoadPlan:
+    """How every entry reaches its leaf; built (and validated) before any array data is read."""
+
+    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int) -> None:
+        self.checkpoint = checkpoint
+        self.where = str(checkpoint.location)
+        self.rank = rank
+        self.world_size = world_size
+        self.reads: list[ArrayIO] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replacements: list[tuple[Leaf, Any]] = []
+
+    def run(self) -> None:
+        """Read everything concurrently, then move staged data to devices and replace plain values."""
+        read_into(self.reads, self.checkpoint._context, self.where)
+        for target, staged in self.copies:
+            target.copy_(staged)
+        for leaf, value in self.replacements:
+            leaf.parent[leaf.slot] = value
+
+    def add(self, entry: Entry, leaf: Leaf) -> None:
+        target = leaf.value
+        if isinstance(entry, PerRankEntry) or isinstance(target, PerRank):
+            self._per_rank(entry, leaf)
+        elif isinstance(entry, ArrayEntry) and isinstance(target, (torch.Tensor, Shard, np.ndarray)):
+            self._array(entry, self.checkpoint[entry.key].spec, target)
+        elif isinstance(entry, ArrayEntry):  # a plain value in the state: replace it with a new array
+            self._replace(leaf, self._fresh(entry, self.checkpoint[entry.key].spec))
+        elif isinstance(target, (torch.Tensor, Shard, np.ndarray)):
+            raise StateError(
+                f"{self.where}: {entry.key!r} is a plain value in the checkpoint but an array in the state"
+            )
         else:
-            staged = torch.empty(entry.shape, dtype=entry.dtype.torch)
-            reads.append(ArrayIO(key, spec, writable_numpy(staged, entry.dtype, key)))
-            copies.append((target, staged))
-    elif isinstance(target, np.ndarray):
-        _check_match(where, key, entry, dtype_of_numpy(target.dtype), entry.dtype, target.shape)
-        if not target.flags.writeable:
-            raise StateError(f"{where}: numpy array {key!r} in the state is read-only")
-        reads.append(ArrayIO(key, spec, target))
-    else:  # a plain value in the state: replace it with a new array
-        _check_assignable(leaf, where, key)
+            self._replace(leaf, self.checkpoint.value(entry.key))
+
+    def _replace(self, leaf: Leaf, value: Any) -> None:
+        if isinstance(leaf.parent, tuple):
+            raise StateError(f"{self.where}: cannot replace {dotted(leaf.parts)!r} inside a tuple; use a list")
+        self.replacements.append((leaf, value))
+
+    def _fresh(self, entry: ArrayEntry, spec: dict[str, Any]) -> torch.Tensor | np.ndarray:
         fresh = _empty_like_entry(entry)
-        reads.append(ArrayIO(key, spec, fresh if isinstance(fresh, np.ndarray) else writable_numpy(fresh, entry.dtype)))
-        replacements.append((leaf, fresh))
+        self._array(entry, spec, fresh)
+        return fresh
 
+    def _array(self, entry: ArrayEntry, spec: dict[str, Any], target: torch.Tensor | Shard | np.ndarray) -> None:
+        """Read the part of ``entry`` that ``target`` holds (a DTensor's or Shard's box, else everything)."""
+        key = entry.key
+        if isinstance(target, np.ndarray):
+            self._check(entry, dtype_of_numpy(target.dtype), entry.dtype, target.shape)
+            if not target.flags.writeable:
+                raise StateError(f"{self.where}: numpy array {key!r} in the state is read-only")
+            self.reads.append(ArrayIO(key, spec, target))
+            return
+        global_shape, box, local = to_local_box(target, key)
+        self._check(entry, local.dtype, entry.dtype.torch, global_shape)
+        if box.size == 0 and math.prod(entry.shape) != 0:
+            return  # this rank holds no part of the tensor
+        index = box.slices()
+        if local.device.type == "cpu":
+            self.reads.append(ArrayIO(key, spec, writable_numpy(local, entry.dtype, key), index))
+        else:
+            staged = torch.empty(box.shape, dtype=entry.dtype.torch)
+            self.reads.append(ArrayIO(key, spec, writable_numpy(staged, entry.dtype, key), index))
+            self.copies.append((local, staged))
 
-def _check_match(where: str, key: str, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
-    if have != want or shape != entry.shape:
-        raise StateError(
-            f"{where}: tensor {key!r} is {entry.dtype.name}{list(entry.shape)} in the checkpoint but "
-            f"{_dtype_name(have)}{list(shape)} in the state; arrayckpt never casts or reshapes "
-            "silently: load into a matching tensor and convert"
-        )
+    def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
+        if have != want or tuple(shape) != entry.shape:
+            raise StateError(
+                f"{self.where}: tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)} in the checkpoint but "
+                f"{_dtype_name(have)}{list(shape)} in the state; arrayckpt never casts or reshapes silently: load "
+                "into a matching tensor and convert"
+            )
+
+    def _per_rank(self, entry: Entry, leaf: Leaf) -> None:
+        """A per-rank entry goes to a ``PerRank`` target, from this rank's saved value or the one it names."""
+        key, target = entry.key, leaf.value
+        if not isinstance(entry, PerRankEntry) or not isinstance(target, PerRank):
+            raise StateError(
+                f"{self.where}: {key!r} is {'per-rank' if isinstance(entry, PerRankEntry) else 'not per-rank'} in "
+                f"the checkpoint but {'a PerRank' if isinstance(target, PerRank) else 'not a PerRank'} in the state; "
+                "wrap it in arrayckpt.PerRank on save and on load"
+            )
+        source = self.rank if target.rank is None else target.rank
+        saved_ranks = len(entry.items)
+        if target.rank is None and saved_ranks != self.world_size:
+            raise StateError(
+                f"{self.where}: per-rank value {key!r} was saved by {saved_ranks} ranks and is loaded on "
+                f"{self.world_size}; choose the rank to take it from with PerRank(value, rank=r), or read all of "
+                "them with arrayckpt.open(path).per_rank(key)"
+            )
+        if not 0 <= source < saved_ranks or entry.items[source] is None:
+            raise StateError(f"{self.where}: per-rank value {key!r} has no value saved by rank {source}")
+        item = entry.items[source]
+        if isinstance(item, ArrayEntry):
+            spec = self.checkpoint.per_rank_spec(key, source)
+            if isinstance(target.value, (torch.Tensor, np.ndarray)):
+                self._array(item, spec, target.value)
+            else:
+                self._replace(leaf, PerRank(self._fresh(item, spec), target.rank))
+        else:
+            self._replace(leaf, PerRank(decode_value(item.value, key), target.rank))
 
 
 def _dtype_name(dtype: object) -> str:
     name = getattr(dtype, "name", None)
     return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
-
-
-def _check_assignable(leaf: Leaf, where: str, key: str) -> None:
-    if isinstance(leaf.parent, tuple):
-        raise StateError(f"{where}: cannot replace {key!r} inside a tuple; use a list in the state")
 
 
 def _empty_like_entry(entry: ArrayEntry) -> torch.Tensor | np.ndarray:

@@ -10,16 +10,27 @@ codec requires.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ._codecs import Codec, codec_pipeline, sharded_pipeline
 from ._dtypes import DType
+from ._shards import Box
 
-__all__ = ["ArrayPlan", "INNER_CHUNK_BYTES", "OUTER_CHUNK_BYTES", "array_metadata", "choose_chunks", "plan_array"]
+__all__ = [
+    "INNER_CHUNK_BYTES",
+    "OUTER_CHUNK_BYTES",
+    "ArrayPlan",
+    "array_metadata",
+    "choose_chunks",
+    "plan_array",
+    "shard_grid",
+]
 
 INNER_CHUNK_BYTES = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
 OUTER_CHUNK_BYTES = 64 << 20  # write unit: one file per outer chunk; several per big tensor for parallelism
+FRAGMENTATION_LIMIT = 16  # inner chunks this many times smaller than wanted are not worth an index
 
 
 @dataclass(frozen=True)
@@ -59,15 +70,56 @@ def _split(shape: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...
     return tuple(chunk)
 
 
-def choose_chunks(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(outer, inner) chunk shapes for a tensor held whole by one writer.
+def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int | None, ...]:
+    """Per dimension, the step every shard boundary is a multiple of (``None``: the dimension is not split).
 
-    The inner chunk comes first; the outer chunk is the largest multiple of it, dimension by
-    dimension, that stays within :data:`OUTER_CHUNK_BYTES`.
+    ``torch.chunk``-style splits (DTensor ``Shard(d)``) have boundaries at multiples of
+    ``ceil(n / parts)``, so the step is that size even when the last shard is short (7 rows over 3 ranks:
+    boundaries 3 and 6, step 3). Arbitrary offsets give the greatest common divisor of the boundaries.
     """
-    inner = _split(shape, itemsize, INNER_CHUNK_BYTES)
-    counts = [math.ceil(max(1, n) / c) for n, c in zip(shape, inner, strict=True)]
-    grouped = _split(tuple(counts), itemsize * math.prod(inner), OUTER_CHUNK_BYTES)
+    interior: list[set[int]] = [set() for _ in shape]
+    for box in boxes:
+        for d, (start, stop) in enumerate(zip(box.offset, box.stop, strict=True)):
+            interior[d].update(b for b in (start, stop) if 0 < b < shape[d])
+    return tuple(math.gcd(*bounds) if bounds else None for bounds in interior)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is ``<= limit`` (at least 1)."""
+    best = 1
+    for small in range(1, math.isqrt(n) + 1):
+        if n % small == 0:
+            for d in (small, n // small):
+                if best < d <= limit:
+                    best = d
+    return best
+
+
+def _fit(chunk: tuple[int, ...], steps: tuple[int | None, ...]) -> tuple[int, ...]:
+    """Shrink each chunk extent to a divisor of its dimension's shard step, so chunks never straddle shards."""
+    return tuple(c if s is None else _largest_divisor_at_most(s, c) for c, s in zip(chunk, steps, strict=True))
+
+
+def choose_chunks(
+    shape: tuple[int, ...], itemsize: int, steps: tuple[int | None, ...] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(outer, inner) chunk shapes; with ``steps`` (see :func:`shard_grid`) outer chunks tile every shard.
+
+    The inner chunk comes first, about :data:`INNER_CHUNK_BYTES`; the outer chunk is the largest
+    multiple of it, dimension by dimension, within :data:`OUTER_CHUNK_BYTES` and within one shard.
+    When shard steps have no divisor near the target (a prime number of rows per rank), inner chunks
+    would be tiny, so the layout falls back to unsharded chunks the size of the outer target.
+    """
+    steps = steps or (None,) * len(shape)
+    cell = tuple(s or max(1, n) for s, n in zip(steps, shape, strict=True))
+    wanted = _split(cell, itemsize, INNER_CHUNK_BYTES)
+    inner = _fit(wanted, steps)
+    if math.prod(inner) * FRAGMENTATION_LIMIT < math.prod(wanted):
+        outer = _fit(_split(cell, itemsize, OUTER_CHUNK_BYTES), steps)
+        return outer, outer
+    counts = [math.ceil(c / i) for c, i in zip(cell, inner, strict=True)]
+    grouped = _fit(_split(tuple(counts), itemsize * math.prod(inner), OUTER_CHUNK_BYTES),
+                   tuple(None if s is None else cnt for s, cnt in zip(steps, counts, strict=True)))
     # An outer chunk may reach past the array's edge (Zarr allows partial edge chunks); it must stay a
     # whole multiple of the inner chunk for the sharding codec.
     return tuple(g * c for g, c in zip(grouped, inner, strict=True)), inner

@@ -17,9 +17,10 @@ import numpy as np
 
 from ._dtypes import DType
 from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
-from ._format import ArrayEntry, PickleEntry, ValueEntry, parse_root_document
+from ._format import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
 from ._io import ArrayIO, array_spec, open_array, read_context, read_into
 from ._storage import LocalLocation, parse_location, read_root_json
+from ._tensors import writable_numpy
 from ._values import decode_value
 
 if TYPE_CHECKING:
@@ -112,8 +113,6 @@ class LazyArray:
 
     def read_into(self, tensor: torch.Tensor) -> None:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
-        from ._tensors import writable_numpy
-
         read_into([ArrayIO(self.key, self.spec, writable_numpy(tensor, self.entry.dtype, self.key))],
                   self._checkpoint._context, str(self._checkpoint.location))
 
@@ -166,6 +165,34 @@ class Checkpoint(Mapping[str, LazyArray]):
                 f"does not match the manifest's {dtype.name!r}"
             )
         return metadata
+
+    def per_rank_spec(self, key: str, rank: int) -> dict[str, Any]:
+        """TensorStore spec of rank ``rank``'s array of per-rank entry ``key``."""
+        entry = self.manifest.entries[key]
+        item = entry.items[rank] if isinstance(entry, PerRankEntry) and 0 <= rank < len(entry.items) else None
+        if not isinstance(item, ArrayEntry):
+            raise KeyError(f"{self.location}: {key!r} has no per-rank array for rank {rank}")
+        path = per_rank_path(key, rank)
+        return array_spec(self.location.kvstore(path), self._node(path, key, item.dtype))
+
+    def per_rank(self, key: str) -> list[Any]:
+        """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
+        had none), e.g. to inspect RNG states or resume at another world size."""
+        import torch
+
+        entry = self.manifest.entries.get(key)
+        if not isinstance(entry, PerRankEntry):
+            raise KeyError(f"{self.location}: {key!r} is not a per-rank entry")
+        out: list[Any] = []
+        for rank, item in enumerate(entry.items):
+            if isinstance(item, ArrayEntry):
+                tensor = torch.empty(item.shape, dtype=item.dtype.torch)
+                read_into([ArrayIO(key, self.per_rank_spec(key, rank), writable_numpy(tensor, item.dtype, key))],
+                          self._context, str(self.location))
+                out.append(tensor)
+            else:
+                out.append(None if item is None else decode_value(item.value, key))
+        return out
 
     @property
     def step(self) -> int | None:

@@ -1,4 +1,16 @@
-"""``save``: flatten, plan, write every array concurrently, then commit the root metadata last."""
+"""``save``: describe, plan on the coordinator, write every rank's chunks concurrently, commit last.
+
+Call order (every rank calls ``save`` with its own state)::
+
+    each rank:    walk state -> LocalDescription (metadata only)      gather ->
+    coordinator:  validate + plan (SavePlan), create temp dir, write array/group metadata
+                                                                  <- broadcast plan
+    each rank:    write its WriteTasks (TensorStore, concurrently)    gather results ->
+    coordinator:  commit (root zarr.json written last) or abort   <- broadcast outcome
+
+Four collectives per save whatever the number of tensors; none with one process. A failure on any
+rank, at any stage, is raised on every rank and nothing is committed.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +19,38 @@ import os
 import pickle
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._codecs import CodecChoice, resolve_codec
-from ._dtypes import DTYPES, dtype_of_numpy, dtype_of_torch
-from ._errors import PickleNotAllowedError, StateError
-from ._format import ArrayEntry, Entry, Manifest, PickleEntry, ValueEntry, node_documents, root_document
+from ._codecs import CodecChoice
+from ._dist import Group, resolve_group
+from ._dtypes import dtype_of_numpy, dtype_of_torch
+from ._errors import ArrayckptError, PickleNotAllowedError, StateError, StorageError
+from ._format import ArrayEntry, Manifest, ValueEntry, node_documents, root_document
 from ._io import ArrayIO, array_spec, write_all, write_context
-from ._keys import array_path
-from ._plan import ArrayPlan, array_metadata, plan_array
-from ._state import Leaf, walk
-from ._storage import LocalWriter, parse_location
+from ._plan import array_metadata
+from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
+from ._shards import Box, PerRank, Shard, local_piece
+from ._state import walk
+from ._storage import LocalWriter, file_kvstore, parse_location
 from ._tensors import readable_numpy
 from ._values import NotJSONable, encode_value
 
 __all__ = ["save"]
 
 PICKLE_PROTOCOL = 5
+
+
+@dataclass
+class _Local:
+    """One rank's description plus the host data behind it (which never leaves the rank)."""
+
+    description: LocalDescription
+    data: dict[str, tuple[Box, np.ndarray]]  # by array path: the box this rank holds and its host view
 
 
 def save(
@@ -39,14 +63,15 @@ def save(
     process_group: Any = None,
     step: int | None = None,
 ) -> None:
-    """Save ``state`` as a checkpoint at ``path``.
+    """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
-    ``state`` is a dict of tensors, numpy arrays, plain values (int, float, str, bool, None, bytes and
-    lists/tuples/dicts of them) and objects with ``state_dict()`` (modules, optimizers, schedulers),
-    nested in dicts and lists. ``codec`` is ``None`` (no compression), ``"zstd"``, ``"blosc"``, an
-    :class:`arrayckpt.Codec`, or a per-key choice (``{"optim.*": "zstd"}``). Every chunk carries a crc32c.
-    The checkpoint becomes visible only once complete; a committed checkpoint at ``path`` is replaced
-    only with ``overwrite=True``, and stays readable until the new one has committed.
+    ``state`` is a dict of tensors (plain, DTensor, or :class:`arrayckpt.Shard`), numpy arrays, plain
+    values (int, float, str, bool, None, bytes and lists/tuples/dicts of them), :class:`arrayckpt.PerRank`
+    values and objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and
+    lists. ``codec`` is ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`,
+    or a per-key choice (``{"optim.*": "zstd"}``). Every chunk carries a crc32c. The checkpoint
+    becomes visible only once complete; a committed checkpoint at ``path`` is replaced only with
+    ``overwrite=True``, and stays readable until the new one has committed.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
@@ -55,71 +80,168 @@ def save(
     >>> sorted(arrayckpt.open(path))
     ['model.bias', 'model.weight']
     """
-    _require_single_process(process_group)
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise StateError(f"step must be an int or None, got {step!r}")
+    group = resolve_group(process_group)
     location = parse_location(path)
     where = str(location)
-    walked = walk(state)
-    entries: dict[str, Entry] = {}
-    plans: list[tuple[ArrayPlan, np.ndarray]] = []
-    for key, leaf in walked.leaves.items():
-        entries[key] = _describe(key, leaf, codec, allow_pickle, plans)
-    _check_paths(plans)
-    metadata = {plan.path: array_metadata(plan) for plan, _ in plans}
-    nodes = node_documents(metadata)
-    manifest = Manifest(entries, step, walked.containers, _created())
-    writer = LocalWriter(location, overwrite)
+
+    local, error = _attempt(lambda: _describe_local(state, group.rank, allow_pickle))
+    gathered = group.gather((None if local is None else local.description, error))
+    writer: LocalWriter | None = None
+    message: Any = None
+    if group.is_coordinator:
+        message, writer = _coordinate(gathered, codec, location, overwrite)
+    message = group.broadcast(message)
+    if isinstance(message, BaseException):
+        raise message
+    plan, temp = message
+    assert local is not None  # a failed description was broadcast as an error above
+
+    _, error = _attempt(lambda: _write_tasks(plan, group.rank, local, Path(temp), where))
+    results = group.gather(error)
+    outcome: BaseException | None = None
+    if group.is_coordinator:
+        assert writer is not None and results is not None
+        outcome = _commit_or_abort(writer, plan, results, step, group)
+    outcome = group.broadcast(outcome)
+    if outcome is not None:
+        raise outcome
+
+
+def _attempt(fn: Any) -> tuple[Any, BaseException | None]:
+    """Run a rank-local stage; its error is returned so that every rank can raise it (no rank hangs)."""
     try:
-        for node_path, document in nodes.items():
+        return fn(), None
+    except Exception as e:
+        try:
+            pickle.dumps(e)
+        except Exception:
+            e = ArrayckptError(f"{type(e).__name__}: {e}")
+        return None, e
+
+
+def _first_error(errors: list[BaseException | None]) -> BaseException | None:
+    for rank, error in enumerate(errors):
+        if error is not None:
+            if len(errors) > 1:
+                error.args = (f"rank {rank}: {error.args[0] if error.args else error}", *error.args[1:])
+            return error
+    return None
+
+
+def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
+                overwrite: bool) -> tuple[Any, LocalWriter | None]:
+    """Plan the save and prepare storage, or return the error every rank must raise."""
+    assert gathered is not None
+    error = _first_error([e for _, e in gathered])
+    if error is not None:
+        return error, None
+    try:
+        plan = plan_save([d for d, _ in gathered], codec)
+        writer = LocalWriter(location, overwrite)
+    except ArrayckptError as e:
+        return e, None
+    try:
+        metadata = {path: array_metadata(array) for path, array in plan.arrays.items()}
+        for node_path, document in node_documents(metadata).items():
             writer.write_json(node_path, document)
-        jobs = [ArrayIO(p.key, array_spec(writer.kvstore(p.path), metadata[p.path]), data) for p, data in plans]
-        write_all(jobs, write_context(), where)
-        writer.commit(root_document(manifest, nodes))
-    except BaseException:
+    except OSError as e:
         writer.abort()
-        raise
+        return StorageError(f"{location}: cannot write metadata: {e}"), None
+    return (plan, str(writer.temp)), writer
 
 
-def _describe(key: str, leaf: Leaf, codec: CodecChoice, allow_pickle: bool, plans: list) -> Entry:
-    """The manifest entry of one leaf; arrays also get a plan and their host data appended."""
-    value = leaf.value
+def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: str) -> None:
+    """Write this rank's share: each task is a box of one array, cut from this rank's local piece."""
+    jobs = []
+    for task in plan.tasks[rank]:
+        held, data = local.data[task.path]
+        array = plan.arrays[task.path]
+        spec = array_spec(file_kvstore(temp, task.path), array_metadata(array))
+        jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
+    write_all(jobs, write_context(), where)
+
+
+def _commit_or_abort(writer: LocalWriter, plan: SavePlan, results: list, step: int | None,
+                     group: Group) -> BaseException | None:
+    error = _first_error(results)
+    if error is None:
+        try:
+            manifest = Manifest(plan.entries, step, plan.containers, _created(group.size))
+            metadata = {path: array_metadata(array) for path, array in plan.arrays.items()}
+            writer.commit(root_document(manifest, node_documents(metadata)))
+            return None
+        except (OSError, ArrayckptError) as e:
+            error = e if isinstance(e, ArrayckptError) else StorageError(f"{writer.location}: commit failed: {e}")
+    writer.abort()
+    return error
+
+
+def _describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Local:
+    """Walk the state into metadata for the coordinator and host views of this rank's data."""
+    walked = walk(state)
+    arrays: list[ArrayDescription] = []
+    values: list[ValueEntry] = []
+    per_rank: list[ValueEntry | ArrayEntry] = []
+    data: dict[str, tuple[Box, np.ndarray]] = {}
+    for key, leaf in walked.leaves.items():
+        value = leaf.value
+        if isinstance(value, PerRank):
+            per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data))
+        elif isinstance(value, (torch.Tensor, Shard)):
+            piece = local_piece(value, key, rank)
+            dt = dtype_of_torch(piece.tensor.dtype, key)
+            arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
+                                           piece.replica_id))
+            data[_path(key)] = (piece.box, readable_numpy(piece.tensor, dt, key))
+        elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
+            arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
+                                           rank))
+            data[_path(key)] = (Box.whole(value.shape), value)
+        else:
+            encoded = _encode(key, value, allow_pickle)
+            if isinstance(encoded, np.ndarray):
+                shape = encoded.shape
+                arrays.append(ArrayDescription(key, leaf.parts, "pickle", "uint8", shape, Box.whole(shape), rank))
+                data[_path(key)] = (Box.whole(shape), encoded)
+            else:
+                values.append(ValueEntry(key, leaf.parts, encoded))
+    return _Local(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers), data)
+
+
+def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict) -> ValueEntry | ArrayEntry:
+    """A per-rank tensor is written by its rank as its own array; other per-rank values must be JSON."""
+    from ._format import per_rank_path
+
     if isinstance(value, torch.Tensor):
         dt = dtype_of_torch(value.dtype, key)
-        data = readable_numpy(value, dt, key)
-        plans.append((plan_array(key, array_path(key), dt, tuple(value.shape), resolve_codec(codec, key)), data))
-        return ArrayEntry(key, leaf.parts, dt, tuple(value.shape), "tensor")
-    if isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
-        plans.append((plan_array(key, array_path(key), dt, value.shape, resolve_codec(codec, key)), value))
-        return ArrayEntry(key, leaf.parts, dt, value.shape, "ndarray")
+        data[per_rank_path(key, rank)] = (Box.whole(tuple(value.shape)), readable_numpy(value, dt, key))
+        return ArrayEntry(key, parts, dt, tuple(value.shape), "tensor")
+    encoded = _encode(key, value, allow_pickle=False)
+    return ValueEntry(key, parts, encoded)
+
+
+def _path(key: str) -> str:
+    from ._keys import array_path
+
+    return array_path(key)
+
+
+def _encode(key: str, value: Any, allow_pickle: bool) -> Any:
+    """Typed JSON for a plain value, or (with consent) its pickle as a uint8 array."""
     try:
-        return ValueEntry(key, leaf.parts, encode_value(value))
+        return encode_value(value)
     except NotJSONable as e:
         if not allow_pickle:
             raise PickleNotAllowedError(
                 f"value {key!r} of type {e} cannot be stored as JSON; convert it to plain types, or pass "
                 "allow_pickle=True to pickle it (loading will then need allow_pickle=True too)"
             ) from None
-    raw = np.frombuffer(pickle.dumps(value, protocol=PICKLE_PROTOCOL), np.uint8)
-    dt = DTYPES["uint8"]
-    plans.append((plan_array(key, array_path(key), dt, raw.shape, resolve_codec(None, key)), raw))
-    return PickleEntry(key, leaf.parts, raw.size)
+    return np.frombuffer(pickle.dumps(value, protocol=PICKLE_PROTOCOL), np.uint8)
 
 
-def _check_paths(plans: list[tuple[ArrayPlan, np.ndarray]]) -> None:
-    """An array cannot have children in Zarr: refuse keys like ``a`` and ``a.b`` both being arrays."""
-    paths = {plan.path: plan.key for plan, _ in plans}
-    for path, key in paths.items():
-        segments = path.split("/")
-        for i in range(1, len(segments)):
-            parent = "/".join(segments[:i])
-            if parent in paths:
-                raise StateError(
-                    f"{paths[parent]!r} is a tensor and also the prefix of tensor {key!r}; rename one of them"
-                )
-
-
-def _created() -> dict[str, Any]:
+def _created(world_size: int) -> dict[str, Any]:
     from . import __version__
 
     return {
@@ -127,21 +249,7 @@ def _created() -> dict[str, Any]:
         "torch": torch.__version__,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "world_size": 1,
+        "world_size": world_size,
     }
 
 
-def _require_single_process(process_group: Any) -> None:
-    """Multi-rank saves and loads come with the distributed layer; refuse rather than race."""
-    import torch.distributed as dist
-
-    world = 1
-    if process_group is not None:
-        world = dist.get_world_size(process_group)
-    elif dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    if world > 1:
-        raise StateError(
-            f"multi-process save/load (world size {world}) is not supported by this version of arrayckpt; "
-            "save from a single process (e.g. rank 0 with full tensors)"
-        )

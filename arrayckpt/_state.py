@@ -68,7 +68,9 @@ def is_stateful(obj: object) -> bool:
 
 
 def is_array_leaf(obj: object) -> bool:
-    return isinstance(obj, (torch.Tensor, np.ndarray))
+    from ._shards import PerRank, Shard
+
+    return isinstance(obj, (torch.Tensor, np.ndarray, Shard, PerRank))
 
 
 def _holds_arrays(obj: object, depth: int = 0) -> bool:

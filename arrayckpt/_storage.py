@@ -32,7 +32,7 @@ from ._errors import (
     IncompleteCheckpointError,
 )
 
-__all__ = ["LocalLocation", "LocalWriter", "parse_location", "read_root_json"]
+__all__ = ["LocalLocation", "LocalWriter", "file_kvstore", "parse_location", "read_root_json"]
 
 ROOT_METADATA = "zarr.json"
 TEMP_MARKER = ".arrayckpt-tmp-"
@@ -49,7 +49,7 @@ class LocalLocation:
 
     def kvstore(self, subpath: str = "") -> dict[str, Any]:
         """TensorStore kvstore spec of a directory inside the checkpoint."""
-        return _file_kvstore(self.path, subpath)
+        return file_kvstore(self.path, subpath)
 
     def leftovers(self) -> list[Path]:
         """Temporary directories of interrupted saves to this path."""
@@ -59,7 +59,7 @@ class LocalLocation:
         return sorted(parent.glob(f".{self.path.name}{TEMP_MARKER}*"))
 
 
-def _file_kvstore(root: Path, subpath: str) -> dict[str, Any]:
+def file_kvstore(root: Path, subpath: str) -> dict[str, Any]:
     directory = root / subpath if subpath else root
     return {"driver": "file", "path": f"{directory}/"}
 
@@ -114,7 +114,7 @@ class LocalWriter:
         self.temp.mkdir()
 
     def kvstore(self, subpath: str = "") -> dict[str, Any]:
-        return _file_kvstore(self.temp, subpath)
+        return file_kvstore(self.temp, subpath)
 
     def write_json(self, subpath: str, document: dict[str, Any]) -> None:
         """Write one ``zarr.json`` below the checkpoint (made durable at commit)."""

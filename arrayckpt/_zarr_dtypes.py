@@ -9,8 +9,9 @@ write arrays of these types that TensorStore reads back bit for bit.
 
 The classes are listed under the ``zarr.data_type`` entry-point group in ``pyproject.toml``.
 zarr-python 3.1 only *collects* that group into ``data_type_registry._lazy_load_list`` and never
-loads it by itself, so a reader must either import this module (importing it registers every type,
-see :func:`register`) or call ``zarr.core.dtype.data_type_registry._lazy_load()``.
+loads it by itself, so arrayckpt installs a start-up hook (``arrayckpt-zarr-dtypes.pth`` running
+``_arrayckpt_zarr_hook``) that calls :func:`register` right after ``import zarr``; where ``.pth``
+files are not processed (``python -S``, frozen apps), import this module (or ``arrayckpt``) first.
 
 Fill values use the Zarr v3 float encoding, matching TensorStore: a JSON number for finite values,
 ``"Infinity"``/``"-Infinity"``, ``"NaN"`` for the canonical NaN, and a big-endian hex string of the

@@ -61,6 +61,7 @@ import argparse
 import ctypes
 import functools
 import gc
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -561,6 +562,17 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _source_digest(module: str) -> str:
+    """Short digest of an imported package's .py files (the code under test changes while being written)."""
+    mod = sys.modules.get(module)
+    if mod is None or mod.__file__ is None:
+        return "not imported"
+    digest = hashlib.sha256()
+    for path in sorted(Path(mod.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def describe(args: argparse.Namespace, state: State, root: Path, notes: Sequence[str]) -> dict[str, Any]:
     by_dtype: dict[str, int] = {}
     for t in state.values():
@@ -580,6 +592,7 @@ def describe(args: argparse.Namespace, state: State, root: Path, notes: Sequence
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in ("torch", "tensorstore", "zarr", "numpy", "arrayckpt")},
+        "arrayckpt_source_sha256": _source_digest("arrayckpt"),
         "timing": "wall clock (perf_counter); median over repeats; GB = 1e9 bytes of tensor data; "
         "CPU s = median user+sys CPU seconds of this process (all threads) during the op",
         "peak_rss": "VmHWM - VmRSS(before) after resetting VmHWM via /proc/self/clear_refs; max over repeats",

@@ -40,17 +40,19 @@ def test_startup_is_cheap_and_armed(tmp_path: Path) -> None:
     out = _run(
         """
         import json, sys
+        from importlib.machinery import PathFinder
         hook = sys.modules.get("_arrayckpt_zarr_hook")
+        armed = hook is not None and hook.installed()
         print(json.dumps({
-            "armed": hook is not None and hook.installed(),
-            "first": hook is not None and sys.meta_path[0] is hook._FINDER,
+            "armed": armed,
+            "before_path_finder": armed and sys.meta_path.index(hook._FINDER) < sys.meta_path.index(PathFinder),
             "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("arrayckpt", "zarr", "numpy", "torch")),
         }))
         """,
         tmp_path,
     )
     assert out["armed"], REINSTALL
-    assert out["first"]
+    assert out["before_path_finder"]
     assert out["heavy"] == []
     disabled = _run(
         'import json, sys; print(json.dumps(sys.modules["_arrayckpt_zarr_hook"].installed()))',
@@ -113,9 +115,10 @@ _READ_WITHOUT_ARRAYCKPT = """
             result[name] = [str(got.dtype), got.view(bits.dtype).tolist() == bits.tolist()]
         return result
 
+    loader = zarr.__loader__
     out = {
         "disarmed": not hook.installed(),
-        "real_loader": type(zarr.__loader__).__name__ != "_RegisteringLoader" and zarr.__spec__.loader is zarr.__loader__,
+        "real_loader": type(loader).__name__ != "_RegisteringLoader" and zarr.__spec__.loader is loader,
         "read": read(),
     }
     from zarr.core.dtype import data_type_registry

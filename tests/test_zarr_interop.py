@@ -35,7 +35,7 @@ out = {{"members": found, "bits": {{}}, "step": root.attrs["arrayckpt"]["step"]}
 for key, path in json.loads(sys.argv[1]).items():
     arr = zarr.open_array({str(ckpt)!r} + "/" + path, mode="r")
     data = arr[...]
-    out["bits"][key] = (data.astype("uint8") if data.dtype == bool else data).view("uint8").tobytes().hex()
+    out["bits"][key] = (data.astype("uint8") if data.dtype == bool else data).reshape(-1).view("uint8").tobytes().hex()
 assert "torch" not in sys.modules, "reading a checkpoint with zarr-python must not need torch"
 print(json.dumps(out))
 """

@@ -1,0 +1,173 @@
+"""Multi-rank saves and resharding loads on spawned gloo ranks (2-4 processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from helpers import assert_bit_equal
+
+import arrayckpt
+from arrayckpt._saveplan import ArrayDescription, LocalDescription, plan_save
+from arrayckpt._shards import Box
+
+
+def _global() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "fsdp": torch.randn(7, 5, generator=g),  # 7 rows over 3 ranks: 3, 3, 1
+        "tp": torch.randn(4, 12, generator=g).bfloat16(),  # column-parallel, explicit Shard
+        "rep": torch.randn(64, 16, generator=g),  # replicated everywhere
+        "stage1": torch.arange(10, dtype=torch.int64),  # pipeline: only on rank 1
+    }
+
+
+def _save_3_ranks(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import arrayckpt._plan as plan
+
+    plan.INNER_CHUNK_BYTES, plan.OUTER_CHUNK_BYTES = 64, 256  # several chunks per shard
+    full = _global()
+    mesh = init_device_mesh("cpu", (world,))
+    cols = 12 // world
+    state = {
+        "model": {
+            "fsdp": distribute_tensor(full["fsdp"], mesh, [Shard(0)]),
+            "tp": arrayckpt.Shard(full["tp"][:, rank * cols:(rank + 1) * cols].clone(), (4, 12), (0, rank * cols)),
+            "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
+        },
+        "step": 11,
+        "rng": arrayckpt.PerRank(torch.full((3,), rank, dtype=torch.uint8)),
+        "cursor": arrayckpt.PerRank({"epoch": 2, "offset": 100 * rank}),
+    }
+    if rank == 1:
+        state["model"]["stage1"] = full["stage1"]
+    arrayckpt.save(state, path, step=11)
+    return {"fsdp_local_rows": state["model"]["fsdp"].to_local().shape[0]}
+
+
+def _load_2_ranks_other_sharding(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = _global()
+    mesh = init_device_mesh("cpu", (world,))
+    target = {
+        "model": {
+            "fsdp": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(1)]),  # now split by columns
+            "tp": distribute_tensor(torch.zeros(4, 12, dtype=torch.bfloat16), mesh, [Shard(0)]),  # rows
+            "rep": arrayckpt.Shard(torch.zeros(32, 16), (64, 16), (32 * rank, 0)),  # replicated -> sharded
+            "stage1": torch.zeros(10, dtype=torch.int64),  # pipeline stage -> every rank
+        },
+        "step": 0,
+        "rng": arrayckpt.PerRank(torch.zeros(3, dtype=torch.uint8), rank=2),  # world size changed: pick a rank
+    }
+    result = arrayckpt.load(target, path, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == ["cursor"], result
+    model = target["model"]
+    assert_bit_equal(model["fsdp"].full_tensor(), full["fsdp"])
+    assert_bit_equal(model["tp"].full_tensor(), full["tp"])
+    assert_bit_equal(model["rep"].tensor, full["rep"][32 * rank:32 * (rank + 1)])
+    assert_bit_equal(model["stage1"], full["stage1"])
+    assert target["step"] == 11
+    assert torch.equal(target["rng"].value, torch.full((3,), 2, dtype=torch.uint8))
+    # without naming a rank, a per-rank value cannot follow a world-size change
+    with pytest.raises(arrayckpt.StateError, match="saved by 3 ranks and is loaded on 2"):
+        arrayckpt.load({"cursor": arrayckpt.PerRank(None)}, path, strict=False)
+    _ = Replicate
+
+
+def test_save_on_3_ranks_reshard_on_2_and_1(tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    out = run_ranks(3, _save_3_ranks, path)
+    assert [o["fsdp_local_rows"] for o in out] == [3, 3, 1]
+    run_ranks(2, _load_2_ranks_other_sharding, path)
+
+    full = _global()
+    opened = arrayckpt.open(path)
+    assert sorted(opened) == ["model.fsdp", "model.rep", "model.stage1", "model.tp"]
+    for key in ("fsdp", "tp", "rep", "stage1"):
+        assert_bit_equal(opened[f"model.{key}"].torch(), full[key])
+    assert opened.manifest.created["world_size"] == 3
+    assert opened.per_rank("cursor") == [{"epoch": 2, "offset": 0}, {"epoch": 2, "offset": 100},
+                                         {"epoch": 2, "offset": 200}]
+    assert [t.tolist() for t in opened.per_rank("rng")] == [[0] * 3, [1] * 3, [2] * 3]
+    # the chunk grid follows the shards: 7 rows over 3 ranks -> row blocks of 3
+    fsdp_chunks = opened["model.fsdp"].metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    assert 3 % fsdp_chunks[0] == 0
+    # single process, plain tensors: a resharded load into whole tensors
+    target = {"model": {k: torch.zeros_like(v) for k, v in full.items()}}
+    arrayckpt.load(target, path, strict=False)
+    for key, value in full.items():
+        assert_bit_equal(target["model"][key], value)
+
+
+def _overlapping(rank: int, world: int, path: str) -> str:
+    # rank 0 holds rows 0..3, rank 1 rows 2..5 of a 5-row tensor: overlap on rows 2..3
+    start = 0 if rank == 0 else 2
+    piece = arrayckpt.Shard(torch.zeros(3 if rank == 1 else 4, 2), (5, 2), (start, 0))
+    with pytest.raises(arrayckpt.StateError) as info:
+        arrayckpt.save({"w": piece}, path)
+    return str(info.value)
+
+
+def test_overlapping_shards_are_refused_on_every_rank_before_any_write(tmp_path: Path):
+    path = tmp_path / "ckpt"
+    messages = run_ranks(2, _overlapping, str(path))
+    for message in messages:
+        assert "'w'" in message and "overlap" in message and "[0]" in message and "[1]" in message
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def _d(key: str, rank: int, offset: tuple, shape: tuple, global_shape: tuple, replica: int = 0) -> LocalDescription:
+    return LocalDescription(arrays=(ArrayDescription(key, (key,), "tensor", "float32", global_shape,
+                                                     Box(offset, shape), replica),))
+
+
+def test_plan_refuses_gaps_naming_the_region():
+    descriptions = [_d("w", 0, (0, 0), (2, 4), (6, 4)), _d("w", 1, (4, 0), (2, 4), (6, 4))]
+    with pytest.raises(arrayckpt.StateError, match=r"'w' of shape \[6, 4\]: no rank holds the region from \[2, 0\] "
+                                                   r"to \[4, 4\] \(holders: ranks \[0, 1\]\)"):
+        plan_save(descriptions, None)
+
+
+def test_plan_refuses_disagreeing_global_shapes():
+    descriptions = [_d("w", 0, (0,), (2,), (4,)), _d("w", 1, (2,), (2,), (5,))]
+    with pytest.raises(arrayckpt.StateError, match=r"'w' is tensor float32\[4\] on rank 0 but tensor "
+                                                   r"float32\[5\] on rank 1"):
+        plan_save(descriptions, None)
+
+
+def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas(monkeypatch):
+    import arrayckpt._plan as plan
+
+    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 4096)
+    # 64x64 fp32 = 16 KiB replicated on 4 ranks -> 4 outer chunks of 4 KiB, one per rank
+    descriptions = [_d("rep", r, (0, 0), (64, 64), (64, 64), replica=r) for r in range(4)]
+    planned = plan_save(descriptions, None)
+    assert list(planned.arrays) == ["rep"]
+    assert planned.bytes_by_rank == (4096, 4096, 4096, 4096)
+    boxes = sorted(task.box.offset for tasks in planned.tasks for task in tasks)
+    assert boxes == [(0, 0), (16, 0), (32, 0), (48, 0)]
+    # many small replicated tensors are balanced by bytes too
+    many = [LocalDescription(arrays=tuple(ArrayDescription(f"t{i}", (f"t{i}",), "tensor", "float32", (256,),
+                                                           Box((0,), (256,)), r) for i in range(8)))
+            for r in range(4)]
+    assert plan_save(many, None).bytes_by_rank == (2048, 2048, 2048, 2048)
+
+
+def test_uneven_and_2d_shard_grids_align_chunks_with_every_shard():
+    # 2-D mesh: rows over 2, columns over 3 (FSDP x TP) of a 10 x 9 tensor
+    descriptions = []
+    for r in range(6):
+        row, col = divmod(r, 3)
+        descriptions.append(_d("w", r, (5 * row, 3 * col), (5, 3), (10, 9)))
+    planned = plan_save(descriptions, None)
+    outer = planned.arrays["w"].outer_chunk
+    assert 5 % outer[0] == 0 and 3 % outer[1] == 0
+    assert sorted(len(t) for t in planned.tasks) == [1] * 6
