@@ -19,6 +19,7 @@ __all__ = ["Codec", "CodecChoice", "CodecLike", "codec_pipeline", "resolve_codec
 DEFAULT_ZSTD_LEVEL = 3
 DEFAULT_BLOSC_LEVEL = 5
 DEFAULT_BLOSC_CNAME = "zstd"
+BLOSC_COMPRESSORS = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
 
 Compression = Literal["none", "zstd", "blosc"]
 Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
@@ -46,8 +47,11 @@ class Codec:
             raise StateError(f"unknown codec {self.name!r}; use 'none', 'zstd' or 'blosc'")
         if self.shuffle not in ("noshuffle", "shuffle", "bitshuffle"):
             raise StateError(f"unknown shuffle {self.shuffle!r}; use 'noshuffle', 'shuffle' or 'bitshuffle'")
-        if self.level is not None and not (isinstance(self.level, int) and -7 <= self.level <= 22):
-            raise StateError(f"codec level {self.level!r} is out of range")
+        low, high = (0, 9) if self.name == "blosc" else (-7, 22)
+        if self.level is not None and not (isinstance(self.level, int) and low <= self.level <= high):
+            raise StateError(f"{self.name} level {self.level!r} is out of range {low}..{high}")
+        if self.cname not in BLOSC_COMPRESSORS:
+            raise StateError(f"unknown blosc compressor {self.cname!r}; use one of {', '.join(BLOSC_COMPRESSORS)}")
 
 
 CodecLike = None | str | Codec
@@ -112,6 +116,25 @@ def codec_pipeline(codec: Codec, itemsize: int) -> list[dict[str, Any]]:
         )
     pipeline.append(_CRC32C)
     return pipeline
+
+
+def check_checksummed(metadata: dict[str, Any], where: str) -> None:
+    """Refuse arrays whose chunks carry no crc32c: damage (or a planted file) would read back unnoticed."""
+    from ._errors import FormatError
+
+    codecs = metadata.get("codecs")
+    if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) \
+            and codecs[0].get("name") == "sharding_indexed":
+        config = codecs[0].get("configuration") or {}
+        ok = _ends_with_crc(config.get("codecs")) and _ends_with_crc(config.get("index_codecs"))
+    else:
+        ok = _ends_with_crc(codecs)
+    if not ok:
+        raise FormatError(f"{where}: array codecs {codecs!r} do not end with a crc32c checksum")
+
+
+def _ends_with_crc(codecs: object) -> bool:
+    return isinstance(codecs, list) and bool(codecs) and codecs[-1] == _CRC32C
 
 
 def sharded_pipeline(inner_chunk: list[int], inner: list[dict[str, Any]]) -> list[dict[str, Any]]:

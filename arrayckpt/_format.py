@@ -33,7 +33,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST_ATTRIBUTE = "arrayckpt"
-MAX_NDIM = 64
+MAX_NDIM = 32  # TensorStore's limit
 
 
 @dataclass(frozen=True)

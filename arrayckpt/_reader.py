@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._codecs import check_checksummed
 from ._dtypes import DType
 from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ._format import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
@@ -153,9 +154,9 @@ class Checkpoint(Mapping[str, LazyArray]):
         self._arrays: dict[str, LazyArray] = {}
         for key, entry in self.manifest.entries.items():
             if isinstance(entry, ArrayEntry):
-                self._arrays[key] = LazyArray(self, entry, self._node(entry.path, entry.key, entry.dtype))
+                self._arrays[key] = LazyArray(self, entry, self._node(entry.path, key, entry.dtype, entry.shape))
 
-    def _node(self, path: str, key: str, dtype: DType) -> dict[str, Any]:
+    def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...] | None = None) -> dict[str, Any]:
         metadata = self._nodes.get(path)
         if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
             raise FormatError(f"{self.location}: entry {key!r}: no array metadata for {path!r} in the root")
@@ -164,6 +165,12 @@ class Checkpoint(Mapping[str, LazyArray]):
                 f"{self.location}: entry {key!r}: array data_type {metadata.get('data_type')!r} "
                 f"does not match the manifest's {dtype.name!r}"
             )
+        if shape is not None and metadata.get("shape") != list(shape):
+            raise FormatError(
+                f"{self.location}: entry {key!r}: array shape {metadata.get('shape')!r} does not match the "
+                f"manifest's {list(shape)}"
+            )
+        check_checksummed(metadata, f"{self.location}: entry {key!r}")
         return metadata
 
     def per_rank_spec(self, key: str, rank: int) -> dict[str, Any]:
@@ -173,7 +180,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         if not isinstance(item, ArrayEntry):
             raise KeyError(f"{self.location}: {key!r} has no per-rank array for rank {rank}")
         path = per_rank_path(key, rank)
-        return array_spec(self.location.kvstore(path), self._node(path, key, item.dtype))
+        return array_spec(self.location.kvstore(path), self._node(path, key, item.dtype, item.shape))
 
     def per_rank(self, key: str) -> list[Any]:
         """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
@@ -218,7 +225,7 @@ class Checkpoint(Mapping[str, LazyArray]):
                 f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
                 "needs allow_pickle=True (only for checkpoints you trust)"
             )
-        metadata = self._node(entry.path, entry.key, _uint8())
+        metadata = self._node(entry.path, entry.key, _uint8(), (entry.nbytes,))
         raw = np.empty((entry.nbytes,), np.uint8)
         read_into([ArrayIO(entry.key, array_spec(self.location.kvstore(entry.path), metadata), raw)],
                   self._context, str(self.location))

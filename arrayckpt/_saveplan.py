@@ -25,6 +25,8 @@ from ._keys import Key, array_path
 from ._plan import ArrayPlan, choose_chunks, shard_grid
 from ._shards import Box
 
+MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
+
 __all__ = ["ArrayDescription", "LocalDescription", "SavePlan", "WriteTask", "plan_save"]
 
 
@@ -104,8 +106,18 @@ def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SaveP
 
 
 def _check_paths(arrays: dict[str, ArrayPlan]) -> None:
-    """An array cannot have children in Zarr: refuse keys like ``a`` and ``a.b`` both being arrays."""
+    """Refuse layouts a filesystem or Zarr cannot hold: an array with children (keys ``a`` and ``a.b``),
+    names too long for a directory entry, and keys equal but for letter case (one directory on macOS and
+    Windows, where their chunks would overwrite each other)."""
+    folded: dict[str, str] = {}
     for path, plan in arrays.items():
+        other = folded.setdefault(path.casefold(), plan.key)
+        if other != plan.key:
+            raise StateError(f"keys {other!r} and {plan.key!r} differ only in letter case, which case-insensitive "
+                             "filesystems cannot keep apart; rename one")
+        if any(len(segment) > MAX_SEGMENT_BYTES for segment in path.split("/")):
+            raise StateError(f"key {plan.key!r} has a part longer than {MAX_SEGMENT_BYTES} bytes once escaped; "
+                             "filesystems cannot store it")
         segments = path.split("/")
         for i in range(1, len(segments)):
             parent = arrays.get("/".join(segments[:i]))

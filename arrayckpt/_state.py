@@ -102,6 +102,16 @@ def walk(state: Mapping[str, Any]) -> Walk:
 
 
 def _walk_children(container: Any, parts: Key, result: Walk, depth: int) -> None:
+    if isinstance(container, dict):
+        for k in container:
+            if not (isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool))):
+                raise StateError(f"{dotted(parts) or 'state'!r} has key {k!r}; keys of dicts holding tensors and of "
+                                 "state dicts must be str or int")
+            if isinstance(k, str):
+                try:
+                    k.encode()
+                except UnicodeEncodeError:
+                    raise StateError(f"key {k!r} under {dotted(parts)!r} is not valid Unicode") from None
     items = container.items() if isinstance(container, dict) else enumerate(container)
     for slot, value in items:
         _walk_value(value, (*parts, slot), container, slot, result, depth + 1)

@@ -91,6 +91,8 @@ def read_root_json(location: LocalLocation) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"{location}: no checkpoint here{hint}") from None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{location}: is a file, not a checkpoint directory") from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{location}: root zarr.json is a directory") from None
     try:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -98,8 +100,13 @@ def read_root_json(location: LocalLocation) -> dict[str, Any]:
 
 
 def is_committed(location: LocalLocation) -> bool:
-    """Whether ``location`` holds a checkpoint's root metadata (it may still fail validation)."""
-    return (location.path / ROOT_METADATA).is_file()
+    """Whether ``location`` holds an arrayckpt root document (a foreign Zarr store does not count)."""
+    try:
+        document = json.loads((location.path / ROOT_METADATA).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
+        "arrayckpt" in document["attributes"]
 
 
 class LocalWriter:
@@ -206,7 +213,7 @@ def _exchange(new: Path, old: Path) -> None:
         return
     if err not in (errno.ENOSYS, errno.EINVAL):
         raise OSError(err, os.strerror(err), str(old))
-    aside = old.with_name(old.name + ".old-" + uuid.uuid4().hex[:8])
+    aside = old.parent / f".{old.name}{TEMP_MARKER}old-{uuid.uuid4().hex[:8]}"  # found by gc if we crash
     os.rename(old, aside)
     os.rename(new, old)
     os.rename(aside, new)

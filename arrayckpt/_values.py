@@ -38,7 +38,7 @@ def encode_value(value: object) -> Any:
         return {"$tuple": [encode_value(v) for v in value]}
     if isinstance(value, bytes):
         return {"$bytes": base64.b64encode(value).decode("ascii")}
-    if isinstance(value, dict) and type(value) is dict:
+    if isinstance(value, dict):  # OrderedDict and friends come back as plain (ordered) dicts
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode_value(v) for k, v in value.items()}
         return {"$dict": [[encode_value(k), encode_value(v)] for k, v in value.items()]}
@@ -73,5 +73,6 @@ def _decode_marker(marker: str, inner: Any, key: str) -> Any:
         return float(inner)
     if marker == "$bytes":
         return base64.b64decode(inner, validate=True)
-    pairs = [(decode_value(k, key), decode_value(v, key)) for k, v in inner]
-    return dict(pairs)
+    if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
+        raise TypeError(inner)
+    return {decode_value(k, key): decode_value(v, key) for k, v in inner}
