@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ._reader import open_checkpoint as open  # noqa: A004
     from ._save import save
     from ._shards import PerRank, Shard
+    from ._storage import collect_garbage as gc
 
 _LAZY = {
     "ArrayckptError": "._errors",
@@ -56,6 +57,7 @@ _LAZY = {
     "PickleNotAllowedError": "._errors",
     "StateError": "._errors",
     "StorageError": "._errors",
+    "gc": "._storage:collect_garbage",
     "load": "._load",
     "open": "._reader:open_checkpoint",
     "save": "._save",
@@ -79,6 +81,7 @@ __all__ = [
     "StateError",
     "StorageError",
     "__version__",
+    "gc",
     "load",
     "open",
     "save",

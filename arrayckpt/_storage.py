@@ -32,7 +32,7 @@ from ._errors import (
     IncompleteCheckpointError,
 )
 
-__all__ = ["LocalLocation", "LocalWriter", "file_kvstore", "parse_location", "read_root_json"]
+__all__ = ["LocalLocation", "LocalWriter", "collect_garbage", "file_kvstore", "parse_location", "read_root_json"]
 
 ROOT_METADATA = "zarr.json"
 TEMP_MARKER = ".arrayckpt-tmp-"
@@ -97,6 +97,43 @@ def read_root_json(location: LocalLocation) -> dict[str, Any]:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{location}: root zarr.json is damaged: {e}") from None
+
+
+def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False) -> list[Path]:
+    """Remove what interrupted saves left in directory ``root`` (temporary directories), returning them.
+
+    Only leftovers untouched for ``min_age_s`` seconds are removed, so a save still running next to them
+    is not disturbed. Committed checkpoints are never touched.
+
+    >>> import arrayckpt, tempfile
+    >>> arrayckpt.gc(tempfile.mkdtemp())
+    []
+    """
+    import time
+
+    base = parse_location(root).path
+    if not base.is_dir():
+        raise CheckpointNotFoundError(f"{base}: not a directory")
+    now = time.time()
+    found = []
+    for path in sorted(base.glob(f".*{TEMP_MARKER}*")):
+        if path.is_dir() and now - _newest_mtime(path) >= min_age_s:
+            found.append(path)
+            if not dry_run:
+                shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
+def _newest_mtime(path: Path) -> float:
+    """The latest modification under ``path`` (a save in progress keeps touching its directory)."""
+    newest = path.stat().st_mtime
+    for directory, _, files in os.walk(path):
+        for name in (directory, *(os.path.join(directory, f) for f in files)):
+            try:
+                newest = max(newest, os.stat(name).st_mtime)
+            except FileNotFoundError:
+                pass
+    return newest
 
 
 def is_committed(location: LocalLocation) -> bool:

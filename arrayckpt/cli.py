@@ -100,6 +100,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from ._storage import collect_garbage
+
+    removed = collect_garbage(args.root, min_age_s=args.min_age, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    print(f"{len(removed)} leftover(s) {verb}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arrayckpt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=_cmd_info)
+    gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory")
+    gc.add_argument("root", help="directory holding checkpoints")
+    gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                    help="only remove leftovers untouched this long (default 3600: never a running save's)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.set_defaults(func=_cmd_gc)
     return parser
 
 

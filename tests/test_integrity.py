@@ -145,6 +145,8 @@ def test_killed_save_leaves_no_committed_checkpoint_and_the_previous_intact(ckpt
             arrayckpt.open(ckpt)
     leftovers = [p for p in ckpt.parent.iterdir() if p.name != "ckpt"]
     assert leftovers and all(".arrayckpt-tmp-" in p.name for p in leftovers)
+    assert arrayckpt.gc(ckpt.parent, min_age_s=0) == leftovers
+    assert [p.name for p in ckpt.parent.iterdir()] == (["ckpt"] if previous else [])
 
 
 def test_failed_save_cleans_up_and_keeps_previous(ckpt, monkeypatch):
@@ -168,3 +170,38 @@ def test_unknown_format_version_is_refused(ckpt):
     (ckpt / "zarr.json").write_text(json.dumps(root))
     with pytest.raises(arrayckpt.FormatError, match="format version 99 is not supported"):
         arrayckpt.open(ckpt)
+
+
+def _edit_root(ckpt: Path, edit) -> None:
+    root = json.loads((ckpt / "zarr.json").read_text())
+    edit(root)
+    (ckpt / "zarr.json").write_text(json.dumps(root))
+
+
+def test_manifest_shape_must_match_array_metadata(ckpt):
+    arrayckpt.save({"w": torch.ones(1)}, ckpt)
+    _edit_root(ckpt, lambda root: root["attributes"]["arrayckpt"]["entries"]["w"].update(shape=[3]))
+    with pytest.raises(arrayckpt.FormatError, match=r"'w': array shape \[1\] does not match the manifest's \[3\]"):
+        arrayckpt.open(ckpt)
+
+
+def test_arrays_without_checksums_are_refused(ckpt):
+    arrayckpt.save({"w": torch.ones(4)}, ckpt)
+
+    def strip(root):
+        root["consolidated_metadata"]["metadata"]["w"]["codecs"] = [
+            {"name": "bytes", "configuration": {"endian": "little"}}]
+
+    _edit_root(ckpt, strip)
+    with pytest.raises(arrayckpt.FormatError, match="do not end with a crc32c checksum"):
+        arrayckpt.open(ckpt)
+
+
+def test_overwrite_never_replaces_a_foreign_zarr_store(tmp_path):
+    import zarr
+
+    foreign = tmp_path / "foreign"
+    zarr.open_group(str(foreign), mode="w").create_array("x", shape=(2,), dtype="int8")
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):
+        arrayckpt.save({"w": torch.ones(1)}, foreign, overwrite=True)
+    assert (foreign / "x" / "zarr.json").exists()

@@ -103,3 +103,26 @@ def test_odd_keys_are_escaped_and_round_trip(ckpt):
     inside = {p.resolve() for p in ckpt.rglob("*")}
     assert all(str(p).startswith(str(ckpt.resolve())) for p in inside)
     assert [p.name for p in ckpt.parent.iterdir()] == ["ckpt"]
+
+
+def test_keys_filesystems_cannot_hold_are_refused(ckpt):
+    with pytest.raises(arrayckpt.StateError, match="differ only in letter case"):
+        arrayckpt.save({"W": torch.ones(1), "w": torch.ones(1)}, ckpt)
+    with pytest.raises(arrayckpt.StateError, match="longer than 255 bytes"):
+        arrayckpt.save({"x" * 300: torch.ones(1)}, ckpt)
+    with pytest.raises(arrayckpt.StateError, match="key True"):
+        arrayckpt.save({True: torch.ones(1)}, ckpt)
+    with pytest.raises(arrayckpt.StateError, match="must have str or int keys"):
+        arrayckpt.save({"m": {None: torch.ones(1)}}, ckpt)
+    with pytest.raises(arrayckpt.StateError, match="not valid Unicode"):
+        arrayckpt.save({"\ud800": torch.ones(1)}, ckpt)
+    assert not ckpt.exists()
+
+
+def test_codec_limits():
+    with pytest.raises(arrayckpt.StateError, match=r"blosc level 12 is out of range 0\.\.9"):
+        arrayckpt.Codec("blosc", level=12)
+    with pytest.raises(arrayckpt.StateError, match="unknown blosc compressor 'lzma'"):
+        arrayckpt.Codec("blosc", cname="lzma")
+    with pytest.raises(arrayckpt.StateError, match=r"zstd level 23"):
+        arrayckpt.Codec("zstd", level=23)
