@@ -12,11 +12,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from . import _plan as _chunking
 from ._codecs import CodecChoice, resolve_codec
 from ._dtypes import dtype_by_name
 from ._errors import StateError
@@ -74,35 +76,83 @@ class SavePlan:
 
 
 def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SavePlan:
-    """Validate and plan a save from every rank's description (index = rank)."""
+    """Validate and plan a save from every rank's description (index = rank).
+
+    The array layout (validation, chunk grids, writer assignment) depends only on the ranks' array
+    metadata and the codec choice, so a repeated save with the same layout reuses the last one; plain
+    and per-rank values are taken fresh every time.
+    """
     world = len(descriptions)
-    pieces: dict[str, list[tuple[int, ArrayDescription]]] = defaultdict(list)
-    values: dict[str, tuple[int, ValueEntry]] = {}
+    values: dict[str, ValueEntry] = {}
     per_rank: dict[str, dict[int, ValueEntry | ArrayEntry]] = defaultdict(dict)
     containers: dict[str, str] = {}
     for rank, description in enumerate(descriptions):
-        for piece in description.arrays:
-            pieces[piece.key].append((rank, piece))
         for value in description.values:
-            values.setdefault(value.key, (rank, value))  # the lowest rank holding a value wins
+            values.setdefault(value.key, value)  # the lowest rank holding a value wins
         for item in description.per_rank:
             per_rank[item.key][rank] = item
         containers.update(description.containers)
-    _check_kinds(pieces, values, per_rank)
+    layout = _layout(descriptions, codec)
+    _check_kinds(layout.holders, values, per_rank)
+    entries: dict[str, Entry] = {}
+    for key in sorted(set(layout.entries) | set(values) | set(per_rank), key=_first_seen(descriptions)):
+        if key in values:
+            entries[key] = values[key]
+        elif key in per_rank:
+            parts = next(iter(per_rank[key].values())).parts
+            entries[key] = PerRankEntry(key, parts, tuple(per_rank[key].get(r) for r in range(world)))
+        else:
+            entries[key] = layout.entries[key]
+    return SavePlan(entries, layout.arrays, layout.tasks, containers, layout.loads)
 
+
+@dataclass(frozen=True)
+class _Layout:
+    """The cacheable part of a plan: array entries, array plans and writer assignment."""
+
+    entries: dict[str, Entry]
+    arrays: dict[str, ArrayPlan]
+    tasks: tuple[tuple[WriteTask, ...], ...]
+    loads: tuple[int, ...]
+    holders: dict[str, list[int]]
+
+
+_LAST_LAYOUT: list[tuple[Any, _Layout]] = []  # one entry: (layout key, layout)
+
+
+def _layout_key(descriptions: list[LocalDescription], codec: CodecChoice) -> Any:
+    per_rank_arrays = tuple(tuple((i.key, i.dtype.name, i.shape) for i in d.per_rank if isinstance(i, ArrayEntry))
+                            for d in descriptions)
+    codec_key = tuple(codec.items()) if isinstance(codec, Mapping) else (codec if not callable(codec) else id(codec))
+    targets = (_chunking.INNER_CHUNK_BYTES, _chunking.OUTER_CHUNK_BYTES)  # read now: tests may change them
+    return tuple(d.arrays for d in descriptions), per_rank_arrays, codec_key, targets
+
+
+def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout:
+    key = _layout_key(descriptions, codec)
+    if _LAST_LAYOUT and _LAST_LAYOUT[0][0] == key:
+        return _LAST_LAYOUT[0][1]
+    world = len(descriptions)
+    pieces: dict[str, list[tuple[int, ArrayDescription]]] = defaultdict(list)
+    per_rank_arrays: dict[str, dict[int, ArrayEntry]] = defaultdict(dict)
+    for rank, description in enumerate(descriptions):
+        for piece in description.arrays:
+            pieces[piece.key].append((rank, piece))
+        for item in description.per_rank:
+            if isinstance(item, ArrayEntry):
+                per_rank_arrays[item.key][rank] = item
     entries: dict[str, Entry] = {}
     arrays: dict[str, ArrayPlan] = {}
     work: list[tuple[int, list[int], str, str, Box]] = []  # (bytes, candidate ranks, key, path, box)
-    for key in sorted(set(pieces) | set(values) | set(per_rank), key=_first_seen(descriptions)):
-        if key in values:
-            entries[key] = values[key][1]
-        elif key in per_rank:
-            entries[key] = _plan_per_rank(key, per_rank[key], world, codec, arrays, work)
-        else:
-            entries[key] = _plan_array(key, pieces[key], codec, arrays, work)
+    for name, holders in pieces.items():
+        entries[name] = _plan_array(name, holders, codec, arrays, work)
+    for name, items in per_rank_arrays.items():
+        _plan_per_rank_arrays(name, items, codec, arrays, work)
     _check_paths(arrays)
     tasks, loads = _assign(work, world)
-    return SavePlan(entries, arrays, tasks, containers, loads)
+    layout = _Layout(entries, arrays, tasks, loads, {k: [r for r, _ in v] for k, v in pieces.items()})
+    _LAST_LAYOUT[:] = [(key, layout)]
+    return layout
 
 
 def _check_paths(arrays: dict[str, ArrayPlan]) -> None:
@@ -136,13 +186,13 @@ def _first_seen(descriptions: list[LocalDescription]) -> Any:
     return lambda key: order.get(key, len(order))
 
 
-def _check_kinds(pieces: dict, values: dict, per_rank: dict) -> None:
-    for key in set(values) & set(pieces):
+def _check_kinds(holders: dict[str, list[int]], values: dict, per_rank: dict) -> None:
+    for key in set(values) & set(holders):
         raise StateError(
-            f"{key!r} is a tensor on rank(s) {sorted(r for r, _ in pieces[key])} but a plain value on rank "
-            f"{values[key][0]}; every rank must hold the same kind of thing under a key"
+            f"{key!r} is a tensor on rank(s) {sorted(holders[key])} but a plain value on another rank; every "
+            "rank must hold the same kind of thing under a key"
         )
-    for key in set(per_rank) & (set(pieces) | set(values)):
+    for key in set(per_rank) & (set(holders) | set(values)):
         raise StateError(f"{key!r} is a PerRank value on some ranks and not on others; wrap it on every rank")
 
 
@@ -241,16 +291,11 @@ def _assign(work: list, world: int) -> tuple[tuple[tuple[WriteTask, ...], ...], 
     return tuple(tuple(t) for t in tasks), tuple(loads)
 
 
-def _plan_per_rank(key: str, items: dict[int, ValueEntry | ArrayEntry], world: int, codec: CodecChoice,
-                   arrays: dict, work: list) -> PerRankEntry:
-    parts = next(iter(items.values())).parts
+def _plan_per_rank_arrays(key: str, items: dict[int, ArrayEntry], codec: CodecChoice, arrays: dict,
+                          work: list) -> None:
+    """Each rank's per-rank tensor is its own array, written by that rank."""
     for rank, item in items.items():
-        if isinstance(item, ArrayEntry):
-            path = per_rank_path(key, rank)
-            shape = item.shape
-            outer, inner = choose_chunks(shape, item.dtype.itemsize)
-            arrays[path] = ArrayPlan(key, path, item.dtype, shape, outer, inner, resolve_codec(codec, key))
-            work.append((item.nbytes, [rank], key, path, Box.whole(shape)))
-    return PerRankEntry(key, parts, tuple(items.get(rank) for rank in range(world)))
-
-
+        path = per_rank_path(key, rank)
+        outer, inner = choose_chunks(item.shape, item.dtype.itemsize)
+        arrays[path] = ArrayPlan(key, path, item.dtype, item.shape, outer, inner, resolve_codec(codec, key))
+        work.append((item.nbytes, [rank], key, path, Box.whole(item.shape)))

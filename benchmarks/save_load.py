@@ -83,8 +83,7 @@ from typing import Any
 import torch
 
 State = dict[str, torch.Tensor]
-SaveFn = Callable[[State, Path], None]
-LoadFn = Callable[[State, Path], None]
+StateIO = Callable[[State, Path], None]  # save(state, path) or in-place load(dst, path)
 
 GB = 1e9
 MIB = 2**20
@@ -180,7 +179,9 @@ def zero_fill(state: State) -> None:
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, writable, without a copy (the tensor must be contiguous)."""
+    """The tensor's bytes, writable, without a copy."""
+    if not t.is_contiguous():
+        raise ValueError("raw_bytes needs a contiguous tensor (reshape would copy)")
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
@@ -199,8 +200,8 @@ def assert_bit_exact(expected: State, actual: State, system: str) -> None:
 class System:
     name: str
     kind: str
-    save: SaveFn
-    load: LoadFn
+    save: StateIO
+    load: StateIO
 
     @property
     def slug(self) -> str:
@@ -292,8 +293,9 @@ def plain_transfer(state: State, path: Path, *, threads: int, write: bool) -> No
         path.mkdir()
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
     bufs = [raw_bytes(t) for t in state.values()]
-    fds = [os.open(path / f"{i:06d}.bin", flags, 0o644) for i in range(len(bufs))]
+    fds: list[int] = []
     try:
+        fds.extend(os.open(path / f"{i:06d}.bin", flags, 0o644) for i in range(len(bufs)))
         with ThreadPoolExecutor(threads) as pool:
             pieces = [
                 (fd, buf[off : off + PLAIN_PIECE_BYTES], off)

@@ -171,3 +171,18 @@ def test_uneven_and_2d_shard_grids_align_chunks_with_every_shard():
     outer = planned.arrays["w"].outer_chunk
     assert 5 % outer[0] == 0 and 3 % outer[1] == 0
     assert sorted(len(t) for t in planned.tasks) == [1] * 6
+
+
+def test_repeated_layout_reuses_the_plan_and_takes_fresh_values():
+    from arrayckpt._format import ValueEntry
+
+    def descriptions(step: int) -> list[LocalDescription]:
+        return [LocalDescription(arrays=_d("w", r, (2 * r, 0), (2, 4), (4, 4)).arrays,
+                                 values=(ValueEntry("step", ("step",), step),)) for r in range(2)]
+
+    first = plan_save(descriptions(1), None)
+    second = plan_save(descriptions(2), None)
+    assert second.arrays is first.arrays and second.tasks is first.tasks  # layout reused
+    assert first.entries["step"].value == 1 and second.entries["step"].value == 2
+    third = plan_save(descriptions(3), "zstd")  # another codec: a new layout
+    assert third.arrays is not first.arrays and third.arrays["w"].codec.name == "zstd"
