@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ._codecs import Codec, codec_pipeline, sharded_pipeline
@@ -30,6 +31,7 @@ __all__ = [
 
 INNER_CHUNK_BYTES = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
 OUTER_CHUNK_BYTES = 64 << 20  # write unit: one file per outer chunk; several per big tensor for parallelism
+CHUNK_KEY_SEPARATOR = "."  # chunk files "c.0.1" beside zarr.json: no directory per chunk row
 FRAGMENTATION_LIMIT = 16  # inner chunks this many times smaller than wanted are not worth an index
 
 
@@ -44,6 +46,11 @@ class ArrayPlan:
     outer_chunk: tuple[int, ...]
     inner_chunk: tuple[int, ...]
     codec: Codec
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """The array's ``zarr.json`` document (computed once; see :func:`array_metadata`)."""
+        return array_metadata(self)
 
     @property
     def sharded(self) -> bool:
@@ -141,7 +148,7 @@ def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
         "shape": list(plan.shape),
         "data_type": plan.dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.outer_chunk)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
         "fill_value": plan.dtype.fill_value,
         "codecs": codecs,
         "attributes": {"arrayckpt": {"key": plan.key}},

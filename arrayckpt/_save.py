@@ -32,7 +32,6 @@ from ._dtypes import dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, PickleNotAllowedError, StateError, StorageError
 from ._format import ArrayEntry, Manifest, ValueEntry, node_documents, root_document
 from ._io import ArrayIO, array_spec, write_all, write_context
-from ._plan import array_metadata
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
 from ._shards import Box, PerRank, Shard, local_piece
 from ._state import walk
@@ -88,10 +87,10 @@ def save(
 
     local, error = _attempt(lambda: _describe_local(state, group.rank, allow_pickle))
     gathered = group.gather((None if local is None else local.description, error))
-    writer: LocalWriter | None = None
+    coordination: _Coordination | None = None
     message: Any = None
     if group.is_coordinator:
-        message, writer = _coordinate(gathered, codec, location, overwrite)
+        message, coordination = _coordinate(gathered, codec, location, overwrite)
     message = group.broadcast(message)
     if isinstance(message, BaseException):
         raise message
@@ -102,8 +101,8 @@ def save(
     results = group.gather(error)
     outcome: BaseException | None = None
     if group.is_coordinator:
-        assert writer is not None and results is not None
-        outcome = _commit_or_abort(writer, plan, results, step, group)
+        assert coordination is not None and results is not None
+        outcome = _commit_or_abort(coordination, plan, results, step, group)
     outcome = group.broadcast(outcome)
     if outcome is not None:
         raise outcome
@@ -130,8 +129,16 @@ def _first_error(errors: list[BaseException | None]) -> BaseException | None:
     return None
 
 
+@dataclass
+class _Coordination:
+    """What only the coordinator holds during a save."""
+
+    writer: LocalWriter
+    wait_for_metadata: Any  # waits for the array/group zarr.json documents written in the background
+
+
 def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
-                overwrite: bool) -> tuple[Any, LocalWriter | None]:
+                overwrite: bool) -> tuple[Any, _Coordination | None]:
     """Plan the save and prepare storage, or return the error every rank must raise."""
     assert gathered is not None
     error = _first_error([e for _, e in gathered])
@@ -142,14 +149,8 @@ def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
         writer = LocalWriter(location, overwrite)
     except ArrayckptError as e:
         return e, None
-    try:
-        metadata = {path: array_metadata(array) for path, array in plan.arrays.items()}
-        for node_path, document in node_documents(metadata).items():
-            writer.write_json(node_path, document)
-    except OSError as e:
-        writer.abort()
-        return StorageError(f"{location}: cannot write metadata: {e}"), None
-    return (plan, str(writer.temp)), writer
+    nodes = node_documents({path: array.metadata for path, array in plan.arrays.items()})
+    return (plan, str(writer.temp)), _Coordination(writer, writer.write_documents(nodes))
 
 
 def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: str) -> None:
@@ -157,20 +158,24 @@ def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: st
     jobs = []
     for task in plan.tasks[rank]:
         held, data = local.data[task.path]
-        array = plan.arrays[task.path]
-        spec = array_spec(file_kvstore(temp, task.path), array_metadata(array))
+        spec = array_spec(file_kvstore(temp, task.path), plan.arrays[task.path].metadata)
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
     write_all(jobs, write_context(), where)
 
 
-def _commit_or_abort(writer: LocalWriter, plan: SavePlan, results: list, step: int | None,
+def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, step: int | None,
                      group: Group) -> BaseException | None:
+    writer = coordination.writer
     error = _first_error(results)
+    try:
+        coordination.wait_for_metadata()  # even on failure: nothing may still be writing when we abort
+    except StorageError as e:
+        error = error or e
     if error is None:
         try:
             manifest = Manifest(plan.entries, step, plan.containers, _created(group.size))
-            metadata = {path: array_metadata(array) for path, array in plan.arrays.items()}
-            writer.commit(root_document(manifest, node_documents(metadata)))
+            nodes = node_documents({path: array.metadata for path, array in plan.arrays.items()})
+            writer.commit(root_document(manifest, nodes))
             return None
         except (OSError, ArrayckptError) as e:
             error = e if isinstance(e, ArrayckptError) else StorageError(f"{writer.location}: commit failed: {e}")

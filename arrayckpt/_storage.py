@@ -3,8 +3,9 @@
 The interface is deliberately small (cf. zarr-python's ``abc/store.py``). Call order for a save::
 
     writer = open_writer(location, overwrite)   # refuses to replace a committed checkpoint
-    writer.write_json(path, doc)                # array/group metadata, any order
+    wait = writer.write_documents({path: doc})  # array/group metadata, written in the background
     writer.kvstore(path)                        # TensorStore kvstore spec for array data
+    wait()                                      # all metadata written
     writer.commit(root_doc)                     # last: root zarr.json, then durable, then visible
     writer.abort()                              # on any failure before commit: removes the leftovers
 
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    StorageError,
 )
 
 __all__ = ["LocalLocation", "LocalWriter", "collect_garbage", "file_kvstore", "parse_location", "read_root_json"]
@@ -165,6 +168,28 @@ class LocalWriter:
         directory = self.temp / subpath if subpath else self.temp
         directory.mkdir(parents=True, exist_ok=True)
         (directory / ROOT_METADATA).write_text(json.dumps(document))
+
+    def write_documents(self, documents: Mapping[str, dict[str, Any]]) -> Callable[[], None]:
+        """Start writing many ``zarr.json`` documents concurrently (TensorStore's kvstore, in the
+        background); the returned function waits for all of them and raises the first failure."""
+        import tensorstore as ts
+
+        store = ts.KvStore.open(self.kvstore(), context=ts.Context({"file_io_sync": False})).result()
+        pending = [(path, store.write(f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA,
+                                      json.dumps(doc).encode())) for path, doc in documents.items()]
+
+        def wait() -> None:
+            errors = []
+            for path, future in pending:
+                try:
+                    future.result()
+                except Exception as e:
+                    errors.append(f"{path or '/'}: {e}")
+            if errors:
+                raise StorageError(f"{self.location}: writing metadata failed: {errors[0]} "
+                                   f"({len(errors)} document(s) failed)")
+
+        return wait
 
     def commit(self, root_document: dict[str, Any]) -> None:
         """Write the root metadata, make everything durable, then make it visible at the path."""

@@ -58,8 +58,8 @@ def test_info_on_missing_or_incomplete_checkpoint_fails_clearly(tmp_path):
 def test_gc_removes_leftovers_of_interrupted_saves_only(tmp_path):
     arrayckpt.save({"w": torch.ones(2)}, tmp_path / "kept")
     leftover = tmp_path / ".step-9.arrayckpt-tmp-0123456789ab"
-    (leftover / "w" / "c").mkdir(parents=True)
-    (leftover / "w" / "c" / "0").write_bytes(b"partial")
+    (leftover / "w").mkdir(parents=True)
+    (leftover / "w" / "c.0").write_bytes(b"partial")
     done = _run("gc", str(tmp_path), "--min-age", "3600")
     assert done.returncode == 0 and "0 leftover(s) removed" in done.stdout  # too recent: maybe still running
     done = _run("gc", str(tmp_path), "--min-age", "0", "--dry-run")

@@ -161,7 +161,7 @@ def test_codecs_round_trip_and_compress_compressible_data(ckpt, chunking, codec)
     opened = arrayckpt.open(ckpt)
     assert_bit_equal(opened["c"].torch(), compressible)
     assert_bit_equal(opened["n"].torch(), noise)
-    stored = sum(p.stat().st_size for p in (ckpt / "c").rglob("*") if p.is_file() and p.name != "zarr.json")
+    stored = sum(p.stat().st_size for p in (ckpt / "c").iterdir() if p.name.startswith("c."))
     if codec is None:
         assert stored >= compressible.nbytes
     elif chunking == "whole":  # 16-byte test chunks are all overhead; compression shows on real chunks
@@ -192,7 +192,7 @@ def test_sharded_layout_is_used_for_big_tensors(ckpt, monkeypatch):
     assert arr.metadata["codecs"][0]["name"] == "sharding_indexed"
     assert arr.metadata["chunk_grid"]["configuration"]["chunk_shape"] == [16, 4]
     assert arr.metadata["codecs"][0]["configuration"]["chunk_shape"] == [4, 4]
-    assert len(list((ckpt / "w" / "c").iterdir())) == 3  # 40 rows in outer chunks of 16
+    assert sorted(p.name for p in (ckpt / "w").iterdir()) == ["c.0.0", "c.1.0", "c.2.0", "zarr.json"]  # 40 rows / 16
     assert torch.equal(arr.torch(), value)
     assert torch.equal(torch.from_numpy(arr[13:27, 2]), value[13:27, 2])
 
