@@ -1,0 +1,97 @@
+"""The local fast path writes the same Zarr v3 bytes TensorStore writes, and reads what TensorStore writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bit_equal, random_tensor
+
+import arrayckpt
+import arrayckpt._io as io
+import arrayckpt._plan as plan
+
+
+@pytest.fixture
+def tensorstore_only(monkeypatch):
+    """Switch the fast path off, so that TensorStore does all array IO."""
+
+    def use(enabled: bool) -> None:
+        if enabled:
+            monkeypatch.setattr(io, "row_layout", lambda metadata: None)
+        else:
+            monkeypatch.undo()
+
+    return use
+
+
+SHAPES = [(), (1,), (37, 5), (40, 4), (129,), (3, 2, 7), (0, 3)]
+
+
+def _state() -> dict[str, torch.Tensor]:
+    dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.bool, torch.complex64, torch.float8_e5m2]
+    return {f"t{i}_{j}": random_tensor(shape, dtype, seed=i * 10 + j)
+            for i, shape in enumerate(SHAPES) for j, dtype in enumerate(dtypes)}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("c*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("chunking", ["whole", "sharded"], indirect=True)
+def test_fast_path_writes_the_bytes_tensorstore_writes(tmp_path, chunking, tensorstore_only):
+    state = _state()
+    arrayckpt.save(state, tmp_path / "fast")
+    tensorstore_only(True)
+    arrayckpt.save(state, tmp_path / "ts")
+    fast, ts = _files(tmp_path / "fast"), _files(tmp_path / "ts")
+    assert fast.keys() == ts.keys() and len(fast) > 30
+    assert fast == ts
+
+
+@pytest.mark.parametrize("chunking", ["whole", "sharded"], indirect=True)
+@pytest.mark.parametrize("writer", ["fast", "tensorstore"])
+def test_each_path_reads_what_the_other_wrote(tmp_path, chunking, writer, tensorstore_only):
+    state = _state()
+    tensorstore_only(writer == "tensorstore")
+    arrayckpt.save(state, tmp_path / "c")
+    tensorstore_only(writer != "tensorstore")
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    arrayckpt.load(target, tmp_path / "c")
+    for key, value in state.items():
+        assert_bit_equal(target[key], value)
+
+
+def test_partial_row_reads_of_sharded_and_edge_chunks(ckpt, monkeypatch):
+    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 48)
+    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 192)
+    value = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)  # inner 4 rows, outer 16 rows, edge at 50
+    arrayckpt.save({"w": arrayckpt.Shard(value, (50, 3), (0, 0))}, ckpt)
+    for start, stop in [(0, 50), (3, 9), (15, 17), (44, 50), (48, 49), (16, 32)]:
+        target = {"w": arrayckpt.Shard(torch.zeros(stop - start, 3), (50, 3), (start, 0))}
+        arrayckpt.load(target, ckpt)
+        assert torch.equal(target["w"].tensor, value[start:stop]), (start, stop)
+
+
+def test_fast_path_detects_damage_and_missing_inner_chunks(ckpt, monkeypatch):
+    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 48)
+    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 192)
+    arrayckpt.save({"w": torch.ones(40, 3)}, ckpt)
+    shard = ckpt / "w" / "c.1.0"
+    raw = bytearray(shard.read_bytes())
+    raw[20] ^= 1  # inside inner chunk 0 of outer chunk 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'w'.*c\.1\.0 inner chunk 0: checksum mismatch"):
+        arrayckpt.load({"w": torch.zeros(40, 3)}, ckpt)
+    raw[20] ^= 1
+    raw[-5] ^= 1  # the shard index
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'w'.*c\.1\.0: shard index checksum mismatch"):
+        arrayckpt.load({"w": torch.zeros(40, 3)}, ckpt)
+    shard.write_bytes(bytes(raw[:30]))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'w'.*c\.1\.0"):
+        arrayckpt.load({"w": torch.zeros(40, 3)}, ckpt)
+    shard.unlink()
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'w'.*c\.1\.0 is missing"):
+        arrayckpt.load({"w": torch.zeros(40, 3)}, ckpt)
