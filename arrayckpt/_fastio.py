@@ -286,18 +286,36 @@ def _missing(path: str, inner: int | None = None) -> CorruptCheckpointError:
 
 
 def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
-    """Run chunk transfers on a thread pool (IO and crc32c release the GIL); raise the first failure."""
+    """Run chunk transfers on a few threads (IO and crc32c release the GIL); raise the first failure.
+
+    The work is dealt into a few batches balanced by bytes rather than one task per chunk: with
+    thousands of small tensors, per-task executor overhead would cost more than the IO.
+    """
     if not work:
         return
-    with ThreadPoolExecutor(min(IO_THREADS, len(work))) as pool:
-        futures = [(item[0], pool.submit(fn, *item)) for item in work]
-    for key, future in futures:
-        error = future.exception()
-        if error is None:
-            continue
+    batches: list[list[tuple]] = [[] for _ in range(min(IO_THREADS, len(work)))]
+    loads = [0] * len(batches)
+    for item in sorted(work, key=lambda w: -len(w[-1])):
+        i = loads.index(min(loads))
+        batches[i].append(item)
+        loads[i] += len(item[-1]) + 4096  # every file costs something, however small
+    with ThreadPoolExecutor(len(batches)) as pool:
+        failures = [f for batch in pool.map(lambda b: _run_batch(b, fn), batches) for f in batch]
+    if failures:
+        key, error = failures[0]
         if isinstance(error, CorruptCheckpointError):
             raise CorruptCheckpointError(f"{where}: tensor {key!r}: {error}") from error
         if isinstance(error, OSError):
             kind = StorageError if action == "write" else CorruptCheckpointError
             raise kind(f"{where}: tensor {key!r}: {action} failed: {error}") from error
         raise error
+
+
+def _run_batch(batch: list[tuple], fn: Any) -> list[tuple[str, BaseException]]:
+    failures = []
+    for item in batch:
+        try:
+            fn(*item)
+        except Exception as e:  # reported by _run, naming the tensor
+            failures.append((item[0], e))
+    return failures

@@ -8,6 +8,7 @@ naming the entry, and unknown entry kinds are refused rather than skipped. See `
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ __all__ = [
     "ValueEntry",
     "parse_root_document",
     "per_rank_path",
+    "encode_root_document",
     "root_document",
 ]
 
@@ -260,6 +262,17 @@ def root_document(manifest: Manifest, nodes: Mapping[str, dict[str, Any]]) -> di
         "attributes": {MANIFEST_ATTRIBUTE: manifest.to_dict()},
         "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": dict(nodes)},
     }
+
+
+def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:
+    """:func:`root_document` serialised, reusing the JSON text of the consolidated node metadata (which a
+    repeated save with the same layout does not need to encode again)."""
+    return (
+        '{"zarr_format": 3, "node_type": "group", "attributes": {"' + MANIFEST_ATTRIBUTE + '": '
+        + json.dumps(manifest.to_dict())
+        + '}, "consolidated_metadata": {"kind": "inline", "must_understand": false, "metadata": '
+        + consolidated_json + "}}"
+    ).encode()
 
 
 def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, dict[str, Any]]]:

@@ -9,6 +9,7 @@ holds only ``[A-Za-z0-9_-]`` and ``%XX`` escapes, so ``..``, ``/`` and absolute 
 
 from __future__ import annotations
 
+import functools
 import re
 
 from ._errors import FormatError
@@ -35,8 +36,9 @@ def _escape_segment(segment: str) -> str:
     return "%5F" + out[1:] if out.startswith("__") else out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def array_path(key: str) -> str:
-    """The array path of a flattened key: dot-separated segments, each escaped."""
+    """The array path of a flattened key: dot-separated segments, each escaped (cached: called often)."""
     return "/".join(_escape_segment(s) for s in key.split("."))
 
 

@@ -30,7 +30,7 @@ from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, PickleNotAllowedError, StateError, StorageError
-from ._format import ArrayEntry, Manifest, ValueEntry, node_documents, root_document
+from ._format import ArrayEntry, Manifest, ValueEntry, encode_root_document
 from ._io import ArrayIO, array_spec, write_all, write_context
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
 from ._shards import Box, PerRank, Shard, local_piece
@@ -149,8 +149,7 @@ def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
         writer = LocalWriter(location, overwrite)
     except ArrayckptError as e:
         return e, None
-    nodes = node_documents({path: array.metadata for path, array in plan.arrays.items()})
-    return (plan, str(writer.temp)), _Coordination(writer, writer.write_documents(nodes))
+    return (plan, str(writer.temp)), _Coordination(writer, writer.write_documents(plan.documents))
 
 
 def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: str) -> None:
@@ -174,8 +173,7 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
     if error is None:
         try:
             manifest = Manifest(plan.entries, step, plan.containers, _created(group.size))
-            nodes = node_documents({path: array.metadata for path, array in plan.arrays.items()})
-            writer.commit(root_document(manifest, nodes))
+            writer.commit(encode_root_document(manifest, plan.consolidated_json))
             return None
         except (OSError, ArrayckptError) as e:
             error = e if isinstance(e, ArrayckptError) else StorageError(f"{writer.location}: commit failed: {e}")

@@ -10,6 +10,7 @@ outer chunk exactly one writer, spreading replicated data over its replicas bala
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from . import _plan as _chunking
 from ._codecs import CodecChoice, resolve_codec
 from ._dtypes import dtype_by_name
 from ._errors import StateError
-from ._format import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, per_rank_path
+from ._format import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, node_documents, per_rank_path
 from ._keys import Key, array_path
 from ._plan import ArrayPlan, choose_chunks, shard_grid
 from ._shards import Box
@@ -73,6 +74,8 @@ class SavePlan:
     tasks: tuple[tuple[WriteTask, ...], ...]  # by rank
     containers: dict[str, str]
     bytes_by_rank: tuple[int, ...]
+    documents: dict[str, bytes]  # serialised zarr.json of every array and intermediate group, by path
+    consolidated_json: str  # the same documents as one JSON object, for the root's consolidated metadata
 
 
 def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SavePlan:
@@ -103,7 +106,8 @@ def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SaveP
             entries[key] = PerRankEntry(key, parts, tuple(per_rank[key].get(r) for r in range(world)))
         else:
             entries[key] = layout.entries[key]
-    return SavePlan(entries, layout.arrays, layout.tasks, containers, layout.loads)
+    return SavePlan(entries, layout.arrays, layout.tasks, containers, layout.loads, layout.documents,
+                    layout.consolidated_json)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class _Layout:
     tasks: tuple[tuple[WriteTask, ...], ...]
     loads: tuple[int, ...]
     holders: dict[str, list[int]]
+    documents: dict[str, bytes]
+    consolidated_json: str
 
 
 _LAST_LAYOUT: list[tuple[Any, _Layout]] = []  # one entry: (layout key, layout)
@@ -150,7 +156,11 @@ def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout
         _plan_per_rank_arrays(name, items, codec, arrays, work)
     _check_paths(arrays)
     tasks, loads = _assign(work, world)
-    layout = _Layout(entries, arrays, tasks, loads, {k: [r for r, _ in v] for k, v in pieces.items()})
+    nodes = node_documents({path: array.metadata for path, array in arrays.items()})
+    documents = {path: json.dumps(document).encode() for path, document in nodes.items()}
+    consolidated = "{" + ", ".join(f"{json.dumps(path)}: {doc.decode()}" for path, doc in documents.items()) + "}"
+    layout = _Layout(entries, arrays, tasks, loads, {k: [r for r, _ in v] for k, v in pieces.items()}, documents,
+                     consolidated)
     _LAST_LAYOUT[:] = [(key, layout)]
     return layout
 

@@ -169,14 +169,14 @@ class LocalWriter:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / ROOT_METADATA).write_text(json.dumps(document))
 
-    def write_documents(self, documents: Mapping[str, dict[str, Any]]) -> Callable[[], None]:
-        """Start writing many ``zarr.json`` documents concurrently (TensorStore's kvstore, in the
-        background); the returned function waits for all of them and raises the first failure."""
+    def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
+        """Start writing many serialised ``zarr.json`` documents concurrently (TensorStore's kvstore, in
+        the background); the returned function waits for all of them and raises the first failure."""
         import tensorstore as ts
 
         store = ts.KvStore.open(self.kvstore(), context=ts.Context({"file_io_sync": False})).result()
-        pending = [(path, store.write(f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA,
-                                      json.dumps(doc).encode())) for path, doc in documents.items()]
+        pending = [(path, store.write(f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc))
+                   for path, doc in documents.items()]
 
         def wait() -> None:
             errors = []
@@ -191,9 +191,9 @@ class LocalWriter:
 
         return wait
 
-    def commit(self, root_document: dict[str, Any]) -> None:
-        """Write the root metadata, make everything durable, then make it visible at the path."""
-        self.write_json("", root_document)
+    def commit(self, root_document: bytes) -> None:
+        """Write the (serialised) root metadata, make everything durable, then make it visible at the path."""
+        (self.temp / ROOT_METADATA).write_bytes(root_document)
         _make_durable(self.temp)
         target = self.location.path
         if _rename_noreplace(self.temp, target):
