@@ -48,7 +48,9 @@ class Codec:
         if self.shuffle not in ("noshuffle", "shuffle", "bitshuffle"):
             raise StateError(f"unknown shuffle {self.shuffle!r}; use 'noshuffle', 'shuffle' or 'bitshuffle'")
         low, high = (0, 9) if self.name == "blosc" else (-7, 22)
-        if self.level is not None and not (isinstance(self.level, int) and low <= self.level <= high):
+        if self.level is not None and (
+            not isinstance(self.level, int) or isinstance(self.level, bool) or not low <= self.level <= high
+        ):
             raise StateError(f"{self.name} level {self.level!r} is out of range {low}..{high}")
         if self.cname not in BLOSC_COMPRESSORS:
             raise StateError(f"unknown blosc compressor {self.cname!r}; use one of {', '.join(BLOSC_COMPRESSORS)}")

@@ -63,8 +63,25 @@ class RowLayout:
         return self.separator.join(["c", str(index), *("0" * (self.ndim - 1))])
 
 
+_LAYOUTS: dict[int, tuple[dict[str, Any], RowLayout | None]] = {}  # by id(metadata), see row_layout
+
+
 def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
-    """The row layout of an array's metadata, or ``None`` when the fast path does not apply."""
+    """The row layout of an array's metadata, or ``None`` when the fast path does not apply.
+
+    Save plans and opened checkpoints reuse their metadata dicts, so the answer is cached per dict.
+    """
+    cached = _LAYOUTS.get(id(metadata))
+    if cached is not None and cached[0] is metadata:
+        return cached[1]
+    if len(_LAYOUTS) > 1 << 16:
+        _LAYOUTS.clear()
+    layout = _row_layout(metadata)
+    _LAYOUTS[id(metadata)] = (metadata, layout)
+    return layout
+
+
+def _row_layout(metadata: dict[str, Any]) -> RowLayout | None:
     try:
         shape = metadata["shape"]
         chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
@@ -83,7 +100,7 @@ def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
         return None
     row_bytes = dtype.itemsize * math.prod(shape[1:])
     rows, outer = (shape[0], chunk[0]) if shape else (1, 1)
-    if _plain(codecs):
+    if _plain(codecs, dtype.itemsize):
         return RowLayout(rows, row_bytes, outer, outer, len(shape), separator)
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
         return None
@@ -95,7 +112,7 @@ def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
         or not shape
         or inner[1:] != list(shape[1:])
         or outer % inner[0]
-        or not _plain(config.get("codecs"))
+        or not _plain(config.get("codecs"), dtype.itemsize)
         or index_codecs != [_BYTES_CODECS[1], _CRC32C]
         or config.get("index_location", "end") != "end"
     ):
@@ -103,8 +120,10 @@ def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
     return RowLayout(rows, row_bytes, outer, inner[0], len(shape), separator)
 
 
-def _plain(codecs: object) -> bool:
-    return isinstance(codecs, list) and len(codecs) == 2 and codecs[0] in _BYTES_CODECS and codecs[1] == _CRC32C
+def _plain(codecs: object, itemsize: int) -> bool:
+    """Exactly ``bytes`` (little-endian, or endian-free for one-byte types) then ``crc32c``."""
+    allowed = _BYTES_CODECS if itemsize == 1 else _BYTES_CODECS[1:]
+    return isinstance(codecs, list) and len(codecs) == 2 and codecs[0] in allowed and codecs[1] == _CRC32C
 
 
 def _row_bytes_view(data: np.ndarray, layout: RowLayout) -> memoryview | None:
@@ -137,7 +156,6 @@ def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: s
             declined.append(n)
             continue
         stop = first + (data.shape[0] if layout.ndim else 1)
-        os.makedirs(directory, exist_ok=True)
         for index, lo, hi in _pieces(layout, first, stop):
             part = raw[(lo - first) * layout.row_bytes:(hi - first) * layout.row_bytes]
             work.append((key, os.path.join(directory, layout.chunk_key(index)), layout, part))
@@ -147,7 +165,12 @@ def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: s
 
 def _write_chunk(key: str, path: str, layout: RowLayout, part: memoryview) -> None:
     buffers = _sharded_buffers(layout, part) if layout.sharded else _chunk_buffers(layout, part, layout.outer_rows)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:  # the array's directory does not exist yet
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, flags, 0o644)
     try:
         for i in range(0, len(buffers), 512):  # IOV_MAX is 1024 on Linux
             batch = buffers[i:i + 512]

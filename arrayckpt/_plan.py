@@ -122,7 +122,10 @@ def choose_chunks(
     wanted = _split(cell, itemsize, INNER_CHUNK_BYTES)
     inner = _fit(wanted, steps)
     if math.prod(inner) * FRAGMENTATION_LIMIT < math.prod(wanted):
-        outer = _fit(_split(cell, itemsize, OUTER_CHUNK_BYTES), steps)
+        wanted_outer = _split(cell, itemsize, OUTER_CHUNK_BYTES)
+        outer = _fit(wanted_outer, steps)
+        if math.prod(outer) * FRAGMENTATION_LIMIT < math.prod(wanted_outer):
+            outer = cell  # no useful divisor at all (a prime step): one chunk per shard, however big
         return outer, outer
     counts = [math.ceil(c / i) for c, i in zip(cell, inner, strict=True)]
     grouped = _fit(_split(tuple(counts), itemsize * math.prod(inner), OUTER_CHUNK_BYTES),

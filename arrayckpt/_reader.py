@@ -193,6 +193,11 @@ class Checkpoint(Mapping[str, LazyArray]):
         out: list[Any] = []
         for rank, item in enumerate(entry.items):
             if isinstance(item, ArrayEntry):
+                if item.kind == "ndarray":
+                    array = np.empty(item.shape, item.dtype.numpy)
+                    read_into([ArrayIO(key, self.per_rank_spec(key, rank), array)], self._context, str(self.location))
+                    out.append(array)
+                    continue
                 tensor = torch.empty(item.shape, dtype=item.dtype.torch)
                 read_into([ArrayIO(key, self.per_rank_spec(key, rank), writable_numpy(tensor, item.dtype, key))],
                           self._context, str(self.location))

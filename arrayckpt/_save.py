@@ -194,11 +194,13 @@ def _describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> 
             per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data))
         elif isinstance(value, (torch.Tensor, Shard)):
             piece = local_piece(value, key, rank)
+            _check_ndim(key, piece.global_shape)
             dt = dtype_of_torch(piece.tensor.dtype, key)
             arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
                                            piece.replica_id))
             data[_path(key)] = (piece.box, readable_numpy(piece.tensor, dt, key))
         elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
+            _check_ndim(key, value.shape)
             arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
                                            rank))
             data[_path(key)] = (Box.whole(value.shape), value)
@@ -218,11 +220,22 @@ def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict) 
     from ._format import per_rank_path
 
     if isinstance(value, torch.Tensor):
+        _check_ndim(key, tuple(value.shape))
         dt = dtype_of_torch(value.dtype, key)
         data[per_rank_path(key, rank)] = (Box.whole(tuple(value.shape)), readable_numpy(value, dt, key))
         return ArrayEntry(key, parts, dt, tuple(value.shape), "tensor")
-    encoded = _encode(key, value, allow_pickle=False)
-    return ValueEntry(key, parts, encoded)
+    try:
+        return ValueEntry(key, parts, encode_value(value))
+    except NotJSONable as e:
+        raise StateError(f"per-rank value {key!r} of type {e} must be a tensor or a JSON-able plain value "
+                         "(per-rank values are never pickled)") from None
+
+
+def _check_ndim(key: str, shape: tuple[int, ...]) -> None:
+    from ._format import MAX_NDIM
+
+    if len(shape) > MAX_NDIM:
+        raise StateError(f"tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} can be stored")
 
 
 def _path(key: str) -> str:

@@ -13,7 +13,6 @@ import bisect
 import json
 import math
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -129,7 +128,9 @@ _LAST_LAYOUT: list[tuple[Any, _Layout]] = []  # one entry: (layout key, layout)
 def _layout_key(descriptions: list[LocalDescription], codec: CodecChoice) -> Any:
     per_rank_arrays = tuple(tuple((i.key, i.dtype.name, i.shape) for i in d.per_rank if isinstance(i, ArrayEntry))
                             for d in descriptions)
-    codec_key = tuple(codec.items()) if isinstance(codec, Mapping) else (codec if not callable(codec) else id(codec))
+    # the codec every array resolves to (a callable codec may answer differently from one save to the next)
+    names = sorted({a.key for d in descriptions for a in d.arrays} | {i.key for d in descriptions for i in d.per_rank})
+    codec_key = tuple(resolve_codec(codec, name) for name in names)
     targets = (_chunking.INNER_CHUNK_BYTES, _chunking.OUTER_CHUNK_BYTES)  # read now: tests may change them
     return tuple(d.arrays for d in descriptions), per_rank_arrays, codec_key, targets
 
@@ -169,12 +170,15 @@ def _check_paths(arrays: dict[str, ArrayPlan]) -> None:
     """Refuse layouts a filesystem or Zarr cannot hold: an array with children (keys ``a`` and ``a.b``),
     names too long for a directory entry, and keys equal but for letter case (one directory on macOS and
     Windows, where their chunks would overwrite each other)."""
-    folded: dict[str, str] = {}
+    folded: dict[str, tuple[str, str]] = {}  # casefolded node path -> (path, a key under it)
     for path, plan in arrays.items():
-        other = folded.setdefault(path.casefold(), plan.key)
-        if other != plan.key:
-            raise StateError(f"keys {other!r} and {plan.key!r} differ only in letter case, which case-insensitive "
-                             "filesystems cannot keep apart; rename one")
+        segments = path.split("/")
+        for i in range(1, len(segments) + 1):
+            node = "/".join(segments[:i])
+            other_path, other_key = folded.setdefault(node.casefold(), (node, plan.key))
+            if other_path != node:
+                raise StateError(f"keys {other_key!r} and {plan.key!r} differ only in letter case, which "
+                                 "case-insensitive filesystems cannot keep apart; rename one")
         if any(len(segment) > MAX_SEGMENT_BYTES for segment in path.split("/")):
             raise StateError(f"key {plan.key!r} has a part longer than {MAX_SEGMENT_BYTES} bytes once escaped; "
                              "filesystems cannot store it")
@@ -218,6 +222,8 @@ def _plan_array(
                 "the global dtype and shape"
             )
     dtype, shape = dtype_by_name(first.dtype), first.global_shape
+    if first.kind == "pickle":  # pickled values may differ between ranks: like plain values, the lowest rank's
+        holders = [(first_rank, first)]
     replicas = _distinct_boxes(holders)
     _check_tiling(key, shape, replicas)
     path = array_path(key)

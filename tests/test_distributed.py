@@ -186,3 +186,33 @@ def test_repeated_layout_reuses_the_plan_and_takes_fresh_values():
     assert first.entries["step"].value == 1 and second.entries["step"].value == 2
     third = plan_save(descriptions(3), "zstd")  # another codec: a new layout
     assert third.arrays is not first.arrays and third.arrays["w"].codec.name == "zstd"
+
+
+def test_callable_codecs_are_asked_again_on_every_save():
+    descriptions = [_d("w", 0, (0,), (4,), (4,))]
+    for choice in (None, "zstd", "blosc", None):
+        planned = plan_save(descriptions, lambda key, c=choice: c)
+        assert planned.arrays["w"].codec.name == (choice or "none")
+
+
+def test_pickled_values_come_from_the_lowest_rank_holding_them():
+    def pickle_on(rank: int, size: int) -> LocalDescription:
+        return LocalDescription(arrays=(ArrayDescription("obj", ("obj",), "pickle", "uint8", (size,),
+                                                         Box((0,), (size,)), rank),))
+
+    planned = plan_save([pickle_on(0, 10), pickle_on(1, 10), pickle_on(2, 10)], None)
+    assert [len(t) for t in planned.tasks] == [1, 0, 0]
+
+
+def test_case_collisions_through_groups_are_refused():
+    for keys in (("A", "a.b"), ("A.x", "a.y")):
+        descriptions = [LocalDescription(arrays=tuple(_d(k, 0, (0,), (1,), (1,)).arrays[0] for k in keys))]
+        with pytest.raises(arrayckpt.StateError, match="differ only in letter case"):
+            plan_save(descriptions, None)
+
+
+def test_prime_shard_steps_fall_back_to_one_chunk_per_shard():
+    from arrayckpt._plan import choose_chunks
+
+    outer, inner = choose_chunks((24573, 4096), 4, (8191, None))  # 8191 is prime
+    assert outer == inner == (8191, 4096)

@@ -126,3 +126,24 @@ def test_codec_limits():
         arrayckpt.Codec("blosc", cname="lzma")
     with pytest.raises(arrayckpt.StateError, match=r"zstd level 23"):
         arrayckpt.Codec("zstd", level=23)
+
+
+def test_too_many_dimensions_and_unpicklable_per_rank_values_are_refused(ckpt):
+    with pytest.raises(arrayckpt.StateError, match="33 dimensions; at most 32"):
+        arrayckpt.save({"t": torch.zeros((1,) * 33)}, ckpt)
+    with pytest.raises(arrayckpt.StateError, match="per-rank value 'p' of type set .*never pickled"):
+        arrayckpt.save({"p": arrayckpt.PerRank({1, 2})}, ckpt, allow_pickle=True)
+    with pytest.raises(arrayckpt.StateError, match="zstd level True"):
+        arrayckpt.Codec("zstd", level=True)
+    assert not ckpt.exists()
+
+
+def test_per_rank_values_round_trip_in_a_single_process(ckpt):
+    arrayckpt.save({"rng": arrayckpt.PerRank(torch.arange(4, dtype=torch.uint8)), "pos": arrayckpt.PerRank(7)}, ckpt)
+    opened = arrayckpt.open(ckpt)
+    assert opened.per_rank("pos") == [7] and torch.equal(opened.per_rank("rng")[0], torch.arange(4, dtype=torch.uint8))
+    target = {"rng": arrayckpt.PerRank(torch.zeros(4, dtype=torch.uint8)), "pos": arrayckpt.PerRank(0)}
+    arrayckpt.load(target, ckpt)
+    assert target["pos"].value == 7 and torch.equal(target["rng"].value, torch.arange(4, dtype=torch.uint8))
+    with pytest.raises(arrayckpt.StateError, match="'pos' is per-rank in the checkpoint but not a PerRank"):
+        arrayckpt.load({"pos": 0}, ckpt, strict=False)
