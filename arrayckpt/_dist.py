@@ -62,6 +62,8 @@ def resolve_group(process_group: Any = None) -> Group:
     """The group to use: the given one, else the default group when initialised, else a single process."""
     import torch.distributed as dist
 
+    if isinstance(process_group, Group):  # already resolved (tests run ranks as threads this way)
+        return process_group
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return Group(0, 1)

@@ -11,13 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._dist import resolve_group
+from ._dist import Group, resolve_group
 from ._dtypes import dtype_of_numpy
-from ._errors import KeyMismatchError, StateError
+from ._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from ._format import ArrayEntry, Entry, PerRankEntry
 from ._io import ArrayIO, read_into
 from ._keys import dotted
 from ._reader import Checkpoint, open_checkpoint
+from ._readonce import split_reads
 from ._shards import PerRank, Shard, to_local_box
 from ._state import Leaf, StatefulNode, Walk, walk
 from ._tensors import writable_numpy
@@ -41,6 +42,7 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     process_group: Any = None,
+    read_once: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -50,7 +52,13 @@ def load(
     checkpoint (a fresh optimizer has no per-parameter state yet). Shapes and dtypes must match
     exactly. With ``strict=True`` keys of ``state`` missing from the checkpoint raise
     :class:`KeyMismatchError`; either way the result lists missing and unexpected keys. Everything
-    is checked before the first byte is read, so a mismatch leaves ``state`` untouched.
+    is checked before the first byte is read, so a mismatch leaves ``state`` untouched (damage found
+    while reading can leave some tensors loaded and others not).
+
+    With several ranks, every rank calls ``load`` with its own targets and reads only the slices they
+    hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
+    data-parallel copies of a shard — read from storage by one of them and sent to the others over the
+    process group, so storage serves each byte once.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -79,7 +87,7 @@ def load(
     for key, leaf in walked.leaves.items():
         if key in entries:
             plan.add(entries[key], leaf)
-    plan.run()
+    plan.run(group if read_once and group.size > 1 else None)
     _hand_back(walked.statefuls)
     return LoadResult(missing, unexpected)
 
@@ -101,9 +109,25 @@ class _LoadPlan:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replacements: list[tuple[Leaf, Any]] = []
 
-    def run(self) -> None:
-        """Read everything concurrently, then move staged data to devices and replace plain values."""
-        read_into(self.reads, self.checkpoint._context, self.where)
+    def run(self, share_with: Group | None = None) -> None:
+        """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
+        arriving from other ranks), then move staged data to devices and replace plain values."""
+        if share_with is None:
+            read_into(self.reads, self.checkpoint._context, self.where)
+        else:
+            own, exchange = split_reads(self.reads, share_with)
+            error: BaseException | None = None
+            try:
+                read_into(own, self.checkpoint._context, self.where)
+            except ArrayckptError as e:
+                error = e
+            failures = [(r, str(e)) for r, e in enumerate(share_with.all_gather(error)) if e is not None]
+            if error is not None:
+                raise error
+            if failures:  # another rank could not read what it was to send: nobody exchanges
+                rank, message = failures[0]
+                raise CorruptCheckpointError(f"rank {rank} failed to read data this rank needs: {message}")
+            exchange()
         for target, staged in self.copies:
             target.copy_(staged)
         for leaf, value in self.replacements:

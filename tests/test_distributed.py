@@ -216,3 +216,42 @@ def test_prime_shard_steps_fall_back_to_one_chunk_per_shard():
 
     outer, inner = choose_chunks((24573, 4096), 4, (8191, None))  # 8191 is prime
     assert outer == inner == (8191, 4096)
+
+
+def _four_ranks_2d_and_read_once(rank: int, world: int, path: str, replicated_path: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import arrayckpt._fastio as fastio
+
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(10, 9, generator=g)
+    mesh = init_device_mesh("cpu", (2, 2))  # FSDP x TP
+    arrayckpt.save({"w": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
+                    "b": distribute_tensor(full[0], mesh, [Replicate(), Replicate()])}, path)
+    # 2-D -> 1-D over the same 4 ranks, columns only
+    flat = init_device_mesh("cpu", (4,))
+    target = {"w": distribute_tensor(torch.zeros(10, 9), flat, [Shard(1)]), "b": torch.zeros(9)}
+    arrayckpt.load(target, path)
+    assert torch.equal(target["w"].full_tensor(), full) and torch.equal(target["b"], full[0])
+
+    # read-once: a replicated tensor read by one rank and sent to the three others
+    reads = {}
+    for read_once in (False, True):
+        before = fastio.STATS["bytes_read"]
+        rep = {"rep": torch.zeros(64, 16)}
+        arrayckpt.load(rep, replicated_path, read_once=read_once)
+        assert torch.equal(rep["rep"], torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16))
+        reads[read_once] = fastio.STATS["bytes_read"] - before
+    return reads
+
+
+def test_2d_mesh_save_loads_on_1d_mesh_and_read_once_reads_each_byte_once(tmp_path: Path):
+    replicated = tmp_path / "replicated"
+    arrayckpt.save({"rep": torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)}, replicated)
+    stored = (replicated / "rep" / "c.0.0").stat().st_size  # 4096 data bytes + 4 checksum bytes
+    reads = run_ranks(4, _four_ranks_2d_and_read_once, str(tmp_path / "ckpt"), str(replicated))
+    assert sum(r[False] for r in reads) == 4 * stored
+    assert sum(r[True] for r in reads) == stored
+    assert torch.equal(arrayckpt.open(tmp_path / "ckpt")["w"].torch(), torch.randn(10, 9, generator=torch.Generator()
+                                                                                     .manual_seed(1)))
