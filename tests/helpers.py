@@ -43,3 +43,17 @@ def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     assert a.shape == b.shape, (a.shape, b.shape)
     assert torch.equal(bits(a), bits(b))
+
+
+def run_example(name: str, *args: str) -> str:
+    """Run ``examples/<name>`` as a user would; returns its stdout, failing with both streams shown."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / name), *args], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    assert proc.returncode == 0, output
+    return proc.stdout
