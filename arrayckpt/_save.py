@@ -35,7 +35,7 @@ from ._io import ArrayIO, array_spec, write_all, write_context
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
 from ._shards import Box, PerRank, Shard, local_piece
 from ._state import walk
-from ._storage import LocalWriter, file_kvstore, parse_location
+from ._storage import LocalWriter, file_kvstore, make_durable, parse_location
 from ._tensors import readable_numpy
 from ._values import NotJSONable, encode_value
 
@@ -160,6 +160,8 @@ def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: st
         spec = array_spec(file_kvstore(temp, task.path), plan.arrays[task.path].metadata)
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
     write_all(jobs, write_context(), where)
+    if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
+        make_durable(temp)
 
 
 def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, step: int | None,

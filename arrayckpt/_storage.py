@@ -35,7 +35,15 @@ from ._errors import (
     StorageError,
 )
 
-__all__ = ["LocalLocation", "LocalWriter", "collect_garbage", "file_kvstore", "parse_location", "read_root_json"]
+__all__ = [
+    "LocalLocation",
+    "LocalWriter",
+    "collect_garbage",
+    "file_kvstore",
+    "make_durable",
+    "parse_location",
+    "read_root_json",
+]
 
 ROOT_METADATA = "zarr.json"
 TEMP_MARKER = ".arrayckpt-tmp-"
@@ -194,7 +202,7 @@ class LocalWriter:
     def commit(self, root_document: bytes) -> None:
         """Write the (serialised) root metadata, make everything durable, then make it visible at the path."""
         (self.temp / ROOT_METADATA).write_bytes(root_document)
-        _make_durable(self.temp)
+        make_durable(self.temp)
         target = self.location.path
         if _rename_noreplace(self.temp, target):
             _fsync_dir(target.parent)
@@ -289,7 +297,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _make_durable(root: Path) -> None:
+def make_durable(root: Path) -> None:
     """Flush everything written below ``root``: one ``syncfs`` on Linux, else fsync file by file.
 
     TensorStore is told not to fsync each chunk (``file_io_sync: false``); one filesystem-wide flush

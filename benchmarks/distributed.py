@@ -81,7 +81,7 @@ GB = 1e9
 MIB = 2**20
 DATA_STD = 0.02
 LAYERS = 4
-WIDTH_STEP = 64
+WIDTH_STEP = 32
 POS_ROWS = 256  # rows of the replicated position table
 VOCAB_PER_WIDTH = 8
 OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -152,7 +152,7 @@ def specs_for_width(width: int) -> list[TensorSpec]:
 
 
 def plan_state(total_bytes: int) -> list[TensorSpec]:
-    """The widest model (width a multiple of 64) whose state fits in ``total_bytes``."""
+    """The widest model (width a multiple of 32) whose state fits in ``total_bytes``."""
     width = WIDTH_STEP
     while sum(s.nbytes for s in specs_for_width(width + WIDTH_STEP)) <= total_bytes:
         width += WIDTH_STEP
@@ -556,6 +556,7 @@ class Row:
     gb_per_s: float
     bytes_read: float | None
     bytes_needed: int
+    total_bytes: int  # the global checkpoint data, every tensor once
     samples_s: list[float]
     vs_dcp: float | None = None
     vs_same: float | None = None
@@ -570,6 +571,10 @@ class Row:
     def read_ratio(self) -> float | None:
         return self.bytes_read / self.bytes_needed if self.bytes_read and self.bytes_needed else None
 
+    @property
+    def read_global_ratio(self) -> float | None:
+        return self.bytes_read / self.total_bytes if self.bytes_read else None
+
 
 def summarise(samples: list[dict[str, Any]], total: int) -> list[Row]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -582,14 +587,18 @@ def summarise(samples: list[dict[str, Any]], total: int) -> list[Row]:
         reads = [s["bytes_read"] for s in group]
         median = statistics.median(seconds)
         rows.append(Row(set_, system, op, saved, loaded, read_once, median, min(seconds), total / GB / median,
-                        None if None in reads or op != "load" else statistics.median(reads),
-                        group[0]["bytes_needed"], seconds))
+                        _median_bytes(reads) if op == "load" and system.startswith("arrayckpt") else None,
+                        group[0]["bytes_needed"], total, seconds))
     for row in rows:
         dcp = _baseline(rows, row, "dcp", row.ranks)
         same = _baseline(rows, row, row.system, str(row.saved_ranks))
         row.vs_dcp = None if dcp is None else dcp.median_s / row.median_s
         row.vs_same = None if same is None else row.median_s / same.median_s
     return rows
+
+
+def _median_bytes(reads: list[int | None]) -> float | None:
+    return None if None in reads else statistics.median(reads)  # type: ignore[type-var]
 
 
 def _baseline(rows: Sequence[Row], row: Row, system: str, ranks: str) -> Row | None:
@@ -621,7 +630,7 @@ BYTES_COLUMNS: tuple[Column, ...] = (
     ("read/needed", ">11", lambda r: _fmt(r.read_ratio, ".3f")),
 )
 RESHARD_COLUMNS = (*COMMON, ("/ same", ">6", lambda r: _fmt(r.vs_same, ".3f")), *BYTES_COLUMNS)
-READ_ONCE_COLUMNS = (*COMMON, *BYTES_COLUMNS)
+READ_ONCE_COLUMNS = (*COMMON, *BYTES_COLUMNS, ("read/global", ">11", lambda r: _fmt(r.read_global_ratio, ".3f")))
 
 
 def format_table(rows: Sequence[Row], columns: Sequence[Column]) -> str:

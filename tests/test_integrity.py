@@ -121,7 +121,7 @@ _KILLED_SAVE = textwrap.dedent(
     elif point == "before-commit":
         storage.LocalWriter.commit = lambda self, root: os._exit(17)
     elif point == "during-commit":
-        storage._make_durable = lambda root: os._exit(17)  # root zarr.json written, not yet renamed
+        storage.make_durable = lambda root: os._exit(17)  # root zarr.json written, not yet renamed
     state = {"w": torch.full((64, 8), 2.0), "extra": torch.ones(3), "step": 2}
     arrayckpt.save(state, sys.argv[1], overwrite=True)
     """
