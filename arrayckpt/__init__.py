@@ -20,6 +20,7 @@ from . import _zarr_dtypes as _zarr_dtypes  # registers bfloat16/float8 with zar
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from ._async import CheckpointBusyError, SaveHandle, async_save
     from ._codecs import Codec
     from ._errors import (
         ArrayckptError,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "ArrayckptError": "._errors",
+    "CheckpointBusyError": "._async",
     "Checkpoint": "._reader",
     "CheckpointExistsError": "._errors",
     "CheckpointNotFoundError": "._errors",
@@ -52,11 +54,13 @@ _LAZY = {
     "KeyMismatchError": "._errors",
     "LazyArray": "._reader",
     "LoadResult": "._load",
+    "SaveHandle": "._async",
     "PerRank": "._shards",
     "Shard": "._shards",
     "PickleNotAllowedError": "._errors",
     "StateError": "._errors",
     "StorageError": "._errors",
+    "async_save": "._async",
     "gc": "._storage:collect_garbage",
     "load": "._load",
     "open": "._reader:open_checkpoint",
@@ -66,6 +70,7 @@ _LAZY = {
 __all__ = [
     "ArrayckptError",
     "Checkpoint",
+    "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "Codec",
@@ -77,10 +82,12 @@ __all__ = [
     "LoadResult",
     "PerRank",
     "PickleNotAllowedError",
+    "SaveHandle",
     "Shard",
     "StateError",
     "StorageError",
     "__version__",
+    "async_save",
     "gc",
     "load",
     "open",

@@ -18,7 +18,7 @@ import datetime
 import os
 import pickle
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 
 from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
-from ._dtypes import dtype_of_numpy, dtype_of_torch
+from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, PickleNotAllowedError, StateError, StorageError
 from ._format import ArrayEntry, Manifest, ValueEntry, encode_root_document
 from ._io import ArrayIO, array_spec, write_all, write_context
@@ -79,13 +79,27 @@ def save(
     >>> sorted(arrayckpt.open(path))
     ['model.bias', 'model.weight']
     """
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise StateError(f"step must be an int or None, got {step!r}")
+    check_step(step)
     group = resolve_group(process_group)
     location = parse_location(path)
-    where = str(location)
+    local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
+    finish_save(local, error, group, location, codec, overwrite, step)
 
-    local, error = _attempt(lambda: _describe_local(state, group.rank, allow_pickle))
+
+def check_step(step: object) -> None:
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise StateError(f"step must be an int or None, got {step!r}")
+
+
+def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
+    """How a synchronous save reaches array data: the memory itself (a copy only off the CPU)."""
+    return readable_numpy(value, dt, key) if isinstance(value, torch.Tensor) else value
+
+
+def finish_save(local: _Local | None, error: BaseException | None, group: Group, location: Any,
+                codec: CodecChoice, overwrite: bool, step: int | None) -> None:
+    """Everything after describing the local state: the collectives, the writes, the commit."""
+    where = str(location)
     gathered = group.gather((None if local is None else local.description, error))
     coordination: _Coordination | None = None
     message: Any = None
@@ -183,8 +197,15 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
     return error
 
 
-def _describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Local:
-    """Walk the state into metadata for the coordinator and host views of this rank's data."""
+HostView = Callable[[str, str, "torch.Tensor | np.ndarray", DType], np.ndarray]
+
+
+def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host: HostView) -> _Local:
+    """Walk the state into metadata for the coordinator and host memory of this rank's data.
+
+    ``host(key, array path, tensor or array, dtype)`` gives the memory to write from: the data itself
+    for a synchronous save (:func:`host_view`), a staged copy for an asynchronous one.
+    """
     walked = walk(state)
     arrays: list[ArrayDescription] = []
     values: list[ValueEntry] = []
@@ -193,19 +214,19 @@ def _describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> 
     for key, leaf in walked.leaves.items():
         value = leaf.value
         if isinstance(value, PerRank):
-            per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data))
+            per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data, host))
         elif isinstance(value, (torch.Tensor, Shard)):
             piece = local_piece(value, key, rank)
             _check_ndim(key, piece.global_shape)
             dt = dtype_of_torch(piece.tensor.dtype, key)
             arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
                                            piece.replica_id))
-            data[_path(key)] = (piece.box, readable_numpy(piece.tensor, dt, key))
+            data[_path(key)] = (piece.box, host(key, _path(key), piece.tensor, dt))
         elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
             _check_ndim(key, value.shape)
             arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
                                            rank))
-            data[_path(key)] = (Box.whole(value.shape), value)
+            data[_path(key)] = (Box.whole(value.shape), host(key, _path(key), value, dt))
         else:
             encoded = _encode(key, value, allow_pickle)
             if isinstance(encoded, np.ndarray):
@@ -217,14 +238,16 @@ def _describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> 
     return _Local(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers), data)
 
 
-def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict) -> ValueEntry | ArrayEntry:
+def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,
+                       host: HostView) -> ValueEntry | ArrayEntry:
     """A per-rank tensor is written by its rank as its own array; other per-rank values must be JSON."""
     from ._format import per_rank_path
 
     if isinstance(value, torch.Tensor):
         _check_ndim(key, tuple(value.shape))
         dt = dtype_of_torch(value.dtype, key)
-        data[per_rank_path(key, rank)] = (Box.whole(tuple(value.shape)), readable_numpy(value, dt, key))
+        path = per_rank_path(key, rank)
+        data[path] = (Box.whole(tuple(value.shape)), host(key, path, value, dt))
         return ArrayEntry(key, parts, dt, tuple(value.shape), "tensor")
     try:
         return ValueEntry(key, parts, encode_value(value))

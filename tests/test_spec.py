@@ -30,7 +30,7 @@ from arrayckpt._errors import FormatError
 from arrayckpt._format import GROUP_METADATA, MAX_NDIM, Manifest, node_documents, per_rank_path
 from arrayckpt._io import read_context
 from arrayckpt._keys import array_path, parse_array_path
-from arrayckpt._save import _describe_local
+from arrayckpt._save import describe_local, host_view
 from arrayckpt._saveplan import plan_save
 from arrayckpt._shards import Box
 from arrayckpt._storage import LocalWriter, parse_location
@@ -323,8 +323,7 @@ def _per_rank_example_states() -> list[dict]:
 def test_per_rank_example():
     """The two-rank example of section 4.3, planned as the coordinator plans it (no processes needed)."""
     states = _per_rank_example_states()
-    planned = plan_save([_describe_local(state, rank, False).description for rank, state in enumerate(states)],
-                        None)
+    planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
     manifest = Manifest(planned.entries, None, planned.containers, {}).to_dict()
     expected = _json_block("per-rank-example")
     assert _without_created(manifest) == _without_created(expected)
@@ -358,8 +357,7 @@ def test_per_rank_entries_on_disk_and_read_back(tmp_path):
 
 def test_plain_values_come_from_the_lowest_rank_holding_them():
     states = [{"w": torch.ones(2)}, {"w": torch.ones(2), "v": "rank1"}, {"w": torch.ones(2), "v": "rank2"}]
-    planned = plan_save([_describe_local(state, rank, False).description for rank, state in enumerate(states)],
-                        None)
+    planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
     assert planned.entries["v"].value == "rank1"
 
 

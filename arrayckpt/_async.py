@@ -1,0 +1,176 @@
+"""Asynchronous saves: training blocks only while tensors are copied to host staging buffers.
+
+``async_save`` walks the state and copies every tensor into a host buffer (pinned memory for CUDA
+tensors, one non-blocking copy each and one synchronisation), then returns a :class:`SaveHandle`; a
+background thread does the rest of an ordinary save — collectives, writes, commit — from the staged
+copies, so the training loop may change its tensors right away. Buffers are allocated once per
+(array, shape, dtype) and reused by the next save. The background collectives run on a process group
+of their own, so they never interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ._codecs import CodecChoice
+from ._dist import Group, resolve_group
+from ._dtypes import DType, numpy_view
+from ._errors import ArrayckptError
+from ._save import _attempt, check_step, describe_local, finish_save
+from ._storage import parse_location
+
+__all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
+
+
+class CheckpointBusyError(ArrayckptError, RuntimeError):
+    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+
+
+class SaveHandle:
+    """A save running in the background: :meth:`wait` for it (re-raising its error) or poll :meth:`done`."""
+
+    def __init__(self, future: Future[None], path: str, blocking_seconds: float) -> None:
+        self._future = future
+        self._observed = False  # whether the caller has seen the outcome (so it is not raised twice)
+        self.path = path
+        #: How long ``async_save`` blocked the caller (staging copies); what a checkpoint costs training.
+        self.blocking_seconds = blocking_seconds
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save has committed; raise what made it fail (nothing was committed then)."""
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._observed = True
+            raise
+        self._observed = True
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.path!r}, {state}, blocked {self.blocking_seconds * 1e3:.1f} ms)"
+
+
+class _Stager:
+    """Host copies of the arrays of a save, allocated once per (array path, shape, dtype) and reused."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
+        self._used: set[tuple[str, tuple[int, ...], Any]] = set()
+        self._cuda = False
+
+    def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
+        """Copy ``value`` into its staging buffer (the ``host`` callback of ``describe_local``)."""
+        if isinstance(value, np.ndarray):
+            slot = (path, value.shape, value.dtype)
+            buffer = self._buffers.get(slot)
+            if buffer is None:
+                buffer = self._buffers[slot] = np.empty(value.shape, value.dtype)
+            np.copyto(buffer, value)
+            self._used.add(slot)
+            return buffer
+        source = value.detach()
+        slot = (path, tuple(source.shape), source.dtype)
+        tensor = self._buffers.get(slot)
+        pinned = source.is_cuda and torch.cuda.is_available()
+        if tensor is None:
+            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        tensor.copy_(source, non_blocking=pinned)  # resolves conjugate/negative views too
+        self._cuda = self._cuda or pinned
+        self._used.add(slot)
+        return numpy_view(tensor, dt)
+
+    def finish(self) -> None:
+        """Wait for device copies and forget buffers the save did not use (the state's layout changed)."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        for slot in set(self._buffers) - self._used:
+            del self._buffers[slot]
+        self._used.clear()
+        self._cuda = False
+
+
+_EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-save")
+_LOCK = threading.Lock()
+_IN_FLIGHT: list[SaveHandle] = []
+_STAGER = _Stager()
+_BACKGROUND_GROUPS: dict[Any, Group] = {}
+
+
+def async_save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    codec: CodecChoice = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    process_group: Any = None,
+    step: int | None = None,
+    if_busy: Literal["wait", "error"] = "wait",
+) -> SaveHandle:
+    """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
+
+    The state may be modified as soon as this returns. A failure is raised by the handle's ``wait()``
+    (nothing is committed then). An earlier async save still running is waited for first
+    (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``).
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> w = torch.ones(4)
+    >>> handle = arrayckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+    >>> w.zero_()  # training goes on; the checkpoint keeps the ones
+    tensor([0., 0., 0., 0.])
+    >>> handle.wait()
+    """
+    check_step(step)
+    _wait_for_previous(if_busy)
+    started = time.perf_counter()
+    group = _background_group(resolve_group(process_group))
+    location = parse_location(path)
+    local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, _STAGER.host))
+    _STAGER.finish()
+    if error is not None and group.size == 1:
+        raise error  # nobody else to tell: fail now rather than on wait()
+    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, step)
+    handle = SaveHandle(future, str(location), time.perf_counter() - started)
+    with _LOCK:
+        _IN_FLIGHT[:] = [handle]
+    return handle
+
+
+def _wait_for_previous(if_busy: str) -> None:
+    """The staging buffers are about to be reused: the previous save must be over, and its failure seen."""
+    with _LOCK:
+        previous = _IN_FLIGHT[0] if _IN_FLIGHT else None
+    if previous is None:
+        return
+    if if_busy == "error" and not previous.done():
+        raise CheckpointBusyError(f"an async save to {previous.path} is still running; wait() for it first")
+    error = previous._future.exception()  # waits
+    with _LOCK:
+        _IN_FLIGHT.clear()
+    if error is not None and not previous._observed:
+        previous._observed = True
+        raise error
+
+
+def _background_group(group: Group) -> Group:
+    """A separate gloo group over the same ranks for the background collectives (created once, collectively)."""
+    if group.size == 1 or type(group) is not Group:
+        return group
+    import torch.distributed as dist
+
+    if group.pg not in _BACKGROUND_GROUPS:
+        pg = dist.new_group(ranks=dist.get_process_group_ranks(group.pg), backend="gloo")
+        _BACKGROUND_GROUPS[group.pg] = Group(group.rank, group.size, pg, pg)
+    return _BACKGROUND_GROUPS[group.pg]
