@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         StateError,
         StorageError,
     )
+    from ._interval import OptimalInterval, optimal_interval
     from ._load import LoadResult, load
     from ._reader import Checkpoint, LazyArray
     from ._reader import open_checkpoint as open  # noqa: A004
@@ -54,6 +55,7 @@ _LAZY = {
     "KeyMismatchError": "._errors",
     "LazyArray": "._reader",
     "LoadResult": "._load",
+    "OptimalInterval": "._interval",
     "SaveHandle": "._async",
     "PerRank": "._shards",
     "Shard": "._shards",
@@ -63,6 +65,7 @@ _LAZY = {
     "async_save": "._async",
     "gc": "._storage:collect_garbage",
     "load": "._load",
+    "optimal_interval": "._interval",
     "open": "._reader:open_checkpoint",
     "save": "._save",
 }
@@ -80,6 +83,7 @@ __all__ = [
     "KeyMismatchError",
     "LazyArray",
     "LoadResult",
+    "OptimalInterval",
     "PerRank",
     "PickleNotAllowedError",
     "SaveHandle",
@@ -91,6 +95,7 @@ __all__ = [
     "gc",
     "load",
     "open",
+    "optimal_interval",
     "save",
 ]
 
