@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     )
     from ._interval import OptimalInterval, optimal_interval
     from ._load import LoadResult, load
+    from ._manager import CheckpointManager, Interval, Retention
     from ._reader import Checkpoint, LazyArray
     from ._reader import open_checkpoint as open  # noqa: A004
     from ._save import save
@@ -47,11 +48,13 @@ _LAZY = {
     "CheckpointBusyError": "._async",
     "Checkpoint": "._reader",
     "CheckpointExistsError": "._errors",
+    "CheckpointManager": "._manager",
     "CheckpointNotFoundError": "._errors",
     "Codec": "._codecs",
     "CorruptCheckpointError": "._errors",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
+    "Interval": "._manager",
     "KeyMismatchError": "._errors",
     "LazyArray": "._reader",
     "LoadResult": "._load",
@@ -60,6 +63,7 @@ _LAZY = {
     "PerRank": "._shards",
     "Shard": "._shards",
     "PickleNotAllowedError": "._errors",
+    "Retention": "._manager",
     "StateError": "._errors",
     "StorageError": "._errors",
     "async_save": "._async",
@@ -75,17 +79,20 @@ __all__ = [
     "Checkpoint",
     "CheckpointBusyError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "Codec",
     "CorruptCheckpointError",
     "FormatError",
     "IncompleteCheckpointError",
+    "Interval",
     "KeyMismatchError",
     "LazyArray",
     "LoadResult",
     "OptimalInterval",
     "PerRank",
     "PickleNotAllowedError",
+    "Retention",
     "SaveHandle",
     "Shard",
     "StateError",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, numpy_view
 from ._errors import ArrayckptError
-from ._save import _attempt, check_step, describe_local, finish_save
+from ._save import _attempt, check_record, describe_local, finish_save
 from ._storage import parse_location
 
 __all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
@@ -117,6 +118,7 @@ def async_save(
     allow_pickle: bool = False,
     process_group: Any = None,
     step: int | None = None,
+    metrics: Mapping[str, float] | None = None,
     if_busy: Literal["wait", "error"] = "wait",
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
@@ -132,7 +134,7 @@ def async_save(
     tensor([0., 0., 0., 0.])
     >>> handle.wait()
     """
-    check_step(step)
+    record = check_record(step, metrics)
     _wait_for_previous(if_busy)
     started = time.perf_counter()
     group = _background_group(resolve_group(process_group))
@@ -141,7 +143,7 @@ def async_save(
     _STAGER.finish()
     if error is not None and group.size == 1:
         raise error  # nobody else to tell: fail now rather than on wait()
-    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, step)
+    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, record)
     handle = SaveHandle(future, str(location), time.perf_counter() - started)
     with _LOCK:
         _IN_FLIGHT[:] = [handle]

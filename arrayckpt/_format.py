@@ -135,15 +135,20 @@ class Manifest:
     containers: Mapping[str, str] = field(default_factory=dict)
     created: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # Training metrics the caller attached (e.g. validation loss), for choosing which checkpoints to keep.
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format_version": self.format_version,
             "step": self.step,
             "created": dict(self.created),
             "containers": dict(self.containers),
             "entries": {key: entry.to_dict() for key, entry in self.entries.items()},
         }
+        if self.metrics:
+            out["metrics"] = dict(self.metrics)
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> Manifest:
@@ -170,7 +175,17 @@ class Manifest:
         if not isinstance(created, dict):
             raise FormatError("manifest 'created' must be a JSON object")
         parsed = {key: parse_entry(key, value) for key, value in entries.items()}
-        return cls(parsed, step, containers, created, version)
+        return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})))
+
+
+def parse_metrics(metrics: object) -> dict[str, float]:
+    """Metrics: a JSON object of finite numbers by name."""
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for k, v in metrics.items()
+    ):
+        raise FormatError(f"metrics must map names to finite numbers, got {metrics!r}")
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def _parse_shape(shape: object, key: str) -> tuple[int, ...]:

@@ -210,6 +210,11 @@ class Checkpoint(Mapping[str, LazyArray]):
     def step(self) -> int | None:
         return self.manifest.step
 
+    @property
+    def metrics(self) -> Mapping[str, float]:
+        """The metrics recorded at save (``save(..., metrics={"val_loss": 1.9})``)."""
+        return self.manifest.metrics
+
     @cached_property
     def plain_values(self) -> Mapping[str, Any]:
         """Plain values by dotted key (pickled ones raise unless opened with ``allow_pickle=True``)."""

@@ -19,7 +19,7 @@ import os
 import pickle
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ import torch
 from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
-from ._errors import ArrayckptError, PickleNotAllowedError, StateError, StorageError
-from ._format import ArrayEntry, Manifest, ValueEntry, encode_root_document
+from ._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError, StorageError
+from ._format import ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics
 from ._io import ArrayIO, array_spec, write_all, write_context
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
 from ._shards import Box, PerRank, Shard, local_piece
@@ -61,6 +61,7 @@ def save(
     allow_pickle: bool = False,
     process_group: Any = None,
     step: int | None = None,
+    metrics: Mapping[str, float] | None = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
@@ -70,7 +71,8 @@ def save(
     lists. ``codec`` is ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`,
     or a per-key choice (``{"optim.*": "zstd"}``). Every chunk carries a crc32c. The checkpoint
     becomes visible only once complete; a committed checkpoint at ``path`` is replaced only with
-    ``overwrite=True``, and stays readable until the new one has committed.
+    ``overwrite=True``, and stays readable until the new one has committed. ``step`` and ``metrics``
+    (finite numbers by name, e.g. a validation loss) are recorded in the manifest.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
@@ -79,16 +81,28 @@ def save(
     >>> sorted(arrayckpt.open(path))
     ['model.bias', 'model.weight']
     """
-    check_step(step)
+    record = check_record(step, metrics)
     group = resolve_group(process_group)
     location = parse_location(path)
     local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
-    finish_save(local, error, group, location, codec, overwrite, step)
+    finish_save(local, error, group, location, codec, overwrite, record)
 
 
-def check_step(step: object) -> None:
+@dataclass(frozen=True)
+class Record:
+    """What the manifest records about the save besides the state: its step and metrics."""
+
+    step: int | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+def check_record(step: object, metrics: object) -> Record:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise StateError(f"step must be an int or None, got {step!r}")
+    try:
+        return Record(step, parse_metrics(metrics if metrics is not None else {}))  # type: ignore[arg-type]
+    except FormatError as e:
+        raise StateError(str(e)) from None
 
 
 def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
@@ -97,7 +111,7 @@ def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) 
 
 
 def finish_save(local: _Local | None, error: BaseException | None, group: Group, location: Any,
-                codec: CodecChoice, overwrite: bool, step: int | None) -> None:
+                codec: CodecChoice, overwrite: bool, record: Record) -> None:
     """Everything after describing the local state: the collectives, the writes, the commit."""
     where = str(location)
     gathered = group.gather((None if local is None else local.description, error))
@@ -116,7 +130,7 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     outcome: BaseException | None = None
     if group.is_coordinator:
         assert coordination is not None and results is not None
-        outcome = _commit_or_abort(coordination, plan, results, step, group)
+        outcome = _commit_or_abort(coordination, plan, results, record, group)
     outcome = group.broadcast(outcome)
     if outcome is not None:
         raise outcome
@@ -178,7 +192,7 @@ def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: st
         make_durable(temp)
 
 
-def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, step: int | None,
+def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, record: Record,
                      group: Group) -> BaseException | None:
     writer = coordination.writer
     error = _first_error(results)
@@ -188,7 +202,8 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
         error = error or e
     if error is None:
         try:
-            manifest = Manifest(plan.entries, step, plan.containers, _created(group.size))
+            manifest = Manifest(plan.entries, record.step, plan.containers, _created(group.size),
+                                metrics=record.metrics)
             writer.commit(encode_root_document(manifest, plan.consolidated_json))
             return None
         except (OSError, ArrayckptError) as e:

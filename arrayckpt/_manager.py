@@ -1,0 +1,234 @@
+"""CheckpointManager: step-named checkpoints under one root, an interval policy, retention, resume.
+
+Checkpoints live at ``<root>/step-<step:08d>``. Only committed checkpoints count: an interrupted save
+leaves a temporary directory that is never listed and is removed by :func:`arrayckpt.gc`. Retention runs
+on the coordinator after each save has committed, and never removes the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ._errors import CheckpointNotFoundError, StateError
+from ._interval import optimal_interval
+
+__all__ = ["CheckpointManager", "Interval", "Retention"]
+
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """When :meth:`CheckpointManager.save` actually saves (any rule that fires is enough).
+
+    ``every_steps`` / ``every_seconds``: fixed intervals. ``mtbf_hours``: Daly's optimum from the
+    measured blocking time of the previous save and the given mean time between failures.
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    mtbf_hours: float | None = None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints to keep; everything else is deleted after each save.
+
+    ``keep_last`` newest; every step that is a multiple of ``keep_every``; the ``keep_best`` best by
+    ``metric`` (``mode="min"`` or ``"max"``; checkpoints without that metric do not compete).
+    ``None`` everywhere keeps everything.
+    """
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+
+    def keep(self, steps: list[int], metrics: Mapping[int, Mapping[str, float]]) -> set[int]:
+        """The steps to keep out of the committed ``steps`` (sorted ascending)."""
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return set(steps)
+        kept = set(steps[-max(1, self.keep_last or 1):])  # the newest is always kept
+        if self.keep_every:
+            kept.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best and self.metric:
+            scored = [s for s in steps if self.metric in metrics.get(s, {})]
+            scored.sort(key=lambda s: metrics[s][self.metric], reverse=self.mode == "max")
+            kept.update(scored[: self.keep_best])
+        return kept
+
+
+class CheckpointManager:
+    """Save every so often, keep what the retention policy says, resume from the newest committed step.
+
+    >>> import arrayckpt, torch, tempfile
+    >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
+    >>> w = torch.zeros(2)
+    >>> [manager.save(step, {"w": w}) for step in range(1, 5)]
+    [False, True, False, True]
+    >>> manager.latest_step(), manager.restore({"w": w})
+    (4, 4)
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        interval: Interval | None = None,
+        retention: Retention | None = None,
+        asynchronous: bool = False,
+        codec: Any = None,
+        process_group: Any = None,
+    ) -> None:
+        self.root = Path(root)
+        self.interval = interval or Interval(every_steps=1)
+        self.retention = retention or Retention()
+        self.asynchronous = asynchronous
+        self.codec = codec
+        self.process_group = process_group
+        self._pending: Any = None  # the in-flight SaveHandle of an asynchronous save
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        self._blocking_seconds: float | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # --- where checkpoints are --------------------------------------------------------------------
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint, ascending (incomplete ones are ignored)."""
+        from ._storage import LocalLocation, is_committed
+
+        found = []
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.fullmatch(entry.name)
+            if match and entry.is_dir() and is_committed(LocalLocation(entry)):
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # --- saving -----------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether the interval policy asks for a checkpoint at ``step``."""
+        rule = self.interval
+        if self._last_step is None:
+            return bool(rule.every_steps and step % rule.every_steps == 0) or rule.every_steps is None
+        if rule.every_steps and step - self._last_step >= rule.every_steps:
+            return True
+        elapsed = time.monotonic() - (self._last_time or 0.0)
+        if rule.every_seconds and elapsed >= rule.every_seconds:
+            return True
+        if rule.mtbf_hours and self._blocking_seconds is not None:
+            return elapsed >= optimal_interval(self._blocking_seconds, rule.mtbf_hours * 3600).daly_seconds
+        return False
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
+             metrics: Mapping[str, float] | None = None) -> bool:
+        """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so; returns whether
+        a save was started. Asynchronous managers return once the data is staged."""
+        if not (force or self.should_save(step)):
+            return False
+        if self._last_step is not None and step <= self._last_step:
+            raise StateError(f"step {step} is not after the last saved step {self._last_step}")
+        self.wait()
+        started = time.perf_counter()
+        if self.asynchronous:
+            from ._async import async_save
+
+            self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
+                                       step=step, metrics=metrics, overwrite=True)
+            self._blocking_seconds = self._pending.blocking_seconds
+        else:
+            from ._save import save
+
+            save(state, self.path(step), codec=self.codec, process_group=self.process_group, step=step,
+                 metrics=metrics, overwrite=True)
+            self._blocking_seconds = time.perf_counter() - started
+            self._apply_retention()
+        self._last_step, self._last_time = step, time.monotonic()
+        return True
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save in flight (raising its error), then apply retention."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()
+            self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        if not self._is_coordinator():
+            return
+        from ._reader import open_checkpoint
+
+        steps = self.steps()
+        metrics = {}
+        if self.retention.keep_best and self.retention.metric:
+            metrics = {s: dict(open_checkpoint(self.path(s)).metrics) for s in steps}
+        for step in set(steps) - self.retention.keep(steps, metrics):
+            shutil.rmtree(self.path(step), ignore_errors=True)
+
+    def _is_coordinator(self) -> bool:
+        from ._dist import resolve_group
+
+        return resolve_group(self.process_group).is_coordinator
+
+    # --- resuming ---------------------------------------------------------------------------------
+
+    def restore(self, state: Mapping[str, Any], step: int | None = None, **load_options: Any) -> int | None:
+        """Load the newest committed checkpoint (or ``step``) into ``state``; returns its step, or
+        ``None`` when there is nothing to resume from (a fresh start)."""
+        from ._load import load
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                return None
+        elif step not in self.steps():
+            raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
+        load(state, self.path(step), process_group=self.process_group, **load_options)
+        self._last_step, self._last_time = step, time.monotonic()
+        return step
+
+    # --- preemption -------------------------------------------------------------------------------
+
+    def save_on_sigterm(self, state_and_step: Callable[[], tuple[int, Mapping[str, Any]]]) -> None:
+        """On SIGTERM (preemption), finish any save in flight, save ``state_and_step()`` synchronously,
+        then exit with the signal's default status. Opt-in; call once, from the main thread."""
+        def handler(signum: int, frame: Any) -> None:
+            self.wait()
+            step, state = state_and_step()
+            if self._last_step is None or step > self._last_step:
+                asynchronous, self.asynchronous = self.asynchronous, False
+                try:
+                    self.save(step, state, force=True)
+                finally:
+                    self.asynchronous = asynchronous
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, handler)
+
+    def close(self) -> None:
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
