@@ -32,7 +32,11 @@ __all__ = [
 INNER_CHUNK_BYTES = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
 OUTER_CHUNK_BYTES = 64 << 20  # write unit: one file per outer chunk; several per big tensor for parallelism
 CHUNK_KEY_SEPARATOR = "."  # chunk files "c.0.1" beside zarr.json: no directory per chunk row
-FRAGMENTATION_LIMIT = 16  # inner chunks this many times smaller than wanted are not worth an index
+MIN_INNER_CHUNK_BYTES = 256 << 10  # smaller read units cost more in index entries and calls than they save
+INNER_CHUNKS_PER_SHARD = 16  # a shard read at another sharding fetches at most ~2/16 of a shard too much
+# Chunks forced (by awkward shard steps) 16x below their target and under 32 KiB cost more than they help.
+FRAGMENTATION_LIMIT = 16
+SMALLEST_CHUNK_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,12 @@ def _fit(chunk: tuple[int, ...], steps: tuple[int | None, ...]) -> tuple[int, ..
     return tuple(c if s is None else _largest_divisor_at_most(s, c) for c, s in zip(chunk, steps, strict=True))
 
 
+def _fragmented(fitted: tuple[int, ...], wanted: tuple[int, ...], itemsize: int) -> bool:
+    """Whether fitting to the shard steps left chunks far smaller than wanted and absolutely small."""
+    size = itemsize * math.prod(fitted)
+    return size * FRAGMENTATION_LIMIT < itemsize * math.prod(wanted) and size < SMALLEST_CHUNK_BYTES
+
+
 def choose_chunks(
     shape: tuple[int, ...], itemsize: int, steps: tuple[int | None, ...] | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -119,12 +129,16 @@ def choose_chunks(
     """
     steps = steps or (None,) * len(shape)
     cell = tuple(s or max(1, n) for s, n in zip(steps, shape, strict=True))
-    wanted = _split(cell, itemsize, INNER_CHUNK_BYTES)
+    # Inner chunks of ~1/16 of a shard (within [MIN_INNER_CHUNK_BYTES, INNER_CHUNK_BYTES]), so that a
+    # load at another sharding reads little more than it needs, even when shards are small.
+    shard_bytes = itemsize * math.prod(cell)
+    inner_target = min(INNER_CHUNK_BYTES, max(MIN_INNER_CHUNK_BYTES, shard_bytes // INNER_CHUNKS_PER_SHARD))
+    wanted = _split(cell, itemsize, inner_target)
     inner = _fit(wanted, steps)
-    if math.prod(inner) * FRAGMENTATION_LIMIT < math.prod(wanted):
+    if _fragmented(inner, wanted, itemsize):
         wanted_outer = _split(cell, itemsize, OUTER_CHUNK_BYTES)
         outer = _fit(wanted_outer, steps)
-        if math.prod(outer) * FRAGMENTATION_LIMIT < math.prod(wanted_outer):
+        if _fragmented(outer, wanted_outer, itemsize):
             outer = cell  # no useful divisor at all (a prime step): one chunk per shard, however big
         return outer, outer
     counts = [math.ceil(c / i) for c, i in zip(cell, inner, strict=True)]

@@ -43,9 +43,13 @@ Bytes read from storage: the change of ``arrayckpt._fastio.STATS["bytes_read"]``
 ranks; it includes each chunk's 4-byte checksum and shard indexes. DCP's reads are not counted.
 
 Every system's first load of each kind is compared bit for bit with the global tensors (outside the
-timing). GB/s = 1e9 bytes of global checkpoint data (every tensor once) / median seconds. ``x DCP`` = DCP's
-median / this median for the same ranks and op (> 1: faster). The machine may be shared and have few
-cores (all ranks share them): trust medians over several repeats.
+timing). Reported per system, ranks and op: median and min seconds over the repeats; GB/s = 1e9 bytes of
+global checkpoint data (every tensor once) / median seconds; CPU s = median of the user + system CPU
+seconds of the taking ranks during the op, summed over them (less sensitive than wall time to other load
+on the machine); ``x DCP`` = DCP's median / this median for the same ranks and op (> 1: faster);
+``/ same`` = reshard median / same-topology median, and ``paired`` = the median over repeats of the same
+ratio within each repeat (the two loads ran back to back, so they share the machine's noise). The
+machine may be shared and have few cores (all ranks share them): trust medians over several repeats.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -332,6 +337,12 @@ def settle() -> None:
         libc.malloc_trim(0)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def bytes_read_so_far() -> int | None:
     try:
         from arrayckpt._fastio import STATS
@@ -366,20 +377,22 @@ class RankRun:
         if self.rank == 0:
             print(f"  [{self.job.kind}, {self.world} ranks] {message}", flush=True)
 
-    def measure(self, key: dict[str, Any], op: Callable[[], object] | None, needed: int = 0) -> float | None:
+    def measure(self, key: dict[str, Any], op: Callable[[], object] | None, needed: int = 0) -> None:
         """Time ``op`` (``None``: this rank takes no part) between world barriers; keep a sample."""
         settle()
         dist.barrier()
         before = bytes_read_so_far()
-        start = time.perf_counter()
+        cpu_start, start = cpu_seconds(), time.perf_counter()
         if op is not None:
             op()
         seconds = time.perf_counter() - start if op is not None else None
-        after = bytes_read_so_far()
+        cpu, after = cpu_seconds() - cpu_start, bytes_read_so_far()
         dist.barrier()
         read = None if before is None or after is None else after - before
-        self.samples.append({**key, "seconds": seconds, "bytes_read": read, "bytes_needed": needed})
-        return seconds
+        self.samples.append({**key, "seconds": seconds, "cpu_s": cpu, "bytes_read": read, "bytes_needed": needed})
+        if seconds is not None and self.rank == 0:
+            ranks = f"{key['saved_ranks']}->{key['loaded_ranks']}" if key["op"] == "load" else key["saved_ranks"]
+            print(f"    {key['system']:<20} {key['op']} {ranks:<5} {seconds:7.3f}s (rank 0)", flush=True)
 
     def remove(self, path: Path) -> None:
         if self.rank == 0:
@@ -388,25 +401,23 @@ class RankRun:
 
     def save(self, system: System, state: State, path: Path, key: dict[str, Any]) -> None:
         self.remove(path)
-        self.measure({**key, "system": system.name, "op": "save"}, functools.partial(system.save, state, str(path),
-                                                                                    None))
+        op = functools.partial(system.save, state, str(path), None)
+        self.measure({**key, "system": system.name, "op": "save"}, op)
 
     def load(self, variant: LoadVariant, target: State | None, path: Path, group: Any, key: dict[str, Any],
-             check: tuple[Any, Sequence[TensorSpec], dict[str, torch.Tensor]] | None) -> None:
-        """A timed in-place load into zeroed ``target`` (``None``: not on this rank), verified when ``check``."""
+             verify_on: Any = None) -> None:
+        """A timed in-place load into zeroed ``target`` (``None``: not on this rank); with ``verify_on`` (the
+        target's mesh), the loaded shards are then compared with the global tensors."""
         op = None
         if target is not None:
             zero_fill(target, self.job.specs)
             op = functools.partial(variant.load, target, str(path), group)
         key = {**key, "system": variant.label, "op": "load", "loaded_ranks": variant.loaded_ranks,
                "read_once": variant.read_once}
-        seconds = self.measure(key, op, local_nbytes(target, self.job.specs) if target is not None else 0)
-        if target is not None and check is not None:
-            mesh, specs, full = check
-            verify(target, specs, mesh, full, f"{variant.label} {key.get('saved_ranks')}->{variant.loaded_ranks}")
-        if seconds is not None and self.rank == 0:
-            print(f"    {variant.label:<20} load {key.get('saved_ranks')}->{variant.loaded_ranks}  {seconds:7.3f}s",
-                  flush=True)
+        self.measure(key, op, 0 if target is None else local_nbytes(target, self.job.specs))
+        if target is not None and verify_on is not None:
+            what = f"{variant.label} {key['saved_ranks']}->{variant.loaded_ranks}"
+            verify(target, self.job.specs, verify_on, self.job.full, what)
 
     def gather(self) -> list[dict[str, Any]] | None:
         everyone: list[Any] | None = [None] * self.world if self.rank == 0 else None
@@ -425,7 +436,7 @@ def warm_up(run: RankRun, meshes: dict[int, Any], groups: dict[int, Any]) -> Non
         run.remove(path)
         system.save(source, str(path), None)
         for ranks, mesh in meshes.items():
-            for variant in variants_for(ranks, run.job.read_once and system.name == "arrayckpt", (system,)):
+            for variant in variants_for(ranks, run.job.read_once, (system,)):
                 if mesh is not None:
                     target = rank_state(specs, mesh, None)
                     variant.load(target, str(path), groups[ranks])
@@ -458,8 +469,7 @@ def run_compare(run: RankRun) -> None:
             key = {"set": "compare", "saved_ranks": world, "repeat": rep}
             path = Path(job.root) / f"{system.name}-{world}"
             run.save(system, source, path, key)
-            check = (mesh, job.specs, job.full) if rep == 0 else None
-            run.load(LoadVariant(system, world), target, path, None, key, check)
+            run.load(LoadVariant(system, world), target, path, None, key, mesh if rep == 0 else None)
             run.remove(path)
 
 
@@ -486,8 +496,8 @@ def run_reshard(run: RankRun) -> None:
         run.log(f"repeat {rep + 1}/{job.repeats}")
         for v in variants:
             n = v.loaded_ranks
-            check = (meshes[n], job.specs, job.full) if rep == 0 and meshes[n] is not None else None
-            run.load(v, targets[n], paths[v.system.name], groups[n], {**key, "repeat": rep}, check)
+            verify_on = meshes[n] if rep == 0 else None
+            run.load(v, targets[n], paths[v.system.name], groups[n], {**key, "repeat": rep}, verify_on)
     for path in paths.values():
         run.remove(path)
 
@@ -510,8 +520,8 @@ def rank_main(rank: int, world: int, port: int, job: Job) -> None:
 
 
 def merge_ranks(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One sample per op: the slowest taking rank's seconds, bytes read and needed summed over ranks."""
-    measured = ("seconds", "bytes_read", "bytes_needed")
+    """One sample per op: the slowest taking rank's seconds; CPU seconds, bytes read and needed summed over ranks."""
+    measured = ("seconds", "cpu_s", "bytes_read", "bytes_needed")
     by_op: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for s in samples:
         by_op[tuple(sorted((k, v) for k, v in s.items() if k not in measured))].append(s)
@@ -520,6 +530,7 @@ def merge_ranks(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seconds = [s["seconds"] for s in group if s["seconds"] is not None]
         reads = [s["bytes_read"] for s in group if s["seconds"] is not None]
         merged.append({**dict(key), "seconds": max(seconds), "per_rank_seconds": seconds,
+                       "cpu_s": sum(s["cpu_s"] for s in group),
                        "bytes_read": None if None in reads else sum(reads),
                        "bytes_needed": sum(s["bytes_needed"] for s in group)})
     return merged
@@ -557,9 +568,11 @@ class Row:
     bytes_read: float | None
     bytes_needed: int
     total_bytes: int  # the global checkpoint data, every tensor once
-    samples_s: list[float]
+    cpu_s: float  # median over repeats of the CPU seconds summed over ranks
+    samples_s: list[float]  # by repeat
     vs_dcp: float | None = None
     vs_same: float | None = None
+    vs_same_paired: float | None = None
 
     @property
     def ranks(self) -> str:
@@ -583,18 +596,27 @@ def summarise(samples: list[dict[str, Any]], total: int) -> list[Row]:
                ].append(s)
     rows = []
     for (set_, system, op, saved, loaded, read_once), group in groups.items():
+        group.sort(key=lambda s: s["repeat"])
         seconds = [s["seconds"] for s in group]
         reads = [s["bytes_read"] for s in group]
         median = statistics.median(seconds)
         rows.append(Row(set_, system, op, saved, loaded, read_once, median, min(seconds), total / GB / median,
                         _median_bytes(reads) if op == "load" and system.startswith("arrayckpt") else None,
-                        group[0]["bytes_needed"], total, seconds))
+                        group[0]["bytes_needed"], total, statistics.median(s["cpu_s"] for s in group), seconds))
     for row in rows:
         dcp = _baseline(rows, row, "dcp", row.ranks)
         same = _baseline(rows, row, row.system, str(row.saved_ranks))
         row.vs_dcp = None if dcp is None else dcp.median_s / row.median_s
         row.vs_same = None if same is None else row.median_s / same.median_s
+        row.vs_same_paired = None if same is None else _paired_ratio(row.samples_s, same.samples_s)
     return rows
+
+
+def _paired_ratio(samples: list[float], baseline: list[float]) -> float | None:
+    """Median over repeats of this / baseline in the same repeat (interleaved, so they share the noise)."""
+    if len(samples) != len(baseline):
+        return None
+    return statistics.median(a / b for a, b in zip(samples, baseline, strict=True))
 
 
 def _median_bytes(reads: list[int | None]) -> float | None:
@@ -622,6 +644,7 @@ COMMON: tuple[Column, ...] = (
     ("median s", ">9", lambda r: f"{r.median_s:.3f}"),
     ("min s", ">7", lambda r: f"{r.min_s:.3f}"),
     ("GB/s", ">6", lambda r: f"{r.gb_per_s:.2f}"),
+    ("CPU s", ">6", lambda r: f"{r.cpu_s:.2f}"),
 )
 COMPARE_COLUMNS = (*COMMON, ("x DCP", ">6", lambda r: _fmt(r.vs_dcp, ".2f")))
 BYTES_COLUMNS: tuple[Column, ...] = (
@@ -629,7 +652,12 @@ BYTES_COLUMNS: tuple[Column, ...] = (
     ("needed MiB", ">10", lambda r: _mib(r.bytes_needed)),
     ("read/needed", ">11", lambda r: _fmt(r.read_ratio, ".3f")),
 )
-RESHARD_COLUMNS = (*COMMON, ("/ same", ">6", lambda r: _fmt(r.vs_same, ".3f")), *BYTES_COLUMNS)
+RESHARD_COLUMNS = (
+    *COMMON,
+    ("/ same", ">6", lambda r: _fmt(r.vs_same, ".3f")),
+    ("paired", ">6", lambda r: _fmt(r.vs_same_paired, ".3f")),
+    *BYTES_COLUMNS,
+)
 READ_ONCE_COLUMNS = (*COMMON, *BYTES_COLUMNS, ("read/global", ">11", lambda r: _fmt(r.read_global_ratio, ".3f")))
 
 
@@ -652,6 +680,8 @@ def reshard_rows(rows: Sequence[Row]) -> list[Row]:
 
 def read_once_rows(rows: Sequence[Row]) -> list[Row]:
     chosen = [r for r in rows if r.set == "reshard" and r.op == "load" and r.system.startswith("arrayckpt")]
+    if not any(r.read_once for r in chosen):
+        return []  # read_once not measured: the reshard table already has the rest
     return sorted(chosen, key=lambda r: (-(r.loaded_ranks or 0), r.read_once))
 
 
@@ -661,7 +691,8 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
     for r in reshard_rows(rows):
         if r.loaded_ranks == RESHARD_TO and r.vs_same is not None:
             ok = "met" if r.vs_same <= TARGET_TIME_RATIO else "NOT met"
-            lines.append(f"{r.system} reshard/same time {r.vs_same:.3f} (target <= {TARGET_TIME_RATIO}): {ok}")
+            lines.append(f"{r.system} reshard/same time {r.vs_same:.3f} (paired {_fmt(r.vs_same_paired, '.3f')}; "
+                         f"target <= {TARGET_TIME_RATIO}): {ok}")
         if r.loaded_ranks == RESHARD_TO and r.read_ratio is not None:
             ok = "met" if r.read_ratio <= TARGET_BYTES_RATIO else "NOT met"
             lines.append(f"{r.system} reshard bytes read/needed {r.read_ratio:.3f} (target <= {TARGET_BYTES_RATIO}): "
