@@ -30,8 +30,9 @@ from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError, StorageError
-from ._format import ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics
+from ._format import MAX_NDIM, ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics, per_rank_path
 from ._io import ArrayIO, array_spec, write_all, write_context
+from ._keys import array_path
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
 from ._shards import Box, PerRank, Shard, local_piece
 from ._state import walk
@@ -236,18 +237,18 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
             dt = dtype_of_torch(piece.tensor.dtype, key)
             arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
                                            piece.replica_id))
-            data[_path(key)] = (piece.box, host(key, _path(key), piece.tensor, dt))
+            data[array_path(key)] = (piece.box, host(key, array_path(key), piece.tensor, dt))
         elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
             _check_ndim(key, value.shape)
             arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
                                            rank))
-            data[_path(key)] = (Box.whole(value.shape), host(key, _path(key), value, dt))
+            data[array_path(key)] = (Box.whole(value.shape), host(key, array_path(key), value, dt))
         else:
             encoded = _encode(key, value, allow_pickle)
             if isinstance(encoded, np.ndarray):
                 shape = encoded.shape
                 arrays.append(ArrayDescription(key, leaf.parts, "pickle", "uint8", shape, Box.whole(shape), rank))
-                data[_path(key)] = (Box.whole(shape), encoded)
+                data[array_path(key)] = (Box.whole(shape), encoded)
             else:
                 values.append(ValueEntry(key, leaf.parts, encoded))
     return _Local(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers), data)
@@ -256,8 +257,6 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
 def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,
                        host: HostView) -> ValueEntry | ArrayEntry:
     """A per-rank tensor is written by its rank as its own array; other per-rank values must be JSON."""
-    from ._format import per_rank_path
-
     if isinstance(value, torch.Tensor):
         _check_ndim(key, tuple(value.shape))
         dt = dtype_of_torch(value.dtype, key)
@@ -272,16 +271,8 @@ def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,
 
 
 def _check_ndim(key: str, shape: tuple[int, ...]) -> None:
-    from ._format import MAX_NDIM
-
     if len(shape) > MAX_NDIM:
         raise StateError(f"tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} can be stored")
-
-
-def _path(key: str) -> str:
-    from ._keys import array_path
-
-    return array_path(key)
 
 
 def _encode(key: str, value: Any, allow_pickle: bool) -> Any:
