@@ -178,21 +178,30 @@ class LocalWriter:
         (directory / ROOT_METADATA).write_text(json.dumps(document))
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
-        """Start writing many serialised ``zarr.json`` documents concurrently (TensorStore's kvstore, in
-        the background); the returned function waits for all of them and raises the first failure."""
-        import tensorstore as ts
+        """Start writing many serialised ``zarr.json`` documents in a background thread (plain file writes:
+        no temporary file and rename each, the whole directory is committed at once); the returned function
+        waits for them and raises the first failure."""
+        import threading
 
-        store = ts.KvStore.open(self.kvstore(), context=ts.Context({"file_io_sync": False})).result()
-        pending = [(path, store.write(f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc))
-                   for path, doc in documents.items()]
+        errors: list[str] = []
+
+        def run() -> None:
+            for path, document in documents.items():
+                directory = self.temp / path if path else self.temp
+                try:
+                    try:
+                        (directory / ROOT_METADATA).write_bytes(document)
+                    except FileNotFoundError:
+                        directory.mkdir(parents=True, exist_ok=True)
+                        (directory / ROOT_METADATA).write_bytes(document)
+                except OSError as e:
+                    errors.append(f"{path or '/'}: {e}")
+
+        worker = threading.Thread(target=run, name="arrayckpt-metadata", daemon=True)
+        worker.start()
 
         def wait() -> None:
-            errors = []
-            for path, future in pending:
-                try:
-                    future.result()
-                except Exception as e:
-                    errors.append(f"{path or '/'}: {e}")
+            worker.join()
             if errors:
                 raise StorageError(f"{self.location}: writing metadata failed: {errors[0]} "
                                    f"({len(errors)} document(s) failed)")
