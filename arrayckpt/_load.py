@@ -255,7 +255,7 @@ def _insert(walked: Walk, node: StatefulNode, entry: Entry) -> None:
         if child is None:
             child = container[part] = {}
         elif isinstance(child, dict) and not child:
-            walked.leaves.pop(".".join(str(p) for p in entry.parts[: i + 1]), None)  # now a container
+            walked.leaves.pop(dotted(entry.parts[: i + 1]), None)  # now a container
         container = child
     slot = entry.parts[-1]
     if not isinstance(container, dict) or slot in container:

@@ -59,7 +59,6 @@ import ctypes
 import datetime
 import functools
 import gc
-import importlib.metadata
 import inspect
 import json
 import math
@@ -81,6 +80,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from save_load import _version, fs_type  # noqa: E402  (shared with the single-process benchmark)
 
 GB = 1e9
 MIB = 2**20
@@ -706,25 +708,6 @@ def consistency_notes(rows: Sequence[Row]) -> list[str]:
             "bypassed arrayckpt's fast path (not counted)"
             for r in rows if r.bytes_read is not None and r.op == "load" and not r.read_once
             and r.bytes_read < r.bytes_needed]
-
-
-def fs_type(path: Path) -> str:
-    """Filesystem type of the mount holding ``path``."""
-    best, kind = "", "unknown"
-    target = os.path.realpath(path)
-    with open("/proc/mounts") as f:
-        for line in f:
-            _, mount, fstype, *_ = line.split()
-            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-                best, kind = mount, fstype
-    return kind
-
-
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def describe(args: argparse.Namespace, specs: Sequence[TensorSpec], root: Path, read_once: bool) -> dict[str, Any]:
