@@ -22,10 +22,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from ._async import CheckpointBusyError, SaveHandle, async_save
     from ._codecs import Codec
+    from ._convert import ConvertResult, convert
     from ._errors import (
         ArrayckptError,
         CheckpointExistsError,
         CheckpointNotFoundError,
+        CollectiveError,
         CorruptCheckpointError,
         FormatError,
         IncompleteCheckpointError,
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
         StateError,
         StorageError,
     )
+    from ._estimate import SizeEstimate, estimate_size
+    from ._inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._interval import OptimalInterval, optimal_interval
     from ._load import LoadResult, load
     from ._manager import CheckpointManager, Interval, Retention
@@ -42,16 +46,21 @@ if TYPE_CHECKING:
     from ._save import save
     from ._shards import PerRank, Shard
     from ._storage import collect_garbage as gc
+    from ._verify import Damage, VerifyReport, verify
 
 _LAZY = {
     "ArrayckptError": "._errors",
-    "CheckpointBusyError": "._async",
     "Checkpoint": "._reader",
+    "CheckpointBusyError": "._async",
     "CheckpointExistsError": "._errors",
     "CheckpointManager": "._manager",
     "CheckpointNotFoundError": "._errors",
+    "CollectiveError": "._errors",
     "Codec": "._codecs",
+    "ConvertResult": "._convert",
     "CorruptCheckpointError": "._errors",
+    "Damage": "._verify",
+    "DiffReport": "._inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
     "Interval": "._manager",
@@ -59,19 +68,28 @@ _LAZY = {
     "LazyArray": "._reader",
     "LoadResult": "._load",
     "OptimalInterval": "._interval",
-    "SaveHandle": "._async",
     "PerRank": "._shards",
-    "Shard": "._shards",
     "PickleNotAllowedError": "._errors",
     "Retention": "._manager",
+    "SaveHandle": "._async",
+    "Shard": "._shards",
+    "SizeEstimate": "._estimate",
+    "SliceSummary": "._inspect",
     "StateError": "._errors",
     "StorageError": "._errors",
+    "TensorDiff": "._inspect",
+    "VerifyReport": "._verify",
     "async_save": "._async",
+    "convert": "._convert",
+    "diff": "._inspect",
+    "estimate_size": "._estimate",
     "gc": "._storage:collect_garbage",
     "load": "._load",
-    "optimal_interval": "._interval",
     "open": "._reader:open_checkpoint",
+    "optimal_interval": "._interval",
     "save": "._save",
+    "show": "._inspect",
+    "verify": "._verify",
 }
 
 __all__ = [
@@ -81,8 +99,12 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CollectiveError",
     "Codec",
+    "ConvertResult",
     "CorruptCheckpointError",
+    "Damage",
+    "DiffReport",
     "FormatError",
     "IncompleteCheckpointError",
     "Interval",
@@ -95,15 +117,24 @@ __all__ = [
     "Retention",
     "SaveHandle",
     "Shard",
+    "SizeEstimate",
+    "SliceSummary",
     "StateError",
     "StorageError",
+    "TensorDiff",
+    "VerifyReport",
     "__version__",
     "async_save",
+    "convert",
+    "diff",
+    "estimate_size",
     "gc",
     "load",
     "open",
     "optimal_interval",
     "save",
+    "show",
+    "verify",
 ]
 
 

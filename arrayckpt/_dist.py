@@ -7,8 +7,12 @@ the plan, gather the write results, broadcast the commit outcome. With one proce
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ._errors import CollectiveError
 
 __all__ = ["Group", "resolve_group"]
 
@@ -35,7 +39,8 @@ class Group:
         import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
+        with _collective("gather", self.rank):
+            dist.gather_object(obj, out, dst=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -45,7 +50,8 @@ class Group:
         import torch.distributed as dist
 
         box = [obj if self.is_coordinator else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
+        with _collective("broadcast", self.rank):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -54,8 +60,21 @@ class Group:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.cpu_pg)
+        with _collective("all_gather", self.rank):
+            dist.all_gather_object(out, obj, group=self.cpu_pg)
         return out
+
+
+@contextlib.contextmanager
+def _collective(name: str, rank: int) -> Iterator[None]:
+    """Turn a failed collective (a dead or hung rank) into an error that says so."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        raise CollectiveError(
+            f"rank {rank}: the {name} with the other ranks failed — another rank died, hung past the process "
+            f"group's timeout, or called arrayckpt differently; nothing was committed ({e})"
+        ) from e
 
 
 def resolve_group(process_group: Any = None) -> Group:

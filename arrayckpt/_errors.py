@@ -11,6 +11,7 @@ __all__ = [
     "ArrayckptError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CollectiveError",
     "CorruptCheckpointError",
     "FormatError",
     "IncompleteCheckpointError",
@@ -35,6 +36,10 @@ class IncompleteCheckpointError(ArrayckptError, FileNotFoundError):
 
 class CheckpointExistsError(ArrayckptError, FileExistsError):
     """A committed checkpoint is already at the location and ``overwrite`` was not given."""
+
+
+class CollectiveError(ArrayckptError, RuntimeError):
+    """An exchange with the other ranks failed: a rank died, hung past the group's timeout, or disagreed."""
 
 
 class CorruptCheckpointError(ArrayckptError, OSError):

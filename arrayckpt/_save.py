@@ -29,7 +29,7 @@ import torch
 from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
-from ._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError, StorageError
+from ._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
 from ._format import MAX_NDIM, ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics, per_rank_path
 from ._io import ArrayIO, array_spec, write_all, write_context
 from ._keys import array_path
@@ -127,7 +127,13 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     assert local is not None  # a failed description was broadcast as an error above
 
     _, error = _attempt(lambda: _write_tasks(plan, group.rank, local, Path(temp), where))
-    results = group.gather(error)
+    try:
+        results = group.gather(error)
+    except CollectiveError:
+        if coordination is not None:  # a rank died mid-save: nothing to commit, remove what was written
+            coordination.wait_for_metadata = lambda: None
+            coordination.writer.abort()
+        raise
     outcome: BaseException | None = None
     if group.is_coordinator:
         assert coordination is not None and results is not None

@@ -255,3 +255,47 @@ def test_2d_mesh_save_loads_on_1d_mesh_and_read_once_reads_each_byte_once(tmp_pa
     assert sum(r[True] for r in reads) == stored
     assert torch.equal(arrayckpt.open(tmp_path / "ckpt")["w"].torch(), torch.randn(10, 9, generator=torch.Generator()
                                                                                      .manual_seed(1)))
+
+
+def _die_or_save(rank: int, port: int, path: str, point: str, results) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import arrayckpt._save as save_module
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    if rank == 1 and point == "during-writes":
+        save_module.write_all = lambda *a, **k: os._exit(9)
+    if rank == 1 and point == "before-planning":
+        os._exit(9)
+    try:
+        arrayckpt.save({"w": arrayckpt.Shard(torch.ones(4), (8,), (4 * rank,))}, path, overwrite=True)
+        results.put((rank, "saved"))
+    except arrayckpt.ArrayckptError as e:
+        results.put((rank, f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("point", ["before-planning", "during-writes"])
+def test_a_rank_dying_mid_save_fails_the_others_fast_and_commits_nothing(tmp_path: Path, point: str):
+    import multiprocessing as mp
+
+    from dist_helpers import free_port
+
+    previous = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.zeros(8)}, previous)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_die_or_save, args=(r, port, str(previous), point, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rank, message = results.get(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+    assert rank == 0 and message.startswith("CollectiveError") and "another rank died" in message
+    assert procs[1].exitcode == 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # temp removed, the previous one intact
+    assert torch.equal(arrayckpt.open(previous)["w"].torch(), torch.zeros(8))
