@@ -29,6 +29,7 @@ __all__ = [
     "ValueEntry",
     "parse_root_document",
     "per_rank_path",
+    "check_array_metadata",
     "encode_root_document",
     "root_document",
 ]
@@ -277,6 +278,44 @@ def root_document(manifest: Manifest, nodes: Mapping[str, dict[str, Any]]) -> di
         "attributes": {MANIFEST_ATTRIBUTE: manifest.to_dict()},
         "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": dict(nodes)},
     }
+
+
+def _positive_ints(value: object, length: int) -> bool:
+    return isinstance(value, list) and len(value) == length and all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62 for n in value)
+
+
+def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: str, where: str) -> dict[str, Any]:
+    """Validate one array's (consolidated) metadata before anything acts on it: the fields arrayckpt relies
+    on must have the right types and agree with the manifest; codecs are checked by the reader."""
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: array metadata {what}")
+
+    if not isinstance(metadata, dict) or metadata.get("node_type") != "array" or metadata.get("zarr_format") != 3:
+        raise bad("is missing or not a Zarr v3 array")
+    if metadata.get("data_type") != data_type:
+        raise bad(f"data_type {metadata.get('data_type')!r} does not match the manifest's {data_type!r}")
+    if metadata.get("shape") != list(shape):
+        raise bad(f"shape {metadata.get('shape')!r} does not match the manifest's {list(shape)}")
+    grid = metadata.get("chunk_grid")
+    if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(grid.get("configuration"), dict)
+            and _positive_ints(grid["configuration"].get("chunk_shape"), len(shape))):
+        raise bad(f"chunk_grid {grid!r} is not a regular grid of positive chunk extents, one per dimension")
+    encoding = metadata.get("chunk_key_encoding")
+    if not (isinstance(encoding, dict) and encoding.get("name") == "default"
+            and isinstance(encoding.get("configuration", {}), dict)
+            and encoding.get("configuration", {}).get("separator", "/") in ("/", ".")):
+        raise bad(f"chunk_key_encoding {encoding!r} is not the default encoding with '/' or '.'")
+    codecs = metadata.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
+        raise bad(f"codecs {codecs!r} are not a list of codec objects")
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        config = codecs[0].get("configuration")
+        if not (isinstance(config, dict) and _positive_ints(config.get("chunk_shape"), len(shape))
+                and all(o % i == 0 for o, i in zip(grid["configuration"]["chunk_shape"], config["chunk_shape"],
+                                                   strict=True))):
+            raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
+    return metadata
 
 
 def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:

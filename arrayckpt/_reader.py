@@ -17,8 +17,16 @@ import numpy as np
 
 from ._codecs import check_checksummed
 from ._dtypes import DType
-from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
-from ._format import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
+from ._errors import CorruptCheckpointError, PickleNotAllowedError
+from ._format import (
+    ArrayEntry,
+    PerRankEntry,
+    PickleEntry,
+    ValueEntry,
+    check_array_metadata,
+    parse_root_document,
+    per_rank_path,
+)
 from ._io import ArrayIO, array_spec, open_array, read_context, read_into
 from ._storage import LocalLocation, parse_location, read_root_json
 from ._tensors import writable_numpy
@@ -156,21 +164,10 @@ class Checkpoint(Mapping[str, LazyArray]):
             if isinstance(entry, ArrayEntry):
                 self._arrays[key] = LazyArray(self, entry, self._node(entry.path, key, entry.dtype, entry.shape))
 
-    def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...] | None = None) -> dict[str, Any]:
-        metadata = self._nodes.get(path)
-        if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
-            raise FormatError(f"{self.location}: entry {key!r}: no array metadata for {path!r} in the root")
-        if metadata.get("data_type") != dtype.name:
-            raise FormatError(
-                f"{self.location}: entry {key!r}: array data_type {metadata.get('data_type')!r} "
-                f"does not match the manifest's {dtype.name!r}"
-            )
-        if shape is not None and metadata.get("shape") != list(shape):
-            raise FormatError(
-                f"{self.location}: entry {key!r}: array shape {metadata.get('shape')!r} does not match the "
-                f"manifest's {list(shape)}"
-            )
-        check_checksummed(metadata, f"{self.location}: entry {key!r}")
+    def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
+        where = f"{self.location}: entry {key!r}"
+        metadata = check_array_metadata(self._nodes.get(path), shape, dtype.name, where)
+        check_checksummed(metadata, where)
         return metadata
 
     def per_rank_spec(self, key: str, rank: int) -> dict[str, Any]:
