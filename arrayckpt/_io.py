@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CorruptCheckpointError, StorageError
+from ._errors import CorruptCheckpointError, FormatError, StorageError
 from ._fastio import RowLayout, read_rows, row_layout, write_rows
 
 __all__ = ["ArrayIO", "array_spec", "open_array", "read_context", "read_into", "write_all", "write_context"]
@@ -48,9 +48,17 @@ def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, A
     }
 
 
-def open_array(spec: dict[str, Any], context: ts.Context) -> ts.TensorStore:
+def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: str = "") -> ts.TensorStore:
     """Open one array without touching storage (metadata is assumed from the spec)."""
-    return ts.open(spec, open=True, assume_metadata=True, context=context).result()
+    return _result(_start_open(spec, context, key, where), key, where, "open")
+
+
+def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:
+    """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
+    try:
+        return ts.open(spec, open=True, assume_metadata=True, context=context)
+    except Exception as e:
+        raise FormatError(f"{where}: tensor {key!r}: TensorStore refuses the array metadata: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ def _transfer(
     jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, np.ndarray], Any]
 ) -> None:
     """Open all arrays, start every transfer, then wait for all of them (none is left running)."""
-    opened = [ts.open(job.spec, open=True, assume_metadata=True, context=context) for job in jobs]
+    opened = [_start_open(job.spec, context, job.key, where) for job in jobs]
     pending = []
     try:
         for job, future in zip(jobs, opened, strict=True):

@@ -89,7 +89,7 @@ class LazyArray:
 
     @cached_property
     def _store(self) -> ts.TensorStore:
-        return open_array(self.spec, self._checkpoint._context)
+        return open_array(self.spec, self._checkpoint._context, self.key, str(self._checkpoint.location))
 
     @property
     def spec(self) -> dict[str, Any]:
