@@ -1,7 +1,10 @@
-"""The ``arrayckpt`` command line: inspect checkpoints without writing Python.
+"""The ``arrayckpt`` command line: inspect, verify, compare and convert checkpoints without writing Python.
 
 ``arrayckpt info PATH`` prints a table of tensors (dtype, shape, size, codec) and plain values;
-``--json`` prints the same as JSON for scripts.
+``verify PATH`` reads and checks every chunk (exit status 1 on damage); ``show PATH KEY [SLICE]`` prints
+values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when they differ);
+``convert SRC DST`` converts from and to torch.save, safetensors and PyTorch DCP; ``estimate`` and
+``interval`` size checkpoints and their frequency. ``--json`` prints JSON for scripts.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ArrayckptError
-from ._reader import Checkpoint, LazyArray, open_checkpoint
+
+if TYPE_CHECKING:  # imported when used: `estimate` and `interval` need neither torch nor TensorStore
+    from ._reader import Checkpoint, LazyArray
 
 __all__ = ["main"]
 
@@ -91,10 +96,11 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from ._reader import open_checkpoint
+
     info = info_dict(open_checkpoint(args.path))
     if args.json:
-        json.dump(info, sys.stdout, indent=2, default=repr)
-        print()
+        _print_json(info)
     else:
         _print_info(info)
     return 0
@@ -111,6 +117,211 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Counter:
+    """A one-line progress counter on stderr, only when stderr is a terminal (free otherwise)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.enabled:
+            percent = 100 * done / total if total else 100.0
+            print(f"\r{self.what}: {human_bytes(done)} of {human_bytes(total)} ({percent:.0f}%)", end="",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=repr)
+    print()
+
+
+MAX_DAMAGE_LINES = 50
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ._verify import verify
+
+    counter = _Counter("verify")
+    try:
+        report = verify(args.path, progress=counter)
+    finally:
+        counter.close()
+    if args.json:
+        _print_json(report.to_dict())
+        return 0 if report.ok else 1
+    for damage in report.damage[:MAX_DAMAGE_LINES]:
+        print(f"DAMAGED {damage.key or '(checkpoint)'}: {damage.file}: {damage.problem}")
+    if len(report.damage) > MAX_DAMAGE_LINES:
+        print(f"... and {len(report.damage) - MAX_DAMAGE_LINES} more (--json lists all)")
+    checked = f"{report.arrays} arrays, {report.chunks} chunks, {human_bytes(report.bytes_checked)} checked"
+    if report.ok:
+        print(f"OK {report.path}: {checked}")
+        return 0
+    print(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
+          f"{'y' if len(report.damaged_keys) == 1 else 'ies'} ({checked})")
+    return 1
+
+
+def _slice_text(text: str) -> str:
+    """argparse type for SLICE: checked now, so a typo is a usage error, not a traceback."""
+    from ._inspect import parse_slice
+
+    try:
+        parse_slice(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from ._format import PerRankEntry, PickleEntry
+    from ._inspect import show
+    from ._reader import open_checkpoint
+
+    checkpoint = open_checkpoint(args.path)
+    entry = checkpoint.manifest.entries.get(args.key)
+    if entry is not None and args.key not in checkpoint:  # a plain value: show it as it is
+        if isinstance(entry, PickleEntry):
+            value: Any = f"<pickled value, {entry.nbytes} bytes; not unpickled>"
+        elif isinstance(entry, PerRankEntry):
+            value = [item if item is None else item.to_dict() for item in entry.items]
+        else:
+            value = checkpoint.value(args.key)
+        _print_json({"key": args.key, "value": value}) if args.json else print(f"{args.key} = {value!r}")
+        return 0
+    summary = show(checkpoint, args.key, args.slice, max_values=args.max_values)
+    if args.json:
+        _print_json(summary.to_dict())
+        return 0
+    shape = "×".join(map(str, summary.shape)) or "scalar"
+    selected = "×".join(map(str, summary.selected_shape)) or "scalar"
+    where = f"[{args.slice}]" if args.slice else ""
+    print(f"{summary.key}{where}  {summary.dtype}  shape {shape}  selected {selected} ({summary.count} values)")
+    if summary.count:
+        print(f"min {summary.min}  max {summary.max}  mean {summary.mean}  std {summary.std}  "
+              f"nan {summary.nan_count}  inf {summary.inf_count}")
+    if summary.values is not None:
+        import numpy as np
+
+        print(np.array2string(np.asarray(summary.values), threshold=args.max_values))
+    if summary.note:
+        print(f"({summary.note})")
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from ._inspect import diff
+
+    report = diff(args.a, args.b)
+    if args.json:
+        _print_json(report.to_dict())
+        return 0 if report.identical else 1
+    for key in report.only_in_a:
+        print(f"only in A: {key}")
+    for key in report.only_in_b:
+        print(f"only in B: {key}")
+    for key, change in report.changed.items():
+        print(f"changed:   {key}: {change}")
+    for t in report.tensors:
+        if t.differing_elements:
+            chunks = "" if t.differing_chunks is None else f", {t.differing_chunks}/{t.chunks} chunks"
+            extra = f", {t.nonfinite} NaN/inf" if t.nonfinite else ""
+            print(f"differs:   {t.key}: {t.differing_elements} elements{chunks}, max abs {t.max_abs:.6g}, "
+                  f"max rel {t.max_rel:.6g}{extra}")
+    for key, (a, b) in report.values.items():
+        print(f"value:     {key}: {a!r} -> {b!r}")
+    same = sum(1 for t in report.tensors if not t.differing_elements)
+    print("identical" if report.identical else f"{same} of {len(report.tensors)} common tensors identical")
+    return 0 if report.identical else 1
+
+
+def _param_count(text: str) -> int:
+    from ._estimate import parse_count
+
+    try:
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from ._estimate import estimate_size
+
+    e = estimate_size(args.params, dtype=args.dtype, optimizer=args.optimizer, master_weights=args.master_weights,
+                      ranks=args.ranks)
+    if args.json:
+        _print_json(e.to_dict())
+        return 0
+    parts = " + ".join(f"{name} {n}" for name, n in e.breakdown.items() if n)
+    print(f"{e.params:,} parameters × {e.bytes_per_param} bytes ({parts}) = {human_bytes(e.total_bytes)}")
+    if e.ranks > 1:
+        print(f"sharded over {e.ranks} ranks: {human_bytes(e.per_rank_bytes)} per rank")
+    return 0
+
+
+def _cmd_interval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ._interval import optimal_interval
+
+    result = optimal_interval(args.blocking_seconds, args.mtbf_hours * 3600)
+    overhead = result.blocking_seconds / (result.daly_seconds + result.blocking_seconds)
+    if args.json:
+        _print_json({**dataclasses.asdict(result), "overhead": overhead})
+        return 0
+    print(f"checkpoint every {result.daly_seconds / 60:.1f} min (Daly; Young: {result.young_seconds / 60:.1f} min) "
+          f"for {args.blocking_seconds:g} s blocked per checkpoint and an MTBF of {args.mtbf_hours:g} h; "
+          f"checkpointing then takes {100 * overhead:.2f}% of the time")
+    return 0
+
+
+def _size(text: str) -> int:
+    """``5GB``, ``500MiB``, ``1000000`` -> bytes (for --max-shard-size)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or 1000000")
+    base = 1024 if match[3] else 1000
+    return round(float(match[1]) * base ** " kmgt".index(match[2] or " "))
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from ._convert import convert
+
+    counter = _Counter("convert")
+    try:
+        result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
+                         overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                         max_shard_bytes=args.max_shard_size, progress=counter)
+    finally:
+        counter.close()
+    if args.json:
+        _print_json(result.to_dict())
+        return 0
+    print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
+          f"tensors, {human_bytes(result.bytes)}")
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (" ..." if len(result.skipped) > 10 else "")
+        print(f"not converted ({result.target_format} cannot hold them): {shown}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arrayckpt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +335,59 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only remove leftovers untouched this long (default 3600: never a running save's)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.set_defaults(func=_cmd_gc)
+
+    verify = commands.add_parser("verify", help="read every chunk and check checksums and completeness "
+                                                "(exit status 1 on damage)")
+    verify.add_argument("path", help="checkpoint directory (or file:// URL)")
+    verify.add_argument("--json", action="store_true", help="print JSON (every problem found)")
+    verify.set_defaults(func=_cmd_verify)
+
+    show = commands.add_parser("show", help="values and statistics of a tensor or a slice of it")
+    show.add_argument("path", help="checkpoint directory (or file:// URL)")
+    show.add_argument("key", help="dotted key, e.g. model.layers.0.weight")
+    show.add_argument("slice", nargs="?", default="", type=_slice_text,
+                      help="numpy-style slice, e.g. '0:4,::2' or '...,-1' (default: everything)")
+    show.add_argument("--max-values", type=int, default=1000, help="print values of selections up to this size")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(func=_cmd_show)
+
+    diff = commands.add_parser("diff", help="compare two checkpoints (exit status 1 when they differ)")
+    diff.add_argument("a", help="first checkpoint")
+    diff.add_argument("b", help="second checkpoint")
+    diff.add_argument("--json", action="store_true", help="print JSON")
+    diff.set_defaults(func=_cmd_diff)
+
+    estimate = commands.add_parser("estimate", help="checkpoint size by the 10/14 bytes-per-parameter rule")
+    estimate.add_argument("--params", type=_param_count, required=True, help="parameter count, e.g. 7B or 405e9")
+    estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16", help="weight dtype")
+    estimate.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam",
+                          help="adam: fp32 m and v (8 bytes); sgd: fp32 momentum (4)")
+    estimate.add_argument("--master-weights", action="store_true", help="add an fp32 master copy (4 bytes)")
+    estimate.add_argument("--ranks", type=int, default=1, help="ranks the state is sharded over")
+    estimate.add_argument("--json", action="store_true", help="print JSON")
+    estimate.set_defaults(func=_cmd_estimate)
+
+    interval = commands.add_parser("interval", help="optimal checkpoint interval (Young/Daly)")
+    interval.add_argument("--blocking-seconds", type=_positive, required=True,
+                          help="training time lost to one checkpoint, in seconds")
+    interval.add_argument("--mtbf-hours", type=_positive, required=True, help="mean time between job failures")
+    interval.add_argument("--json", action="store_true", help="print JSON")
+    interval.set_defaults(func=_cmd_interval)
+
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors and PyTorch DCP")
+    convert.add_argument("src", help="source: arrayckpt or DCP directory, .pt file, .safetensors file/index/dir")
+    convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
+    formats = ["arrayckpt", "dcp", "safetensors", "torch"]
+    convert.add_argument("--from", dest="from_format", choices=formats, help="source format (default: detected)")
+    convert.add_argument("--to", dest="to_format", choices=formats,
+                         help="target format (default: arrayckpt, or from the target's suffix)")
+    convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                         help="safetensors output: shards of at most SIZE (e.g. 5GB) with an index JSON")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    convert.add_argument("--allow-pickle", action="store_true",
+                         help="store/read values only pickle can hold (only for sources you trust)")
+    convert.add_argument("--json", action="store_true", help="print JSON")
+    convert.set_defaults(func=_cmd_convert)
     return parser
 
 
@@ -133,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except ArrayckptError as e:
         print(f"arrayckpt: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, IndexError) as e:  # a key or slice the checkpoint does not have (messages name both)
+        print(f"arrayckpt: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,223 @@
+"""PyTorch Distributed Checkpoint (DCP: ``.metadata`` + ``*.distcp``) to and from arrayckpt, one tensor at a time.
+
+DCP's ``.metadata`` is a pickle, and ``FileSystemReader.read_metadata`` unpickles it with no restriction:
+opening a DCP checkpoint from elsewhere could run code. Here it is read by :class:`MetadataUnpickler`,
+which admits only DCP's metadata classes and the few torch and builtin types they hold. DCP's default
+planner also loads non-tensor values with ``torch.load(weights_only=False)``; ours uses
+``weights_only=True``. Megatron's ``torch_dist`` format is DCP underneath and converts the same way.
+
+Reading uses DCP itself (``no_dist``), asking for one tensor at a time, so a sharded tensor (FSDP2,
+tensor parallel) comes back whole and memory stays near the largest tensor. Writing gives DCP a state of
+meta tensors and a planner that reads each tensor from arrayckpt only when DCP writes it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._convert import ConvertResult, Progress, _nested_state, _refuse_existing
+from ._errors import FormatError, PickleNotAllowedError
+from ._format import ArrayEntry, PickleEntry
+from ._reader import Checkpoint
+from ._stream import write_streaming
+
+__all__ = ["MetadataUnpickler", "from_dcp", "read_dcp_metadata", "to_dcp"]
+
+METADATA_FILE = ".metadata"
+_DCP = "torch.distributed.checkpoint"
+# (module, name) pairs a DCP .metadata pickle may name; nothing else is ever imported.
+ALLOWED_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    (f"{_DCP}.filesystem", "_StoragePrefix"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+})
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata``, refusing every global but DCP's metadata classes and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                         torch.memory_format)):
+            return getattr(torch, name)
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type; refusing to load it")
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
+    """The ``Metadata`` of the DCP checkpoint in directory ``path``, unpickled with :class:`MetadataUnpickler`."""
+    file = Path(path) / METADATA_FILE
+    try:
+        with open(file, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise FormatError(f"{path}: no {METADATA_FILE}; not a DCP checkpoint (or its save did not finish)") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise FormatError(f"{file}: not a readable DCP metadata file: {e}") from e
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    if not isinstance(metadata, Metadata):
+        raise FormatError(f"{file}: holds a {type(metadata).__name__}, not DCP Metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def _reader(path: str | os.PathLike[str], metadata: Any) -> Any:
+    """A ``FileSystemReader`` that hands out the safely read metadata instead of unpickling it again."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(os.fspath(path))
+
+
+def _planner() -> Any:
+    """A load planner for flat ``{fqn: target}`` dicts that loads non-tensor values with ``weights_only=True``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # into the caller's dict: with flatten_state_dict=False, self.state_dict may be a copy of it
+            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    return SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+
+
+def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=_reader(path, metadata), planner=_planner(), no_dist=True)
+
+
+def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+    """Place ``value`` at ``path``, creating dicts for str keys and lists for int keys, as DCP's unflatten does."""
+    node: Any = root
+    for part, following in zip(path[:-1], path[1:], strict=True):
+        fresh: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            if node[part] is None:
+                node[part] = fresh
+            node = node[part]
+        else:
+            node = node.setdefault(part, fresh)
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
+             allow_pickle: bool = False, progress: Progress | None = None) -> ConvertResult:
+    """A DCP checkpoint (saved by any number of ranks) into arrayckpt, one whole tensor at a time.
+
+    The nesting of the saved state dict is rebuilt from DCP's planner data, so keys, lists and plain values
+    come out as ``arrayckpt.save`` would have written the original state (``{"model": ..., "optim": ...}``).
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    metadata = read_dcp_metadata(src)
+    entries = metadata.state_dict_metadata
+    values: dict[str, Any] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
+    if values:
+        _dcp_load(values, src, metadata)  # small: the plain values, with weights_only=True
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    skeleton: dict[Any, Any] = {}
+    tensors: dict[str, Any] = {}
+    for fqn, item in entries.items():
+        path = tuple(paths.get(fqn, (fqn,))) or (fqn,)
+        if isinstance(item, TensorStorageMetadata):
+            tensors[".".join(str(p) for p in path)] = (fqn, item)
+            _set_path(skeleton, path, torch.empty(tuple(item.size), dtype=item.properties.dtype, device="meta"))
+        else:
+            _set_path(skeleton, path, values[fqn])
+
+    def fetch(key: str) -> torch.Tensor:
+        fqn, item = tensors[key]
+        target = {fqn: torch.empty(tuple(item.size), dtype=item.properties.dtype)}
+        _dcp_load(target, src, metadata)
+        return target[fqn]
+
+    write_streaming(skeleton, fetch, dst, overwrite=overwrite, allow_pickle=allow_pickle,
+                    source=f"dcp: {Path(src).name}", progress=progress)
+    nbytes = sum(torch.empty((), dtype=i.properties.dtype).element_size() * i.size.numel() for _, i in tensors.values())
+    return ConvertResult("dcp", "arrayckpt", len(tensors), nbytes, (str(dst),))
+
+
+def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
+           progress: Progress | None = None) -> ConvertResult:
+    """An arrayckpt checkpoint into a single-rank DCP checkpoint (loadable by DCP on any number of ranks).
+
+    DCP is given the nested state with meta tensors; each tensor is read from arrayckpt only when DCP's
+    writer asks for it and goes to a ``.distcp`` file of its own, so memory stays near one tensor.
+    Per-rank entries are skipped (DCP has no such notion); pickled values need the checkpoint opened with
+    ``allow_pickle=True``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    target = Path(dst)
+    if target.exists() and any(target.iterdir()):
+        _refuse_existing(target, overwrite)
+    for key, entry in checkpoint.manifest.entries.items():
+        if isinstance(entry, PickleEntry) and not checkpoint.allow_pickle:
+            raise PickleNotAllowedError(f"{checkpoint.location}: value {key!r} is pickled; converting it needs "
+                                        "allow_pickle=True (--allow-pickle), only for checkpoints you trust")
+    state, skipped = _nested_state(checkpoint, lambda key: torch.empty(checkpoint[key].shape,
+                                                                       dtype=checkpoint[key].dtype, device="meta"))
+    keys = {k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry)}
+    total = sum(checkpoint[k].nbytes for k in keys)
+    done = [0]
+
+    class StreamingPlanner(DefaultSavePlanner):
+        """Resolves each tensor from arrayckpt when DCP's writer reaches it (and not before)."""
+
+        def resolve_data(self, write_item: Any) -> Any:
+            fqn = write_item.index.fqn
+            if fqn not in keys:
+                return super().resolve_data(write_item)
+            tensor = checkpoint[fqn].torch()
+            done[0] += tensor.nbytes
+            if progress is not None:
+                progress(done[0], total)
+            return tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # One file per tensor: DCP's writer keeps every tensor written to a file referenced until the file is
+        # closed (its ``tensor_dict``, even when not writing safetensors), so one file would hold them all.
+        writer = FileSystemWriter(os.fspath(target), single_file_per_rank=False, thread_count=1,
+                                  overwrite=overwrite)
+        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    files = tuple(sorted(str(p) for p in target.iterdir()))
+    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped)
+

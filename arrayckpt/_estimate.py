@@ -1,0 +1,68 @@
+"""Back-of-the-envelope sizing: how big a checkpoint will be, in total and per rank.
+
+Size follows the bytes-per-parameter rule of mixed-precision training with Adam: 16-bit weights (2 bytes)
+plus two fp32 moments (8 bytes) is 10 bytes per parameter, 14 with an fp32 master copy of the weights.
+(How often to checkpoint is ``_interval.optimal_interval``.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SizeEstimate", "estimate_size", "parse_count"]
+
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+OPTIMIZER_BYTES = {"adam": 8, "sgd": 4, "none": 0}  # fp32 state per parameter: Adam m and v; SGD momentum
+MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """``"7B"`` -> 7_000_000_000; also ``405e9``, ``1.3m``, ``125000``.
+
+    >>> parse_count("70B"), parse_count("1.5k"), parse_count("4e3")
+    (70000000000, 1500, 4000)
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmbgt]?)\s*", text.lower())
+    if match is None:
+        raise ValueError(f"{text!r} is not a parameter count; write e.g. 7B, 405e9 or 125000000")
+    return round(float(match[1]) * _SUFFIXES[match[2]])
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """Checkpoint size of a model: per parameter, in total, and per rank when sharded over ``ranks``."""
+
+    params: int
+    bytes_per_param: int
+    breakdown: dict[str, int]  # bytes per parameter by part: weights, optimizer, master
+    total_bytes: int
+    ranks: int
+    per_rank_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def estimate_size(params: int, *, dtype: str = "bf16", optimizer: str = "adam", master_weights: bool = False,
+                  ranks: int = 1) -> SizeEstimate:
+    """Expected checkpoint size of a model with ``params`` parameters, sharded evenly over ``ranks`` ranks.
+
+    >>> e = estimate_size(7_000_000_000, master_weights=True, ranks=8)
+    >>> e.bytes_per_param, e.total_bytes // 10**9, e.per_rank_bytes // 10**9
+    (14, 98, 12)
+    """
+    if dtype not in WEIGHT_BYTES:
+        raise ValueError(f"weight dtype {dtype!r} is not one of {', '.join(WEIGHT_BYTES)}")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZER_BYTES)}")
+    if params < 0 or ranks < 1:
+        raise ValueError(f"need params >= 0 and ranks >= 1, got params={params}, ranks={ranks}")
+    breakdown = {"weights": WEIGHT_BYTES[dtype], "optimizer": OPTIMIZER_BYTES[optimizer],
+                 "master": MASTER_BYTES if master_weights and dtype != "fp32" else 0}
+    per_param = sum(breakdown.values())
+    total = params * per_param
+    return SizeEstimate(params, per_param, breakdown, total, ranks, math.ceil(total / ranks))
