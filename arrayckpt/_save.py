@@ -209,7 +209,7 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
         error = error or e
     if error is None:
         try:
-            manifest = Manifest(plan.entries, record.step, plan.containers, _created(group.size),
+            manifest = Manifest(plan.entries, record.step, plan.containers, created_info(group.size),
                                 metrics=record.metrics)
             writer.commit(encode_root_document(manifest, plan.consolidated_json))
             return None
@@ -294,7 +294,8 @@ def _encode(key: str, value: Any, allow_pickle: bool) -> Any:
     return np.frombuffer(pickle.dumps(value, protocol=PICKLE_PROTOCOL), np.uint8)
 
 
-def _created(world_size: int) -> dict[str, Any]:
+def created_info(world_size: int) -> dict[str, Any]:
+    """Provenance recorded in the manifest (informational)."""
     from . import __version__
 
     return {
