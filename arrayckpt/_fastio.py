@@ -40,7 +40,7 @@ _STATS_LOCK = threading.Lock()
 def _count(name: str, nbytes: int) -> None:
     with _STATS_LOCK:
         STATS[name] += nbytes
-IO_THREADS = 8
+IO_THREADS = min(8, max(2, os.cpu_count() or 2))  # more threads than cores only adds contention (measured)
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 _CRC32C = {"name": "crc32c"}

@@ -70,9 +70,9 @@ class LocalLocation:
         return sorted(parent.glob(f".{self.path.name}{TEMP_MARKER}*"))
 
 
-def file_kvstore(root: Path, subpath: str) -> dict[str, Any]:
-    directory = root / subpath if subpath else root
-    return {"driver": "file", "path": f"{directory}/"}
+def file_kvstore(root: Path | str, subpath: str) -> dict[str, Any]:
+    """TensorStore's ``file`` kvstore spec of ``root/subpath/`` (plain strings: called once per array)."""
+    return {"driver": "file", "path": f"{root}/{subpath}/" if subpath else f"{root}/"}
 
 
 def parse_location(path: str | os.PathLike[str]) -> LocalLocation:
@@ -186,14 +186,15 @@ class LocalWriter:
         errors: list[str] = []
 
         def run() -> None:
+            root = str(self.temp)
             for path, document in documents.items():
-                directory = self.temp / path if path else self.temp
+                directory = f"{root}/{path}" if path else root
                 try:
                     try:
-                        (directory / ROOT_METADATA).write_bytes(document)
+                        _write_file(f"{directory}/{ROOT_METADATA}", document)
                     except FileNotFoundError:
-                        directory.mkdir(parents=True, exist_ok=True)
-                        (directory / ROOT_METADATA).write_bytes(document)
+                        os.makedirs(directory, exist_ok=True)
+                        _write_file(f"{directory}/{ROOT_METADATA}", document)
                 except OSError as e:
                     errors.append(f"{path or '/'}: {e}")
 
@@ -227,6 +228,16 @@ class LocalWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def _is_empty_dir(path: Path) -> bool:
