@@ -69,10 +69,12 @@ class _Stager:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
         self._used: set[tuple[str, tuple[int, ...], Any]] = set()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
         self._cuda = False
 
     def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
-        """Copy ``value`` into its staging buffer (the ``host`` callback of ``describe_local``)."""
+        """The staging buffer of ``value`` (the ``host`` callback of ``describe_local``); tensors are copied
+        into it by :meth:`finish`, all in one batched call."""
         if isinstance(value, np.ndarray):
             slot = (path, value.shape, value.dtype)
             buffer = self._buffers.get(slot)
@@ -87,13 +89,19 @@ class _Stager:
         pinned = source.is_cuda and torch.cuda.is_available()
         if tensor is None:
             tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-        tensor.copy_(source, non_blocking=pinned)  # resolves conjugate/negative views too
+        self._copies.append((tensor, source))
         self._cuda = self._cuda or pinned
         self._used.add(slot)
         return numpy_view(tensor, dt)
 
     def finish(self) -> None:
-        """Wait for device copies and forget buffers the save did not use (the state's layout changed)."""
+        """Copy every tensor into its buffer (one batched call; device copies non-blocking, then waited
+        for) and forget buffers the save did not use (the state's layout changed)."""
+        if self._copies:
+            buffers, sources = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
+                                 non_blocking=self._cuda)
+            self._copies.clear()
         if self._cuda:
             torch.cuda.synchronize()
         for slot in set(self._buffers) - self._used:
