@@ -55,7 +55,6 @@ machine may be shared and have few cores (all ranks share them): trust medians o
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import functools
 import gc
@@ -82,7 +81,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from save_load import _version, fs_type  # noqa: E402  (shared with the single-process benchmark)
+from save_load import _libc, _version, fs_type  # noqa: E402  (shared with the single-process benchmark)
 
 GB = 1e9
 MIB = 2**20
@@ -322,14 +321,6 @@ def read_once_available() -> bool:
 
 
 # ----------------------------------------------------------------------------------------- rank runtime
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 def settle() -> None:
