@@ -110,6 +110,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from ._storage import collect_garbage
 
     removed = collect_garbage(args.root, min_age_s=args.min_age, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"removed" if not args.dry_run else "would_remove": [str(p) for p in removed]}))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")
@@ -334,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                     help="only remove leftovers untouched this long (default 3600: never a running save's)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
 
     verify = commands.add_parser("verify", help="read every chunk and check checksums and completeness "

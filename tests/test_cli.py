@@ -64,6 +64,8 @@ def test_gc_removes_leftovers_of_interrupted_saves_only(tmp_path):
     assert done.returncode == 0 and "0 leftover(s) removed" in done.stdout  # too recent: maybe still running
     done = _run("gc", str(tmp_path), "--min-age", "0", "--dry-run")
     assert "would remove" in done.stdout and leftover.exists()
+    done = _run("gc", str(tmp_path), "--min-age", "0", "--dry-run", "--json")
+    assert json.loads(done.stdout) == {"would_remove": [str(leftover)]}
     done = _run("gc", str(tmp_path), "--min-age", "0")
     assert done.returncode == 0 and "1 leftover(s) removed" in done.stdout
     assert not leftover.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
