@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import weakref
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from ._format import (
     per_rank_path,
 )
 from ._io import ArrayIO, array_spec, open_array, read_context, read_into
-from ._storage import LocalLocation, parse_location, read_root_json
+from ._storage import LocalLocation, file_kvstore, parse_location, pin_directory, read_root_json
 from ._tensors import writable_numpy
 from ._values import decode_value
 
@@ -94,7 +95,7 @@ class LazyArray:
     @property
     def spec(self) -> dict[str, Any]:
         """The TensorStore spec of this array (metadata included, so opening needs no request)."""
-        return array_spec(self._checkpoint.location.kvstore(self.entry.path), self.metadata)
+        return array_spec(file_kvstore(self._checkpoint._root, self.entry.path), self.metadata)
 
     def __getitem__(self, index: Any) -> np.ndarray:
         try:
@@ -157,7 +158,9 @@ class Checkpoint(Mapping[str, LazyArray]):
         self.location = location
         self.allow_pickle = allow_pickle
         where = str(location)
-        self.manifest, self._nodes = parse_root_document(read_root_json(location), where)
+        self._root, release = pin_directory(location.path)
+        weakref.finalize(self, release)
+        self.manifest, self._nodes = parse_root_document(read_root_json(location, self._root), where)
         self._context = read_context()
         self._arrays: dict[str, LazyArray] = {}
         for key, entry in self.manifest.entries.items():
@@ -177,7 +180,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         if not isinstance(item, ArrayEntry):
             raise KeyError(f"{self.location}: {key!r} has no per-rank array for rank {rank}")
         path = per_rank_path(key, rank)
-        return array_spec(self.location.kvstore(path), self._node(path, key, item.dtype, item.shape))
+        return array_spec(file_kvstore(self._root, path), self._node(path, key, item.dtype, item.shape))
 
     def per_rank(self, key: str) -> list[Any]:
         """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
@@ -234,7 +237,7 @@ class Checkpoint(Mapping[str, LazyArray]):
             )
         metadata = self._node(entry.path, entry.key, _uint8(), (entry.nbytes,))
         raw = np.empty((entry.nbytes,), np.uint8)
-        read_into([ArrayIO(entry.key, array_spec(self.location.kvstore(entry.path), metadata), raw)],
+        read_into([ArrayIO(entry.key, array_spec(file_kvstore(self._root, entry.path), metadata), raw)],
                   self._context, str(self.location))
         return pickle.loads(raw.tobytes())
 

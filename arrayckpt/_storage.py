@@ -42,6 +42,7 @@ __all__ = [
     "file_kvstore",
     "make_durable",
     "parse_location",
+    "pin_directory",
     "read_root_json",
 ]
 
@@ -86,9 +87,28 @@ def parse_location(path: str | os.PathLike[str]) -> LocalLocation:
     return LocalLocation(Path(text).expanduser().absolute())
 
 
-def read_root_json(location: LocalLocation) -> dict[str, Any]:
-    """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
-    root = location.path / ROOT_METADATA
+def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
+    """A path that keeps naming the directory ``path`` names now, and a function that releases it.
+
+    Readers use it so that the root document and every chunk come from the same checkpoint even if the
+    path is overwritten meanwhile (an overwrite swaps directories): on Linux, ``/proc/self/fd/N`` of an open
+    directory. Elsewhere (or when ``path`` is no directory) it is just ``path``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return str(path), lambda: None
+    pinned = f"/proc/self/fd/{fd}"
+    if not os.path.isdir(pinned):
+        os.close(fd)
+        return str(path), lambda: None
+    return pinned, lambda: os.close(fd)
+
+
+def read_root_json(location: LocalLocation, directory: str | None = None) -> dict[str, Any]:
+    """The root ``zarr.json`` of a committed checkpoint (read from ``directory`` if given, e.g. a pinned
+    one), or a clear error saying what is there instead."""
+    root = Path(directory or location.path) / ROOT_METADATA
     try:
         data = root.read_bytes()
     except FileNotFoundError:

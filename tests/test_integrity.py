@@ -205,3 +205,16 @@ def test_overwrite_never_replaces_a_foreign_zarr_store(tmp_path):
     with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):
         arrayckpt.save({"w": torch.ones(1)}, foreign, overwrite=True)
     assert (foreign / "x" / "zarr.json").exists()
+
+
+def test_an_open_checkpoint_never_reads_the_data_of_its_replacement(ckpt):
+    arrayckpt.save({"w": torch.zeros(64, 8), "b": torch.zeros(3)}, ckpt)
+    opened = arrayckpt.open(ckpt)
+    assert torch.equal(opened["b"].torch(), torch.zeros(3))
+    arrayckpt.save({"w": torch.ones(64, 8), "b": torch.ones(3)}, ckpt, overwrite=True)  # same layout
+    try:
+        seen = opened["w"].torch()
+    except arrayckpt.ArrayckptError:
+        return  # the old checkpoint is gone: a clear error is fine, new data under old metadata is not
+    assert torch.equal(seen, torch.zeros(64, 8))
+    assert torch.equal(arrayckpt.open(ckpt)["w"].torch(), torch.ones(64, 8))
