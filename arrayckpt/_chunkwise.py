@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import dtype_by_name
+from ._format import chunk_key
 from ._io import ArrayIO, read_into
 
 __all__ = ["ChunkRef", "chunk_file", "chunk_shape", "iter_chunks", "read_chunks"]
@@ -48,9 +49,7 @@ def chunk_shape(metadata: dict[str, Any]) -> tuple[int, ...]:
 
 def chunk_file(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
     """The chunk key of outer chunk ``grid_index`` (``c.1.0``; ``c`` for a 0-d array)."""
-    encoding = metadata.get("chunk_key_encoding", {})
-    separator = encoding.get("configuration", {}).get("separator", "/")
-    return separator.join(["c", *(str(i) for i in grid_index)])
+    return chunk_key(metadata, grid_index)
 
 
 def iter_chunks(key: str, array_path: str, spec: dict[str, Any]) -> Iterator[ChunkRef]:

@@ -302,10 +302,10 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
             and _positive_ints(grid["configuration"].get("chunk_shape"), len(shape))):
         raise bad(f"chunk_grid {grid!r} is not a regular grid of positive chunk extents, one per dimension")
     encoding = metadata.get("chunk_key_encoding")
-    if not (isinstance(encoding, dict) and encoding.get("name") == "default"
+    if not (isinstance(encoding, dict) and encoding.get("name") in KEY_ENCODINGS
             and isinstance(encoding.get("configuration", {}), dict)
-            and encoding.get("configuration", {}).get("separator", "/") in ("/", ".")):
-        raise bad(f"chunk_key_encoding {encoding!r} is not the default encoding with '/' or '.'")
+            and _separator(encoding) in ("/", ".")):
+        raise bad(f"chunk_key_encoding {encoding!r} is not the 'default' or 'v2' encoding with '/' or '.'")
     codecs = metadata.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
         raise bad(f"codecs {codecs!r} are not a list of codec objects")
@@ -316,6 +316,46 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
                                                    strict=True))):
             raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
     return metadata
+
+
+# Zarr v3's chunk key encodings. arrayckpt writes "default" with "." ("c.0.1"); on object storage a save
+# that replaces a committed checkpoint uses the other one, so its chunks never overwrite the old ones.
+KEY_ENCODINGS = ("default", "v2")
+
+
+def _separator(encoding: dict[str, Any]) -> str:
+    default = "/" if encoding.get("name") == "default" else "."
+    return str(encoding.get("configuration", {}).get("separator", default))
+
+
+def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
+    """The key of chunk ``grid_index`` below its array (``c.1.0`` or ``c`` for 0-d with the default encoding;
+    ``1.0`` or ``0`` with the v2 encoding)."""
+    encoding = metadata.get("chunk_key_encoding", {})
+    if encoding.get("name") == "v2":
+        return _separator(encoding).join(str(i) for i in grid_index) or "0"
+    return _separator(encoding).join(["c", *(str(i) for i in grid_index)])
+
+
+def parse_chunk_key(metadata: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The grid index a chunk key names, if it is a valid key of this array (right encoding, inside the grid)."""
+    shape = metadata.get("shape", [])
+    chunks = metadata.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [])
+    encoding = metadata.get("chunk_key_encoding", {})
+    separator = _separator(encoding)
+    parts = name.split(separator) if name else []
+    if encoding.get("name") == "v2":
+        if not shape:
+            return () if name == "0" else None
+    else:
+        if not parts or parts[0] != "c":
+            return None
+        parts = parts[1:]
+    if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+        return None
+    index = tuple(int(p) for p in parts)
+    grid = [-(-n // c) for n, c in zip(shape, chunks, strict=False)]
+    return index if all(0 <= i < g for i, g in zip(index, grid, strict=False)) else None
 
 
 def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._chunkwise import ChunkRef, chunk_shape, iter_chunks, read_chunks
 from ._format import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
-from ._io import ArrayIO, read_context, read_into
+from ._io import ArrayIO, read_into
 from ._reader import Checkpoint, open_checkpoint
 
 __all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "show"]
@@ -320,7 +320,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     """Compare one tensor chunk by chunk (``a``'s grid), reading both sides' boxes in bounded batches."""
     la, lb = left[key], right[key]
     same_grid = chunk_shape(la.metadata) == chunk_shape(lb.metadata)
-    context = read_context()
+    context = left._context
     differing = nonfinite = chunks = differing_chunks = 0
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
@@ -328,7 +328,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     def flush() -> None:
         nonlocal differing, nonfinite, differing_chunks, max_abs, max_rel
         mine = read_chunks(batch, context, str(left.location))
-        theirs = read_chunks([ChunkRef(key, c.array_path, c.file, c.index, lb.spec) for c in batch], context,
+        theirs = read_chunks([ChunkRef(key, c.array_path, c.file, c.index, lb.spec) for c in batch], right._context,
                              str(right.location))
         for x, y in zip(mine, theirs, strict=True):
             count, worst_abs, worst_rel, bad = _compare(x, y)
@@ -392,13 +392,11 @@ def _same_pickle(left: Checkpoint, right: Checkpoint, key: str) -> bool:
     for checkpoint in (left, right):
         entry = checkpoint.manifest.entries[key]
         assert isinstance(entry, PickleEntry)
-        from ._format import parse_root_document
         from ._io import array_spec
-        from ._storage import read_root_json
+        from ._storage import kvstore_at
 
-        _, nodes = parse_root_document(read_root_json(checkpoint.location), str(checkpoint.location))
         data = np.empty((entry.nbytes,), np.uint8)
-        read_into([ArrayIO(key, array_spec(checkpoint.location.kvstore(entry.path), nodes[entry.path]), data)],
-                  read_context(), str(checkpoint.location))
+        read_into([ArrayIO(key, array_spec(kvstore_at(checkpoint._base, entry.path), checkpoint._nodes[entry.path]),
+                           data)], checkpoint._context, str(checkpoint.location))
         raw.append(data.tobytes())
     return raw[0] == raw[1]

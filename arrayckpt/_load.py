@@ -43,6 +43,7 @@ def load(
     allow_pickle: bool = False,
     process_group: Any = None,
     read_once: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -58,7 +59,8 @@ def load(
     With several ranks, every rank calls ``load`` with its own targets and reads only the slices they
     hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
     data-parallel copies of a shard — read from storage by one of them and sent to the others over the
-    process group, so storage serves each byte once.
+    process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
+    ``storage_options`` as for :func:`arrayckpt.save`.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -70,7 +72,7 @@ def load(
     {'w': tensor([1., 1., 1.]), 'step': 5}
     """
     group = resolve_group(process_group)
-    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle)
+    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle, storage_options=storage_options)
     where = str(checkpoint.location)
     walked = walk(state)
     entries = checkpoint.manifest.entries

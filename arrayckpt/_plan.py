@@ -50,6 +50,7 @@ class ArrayPlan:
     outer_chunk: tuple[int, ...]
     inner_chunk: tuple[int, ...]
     codec: Codec
+    key_encoding: str = "default"  # "v2" only where a save must not reuse the chunk keys of the one it replaces
 
     @cached_property
     def metadata(self) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
         "shape": list(plan.shape),
         "data_type": plan.dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.outer_chunk)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
+        "chunk_key_encoding": {"name": plan.key_encoding, "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
         "fill_value": plan.dtype.fill_value,
         "codecs": codecs,
         "attributes": {"arrayckpt": {"key": plan.key}},

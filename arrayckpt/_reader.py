@@ -28,8 +28,8 @@ from ._format import (
     parse_root_document,
     per_rank_path,
 )
-from ._io import ArrayIO, array_spec, open_array, read_context, read_into
-from ._storage import LocalLocation, file_kvstore, parse_location, pin_directory, read_root_json
+from ._io import ArrayIO, array_spec, open_array, read_into
+from ._storage import Location, kvstore_at, parse_location
 from ._tensors import writable_numpy
 from ._values import decode_value
 
@@ -95,7 +95,7 @@ class LazyArray:
     @property
     def spec(self) -> dict[str, Any]:
         """The TensorStore spec of this array (metadata included, so opening needs no request)."""
-        return array_spec(file_kvstore(self._checkpoint._root, self.entry.path), self.metadata)
+        return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
 
     def __getitem__(self, index: Any) -> np.ndarray:
         try:
@@ -154,14 +154,14 @@ class Checkpoint(Mapping[str, LazyArray]):
     Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`.
     """
 
-    def __init__(self, location: LocalLocation, allow_pickle: bool = False) -> None:
+    def __init__(self, location: Location, allow_pickle: bool = False) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
         where = str(location)
-        self._root, release = pin_directory(location.path)
+        document, self._base, release = location.open_committed()
         weakref.finalize(self, release)
-        self.manifest, self._nodes = parse_root_document(read_root_json(location, self._root), where)
-        self._context = read_context()
+        self.manifest, self._nodes = parse_root_document(document, where)
+        self._context = location.read_context()
         self._arrays: dict[str, LazyArray] = {}
         for key, entry in self.manifest.entries.items():
             if isinstance(entry, ArrayEntry):
@@ -180,7 +180,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         if not isinstance(item, ArrayEntry):
             raise KeyError(f"{self.location}: {key!r} has no per-rank array for rank {rank}")
         path = per_rank_path(key, rank)
-        return array_spec(file_kvstore(self._root, path), self._node(path, key, item.dtype, item.shape))
+        return array_spec(kvstore_at(self._base, path), self._node(path, key, item.dtype, item.shape))
 
     def per_rank(self, key: str) -> list[Any]:
         """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
@@ -237,7 +237,7 @@ class Checkpoint(Mapping[str, LazyArray]):
             )
         metadata = self._node(entry.path, entry.key, _uint8(), (entry.nbytes,))
         raw = np.empty((entry.nbytes,), np.uint8)
-        read_into([ArrayIO(entry.key, array_spec(file_kvstore(self._root, entry.path), metadata), raw)],
+        read_into([ArrayIO(entry.key, array_spec(kvstore_at(self._base, entry.path), metadata), raw)],
                   self._context, str(self.location))
         return pickle.loads(raw.tobytes())
 
@@ -268,8 +268,10 @@ def _uint8() -> DType:
     return DTYPES["uint8"]
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Checkpoint:
-    """Open a committed checkpoint read-only.
+def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
+                    storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Open a committed checkpoint read-only: a local path or an object-storage URL (``s3://bucket/prefix``,
+    with ``storage_options`` as for :func:`arrayckpt.save`). Opening reads one object, the root ``zarr.json``.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -278,4 +280,4 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     >>> ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
     ((2, 3), [3.0, 4.0], 7)
     """
-    return Checkpoint(parse_location(path), allow_pickle)
+    return Checkpoint(parse_location(path, storage_options), allow_pickle)

@@ -20,7 +20,6 @@ import pickle
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,12 +30,12 @@ from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
 from ._format import MAX_NDIM, ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics, per_rank_path
-from ._io import ArrayIO, array_spec, write_all, write_context
+from ._io import ArrayIO, array_spec, write_all
 from ._keys import array_path
-from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save
+from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save, with_key_encoding
 from ._shards import Box, PerRank, Shard, local_piece
 from ._state import walk
-from ._storage import LocalWriter, file_kvstore, make_durable, parse_location
+from ._storage import Location, Writer, finish_rank_writes, open_writer, parse_location
 from ._tensors import readable_numpy
 from ._values import NotJSONable, encode_value
 
@@ -63,6 +62,7 @@ def save(
     process_group: Any = None,
     step: int | None = None,
     metrics: Mapping[str, float] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
@@ -73,7 +73,10 @@ def save(
     or a per-key choice (``{"optim.*": "zstd"}``). Every chunk carries a crc32c. The checkpoint
     becomes visible only once complete; a committed checkpoint at ``path`` is replaced only with
     ``overwrite=True``, and stays readable until the new one has committed. ``step`` and ``metrics``
-    (finite numbers by name, e.g. a validation loss) are recorded in the manifest.
+    (finite numbers by name, e.g. a validation loss) are recorded in the manifest. ``path`` may be an
+    object-storage URL (``s3://bucket/prefix``, ``gs://``, ``memory://``); ``storage_options`` then
+    configure the client (``endpoint_url``, ``region``, ``key``/``secret``/``token``, ``anon``,
+    ``max_retries``, ``request_concurrency``), else the standard AWS environment variables do.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
@@ -84,7 +87,7 @@ def save(
     """
     record = check_record(step, metrics)
     group = resolve_group(process_group)
-    location = parse_location(path)
+    location = parse_location(path, storage_options)
     local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
     finish_save(local, error, group, location, codec, overwrite, record)
 
@@ -123,10 +126,10 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     message = group.broadcast(message)
     if isinstance(message, BaseException):
         raise message
-    plan, temp = message
+    plan, target = message
     assert local is not None  # a failed description was broadcast as an error above
 
-    _, error = _attempt(lambda: _write_tasks(plan, group.rank, local, Path(temp), where))
+    _, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where))
     try:
         results = group.gather(error)
     except CollectiveError:
@@ -168,7 +171,7 @@ def _first_error(errors: list[BaseException | None]) -> BaseException | None:
 class _Coordination:
     """What only the coordinator holds during a save."""
 
-    writer: LocalWriter
+    writer: Writer
     wait_for_metadata: Any  # waits for the array/group zarr.json documents written in the background
 
 
@@ -181,22 +184,23 @@ def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
         return error, None
     try:
         plan = plan_save([d for d, _ in gathered], codec)
-        writer = LocalWriter(location, overwrite)
+        writer = open_writer(location, overwrite)
+        plan = with_key_encoding(plan, writer.key_encoding)
     except ArrayckptError as e:
         return e, None
-    return (plan, str(writer.temp)), _Coordination(writer, writer.write_documents(plan.documents))
+    return (plan, writer.target), _Coordination(writer, writer.write_documents(plan.documents))
 
 
-def _write_tasks(plan: SavePlan, rank: int, local: _Local, temp: Path, where: str) -> None:
+def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, where: str) -> None:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece."""
     jobs = []
     for task in plan.tasks[rank]:
         held, data = local.data[task.path]
-        spec = array_spec(file_kvstore(temp, task.path), plan.arrays[task.path].metadata)
+        spec = array_spec(target.kvstore(task.path), plan.arrays[task.path].metadata)
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
-    write_all(jobs, write_context(), where)
+    write_all(jobs, target.write_context(), where)
     if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
-        make_durable(temp)
+        finish_rank_writes(target)
 
 
 def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, record: Record,

@@ -10,6 +10,7 @@ outer chunk exactly one writer, spreading replicated data over its replicas bala
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -29,7 +30,7 @@ from ._shards import Box
 
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
-__all__ = ["ArrayDescription", "LocalDescription", "SavePlan", "WriteTask", "plan_save"]
+__all__ = ["ArrayDescription", "LocalDescription", "SavePlan", "WriteTask", "plan_save", "with_key_encoding"]
 
 
 @dataclass(frozen=True)
@@ -157,13 +158,28 @@ def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout
         _plan_per_rank_arrays(name, items, codec, arrays, work)
     _check_paths(arrays)
     tasks, loads = _assign(work, world)
-    nodes = node_documents({path: array.metadata for path, array in arrays.items()})
-    documents = {path: json.dumps(document).encode() for path, document in nodes.items()}
-    consolidated = "{" + ", ".join(f"{json.dumps(path)}: {doc.decode()}" for path, doc in documents.items()) + "}"
+    documents, consolidated = _documents(arrays)
     layout = _Layout(entries, arrays, tasks, loads, {k: [r for r, _ in v] for k, v in pieces.items()}, documents,
                      consolidated)
     _LAST_LAYOUT[:] = [(key, layout)]
     return layout
+
+
+def _documents(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:
+    """The serialised ``zarr.json`` of every array and group, and the same as consolidated metadata."""
+    nodes = node_documents({path: array.metadata for path, array in arrays.items()})
+    documents = {path: json.dumps(document).encode() for path, document in nodes.items()}
+    consolidated = "{" + ", ".join(f"{json.dumps(path)}: {doc.decode()}" for path, doc in documents.items()) + "}"
+    return documents, consolidated
+
+
+def with_key_encoding(plan: SavePlan, encoding: str) -> SavePlan:
+    """The same plan with every array's chunk key encoding set to ``encoding`` (see ``_objstore``)."""
+    if all(a.key_encoding == encoding for a in plan.arrays.values()):
+        return plan
+    arrays = {path: dataclasses.replace(a, key_encoding=encoding) for path, a in plan.arrays.items()}
+    documents, consolidated = _documents(arrays)
+    return dataclasses.replace(plan, arrays=arrays, documents=documents, consolidated_json=consolidated)
 
 
 def _check_paths(arrays: dict[str, ArrayPlan]) -> None:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from ._errors import (
     CheckpointExistsError,
@@ -35,12 +35,20 @@ from ._errors import (
     StorageError,
 )
 
+if TYPE_CHECKING:
+    from ._objstore import ObjectLocation, ObjectWriter
+
 __all__ = [
     "LocalLocation",
     "LocalWriter",
+    "Location",
+    "Writer",
     "collect_garbage",
     "file_kvstore",
+    "finish_rank_writes",
+    "kvstore_at",
     "make_durable",
+    "open_writer",
     "parse_location",
     "pin_directory",
     "read_root_json",
@@ -63,6 +71,42 @@ class LocalLocation:
         """TensorStore kvstore spec of a directory inside the checkpoint."""
         return file_kvstore(self.path, subpath)
 
+    def read_root(self) -> dict[str, Any]:
+        return read_root_json(self)
+
+    def read_context(self) -> Any:
+        from ._io import read_context
+
+        return read_context()
+
+    def write_context(self) -> Any:
+        from ._io import write_context
+
+        return write_context()
+
+    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
+        """The root document, the kvstore to read the data from, and a function that releases it: the
+        directory is pinned so that an overwrite meanwhile cannot mix two checkpoints' chunks."""
+        root, release = pin_directory(self.path)
+        try:
+            return read_root_json(self, root), file_kvstore(root, ""), release
+        except BaseException:
+            release()
+            raise
+
+    def node_document(self, node_path: str) -> bytes | None:
+        """A node's own ``zarr.json`` (``None`` when absent)."""
+        try:
+            return (self.path / node_path / ROOT_METADATA).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def is_committed(self) -> bool:
+        return is_committed(self)
+
+    def delete(self) -> None:
+        shutil.rmtree(self.path)
+
     def leftovers(self) -> list[Path]:
         """Temporary directories of interrupted saves to this path."""
         parent = self.path.parent
@@ -76,15 +120,53 @@ def file_kvstore(root: Path | str, subpath: str) -> dict[str, Any]:
     return {"driver": "file", "path": f"{root}/{subpath}/" if subpath else f"{root}/"}
 
 
-def parse_location(path: str | os.PathLike[str]) -> LocalLocation:
-    """Turn what the user passed into a location; only local paths are supported so far."""
-    text = os.fspath(path)
+Location = Union[LocalLocation, "ObjectLocation"]
+Writer = Union["LocalWriter", "ObjectWriter"]
+
+
+def parse_location(path: str | os.PathLike[str] | Location,
+                   storage_options: Mapping[str, Any] | None = None) -> Location:
+    """Turn what the user passed into a location: a local path or ``file://`` URL, or an object-storage URL
+    (``s3://``, ``gs://``, ``memory://``) with its storage options."""
+    if isinstance(path, LocalLocation) or type(path).__name__ == "ObjectLocation":
+        return path  # type: ignore[return-value]
+    text = os.fspath(path)  # type: ignore[arg-type]
     if "://" in text:
         scheme, _, rest = text.partition("://")
+        from ._objstore import OBJECT_SCHEMES, parse_object_url
+
+        if scheme in OBJECT_SCHEMES:
+            return parse_object_url(text, storage_options)
         if scheme != "file":
-            raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported yet; use a local path")
+            raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
+                             f"or one of {', '.join(s + '://' for s in OBJECT_SCHEMES)}")
         text = rest
+    if storage_options:
+        raise ValueError(f"{text!r}: storage_options apply to object-storage URLs only")
     return LocalLocation(Path(text).expanduser().absolute())
+
+
+def open_writer(location: Location, overwrite: bool) -> Writer:
+    """The writer for one save to ``location`` (refuses to replace a committed checkpoint without ``overwrite``)."""
+    if isinstance(location, LocalLocation):
+        return LocalWriter(location, overwrite)
+    from ._objstore import ObjectWriter
+
+    return ObjectWriter(location, overwrite)
+
+
+def finish_rank_writes(target: Location) -> None:
+    """What a non-coordinator rank does after writing its chunks: on a (possibly shared) filesystem, flush
+    them before reporting success; object stores have nothing to flush."""
+    if isinstance(target, LocalLocation):
+        make_durable(target.path)
+
+
+def kvstore_at(base: dict[str, Any], subpath: str) -> dict[str, Any]:
+    """The kvstore spec of ``subpath`` inside the checkpoint whose (directory) kvstore spec is ``base``."""
+    if not subpath:
+        return base
+    return {**base, "path": f"{base['path']}{subpath}/"}
 
 
 def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
@@ -142,7 +224,11 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
     """
     import time
 
-    base = parse_location(root).path
+    location = parse_location(root)
+    if not isinstance(location, LocalLocation):
+        raise ValueError(f"{location}: gc works on local directories; on object storage an interrupted save "
+                         "is replaced by saving again with overwrite=True")
+    base = location.path
     if not base.is_dir():
         raise CheckpointNotFoundError(f"{base}: not a directory")
     now = time.time()
@@ -187,6 +273,8 @@ class LocalWriter:
         location.path.parent.mkdir(parents=True, exist_ok=True)
         self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
         self.temp.mkdir()
+        self.target = LocalLocation(self.temp)  # where the ranks write
+        self.key_encoding = "default"
 
     def kvstore(self, subpath: str = "") -> dict[str, Any]:
         return file_kvstore(self.temp, subpath)

@@ -22,12 +22,12 @@ from ._codecs import CodecChoice
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import StateError
 from ._format import Manifest, encode_root_document
-from ._io import ArrayIO, array_spec, write_all, write_context
+from ._io import ArrayIO, array_spec, write_all
 from ._plan import ArrayPlan
 from ._save import created_info, describe_local, host_view
-from ._saveplan import SavePlan, plan_save
+from ._saveplan import SavePlan, plan_save, with_key_encoding
 from ._shards import Box
-from ._storage import LocalWriter, parse_location
+from ._storage import Writer, open_writer, parse_location
 from ._tensors import readable_numpy
 
 __all__ = ["BATCH_BYTES", "write_streaming"]
@@ -66,7 +66,8 @@ def write_streaming(
 
     local = describe_local(dict(skeleton), 0, allow_pickle, host)
     plan = plan_save([local.description], codec)
-    writer = LocalWriter(parse_location(path), overwrite)
+    writer = open_writer(parse_location(path), overwrite)
+    plan = with_key_encoding(plan, writer.key_encoding)
     wait = writer.write_documents(plan.documents)
     try:
         _write_arrays(plan, local.data, fetch, writer, batch_bytes, progress, release)
@@ -82,7 +83,7 @@ def write_streaming(
         raise
 
 
-def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, writer: LocalWriter,
+def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, writer: Writer,
                   batch_bytes: int, progress: Callable[[int, int], None] | None,
                   release: Callable[[str], None] | None) -> None:
     """Fetch, write and drop the arrays in batches of at most ``batch_bytes`` (one tensor if bigger).
@@ -90,7 +91,7 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
     Only ``jobs`` holds fetched data, so a batch is freed as soon as it is written: no reference to the
     previous tensor may survive into the next fetch, or two big tensors would be in memory at once.
     """
-    context = write_context()
+    context = writer.target.write_context()
     where = str(writer.location)
     tasks = plan.tasks[0]
     total = sum(plan.arrays[t.path].dtype.itemsize * t.box.size for t in tasks)
@@ -103,7 +104,8 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
         if host is _LATER:
             host = _fetched_view(task.key, fetch(task.key), array)
             fetched.append(task.key)
-        jobs.append(ArrayIO(task.key, array_spec(writer.kvstore(task.path), array.metadata), host, task.box.slices()))
+        spec = array_spec(writer.target.kvstore(task.path), array.metadata)
+        jobs.append(ArrayIO(task.key, spec, host, task.box.slices()))
         held += host.nbytes
         del host
         if held >= batch_bytes:

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._chunkwise import ChunkRef, iter_chunks, read_chunks
 from ._codecs import check_checksummed
 from ._errors import ArrayckptError, CorruptCheckpointError, FormatError, IncompleteCheckpointError
-from ._format import ArrayEntry, PerRankEntry, PickleEntry, parse_root_document, per_rank_path
-from ._io import array_spec, read_context
+from ._format import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from ._io import array_spec
 from ._reader import Checkpoint, open_checkpoint
-from ._storage import ROOT_METADATA, LocalLocation, parse_location, read_root_json
+from ._storage import ROOT_METADATA, Location, kvstore_at, parse_location
 
 __all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
 
@@ -64,7 +64,7 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
-           batch_bytes: int = BATCH_BYTES) -> VerifyReport:
+           batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Read every chunk of every array of the checkpoint at ``path`` and check it; return all damage found.
 
     Checks: the commit (root ``zarr.json``) exists and parses; every array's and group's own ``zarr.json``
@@ -79,11 +79,11 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     >>> report.ok, report.arrays, report.bytes_checked
     (True, 1, 64)
     """
-    location = parse_location(path)
+    location = parse_location(path, storage_options)
     where = str(location)
     try:
-        checkpoint = open_checkpoint(location.path)
-        _, nodes = parse_root_document(read_root_json(location), where)
+        checkpoint = open_checkpoint(location)
+        nodes = checkpoint._nodes
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
     damage: list[Damage] = []
@@ -96,7 +96,7 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
     for group_path in groups:
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
-    checked = _read_all(chunks, where, batch_bytes, damage, progress)
+    checked = _read_all(chunks, checkpoint._context, where, batch_bytes, damage, progress)
     keys = tuple(dict.fromkeys(d.key for d in damage if d.key is not None))
     return VerifyReport(where, tuple(damage), arrays, len(chunks), checked, keys)
 
@@ -124,7 +124,7 @@ def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
             if problem:
                 damage.append(Damage(key, f"{entry.path}/{ROOT_METADATA}", problem))
                 continue
-            yield key, entry.path, array_spec(location.kvstore(entry.path), metadata)  # type: ignore[arg-type]
+            yield key, entry.path, array_spec(kvstore_at(checkpoint._base, entry.path), metadata)  # type: ignore
 
 
 def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None:
@@ -141,16 +141,17 @@ def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None
     return None
 
 
-def _check_node_file(location: LocalLocation, key: str | None, node_path: str,
+def _check_node_file(location: Location, key: str | None, node_path: str,
                      document: dict[str, Any]) -> list[Damage]:
     """A node's own ``zarr.json`` must exist and agree with the consolidated copy in the root document."""
     file = f"{node_path}/{ROOT_METADATA}"
     try:
-        stored = json.loads((location.path / file).read_bytes())
-    except FileNotFoundError:
-        return [Damage(key, file, "node metadata file is missing (Zarr readers that do not use the root's "
-                                  "consolidated metadata cannot open this node)")]
-    except (OSError, ValueError) as e:
+        data = location.node_document(node_path)
+        if data is None:
+            return [Damage(key, file, "node metadata file is missing (Zarr readers that do not use the root's "
+                                      "consolidated metadata cannot open this node)")]
+        stored = json.loads(data)
+    except (OSError, ValueError, ArrayckptError) as e:
         return [Damage(key, file, f"node metadata file is unreadable: {e}")]
     if stored != document:
         return [Damage(key, file, "node metadata file differs from the root's consolidated metadata")]
@@ -171,10 +172,9 @@ def _batches(chunks: list[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
         yield batch
 
 
-def _read_all(chunks: list[ChunkRef], where: str, budget: int, damage: list[Damage],
+def _read_all(chunks: list[ChunkRef], context: Any, where: str, budget: int, damage: list[Damage],
               progress: Progress | None) -> int:
     """Read every chunk (batched for speed); a failed batch is re-read chunk by chunk to name each damage."""
-    context = read_context()
     total = sum(c.nbytes for c in chunks)
     done = 0
     for batch in _batches(chunks, budget):

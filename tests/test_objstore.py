@@ -1,0 +1,206 @@
+"""Object-storage semantics (commit = root document, generation-alternating overwrite, incomplete prefixes),
+exercised on TensorStore's in-memory kvstore; the same code runs against S3 in ``test_s3.py``."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+
+import arrayckpt
+from arrayckpt import _objstore
+from arrayckpt._objstore import ObjectWriter, parse_object_url, stale_keys
+
+
+def _url() -> str:
+    return f"memory://bucket/ckpt-{uuid.uuid4().hex[:8]}"
+
+
+def _keys(url: str) -> list[str]:
+    location = parse_object_url(url)
+    return sorted(k.decode() for k in ts.KvStore.open(location.kvstore(), context=location.context()).result()
+                  .list().result())
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+            "count": torch.tensor(seed), "step": seed, "bf": torch.randn(8, 8, generator=g).to(torch.bfloat16)}
+
+
+def _same(url: str, state: dict) -> None:
+    ckpt = arrayckpt.open(url)
+    assert torch.equal(ckpt["model.w"].torch(), state["model"]["w"])
+    assert torch.equal(ckpt["model.b"].torch(), state["model"]["b"])
+    assert torch.equal(ckpt["count"].torch(), state["count"])
+    assert torch.equal(ckpt["bf"].torch(), state["bf"])
+    assert ckpt.plain_values["step"] == state["step"]
+
+
+def test_save_open_load_roundtrip() -> None:
+    url = _url()
+    state = _state(1)
+    arrayckpt.save(state, url)
+    _same(url, state)
+    target = _state(2)
+    arrayckpt.load(target, url)
+    assert torch.equal(target["model"]["w"], state["model"]["w"]) and target["step"] == 1
+    assert arrayckpt.verify(url).ok
+
+
+def test_refuses_to_replace_without_overwrite() -> None:
+    url = _url()
+    arrayckpt.save(_state(1), url)
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="overwrite=True"):
+        arrayckpt.save(_state(2), url)
+    _same(url, _state(1))
+
+
+def test_overwrite_keeps_old_checkpoint_whole_until_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right before the new root document is written, every chunk of the new checkpoint is in place and the
+    old checkpoint must still read back exactly; afterwards only the new one's objects remain."""
+    url = _url()
+    old, new = _state(1), _state(2)
+    arrayckpt.save(old, url)
+    before = set(_keys(url))
+    seen = []
+    original = ObjectWriter.commit
+
+    def commit(self: ObjectWriter, root_document: bytes) -> None:
+        _same(url, old)  # the old checkpoint, read while the new one's data is all written
+        seen.append(set(_keys(url)) - before)
+        original(self, root_document)
+
+    monkeypatch.setattr(ObjectWriter, "commit", commit)
+    arrayckpt.save(new, url, overwrite=True)
+    assert seen and seen[0], "the new save wrote no objects of its own before committing"
+    assert all("zarr.json" not in key for key in seen[0]), "node documents must wait for the commit"
+    _same(url, new)
+    assert arrayckpt.verify(url).ok  # node documents rewritten, old generation deleted
+    after = _keys(url)
+    assert not set(after) & (before - {k for k in before if k.endswith("zarr.json")})
+    # a third save goes back to the first generation's chunk keys, again without touching the second's
+    monkeypatch.undo()
+    arrayckpt.save(old, url, overwrite=True)
+    _same(url, old)
+    assert arrayckpt.verify(url).ok
+
+
+def test_failed_overwrite_leaves_old_checkpoint_and_no_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _url()
+    old = _state(1)
+    arrayckpt.save(old, url)
+    before = _keys(url)
+    from arrayckpt import _save
+
+    real = _save.write_all
+
+    def failing(jobs, context, where):  # write everything, then fail as a flaky rank would
+        real(jobs, context, where)
+        raise arrayckpt.StorageError(f"{where}: injected failure")
+
+    monkeypatch.setattr(_save, "write_all", failing)
+    with pytest.raises(arrayckpt.StorageError, match="injected failure"):
+        arrayckpt.save(_state(2), url, overwrite=True)
+    assert _keys(url) == before
+    _same(url, old)
+
+
+def test_incomplete_prefix_is_reported_and_replaceable(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _url()
+
+    def crash(self: ObjectWriter, root_document: bytes) -> None:
+        raise KeyboardInterrupt  # the process dies before its commit; abort never runs
+
+    monkeypatch.setattr(ObjectWriter, "commit", crash)
+    monkeypatch.setattr(ObjectWriter, "abort", lambda self: None)
+    with pytest.raises(KeyboardInterrupt):
+        arrayckpt.save(_state(1), url)
+    monkeypatch.undo()
+    assert _keys(url), "the interrupted save should have left chunks behind"
+    with pytest.raises(arrayckpt.IncompleteCheckpointError, match="never committed"):
+        arrayckpt.open(url)
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="interrupted save"):
+        arrayckpt.save(_state(2), url)
+    arrayckpt.save(_state(2), url, overwrite=True)
+    _same(url, _state(2))
+    assert arrayckpt.verify(url).ok
+
+
+def test_foreign_objects_are_never_replaced() -> None:
+    url = _url()
+    location = parse_object_url(url)
+    store = ts.KvStore.open(location.kvstore(), context=location.context()).result()
+    store.write("notes.txt", b"mine").result()
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="notes.txt"):
+        arrayckpt.save(_state(1), url, overwrite=True)
+    store.write("zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}').result()
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):
+        arrayckpt.save(_state(1), url, overwrite=True)
+    assert store.read("notes.txt").result().value == b"mine"
+
+
+def test_missing_chunk_is_an_error_naming_the_tensor() -> None:
+    url = _url()
+    arrayckpt.save(_state(1), url)
+    location = parse_object_url(url)
+    store = ts.KvStore.open(location.kvstore(), context=location.context()).result()
+    store.delete_range(ts.KvStore.KeyRange("model/w/c", "model/w/d")).result()
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="model.w"):
+        arrayckpt.open(url)["model.w"].numpy()
+    report = arrayckpt.verify(url)
+    assert not report.ok and report.damaged_keys == ("model.w",)
+
+
+def test_stale_keys_keep_only_the_checkpoints_objects() -> None:
+    metadata = {"node_type": "array", "shape": [4, 6], "chunk_grid": {"configuration": {"chunk_shape": [2, 3]}},
+                "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}}}
+    nodes = {"": {"node_type": "group"}, "a": {"node_type": "group"}, "a/w": metadata}
+    keys = ["zarr.json", "a/zarr.json", "a/w/zarr.json", "a/w/1.1", "a/w/c.1.1", "a/w/2.0", "gone/zarr.json",
+            "gone/c.0", "a/w/readme.txt"]
+    assert stale_keys(keys, nodes) == ["a/w/c.1.1", "a/w/2.0", "gone/zarr.json", "gone/c.0"]
+
+
+@pytest.mark.parametrize("url, error", [
+    ("s3://", "no bucket"),
+    ("s3://bucket/a/../b", "must not contain"),
+    ("ftp://host/x", "not supported"),
+])
+def test_bad_urls(url: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        arrayckpt.save({"x": torch.ones(1)}, url)
+
+
+def test_storage_options_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    spec = parse_object_url("s3://bkt/some/prefix/").kvstore("model/w")
+    assert spec["endpoint"] == "http://127.0.0.1:9" and spec["aws_region"] == "eu-west-3"
+    assert spec["bucket"] == "bkt" and spec["path"] == "some/prefix/model/w/"
+    explicit = parse_object_url("s3://bkt/p", {"endpoint_url": "http://127.0.0.1:8", "anon": True}).kvstore()
+    assert explicit["endpoint"] == "http://127.0.0.1:8" and explicit["aws_credentials"] == {"type": "anonymous"}
+    keyed = parse_object_url("s3://bkt/p", {"key": "AK", "secret": "SK"}).kvstore()
+    assert keyed["aws_credentials"]["type"] == "profile"
+    with open(keyed["aws_credentials"]["credentials_file"]) as file:
+        assert "aws_access_key_id = AK" in file.read()
+    with pytest.raises(ValueError, match="unknown storage option"):
+        parse_object_url("s3://bkt/p", {"endpoint": "x"})
+    with pytest.raises(ValueError, match="go together"):
+        parse_object_url("s3://bkt/p", {"key": "AK"}).kvstore()
+    assert parse_object_url("gs://bkt/p").kvstore("a") == {"driver": "gcs", "bucket": "bkt", "path": "p/a/"}
+    with pytest.raises(ValueError, match="object-storage URLs only"):
+        arrayckpt.open("/tmp/x", storage_options={"anon": True})
+
+
+def test_numpy_and_per_rank_and_pickle_values() -> None:
+    url = _url()
+    state = {"np": np.arange(10, dtype=np.int16), "r": arrayckpt.PerRank(torch.ones(2)), "obj": {1, 2}}
+    arrayckpt.save(state, url, allow_pickle=True)
+    ckpt = arrayckpt.open(url, allow_pickle=True)
+    assert np.array_equal(ckpt["np"].numpy(), state["np"])
+    assert torch.equal(ckpt.per_rank("r")[0], torch.ones(2))
+    assert ckpt.plain_values["obj"] == {1, 2}
+    assert _objstore.OBJECT_SCHEMES == ("s3", "gs", "memory")
