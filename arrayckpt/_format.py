@@ -22,10 +22,13 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_ATTRIBUTE",
     "ArrayEntry",
+    "BaseRef",
+    "Delta",
     "Entry",
     "Manifest",
     "PerRankEntry",
     "PickleEntry",
+    "Quantization",
     "ValueEntry",
     "parse_root_document",
     "per_rank_path",
@@ -34,9 +37,49 @@ __all__ = [
     "root_document",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads; a checkpoint records the lowest that describes it
+PLAIN_VERSION = 1  # full checkpoints with the default chunk key encoding: readable by arrayckpt 0.1 too
 MANIFEST_ATTRIBUTE = "arrayckpt"
 MAX_NDIM = 32  # TensorStore's limit
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Lossy row values of a row delta: row-wise asymmetric ``bits``-bit codes (see ``_quant``), with the
+    largest absolute error any stored element has."""
+
+    bits: int
+    max_abs_error: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bits": self.bits, "max_abs_error": self.max_abs_error}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """How an entry of a delta checkpoint is stored relative to its base (format version 2).
+
+    ``mode="chunks"``: the array at the entry's path has only the chunks whose bytes changed since the base
+    (``present``: their flat C-order indices in its chunk grid); every other chunk reads through to the base.
+    ``mode="rows"``: the entry's path is a group of arrays ``rows`` (int64 row indices, -1 for padding) and
+    ``values`` (those rows' new values; with ``quantized``, ``codes``/``scale``/``offset`` instead); every
+    other row reads through to the base.
+    """
+
+    mode: Literal["chunks", "rows"]
+    present: tuple[int, ...] = ()
+    rows: int = 0  # number of changed rows (rows mode)
+    quantized: Quantization | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.mode == "chunks":
+            out["present"] = list(self.present)
+        else:
+            out["rows"] = self.rows
+            if self.quantized is not None:
+                out["quantized"] = self.quantized.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -48,6 +91,7 @@ class ArrayEntry:
     dtype: DType
     shape: tuple[int, ...]
     kind: Literal["tensor", "ndarray"] = "tensor"
+    delta: Delta | None = None  # None: stored whole; else only what changed since the base
 
     @property
     def path(self) -> str:
@@ -58,13 +102,16 @@ class ArrayEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "keys": list(self.parts),
             "path": self.path,
             "dtype": self.dtype.name,
             "shape": list(self.shape),
         }
+        if self.delta is not None:
+            out["delta"] = self.delta.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -127,6 +174,27 @@ Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry
 
 
 @dataclass(frozen=True)
+class BaseRef:
+    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's parent
+    directory when both are local siblings, else absolute) and its id, so a replaced base is detected."""
+
+    path: str
+    id: str
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "id": self.id, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, data: object) -> BaseRef:
+        if not (isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]
+                and isinstance(data.get("id"), str) and data["id"]
+                and (data.get("step") is None or _nonneg_int(data["step"]))):
+            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {data!r}")
+        return cls(data["path"], data["id"], data.get("step"))
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs besides the arrays' own metadata."""
 
@@ -135,9 +203,12 @@ class Manifest:
     # Containers that are not dicts, by dotted prefix ("list" or "tuple"), to rebuild nested state.
     containers: Mapping[str, str] = field(default_factory=dict)
     created: Mapping[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = PLAIN_VERSION
     # Training metrics the caller attached (e.g. validation loss), for choosing which checkpoints to keep.
     metrics: Mapping[str, float] = field(default_factory=dict)
+    id: str | None = None  # unique per save; deltas name their base by it
+    base: BaseRef | None = None  # set for delta checkpoints
+    stored_bytes: int | None = None  # array bytes this checkpoint stores itself (before compression)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -149,6 +220,12 @@ class Manifest:
         }
         if self.metrics:
             out["metrics"] = dict(self.metrics)
+        if self.id is not None:
+            out["id"] = self.id
+        if self.base is not None:
+            out["base"] = self.base.to_dict()
+        if self.stored_bytes is not None:
+            out["stored_bytes"] = self.stored_bytes
         return out
 
     @classmethod
@@ -176,7 +253,17 @@ class Manifest:
         if not isinstance(created, dict):
             raise FormatError("manifest 'created' must be a JSON object")
         parsed = {key: parse_entry(key, value) for key, value in entries.items()}
-        return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})))
+        identity = data.get("id")
+        if identity is not None and not isinstance(identity, str):
+            raise FormatError(f"manifest 'id' must be a string, got {identity!r}")
+        base = BaseRef.from_dict(data["base"]) if data.get("base") is not None else None
+        if base is None and any(isinstance(e, ArrayEntry) and e.delta is not None for e in parsed.values()):
+            raise FormatError("manifest has delta entries but no 'base'")
+        stored = data.get("stored_bytes")
+        if stored is not None and (not isinstance(stored, int) or isinstance(stored, bool) or stored < 0):
+            raise FormatError(f"manifest 'stored_bytes' must be a non-negative integer, got {stored!r}")
+        return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})), identity,
+                   base, stored)
 
 
 def parse_metrics(metrics: object) -> dict[str, float]:
@@ -213,7 +300,9 @@ def parse_entry(key: object, data: object) -> Entry:
             dtype = dtype_by_name(data.get("dtype"))
         except FormatError as e:
             raise FormatError(f"entry {key!r}: {e}") from None
-        return ArrayEntry(key, parts, dtype, _parse_shape(data.get("shape"), key), kind)
+        shape = _parse_shape(data.get("shape"), key)
+        delta = _parse_delta(data["delta"], key, shape) if data.get("delta") is not None else None
+        return ArrayEntry(key, parts, dtype, shape, kind, delta)
     if kind == "value":
         if "value" not in data:
             raise FormatError(f"entry {key!r}: value entry has no 'value'")
@@ -232,6 +321,31 @@ def parse_entry(key: object, data: object) -> Entry:
     raise FormatError(
         f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle, per_rank"
     )
+
+
+def _nonneg_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_delta(data: object, key: str, shape: tuple[int, ...]) -> Delta:
+    if not isinstance(data, dict) or data.get("mode") not in ("chunks", "rows"):
+        raise FormatError(f"entry {key!r}: 'delta' must be an object with mode 'chunks' or 'rows', got {data!r}")
+    if data["mode"] == "chunks":
+        present = data.get("present")
+        if not isinstance(present, list) or not all(_nonneg_int(i) for i in present):
+            raise FormatError(f"entry {key!r}: delta 'present' must be a list of chunk indices")
+        return Delta("chunks", tuple(present))
+    rows = data.get("rows")
+    if not shape or not _nonneg_int(rows):
+        raise FormatError(f"entry {key!r}: a rows delta needs an array of at least 1 dimension and a row count")
+    quantized = data.get("quantized")
+    if quantized is not None:
+        if not (isinstance(quantized, dict) and quantized.get("bits") in (4, 8)
+                and isinstance(quantized.get("max_abs_error"), (int, float))
+                and not isinstance(quantized.get("max_abs_error"), bool)):
+            raise FormatError(f"entry {key!r}: delta 'quantized' must be {{bits: 4|8, max_abs_error}}")
+        return Delta("rows", rows=rows, quantized=Quantization(quantized["bits"], float(quantized["max_abs_error"])))
+    return Delta("rows", rows=rows)
 
 
 def _parse_per_rank_item(key: str, parts: Key, item: object) -> ValueEntry | ArrayEntry | None:

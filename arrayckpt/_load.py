@@ -19,7 +19,7 @@ from ._io import ArrayIO, read_into
 from ._keys import dotted
 from ._reader import Checkpoint, open_checkpoint
 from ._readonce import split_reads
-from ._shards import PerRank, Shard, to_local_box
+from ._shards import Box, PerRank, Shard, to_local_box
 from ._state import Leaf, StatefulNode, Walk, walk
 from ._tensors import writable_numpy
 from ._values import decode_value
@@ -108,6 +108,7 @@ class _LoadPlan:
         self.rank = rank
         self.world_size = world_size
         self.reads: list[ArrayIO] = []
+        self.overlays: list[Any] = []  # row overlays of delta checkpoints, run after the reads, in order
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replacements: list[tuple[Leaf, Any]] = []
 
@@ -130,6 +131,8 @@ class _LoadPlan:
                 rank, message = failures[0]
                 raise CorruptCheckpointError(f"rank {rank} failed to read data this rank needs: {message}")
             exchange()
+        for overlay in self.overlays:
+            overlay()
         for target, staged in self.copies:
             target.copy_(staged)
         for leaf, value in self.replacements:
@@ -140,9 +143,9 @@ class _LoadPlan:
         if isinstance(entry, PerRankEntry) or isinstance(target, PerRank):
             self._per_rank(entry, leaf)
         elif isinstance(entry, ArrayEntry) and isinstance(target, (torch.Tensor, Shard, np.ndarray)):
-            self._array(entry, self.checkpoint[entry.key].spec, target)
+            self._array(entry, None, target)
         elif isinstance(entry, ArrayEntry):  # a plain value in the state: replace it with a new array
-            self._replace(leaf, self._fresh(entry, self.checkpoint[entry.key].spec))
+            self._replace(leaf, self._fresh(entry, None))
         elif isinstance(target, (torch.Tensor, Shard, np.ndarray)):
             raise StateError(
                 f"{self.where}: {entry.key!r} is a plain value in the checkpoint but an array in the state"
@@ -155,31 +158,40 @@ class _LoadPlan:
             raise StateError(f"{self.where}: cannot replace {dotted(leaf.parts)!r} inside a tuple; use a list")
         self.replacements.append((leaf, value))
 
-    def _fresh(self, entry: ArrayEntry, spec: dict[str, Any]) -> torch.Tensor | np.ndarray:
+    def _fresh(self, entry: ArrayEntry, spec: dict[str, Any] | None) -> torch.Tensor | np.ndarray:
         fresh = _empty_like_entry(entry)
         self._array(entry, spec, fresh)
         return fresh
 
-    def _array(self, entry: ArrayEntry, spec: dict[str, Any], target: torch.Tensor | Shard | np.ndarray) -> None:
-        """Read the part of ``entry`` that ``target`` holds (a DTensor's or Shard's box, else everything)."""
+    def _array(self, entry: ArrayEntry, spec: dict[str, Any] | None,
+               target: torch.Tensor | Shard | np.ndarray) -> None:
+        """Read the part of ``entry`` that ``target`` holds (a DTensor's or Shard's box, else everything);
+        ``spec`` names the array (``None``: the checkpoint's array of that key, through its chain of bases)."""
         key = entry.key
         if isinstance(target, np.ndarray):
             self._check(entry, dtype_of_numpy(target.dtype), entry.dtype, target.shape)
             if not target.flags.writeable:
                 raise StateError(f"{self.where}: numpy array {key!r} in the state is read-only")
-            self.reads.append(ArrayIO(key, spec, target))
+            self._read(entry, spec, Box.whole(entry.shape), target)
             return
         global_shape, box, local = to_local_box(target, key)
         self._check(entry, local.dtype, entry.dtype.torch, global_shape)
         if box.size == 0 and math.prod(entry.shape) != 0:
             return  # this rank holds no part of the tensor
-        index = box.slices()
         if local.device.type == "cpu":
-            self.reads.append(ArrayIO(key, spec, writable_numpy(local, entry.dtype, key), index))
+            self._read(entry, spec, box, writable_numpy(local, entry.dtype, key))
         else:
             staged = torch.empty(box.shape, dtype=entry.dtype.torch)
-            self.reads.append(ArrayIO(key, spec, writable_numpy(staged, entry.dtype, key), index))
+            self._read(entry, spec, box, writable_numpy(staged, entry.dtype, key))
             self.copies.append((local, staged))
+
+    def _read(self, entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> None:
+        if spec is None:
+            jobs, overlays = self.checkpoint.read_plan(entry.key, box, out)
+            self.reads.extend(jobs)
+            self.overlays.extend(overlays)
+        else:
+            self.reads.append(ArrayIO(entry.key, spec, out, box.slices() if box.shape else None))
 
     def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
         if have != want or tuple(shape) != entry.shape:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._codecs import check_checksummed
 from ._dtypes import DType
-from ._errors import CorruptCheckpointError, PickleNotAllowedError
+from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ._format import (
     ArrayEntry,
     PerRankEntry,
@@ -29,6 +29,7 @@ from ._format import (
     per_rank_path,
 )
 from ._io import ArrayIO, array_spec, open_array, read_into
+from ._shards import Box
 from ._storage import Location, kvstore_at, parse_location
 from ._tensors import writable_numpy
 from ._values import decode_value
@@ -94,16 +95,32 @@ class LazyArray:
 
     @property
     def spec(self) -> dict[str, Any]:
-        """The TensorStore spec of this array (metadata included, so opening needs no request)."""
+        """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
+        has no array of the tensor's shape: read it by slicing instead."""
+        if self.entry.delta is not None and self.entry.delta.mode == "rows":
+            raise TypeError(f"{self._checkpoint.location}: tensor {self.key!r} is stored as changed rows of its base; "
+                            "it has no array of its own to open (slice it, or use .torch())")
         return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
 
     def __getitem__(self, index: Any) -> np.ndarray:
+        if self.entry.delta is not None:
+            return self._through_chain(index)
         try:
             return np.asarray(self._store[index].read().result())
         except (IndexError, TypeError):
             raise
         except Exception as e:
             raise CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}") from e
+
+    def _through_chain(self, index: Any) -> np.ndarray:
+        """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
+        from ._chain import bounding_box, read_box
+
+        found = bounding_box(index, self.shape)
+        box, relative = found if found is not None else (Box.whole(self.shape), index)
+        out = np.empty(box.shape, self.numpy_dtype)
+        read_box(self._checkpoint, self.key, box, out)
+        return out[relative]
 
     def numpy(self) -> np.ndarray:
         """The whole array as numpy."""
@@ -123,8 +140,9 @@ class LazyArray:
 
     def read_into(self, tensor: torch.Tensor) -> None:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
-        read_into([ArrayIO(self.key, self.spec, writable_numpy(tensor, self.entry.dtype, self.key))],
-                  self._checkpoint._context, str(self._checkpoint.location))
+        from ._chain import read_box
+
+        read_box(self._checkpoint, self.key, Box.whole(self.shape), writable_numpy(tensor, self.entry.dtype, self.key))
 
 
 class _Values(Mapping[str, Any]):
@@ -165,7 +183,111 @@ class Checkpoint(Mapping[str, LazyArray]):
         self._arrays: dict[str, LazyArray] = {}
         for key, entry in self.manifest.entries.items():
             if isinstance(entry, ArrayEntry):
-                self._arrays[key] = LazyArray(self, entry, self._node(entry.path, key, entry.dtype, entry.shape))
+                rows = entry.delta is not None and entry.delta.mode == "rows"
+                metadata = {} if rows else self._node(entry.path, key, entry.dtype, entry.shape)
+                self._arrays[key] = LazyArray(self, entry, metadata)
+
+    # --- delta checkpoints ------------------------------------------------------------------------
+
+    @cached_property
+    def base(self) -> Checkpoint:
+        """The checkpoint this delta checkpoint was saved against (opened on first use, and checked to be the
+        very one: a base replaced since is refused)."""
+        from ._delta import resolve_base
+        from ._errors import ArrayckptError, CheckpointNotFoundError
+
+        ref = self.manifest.base
+        if ref is None:
+            raise ValueError(f"{self.location}: a full checkpoint; it has no base")
+        location = resolve_base(self.location, ref)
+        try:
+            base = Checkpoint(location, self.allow_pickle)
+        except ArrayckptError as e:
+            kind = CheckpointNotFoundError if isinstance(e, CheckpointNotFoundError) else CorruptCheckpointError
+            raise kind(f"{self.location}: its base checkpoint {location} (step {ref.step}) cannot be read: {e}") from e
+        if base.manifest.id != ref.id:
+            raise CorruptCheckpointError(
+                f"{self.location}: its base {location} is not the checkpoint it was saved against (id "
+                f"{base.manifest.id}, expected {ref.id}): the base was replaced; this delta cannot be read")
+        return base
+
+    def chain(self) -> list[Checkpoint]:
+        """This checkpoint and its bases, newest first, down to a full checkpoint (every one opened)."""
+        out = [self]
+        while out[-1].manifest.base is not None:
+            if len(out) > 10_000:
+                raise CorruptCheckpointError(f"{self.location}: its chain of bases does not end")
+            out.append(out[-1].base)
+        return out
+
+    def dense_grid(self, key: str) -> tuple[int, ...]:
+        from ._chain import dense_grid
+
+        return dense_grid(self, key)
+
+    def read_box(self, key: str, box: Box, out: np.ndarray) -> None:
+        """Fill ``out`` with ``box`` of tensor ``key``, through the chain of bases for delta entries."""
+        from ._chain import read_box
+
+        read_box(self, key, box, out)
+
+    def read_plan(self, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Any]]:
+        """The reads (and row overlays to run after them, in order) that fill ``out`` with ``box`` of ``key``."""
+        from ._chain import read_plan
+
+        return read_plan(self, key, box, out)
+
+    def _present(self, key: str) -> frozenset[int]:
+        cache = self.__dict__.setdefault("_present_cache", {})
+        if key not in cache:
+            entry = self.manifest.entries[key]
+            assert isinstance(entry, ArrayEntry) and entry.delta is not None
+            grid = self[key].metadata["chunk_grid"]["configuration"]["chunk_shape"]
+            count = math.prod(math.ceil(n / c) for n, c in zip(entry.shape, grid, strict=True))
+            if any(i >= count for i in entry.delta.present):
+                raise FormatError(f"{self.location}: entry {key!r}: delta names chunks beyond its {count}-chunk grid")
+            cache[key] = frozenset(entry.delta.present)
+        return cache[key]
+
+    def _delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
+        """Spec of one array of a rows delta (``rows``, ``values``, ``codes``, ``scale``, ``offset``), checked."""
+        from ._dtypes import dtype_by_name
+
+        assert entry.delta is not None
+        count = self._delta_count(entry)
+        tail = entry.shape[1:]
+        expected = {"rows": ("int64", (count,)), "values": (entry.dtype.name, (count, *tail)),
+                    "scale": ("float32", (count,)), "offset": ("float32", (count,))}
+        path = f"{entry.path}/{name}"
+        if name == "codes":
+            from ._quant import packed_columns
+
+            bits = entry.delta.quantized.bits if entry.delta.quantized is not None else 8
+            dtype_name, shape = "uint8", (count, packed_columns(math.prod(tail), bits))
+        else:
+            dtype_name, shape = expected[name]
+        return array_spec(kvstore_at(self._base, path), self._node(path, entry.key, dtype_by_name(dtype_name), shape))
+
+    def _delta_count(self, entry: ArrayEntry) -> int:
+        metadata = self._nodes.get(f"{entry.path}/rows")
+        shape = metadata.get("shape") if isinstance(metadata, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)):
+            raise FormatError(f"{self.location}: entry {entry.key!r}: its rows delta has no valid 'rows' array")
+        return shape[0]
+
+    def _delta_rows(self, key: str) -> np.ndarray:
+        """The row indices a rows delta stores (read once; -1 marks padding)."""
+        cache = self.__dict__.setdefault("_rows_cache", {})
+        if key not in cache:
+            entry = self.manifest.entries[key]
+            assert isinstance(entry, ArrayEntry)
+            rows = np.empty((self._delta_count(entry),), np.int64)
+            read_into([ArrayIO(key, self._delta_spec(entry, "rows"), rows)], self._context, str(self.location))
+            if len(rows) and (rows.max() >= entry.shape[0] or rows.min() < -1):
+                raise CorruptCheckpointError(f"{self.location}: tensor {key!r}: its changed rows name rows outside "
+                                             f"0..{entry.shape[0] - 1}")
+            cache[key] = rows
+        return cache[key]
 
     def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
         where = f"{self.location}: entry {key!r}"

@@ -14,10 +14,12 @@ rank, at any stage, is raised on every rank and nothing is committed.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
 import socket
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +28,21 @@ import numpy as np
 import torch
 
 from ._codecs import CodecChoice
+from ._delta import DeltaRequest, PieceChange, RowsTask, base_ref, chunk_jobs, find_changes, plan_delta, rows_jobs
 from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
-from ._format import MAX_NDIM, ArrayEntry, Manifest, ValueEntry, encode_root_document, parse_metrics, per_rank_path
+from ._format import (
+    FORMAT_VERSION,
+    MAX_NDIM,
+    PLAIN_VERSION,
+    ArrayEntry,
+    Manifest,
+    ValueEntry,
+    encode_root_document,
+    parse_metrics,
+    per_rank_path,
+)
 from ._io import ArrayIO, array_spec, write_all
 from ._keys import array_path
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save, with_key_encoding
@@ -63,6 +76,9 @@ def save(
     step: int | None = None,
     metrics: Mapping[str, float] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    base: Any = None,
+    changed_rows: Mapping[str, Any] | None = None,
+    quantize: Mapping[str, int] | None = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
@@ -78,6 +94,14 @@ def save(
     configure the client (``endpoint_url``, ``region``, ``key``/``secret``/``token``, ``anon``,
     ``max_retries``, ``request_concurrency``), else the standard AWS environment variables do.
 
+    With ``base`` (the path of a committed checkpoint, or an open :class:`arrayckpt.Checkpoint`) the save is
+    incremental: each tensor stores only what differs, bit for bit, from the base — nothing if unchanged,
+    the changed chunks, or the changed rows (indices and values), whichever is smallest — and reads fall
+    through to the base. Change detection reads the base back, except for keys in ``changed_rows``
+    (key -> global row indices, e.g. from an embedding's sparse gradient), whose other rows the caller
+    vouches are unchanged. ``quantize`` (key pattern -> 4 or 8 bits) stores the changed rows of matching
+    floating-point tensors quantized (lossy; the manifest records the largest error).
+
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
     >>> model = torch.nn.Linear(4, 2)
@@ -88,8 +112,9 @@ def save(
     record = check_record(step, metrics)
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
+    delta = open_delta(base, location, changed_rows, quantize, storage_options)
     local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
-    finish_save(local, error, group, location, codec, overwrite, record)
+    finish_save(local, error, group, location, codec, overwrite, record, delta)
 
 
 @dataclass(frozen=True)
@@ -115,23 +140,27 @@ def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) 
 
 
 def finish_save(local: _Local | None, error: BaseException | None, group: Group, location: Any,
-                codec: CodecChoice, overwrite: bool, record: Record) -> None:
+                codec: CodecChoice, overwrite: bool, record: Record, delta: DeltaRequest | None = None) -> None:
     """Everything after describing the local state: the collectives, the writes, the commit."""
     where = str(location)
-    gathered = group.gather((None if local is None else local.description, error))
+    changes: Any = ([], {})
+    if delta is not None and local is not None and error is None:
+        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta))
+        changes = found or changes
+    gathered = group.gather((None if local is None else local.description, error, changes[0]))
     coordination: _Coordination | None = None
     message: Any = None
     if group.is_coordinator:
-        message, coordination = _coordinate(gathered, codec, location, overwrite)
+        message, coordination = _coordinate(gathered, codec, location, overwrite, delta)
     message = group.broadcast(message)
     if isinstance(message, BaseException):
         raise message
     plan, target = message
     assert local is not None  # a failed description was broadcast as an error above
 
-    _, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where))
+    written, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where, changes, delta))
     try:
-        results = group.gather(error)
+        results = group.gather((error, written or {}))
     except CollectiveError:
         if coordination is not None:  # a rank died mid-save: nothing to commit, remove what was written
             coordination.wait_for_metadata = lambda: None
@@ -140,7 +169,7 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     outcome: BaseException | None = None
     if group.is_coordinator:
         assert coordination is not None and results is not None
-        outcome = _commit_or_abort(coordination, plan, results, record, group)
+        outcome = _commit_or_abort(coordination, plan, results, record, group, delta)
     outcome = group.broadcast(outcome)
     if outcome is not None:
         raise outcome
@@ -176,14 +205,17 @@ class _Coordination:
 
 
 def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
-                overwrite: bool) -> tuple[Any, _Coordination | None]:
+                overwrite: bool, delta: DeltaRequest | None) -> tuple[Any, _Coordination | None]:
     """Plan the save and prepare storage, or return the error every rank must raise."""
     assert gathered is not None
-    error = _first_error([e for _, e in gathered])
+    error = _first_error([e for _, e, _ in gathered])
     if error is not None:
         return error, None
     try:
-        plan = plan_save([d for d, _ in gathered], codec)
+        descriptions = [d for d, _, _ in gathered]
+        plan = plan_save(descriptions, codec)
+        if delta is not None:
+            plan = plan_delta(plan, descriptions, [f for _, _, f in gathered], delta)
         writer = open_writer(location, overwrite)
         plan = with_key_encoding(plan, writer.key_encoding)
     except ArrayckptError as e:
@@ -191,30 +223,46 @@ def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
     return (plan, writer.target), _Coordination(writer, writer.write_documents(plan.documents))
 
 
-def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, where: str) -> None:
-    """Write this rank's share: each task is a box of one array, cut from this rank's local piece."""
+def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, where: str,
+                 changes: tuple[list[PieceChange], dict[str, np.ndarray]],
+                 delta: DeltaRequest | None) -> dict[str, float]:
+    """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
+    delta, only its changed chunks, or its changed rows). Returns the quantization error by key."""
     jobs = []
+    errors: dict[str, float] = {}
+    found = {change.key: change for change in changes[0]}
     for task in plan.tasks[rank]:
+        entry = plan.entries[task.key]
+        mode = entry.delta.mode if isinstance(entry, ArrayEntry) and entry.delta is not None else None
         held, data = local.data[task.path]
+        if isinstance(task, RowsTask):
+            assert delta is not None
+            more, errors[task.key] = rows_jobs(task, plan, data, held, changes[1][task.key], delta.bits(task.key),
+                                               target.kvstore)
+            jobs.extend(more)
+            continue
         spec = array_spec(target.kvstore(task.path), plan.arrays[task.path].metadata)
+        if mode == "chunks":
+            jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
+            continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
     write_all(jobs, target.write_context(), where)
     if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
         finish_rank_writes(target)
+    return errors
 
 
 def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, record: Record,
-                     group: Group) -> BaseException | None:
+                     group: Group, delta: DeltaRequest | None) -> BaseException | None:
     writer = coordination.writer
-    error = _first_error(results)
+    error = _first_error([e for e, _ in results])
     try:
         coordination.wait_for_metadata()  # even on failure: nothing may still be writing when we abort
     except StorageError as e:
         error = error or e
     if error is None:
         try:
-            manifest = Manifest(plan.entries, record.step, plan.containers, created_info(group.size),
-                                metrics=record.metrics)
+            manifest = _manifest(plan, record, group.size, delta, [q for _, q in results], writer.key_encoding)
             writer.commit(encode_root_document(manifest, plan.consolidated_json))
             return None
         except (OSError, ArrayckptError) as e:
@@ -296,6 +344,58 @@ def _encode(key: str, value: Any, allow_pickle: bool) -> Any:
                 "allow_pickle=True to pickle it (loading will then need allow_pickle=True too)"
             ) from None
     return np.frombuffer(pickle.dumps(value, protocol=PICKLE_PROTOCOL), np.uint8)
+
+
+def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | None,
+               quantize: Mapping[str, int] | None, storage_options: Mapping[str, Any] | None) -> DeltaRequest | None:
+    """The delta request of a save against ``base`` (``None`` for a full save), checked before anything is
+    written."""
+    from ._reader import Checkpoint, open_checkpoint
+
+    if base is None:
+        if changed_rows or quantize:
+            raise StateError("changed_rows and quantize apply to incremental saves only; pass base=...")
+        return None
+    checkpoint = base if isinstance(base, Checkpoint) else open_checkpoint(base, storage_options=storage_options)
+    if str(checkpoint.location) == str(location):
+        raise StateError(f"{location}: a checkpoint cannot be saved as a delta of itself (replacing the base would "
+                         "break the delta); save to another path")
+    rows = {}
+    for key, value in (changed_rows or {}).items():
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise StateError(f"changed_rows[{key!r}] must be a 1-D integer tensor or array of row indices")
+        rows[key] = np.unique(array.astype(np.int64))
+        entry = checkpoint.manifest.entries.get(key)
+        if isinstance(entry, ArrayEntry) and entry.shape and len(rows[key]) and not (
+                0 <= rows[key][0] and rows[key][-1] < entry.shape[0]):
+            raise StateError(f"changed_rows[{key!r}] has rows outside 0..{entry.shape[0] - 1}")
+    for pattern, bits in (quantize or {}).items():
+        if bits not in (4, 8):
+            raise StateError(f"quantize[{pattern!r}] = {bits!r}: only 4 and 8 bits are supported")
+    return DeltaRequest(checkpoint, base_ref(checkpoint, location), rows, dict(quantize or {}))
+
+
+def _manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaRequest | None,
+              errors: list[dict[str, float]], key_encoding: str) -> Manifest:
+    """The manifest of a save that is about to commit: quantization errors gathered from the writers, and the
+    lowest format version that describes it."""
+    entries = dict(plan.entries)
+    worst: dict[str, float] = {}
+    for found in errors:
+        for key, value in found.items():
+            worst[key] = max(worst.get(key, 0.0), value)
+    for key, value in worst.items():
+        entry = entries[key]
+        if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
+            quantized = dataclasses.replace(entry.delta.quantized, max_abs_error=value)
+            entries[key] = dataclasses.replace(entry, delta=dataclasses.replace(entry.delta, quantized=quantized))
+    stored = plan.stored_bytes
+    if stored is None:
+        stored = sum(e.nbytes for e in entries.values() if isinstance(e, ArrayEntry))
+    version = FORMAT_VERSION if delta is not None or key_encoding != "default" else PLAIN_VERSION
+    return Manifest(entries, record.step, plan.containers, created_info(world_size), version, record.metrics,
+                    uuid.uuid4().hex, delta.ref if delta is not None else None, stored)
 
 
 def created_info(world_size: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ read in batches of at most ``batch_bytes`` (a single chunk larger than that is r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -83,22 +84,59 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     where = str(location)
     try:
         checkpoint = open_checkpoint(location)
-        nodes = checkpoint._nodes
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
     damage: list[Damage] = []
+    arrays = chunks = checked = 0
+    layer: Checkpoint | None = checkpoint
+    while layer is not None:  # a delta checkpoint is only as good as its chain of bases: check them all
+        prefix = "" if layer is checkpoint else f"{layer.location}: "
+        found: list[Damage] = []
+        counts = _verify_layer(layer, found, batch_bytes, progress)
+        arrays, chunks, checked = arrays + counts[0], chunks + counts[1], checked + counts[2]
+        damage.extend(dataclasses.replace(d, file=prefix + d.file) for d in found)
+        layer = _next_layer(layer, damage)
+    keys = tuple(dict.fromkeys(d.key for d in damage if d.key is not None))
+    return VerifyReport(where, tuple(damage), arrays, chunks, checked, keys)
+
+
+def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
+    """The base of a delta checkpoint (``None`` for a full one, or when the base is unreadable: damage)."""
+    if layer.manifest.base is None:
+        return None
+    try:
+        return layer.base
+    except ArrayckptError as e:
+        damage.append(Damage(None, f"{layer.manifest.base.path} (base)", _short(str(e), str(layer.location))))
+        return None
+
+
+def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int,
+                  progress: Progress | None) -> tuple[int, int, int]:
+    """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
+    location, nodes, where = checkpoint.location, checkpoint._nodes, str(checkpoint.location)
     chunks: list[ChunkRef] = []
     arrays = 0
     for key, array_path, spec in _arrays(checkpoint, nodes, damage):
         arrays += 1
         damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
-        chunks.extend(iter_chunks(key, array_path, spec))
+        chunks.extend(_present_chunks(checkpoint, key, array_path, spec))
     groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
     for group_path in groups:
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
     checked = _read_all(chunks, checkpoint._context, where, batch_bytes, damage, progress)
-    keys = tuple(dict.fromkeys(d.key for d in damage if d.key is not None))
-    return VerifyReport(where, tuple(damage), arrays, len(chunks), checked, keys)
+    return arrays, len(chunks), checked
+
+
+def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> list[ChunkRef]:
+    """The chunks an array stores: all of them, except in a chunks delta (only the changed ones)."""
+    chunks = list(iter_chunks(key, array_path, spec))
+    entry = checkpoint.manifest.entries.get(key)
+    if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks" \
+            and array_path == entry.path:
+        present = checkpoint._present(key)
+        return [chunk for flat, chunk in enumerate(chunks) if flat in present]
+    return chunks
 
 
 def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
@@ -106,7 +144,14 @@ def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
     """(key, array path, spec) of every stored array: tensors, per-rank arrays and pickled values."""
     location = checkpoint.location
     for key, entry in checkpoint.manifest.entries.items():
-        if isinstance(entry, ArrayEntry):
+        if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "rows":
+            names = ("rows", "values") if entry.delta.quantized is None else ("rows", "codes", "scale", "offset")
+            for name in names:
+                try:
+                    yield key, f"{entry.path}/{name}", checkpoint._delta_spec(entry, name)
+                except ArrayckptError as e:
+                    damage.append(Damage(key, f"{entry.path}/{name}/{ROOT_METADATA}", _short(str(e), str(location))))
+        elif isinstance(entry, ArrayEntry):
             yield key, entry.path, checkpoint[key].spec
         elif isinstance(entry, PerRankEntry):
             for rank, item in enumerate(entry.items):

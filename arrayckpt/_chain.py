@@ -1,0 +1,165 @@
+"""Reading through a delta chain: each read of a box becomes plain reads from the layers that hold it,
+plus row overlays applied afterwards, oldest first.
+
+For a box of a key, a layer answers:
+
+- stored whole (no delta): one read of the box from this layer;
+- ``chunks`` delta: per chunk of its grid meeting the box, a read from this layer if the chunk is present,
+  else the same question asked of the base for that part;
+- ``rows`` delta: the base answers for the whole box, then this layer's changed rows that fall inside the
+  box are written over it.
+
+The plain reads of one box never overlap, so they run concurrently (``_io.read_into``); overlays run
+after them. Bit-exact by construction: every byte comes from the newest layer that stored it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._delta import _cells
+from ._errors import CorruptCheckpointError
+from ._format import ArrayEntry
+from ._io import ArrayIO, open_array, read_into
+from ._shards import Box
+
+if TYPE_CHECKING:
+    from ._reader import Checkpoint
+
+__all__ = ["Overlay", "dense_grid", "read_box", "read_plan"]
+
+Overlay = Callable[[], None]
+
+
+def _entry(checkpoint: Checkpoint, key: str, below: Checkpoint | None = None) -> ArrayEntry:
+    entry = checkpoint.manifest.entries.get(key)
+    if not isinstance(entry, ArrayEntry):
+        raise CorruptCheckpointError(f"{checkpoint.location}: the delta checkpoint {below.location if below else ''} "
+                                     f"reads tensor {key!r} through this base, which does not hold it")
+    return entry
+
+
+def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
+    """The read-chunk shape of the nearest layer that stores ``key`` as a dense array (inner chunks when
+    sharded): the grid a delta of ``key`` against this checkpoint compares and stores chunks on."""
+    layer = checkpoint
+    while True:
+        entry = _entry(layer, key)
+        if entry.delta is None or entry.delta.mode == "chunks":
+            metadata = layer[key].metadata
+            codecs = metadata.get("codecs", [])
+            if codecs and codecs[0].get("name") == "sharding_indexed":
+                return tuple(codecs[0]["configuration"]["chunk_shape"])
+            return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+        layer = layer.base
+
+
+def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
+    """The reads (and overlays, to run after them in order) that fill ``out`` with ``box`` of ``key``."""
+    entry = _entry(checkpoint, key)
+    if entry.delta is None:
+        return [ArrayIO(key, checkpoint[key].spec, out, box.slices() if box.shape else None)], []
+    base = checkpoint.base
+    if entry.delta.mode == "rows":
+        jobs, overlays = read_plan(base, key, box, out)
+        return jobs, [*overlays, lambda: _overlay_rows(checkpoint, entry, box, out)]
+    metadata = checkpoint[key].metadata
+    grid = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    present = checkpoint._present(key)
+    cells = _cells(box, grid, entry.shape) if box.size else []
+    if not any(flat in present for flat, _ in cells):
+        return read_plan(base, key, box, out)
+    jobs: list[ArrayIO] = []
+    overlays: list[Overlay] = []
+    spec = checkpoint[key].spec
+    for flat, cell in cells:
+        part = cell.intersect(box)
+        if part is None:
+            continue
+        view = out[part.relative_to(box)]
+        if flat in present:
+            jobs.append(ArrayIO(key, spec, view, part.slices()))
+        else:
+            more, later = read_plan(base, key, part, view)
+            jobs.extend(more)
+            overlays.extend(later)
+    return jobs, overlays
+
+
+def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
+    """Fill ``out`` (shaped like ``box``) with that part of ``key``, through the chain."""
+    jobs, overlays = read_plan(checkpoint, key, box, out)
+    read_into(jobs, checkpoint._context, str(checkpoint.location))
+    for overlay in overlays:
+        overlay()
+
+
+def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
+    """Write this layer's changed rows that fall in ``box`` over ``out``."""
+    rows = checkpoint._delta_rows(entry.key)
+    positions = np.flatnonzero((rows >= box.offset[0]) & (rows < box.stop[0]))
+    if not len(positions):
+        return
+    values = _row_values(checkpoint, entry, positions)
+    columns = tuple(slice(o, o + n) for o, n in zip(box.offset[1:], box.shape[1:], strict=True))
+    out[(rows[positions] - box.offset[0], *columns)] = values[(slice(None), *columns)]
+
+
+def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
+    spec = checkpoint._delta_spec(entry, name)
+    where = str(checkpoint.location)
+    store = open_array(spec, checkpoint._context, entry.key, where)
+    try:
+        return np.asarray(store[positions].read().result())
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: "
+                                     f"{e}") from e
+
+
+def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:
+    """The stored new values of the rows at ``positions`` of a rows delta, dequantized if they are codes."""
+    assert entry.delta is not None
+    quantized = entry.delta.quantized
+    if quantized is None:
+        return _read_rows_of(checkpoint, entry, "values", positions)
+    from ._quant import QuantizedRows, dequantize_rows
+
+    codes = _read_rows_of(checkpoint, entry, "codes", positions)
+    q = QuantizedRows(codes, _read_rows_of(checkpoint, entry, "scale", positions),
+                      _read_rows_of(checkpoint, entry, "offset", positions), quantized.bits,
+                      int(np.prod(entry.shape[1:], dtype=np.int64)))
+    return dequantize_rows(q, entry.dtype.numpy).reshape(len(positions), *entry.shape[1:])
+
+
+def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, Any] | None:
+    """For basic indexing (ints, slices with positive steps, ``...``): the box the index touches and the
+    same index relative to that box; ``None`` for anything else (the caller reads everything)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(part is Ellipsis for part in index):
+        at = next(i for i, part in enumerate(index) if part is Ellipsis)
+        index = (*index[:at], *(slice(None),) * (len(shape) - len(index) + 1), *index[at + 1:])
+    if len(index) > len(shape):
+        return None
+    index = (*index, *(slice(None),) * (len(shape) - len(index)))
+    start, size, relative = [], [], []
+    for part, n in zip(index, shape, strict=True):
+        if isinstance(part, (int, np.integer)) and not isinstance(part, bool):
+            i = int(part) + n if part < 0 else int(part)
+            if not 0 <= i < n:
+                return None  # let the full read raise numpy's IndexError
+            start.append(i)
+            size.append(1)
+            relative.append(0)
+        elif isinstance(part, slice) and (part.step is None or part.step > 0):
+            lo, hi, step = part.indices(n)
+            hi = max(hi, lo)
+            start.append(lo)
+            size.append(hi - lo)
+            relative.append(slice(0, hi - lo, step))
+        else:
+            return None
+    return Box(tuple(start), tuple(size)), tuple(relative)
