@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from ._async import CheckpointBusyError, SaveHandle, async_save
     from ._codecs import Codec
+    from ._compact import CompactResult, compact
     from ._convert import ConvertResult, convert
     from ._errors import (
         ArrayckptError,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ._inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._interval import OptimalInterval, optimal_interval
     from ._load import LoadResult, load
-    from ._manager import CheckpointManager, Interval, Retention
+    from ._manager import CheckpointManager, Incremental, Interval, Retention
     from ._reader import Checkpoint, LazyArray
     from ._reader import open_checkpoint as open  # noqa: A004
     from ._save import save
@@ -57,12 +58,14 @@ _LAZY = {
     "CheckpointNotFoundError": "._errors",
     "CollectiveError": "._errors",
     "Codec": "._codecs",
+    "CompactResult": "._compact",
     "ConvertResult": "._convert",
     "CorruptCheckpointError": "._errors",
     "Damage": "._verify",
     "DiffReport": "._inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
+    "Incremental": "._manager",
     "Interval": "._manager",
     "KeyMismatchError": "._errors",
     "LazyArray": "._reader",
@@ -80,6 +83,7 @@ _LAZY = {
     "TensorDiff": "._inspect",
     "VerifyReport": "._verify",
     "async_save": "._async",
+    "compact": "._compact",
     "convert": "._convert",
     "diff": "._inspect",
     "estimate_size": "._estimate",
@@ -101,12 +105,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CollectiveError",
     "Codec",
+    "CompactResult",
     "ConvertResult",
     "CorruptCheckpointError",
     "Damage",
     "DiffReport",
     "FormatError",
     "IncompleteCheckpointError",
+    "Incremental",
     "Interval",
     "KeyMismatchError",
     "LazyArray",
@@ -125,6 +131,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "async_save",
+    "compact",
     "convert",
     "diff",
     "estimate_size",

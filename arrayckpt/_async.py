@@ -24,7 +24,7 @@ from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, numpy_view
 from ._errors import ArrayckptError
-from ._save import _attempt, check_record, describe_local, finish_save
+from ._save import _attempt, check_record, describe_local, finish_save, open_delta
 from ._storage import parse_location
 
 __all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
@@ -128,12 +128,18 @@ def async_save(
     step: int | None = None,
     metrics: Mapping[str, float] | None = None,
     if_busy: Literal["wait", "error"] = "wait",
+    storage_options: Mapping[str, Any] | None = None,
+    base: Any = None,
+    changed_rows: Mapping[str, Any] | None = None,
+    quantize: Mapping[str, int] | None = None,
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
 
     The state may be modified as soon as this returns. A failure is raised by the handle's ``wait()``
     (nothing is committed then). An earlier async save still running is waited for first
-    (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``).
+    (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``). An incremental
+    save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
+    background, so it blocks training no longer than a full one.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
@@ -146,12 +152,13 @@ def async_save(
     _wait_for_previous(if_busy)
     started = time.perf_counter()
     group = _background_group(resolve_group(process_group))
-    location = parse_location(path)
+    location = parse_location(path, storage_options)
+    delta = open_delta(base, location, changed_rows, quantize, storage_options)
     local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, _STAGER.host))
     _STAGER.finish()
     if error is not None and group.size == 1:
         raise error  # nobody else to tell: fail now rather than on wait()
-    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, record)
+    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, record, delta)
     handle = SaveHandle(future, str(location), time.perf_counter() - started)
     with _LOCK:
         _IN_FLIGHT[:] = [handle]

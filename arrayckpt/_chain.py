@@ -29,7 +29,7 @@ from ._shards import Box
 if TYPE_CHECKING:
     from ._reader import Checkpoint
 
-__all__ = ["Overlay", "dense_grid", "read_box", "read_plan"]
+__all__ = ["Overlay", "dense_grid", "dense_layer", "read_box", "read_plan"]
 
 Overlay = Callable[[], None]
 
@@ -42,19 +42,25 @@ def _entry(checkpoint: Checkpoint, key: str, below: Checkpoint | None = None) ->
     return entry
 
 
-def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
-    """The read-chunk shape of the nearest layer that stores ``key`` as a dense array (inner chunks when
-    sharded): the grid a delta of ``key`` against this checkpoint compares and stores chunks on."""
+def dense_layer(checkpoint: Checkpoint, key: str) -> Checkpoint:
+    """The nearest layer of the chain (``checkpoint`` itself or a base) that stores ``key`` as an array of its
+    own shape: a full array or a chunks delta (a rows delta has only rows)."""
     layer = checkpoint
     while True:
         entry = _entry(layer, key)
         if entry.delta is None or entry.delta.mode == "chunks":
-            metadata = layer[key].metadata
-            codecs = metadata.get("codecs", [])
-            if codecs and codecs[0].get("name") == "sharding_indexed":
-                return tuple(codecs[0]["configuration"]["chunk_shape"])
-            return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+            return layer
         layer = layer.base
+
+
+def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
+    """The read-chunk shape of the nearest dense layer of ``key`` (inner chunks when sharded): the grid a
+    delta of ``key`` against this checkpoint compares and stores chunks on."""
+    metadata = dense_layer(checkpoint, key)[key].metadata
+    codecs = metadata.get("codecs", [])
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        return tuple(codecs[0]["configuration"]["chunk_shape"])
+    return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
 
 
 def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:

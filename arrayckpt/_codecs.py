@@ -152,3 +152,20 @@ def sharded_pipeline(inner_chunk: list[int], inner: list[dict[str, Any]]) -> lis
             },
         }
     ]
+
+
+def codec_of_metadata(metadata: dict[str, Any]) -> Codec:
+    """The :class:`Codec` an array's ``zarr.json`` was written with (for rewriting it the same way, e.g. when a
+    delta chain is compacted); anything unrecognised reads as no compression."""
+    codecs = metadata.get("codecs", [])
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        codecs = codecs[0].get("configuration", {}).get("codecs", [])
+    for codec in codecs:
+        config = codec.get("configuration", {})
+        if codec.get("name") == "zstd":
+            return Codec("zstd", level=config.get("level"))
+        if codec.get("name") == "blosc" and config.get("cname") in BLOSC_COMPRESSORS:
+            shuffle = config.get("shuffle", "bitshuffle")
+            return Codec("blosc", level=config.get("clevel"), cname=config["cname"],
+                         shuffle=shuffle if shuffle in ("noshuffle", "shuffle", "bitshuffle") else "bitshuffle")
+    return Codec()

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from ._errors import CheckpointNotFoundError, StateError
 from ._interval import optimal_interval
 
-__all__ = ["CheckpointManager", "Interval", "Retention"]
+__all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 
@@ -67,6 +67,34 @@ class Retention:
         return kept
 
 
+@dataclass(frozen=True)
+class Incremental:
+    """Delta saves between full ones, with Check-N-Run's intermittent rule for when to start over.
+
+    Each save is a delta against the newest committed checkpoint, until the deltas since the last full
+    checkpoint store more than ``max_chain_ratio`` times what that full checkpoint stores (reading a long
+    chain costs more than it saved) or the chain has ``max_chain_length`` deltas; then a full checkpoint
+    begins a new chain. ``quantize`` (key pattern -> 4 or 8 bits) stores matching tensors' changed rows
+    quantized (lossy; see :func:`arrayckpt.save`). Retention never deletes a base that a kept checkpoint
+    still reads through.
+    """
+
+    max_chain_ratio: float = 1.0
+    max_chain_length: int | None = 16
+    quantize: Mapping[str, int] | None = None
+
+    def wants_full(self, latest: Any) -> bool:
+        """Whether the next save should be full, given the newest committed checkpoint (opened)."""
+        chain = latest.chain()
+        deltas = [c for c in chain if c.manifest.base is not None]
+        full = chain[-1]
+        full_bytes = full.manifest.stored_bytes if full.manifest.stored_bytes is not None else full.nbytes
+        spent = sum(c.manifest.stored_bytes or 0 for c in deltas)
+        if self.max_chain_length is not None and len(deltas) >= self.max_chain_length:
+            return True
+        return spent > self.max_chain_ratio * full_bytes
+
+
 class CheckpointManager:
     """Save every so often, keep what the retention policy says, resume from the newest committed step.
 
@@ -88,8 +116,10 @@ class CheckpointManager:
         asynchronous: bool = False,
         codec: Any = None,
         process_group: Any = None,
+        incremental: Incremental | None = None,
     ) -> None:
         self.root = Path(root)
+        self.incremental = incremental
         self.interval = interval or Interval(every_steps=1)
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
@@ -138,30 +168,49 @@ class CheckpointManager:
         return False
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
-             metrics: Mapping[str, float] | None = None) -> bool:
+             metrics: Mapping[str, float] | None = None, changed_rows: Mapping[str, Any] | None = None) -> bool:
         """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so; returns whether
-        a save was started. Asynchronous managers return once the data is staged."""
+        a save was started. Asynchronous managers return once the data is staged. With ``incremental``,
+        ``changed_rows`` (key -> row indices changed since the previous save) spares reading the base back
+        for those keys."""
         if not (force or self.should_save(step)):
             return False
         if self._last_step is not None and step <= self._last_step:
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
+        delta = self._delta_options(changed_rows)
         if self.asynchronous:
             from ._async import async_save
 
             self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
-                                       step=step, metrics=metrics, overwrite=True)
+                                       step=step, metrics=metrics, overwrite=True, **delta)
             self._blocking_seconds = self._pending.blocking_seconds
         else:
             from ._save import save
 
             save(state, self.path(step), codec=self.codec, process_group=self.process_group, step=step,
-                 metrics=metrics, overwrite=True)
+                 metrics=metrics, overwrite=True, **delta)
             self._blocking_seconds = time.perf_counter() - started
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
         return True
+
+    def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``save`` arguments for the next save: a delta against the newest checkpoint, or nothing (full)."""
+        if self.incremental is None:
+            if changed_rows:
+                raise StateError("changed_rows needs an incremental manager (incremental=arrayckpt.Incremental())")
+            return {}
+        latest = self.latest_step()
+        if latest is None:
+            return {}
+        from ._reader import open_checkpoint
+
+        base = open_checkpoint(self.path(latest))
+        if self.incremental.wants_full(base):
+            return {}
+        return {"base": base, "changed_rows": changed_rows, "quantize": self.incremental.quantize}
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (raising its error), then apply retention."""
@@ -179,8 +228,31 @@ class CheckpointManager:
         metrics = {}
         if self.retention.keep_best and self.retention.metric:
             metrics = {s: dict(open_checkpoint(self.path(s)).metrics) for s in steps}
-        for step in set(steps) - self.retention.keep(steps, metrics):
+        kept = self.retention.keep(steps, metrics)
+        kept |= self._bases_of(kept, set(steps))
+        for step in set(steps) - kept:
             shutil.rmtree(self.path(step), ignore_errors=True)
+
+    def _bases_of(self, kept: set[int], steps: set[int]) -> set[int]:
+        """Steps that kept delta checkpoints read through (transitively): deleting them would break those."""
+        from ._reader import open_checkpoint
+
+        root = self.root.absolute()
+        needed: set[int] = set()
+        todo = sorted(kept)
+        while todo:
+            step = todo.pop()
+            ref = open_checkpoint(self.path(step)).manifest.base
+            if ref is None:
+                continue
+            base = Path(os.path.normpath(root / self.path(step).name / ref.path))
+            match = _STEP_DIR.fullmatch(base.name)
+            if match and base.parent == root and int(match.group(1)) in steps:
+                found = int(match.group(1))
+                if found not in needed and found not in kept:
+                    needed.add(found)
+                    todo.append(found)
+        return needed
 
     def _is_coordinator(self) -> bool:
         from ._dist import resolve_group

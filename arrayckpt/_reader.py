@@ -237,6 +237,15 @@ class Checkpoint(Mapping[str, LazyArray]):
 
         return read_plan(self, key, box, out)
 
+    def _dense_metadata(self, key: str) -> dict[str, Any]:
+        """The array metadata of ``key`` in the nearest layer storing it as an array of its shape."""
+        from ._chain import dense_layer
+
+        return dense_layer(self, key)[key].metadata
+
+    def _kvstore(self, path: str) -> dict[str, Any]:
+        return kvstore_at(self._base, path)
+
     def _present(self, key: str) -> frozenset[int]:
         cache = self.__dict__.setdefault("_present_cache", {})
         if key not in cache:

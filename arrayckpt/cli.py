@@ -3,8 +3,10 @@
 ``arrayckpt info PATH`` prints a table of tensors (dtype, shape, size, codec) and plain values;
 ``verify PATH`` reads and checks every chunk (exit status 1 on damage); ``show PATH KEY [SLICE]`` prints
 values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when they differ);
-``convert SRC DST`` converts from and to torch.save, safetensors and PyTorch DCP; ``estimate`` and
-``interval`` size checkpoints and their frequency. ``--json`` prints JSON for scripts.
+``convert SRC DST`` converts from and to torch.save, safetensors and PyTorch DCP; ``compact SRC DST``
+turns a delta checkpoint and its bases into one full checkpoint; ``estimate`` and ``interval`` size
+checkpoints and their frequency. Paths may be URLs (``s3://bucket/prefix``; endpoint and credentials from
+the standard AWS environment variables). ``--json`` prints JSON for scripts.
 """
 
 from __future__ import annotations
@@ -66,12 +68,51 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
                 "nbytes": a.nbytes,
                 "codec": codec_name(a),
                 "kind": a.entry.kind,
+                "stored": stored_as(a),
             }
             for key, a in checkpoint.items()
         },
         "values": values,
         "total_bytes": checkpoint.nbytes,
+        "stored_bytes": checkpoint.manifest.stored_bytes,
+        "chain": chain_info(checkpoint),
     }
+
+
+def stored_as(array: LazyArray) -> str:
+    """How a tensor is stored: ``whole``, or relative to the base (``unchanged``, ``3/16 chunks``, ``120 rows``)."""
+    delta = array.entry.delta
+    if delta is None:
+        return "whole"
+    if delta.mode == "chunks":
+        if not delta.present:
+            return "unchanged"
+        grid = array.metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        total = 1
+        for n, c in zip(array.shape, grid, strict=True):
+            total *= -(-n // c)
+        return f"{len(delta.present)}/{total} chunks"
+    lossy = f", {delta.quantized.bits}-bit (max error {delta.quantized.max_abs_error:.3g})" if delta.quantized else ""
+    return f"{delta.rows} rows{lossy}"
+
+
+def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+    """The checkpoint and its bases, newest first; an unreadable base ends the list with its error."""
+    from ._errors import ArrayckptError
+
+    out = []
+    layer: Checkpoint | None = checkpoint
+    while layer is not None:
+        out.append({"path": str(layer.location), "step": layer.step, "id": layer.manifest.id,
+                    "stored_bytes": layer.manifest.stored_bytes, "delta": layer.manifest.base is not None})
+        if layer.manifest.base is None:
+            break
+        try:
+            layer = layer.base
+        except ArrayckptError as e:
+            out.append({"path": layer.manifest.base.path, "error": str(e)})
+            layer = None
+    return out
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -79,15 +120,25 @@ def _print_info(info: dict[str, Any]) -> None:
     created = info["created"]
     if created:
         print("created   " + ", ".join(f"{k}={v}" for k, v in created.items()))
-    rows = [(k, t["dtype"], "×".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["codec"])
-            for k, t in info["tensors"].items()]
-    header = ("key", "dtype", "shape", "size", "codec")
-    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(5)]
+    delta = len(info["chain"]) > 1
+    rows = [(k, t["dtype"], "×".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["codec"],
+             *((t["stored"],) if delta else ())) for k, t in info["tensors"].items()]
+    header = ("key", "dtype", "shape", "size", "codec", *(("stored",) if delta else ()))
+    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
     print()
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
         print("  ".join(c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     print(f"\n{len(rows)} tensors, {human_bytes(info['total_bytes'])}")
+    if delta:
+        print(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest first):")
+        for layer in info["chain"]:
+            if "error" in layer:
+                print(f"  {layer['path']}  UNREADABLE: {layer['error']}")
+            else:
+                kind = "delta" if layer["delta"] else "full"
+                stored = human_bytes(layer["stored_bytes"]) if layer["stored_bytes"] is not None else "?"
+                print(f"  {layer['path']}  step {layer['step']}  {kind}, {stored}")
     if info["values"]:
         print("\nvalues")
         for key, value in info["values"].items():
@@ -325,6 +376,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from ._compact import compact
+
+    counter = _Counter("compact")
+    try:
+        kwargs = {} if args.codec is None else {"codec": args.codec}
+        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, **kwargs)
+    finally:
+        counter.close()
+    if args.json:
+        _print_json(result.to_dict())
+        return 0
+    print(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
+          f"{human_bytes(result.bytes_written)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arrayckpt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -392,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="store/read values only pickle can hold (only for sources you trust)")
     convert.add_argument("--json", action="store_true", help="print JSON")
     convert.set_defaults(func=_cmd_convert)
+
+    compact = commands.add_parser("compact", help="write a delta checkpoint and its chain of bases as one full one")
+    compact.add_argument("src", help="checkpoint directory or URL (a delta: its bases are read too)")
+    compact.add_argument("dst", help="where the full checkpoint goes")
+    compact.add_argument("--codec", default=None, help="compression of the output (default: as each tensor had)")
+    compact.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at dst")
+    compact.add_argument("--json", action="store_true", help="print JSON")
+    compact.set_defaults(func=_cmd_compact)
     return parser
 
 
