@@ -111,7 +111,7 @@ def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.n
         return
     values = _row_values(checkpoint, entry, positions)
     columns = tuple(slice(o, o + n) for o, n in zip(box.offset[1:], box.shape[1:], strict=True))
-    out[(rows[positions] - box.offset[0], *columns)] = values[(slice(None), *columns)]
+    out[rows[positions] - box.offset[0]] = values[(slice(None), *columns)]  # out covers exactly the box
 
 
 def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:

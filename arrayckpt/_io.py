@@ -83,12 +83,18 @@ def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
     """
     fast, slow = _split_fast(jobs)
     with ThreadPoolExecutor(1) as background:
-        pending = background.submit(_transfer, slow, context, where, "write",
-                                    lambda store, data: store.write(data, can_reference_source_data_indefinitely=True))
+        pending = background.submit(_transfer, slow, context, where, "write", _write_store)
         declined = write_rows([job for _, job in fast], where)
         pending.result()
-    _transfer([fast[i][0] for i in declined], context, where, "write",
-              lambda store, data: store.write(data, can_reference_source_data_indefinitely=True))
+    _transfer([fast[i][0] for i in declined], context, where, "write", _write_store)
+
+
+def _write_store(store: Any, job: ArrayIO) -> Any:
+    """Start one write. TensorStore may keep referring to the source memory instead of copying it (we wait
+    before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
+    reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
+    keep = job.spec.get("kvstore", {}).get("driver") != "memory"
+    return store.write(job.data, can_reference_source_data_indefinitely=keep)
 
 
 def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
@@ -101,8 +107,8 @@ def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
     _transfer([fast[i][0] for i in declined], context, where, "read", _read_store)
 
 
-def _read_store(store: Any, data: np.ndarray) -> Any:
-    return ts.array(data, copy=False, write=True).write(store)
+def _read_store(store: Any, job: ArrayIO) -> Any:
+    return ts.array(job.data, copy=False, write=True).write(store)
 
 
 def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:
@@ -133,7 +139,7 @@ def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:
 
 
 def _transfer(
-    jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, np.ndarray], Any]
+    jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, ArrayIO], Any]
 ) -> None:
     """Open all arrays, start every transfer, then wait for all of them (none is left running)."""
     opened = [_start_open(job.spec, context, job.key, where) for job in jobs]
@@ -141,7 +147,7 @@ def _transfer(
     try:
         for job, future in zip(jobs, opened, strict=True):
             store = _result(future, job.key, where, "open")
-            pending.append((job, start(store if job.index is None else store[job.index], job.data)))
+            pending.append((job, start(store if job.index is None else store[job.index], job)))
     finally:  # even when an open fails, never return while transfers still use the memory
         _wait_all(pending, where, action)
 

@@ -1,0 +1,320 @@
+"""Incremental (delta) checkpoints: exact change detection, chains read bit-exactly (also resharded on other
+ranks), damage and missing bases detected, compaction equal to the chain, quantized rows, the manager's
+intermittent policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import run_ranks
+from helpers import bits
+
+import arrayckpt
+from arrayckpt._format import ArrayEntry
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def _state(g: torch.Generator) -> dict:
+    return {
+        "emb": torch.randn(3000, 16, generator=g),
+        "dense": torch.randn(256, 128, generator=g),
+        "frozen": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "bias": torch.randn(7, generator=g),
+        "count": torch.tensor(0),
+        "step": 0,
+    }
+
+
+def _update(state: dict, g: torch.Generator, step: int) -> torch.Tensor:
+    """Sparse rows of the embedding, some chunks of the dense layer, the scalar; ``frozen`` never changes."""
+    rows = torch.randint(0, 3000, (30,), generator=g)
+    state["emb"][rows] += torch.randn(30, 16, generator=g)
+    start = int(torch.randint(0, 200, (1,), generator=g))
+    state["dense"][start:start + 40, :64] -= 1.0
+    state["count"] += 1
+    state["step"] = step
+    if step == 3:
+        state["new"] = torch.arange(10.0)  # a key the base does not have
+        state["bias"] = torch.randn(9, generator=g)  # a key whose shape changed
+    return rows
+
+
+def _assert_same(path: Path | str, state: dict) -> None:
+    ckpt = arrayckpt.open(path)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert _bits_equal(ckpt[key].torch(), value), key
+        else:
+            assert ckpt.plain_values[key] == value
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    arrayckpt.load(target, path)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert _bits_equal(target[key], value), key
+
+
+def test_chain_of_five_deltas_reads_bit_exact(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = _state(g)
+    arrayckpt.save(state, tmp_path / "s0", step=0)
+    full = arrayckpt.open(tmp_path / "s0").manifest.stored_bytes
+    for step in range(1, 6):
+        rows = _update(state, g, step)
+        given = {"changed_rows": {"emb": rows}} if step % 2 else {}  # from the caller, or found by comparing
+        arrayckpt.save(state, tmp_path / f"s{step}", base=tmp_path / f"s{step - 1}", step=step, **given)
+        _assert_same(tmp_path / f"s{step}", state)
+        ckpt = arrayckpt.open(tmp_path / f"s{step}")
+        entries = ckpt.manifest.entries
+        assert entries["frozen"].delta is not None and entries["frozen"].delta.present == ()  # unchanged: no bytes
+        assert not any(name.startswith("c") for name in os.listdir(tmp_path / f"s{step}" / "frozen"))
+        assert entries["emb"].delta is not None and entries["emb"].delta.mode == "rows"
+        assert 0 < entries["emb"].delta.rows <= 30
+        assert entries["dense"].delta is not None
+        assert ckpt.manifest.stored_bytes < full / 4
+        assert ckpt.manifest.format_version == 2 and ckpt.manifest.base.step == step - 1
+        if step == 3:
+            assert entries["new"].delta is None and entries["bias"].delta is None
+    # slices of the newest checkpoint read through all five layers
+    ckpt = arrayckpt.open(tmp_path / "s5")
+    assert len(ckpt.chain()) == 6
+    assert np.array_equal(ckpt["emb"][100:2900:7, 3:9], state["emb"][100:2900:7, 3:9].numpy())
+    assert np.array_equal(ckpt["dense"][-5, :], state["dense"][-5, :].numpy())
+    assert np.array_equal(ckpt["count"][()], state["count"].numpy())
+    # the earlier checkpoints still read as they were (each delta only adds)
+    assert int(arrayckpt.open(tmp_path / "s2")["count"][()]) == 2
+
+
+def test_detection_is_bitwise_exact(tmp_path: Path) -> None:
+    """Changes no tolerance-based or float comparison would see: -0.0 vs 0.0, one NaN payload vs another."""
+    w = torch.zeros(64, 8)
+    w[5, 0] = float("nan")
+    arrayckpt.save({"w": w}, tmp_path / "a")
+    w2 = w.clone()
+    w2[3, 1] = -0.0
+    w2.view(torch.int32)[5, 0] = 0x7FC00001  # another NaN
+    arrayckpt.save({"w": w2}, tmp_path / "b", base=tmp_path / "a")
+    entry = arrayckpt.open(tmp_path / "b").manifest.entries["w"]
+    assert entry.delta is not None and entry.delta.mode == "rows" and entry.delta.rows == 2
+    assert _bits_equal(arrayckpt.open(tmp_path / "b")["w"].torch(), w2)
+
+
+def test_chunks_mode_for_column_sharded_changes(tmp_path: Path, chunking: str) -> None:
+    """Dense blocks changed: whole chunks stored, on the base's chunk grid (inner chunks when sharded)."""
+    w = torch.randn(512, 256)
+    arrayckpt.save({"w": w}, tmp_path / "a")
+    w[:, :3] += 1  # every row changes a little: rows would cost everything, chunks only some of it
+    arrayckpt.save({"w": w}, tmp_path / "b", base=tmp_path / "a")
+    ckpt = arrayckpt.open(tmp_path / "b")
+    entry = ckpt.manifest.entries["w"]
+    assert _bits_equal(ckpt["w"].torch(), w)
+    if chunking == "sharded":
+        assert entry.delta is not None and entry.delta.mode == "chunks" and 0 < len(entry.delta.present)
+        assert ckpt.manifest.stored_bytes < w.numel() * 4
+    else:  # one chunk holds the whole tensor: a delta cannot be smaller, so it is stored whole
+        assert entry.delta is None
+
+
+def test_given_rows_outside_the_tensor_are_refused(tmp_path: Path) -> None:
+    arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "a")
+    with pytest.raises(arrayckpt.StateError, match=r"changed_rows\['e'\].*outside 0..9"):
+        arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "b", base=tmp_path / "a", changed_rows={"e": [3, 10]})
+    with pytest.raises(arrayckpt.StateError, match="delta of itself"):
+        arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "a", base=tmp_path / "a", overwrite=True)
+    with pytest.raises(arrayckpt.StateError, match="incremental saves only"):
+        arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "c", changed_rows={"e": [1]})
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_rows_record_their_error(tmp_path: Path, bits: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(2000, 64, generator=g)
+    arrayckpt.save({"emb": emb, "ids": torch.arange(5)}, tmp_path / "a")
+    rows = torch.randperm(2000, generator=g)[:100]
+    emb[rows] = torch.randn(100, 64, generator=g) * 3
+    arrayckpt.save({"emb": emb, "ids": torch.arange(5)}, tmp_path / "b", base=tmp_path / "a",
+                   changed_rows={"emb": rows}, quantize={"emb": bits})
+    ckpt = arrayckpt.open(tmp_path / "b")
+    delta = ckpt.manifest.entries["emb"].delta
+    assert delta is not None and delta.quantized is not None and delta.quantized.bits == bits
+    back = ckpt["emb"].torch()
+    error = (back - emb).abs().max().item()
+    spread = (emb[rows].amax(1) - emb[rows].amin(1)).max().item()
+    # at most half a step, or what clipping (at most 16% of a row's range, Check-N-Run/FBGEMM) gives up
+    assert error == pytest.approx(delta.quantized.max_abs_error, rel=1e-6) and 0 < error <= 0.17 * spread
+    untouched = torch.ones(2000, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(back[untouched], emb[untouched])  # rows not in the delta come from the base exactly
+    assert ckpt.manifest.stored_bytes < 100 * (64 * bits // 8 + 16 + 8) + 1024
+    with pytest.raises(arrayckpt.StateError, match="floating-point"):
+        arrayckpt.save({"emb": emb, "ids": torch.arange(5) + 1}, tmp_path / "c", base=tmp_path / "a",
+                       quantize={"ids": 8})
+
+
+def test_damage_and_missing_or_replaced_bases_are_errors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = _state(g)
+    arrayckpt.save(state, tmp_path / "s0")
+    _update(state, g, 1)
+    arrayckpt.save(state, tmp_path / "s1", base=tmp_path / "s0")
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+    # damage a chunk of the base that the delta reads through
+    chunk = next(p for p in (tmp_path / "s0" / "frozen").iterdir() if p.name.startswith("c"))
+    original = chunk.read_bytes()
+    chunk.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="'frozen'"):
+        arrayckpt.load(target, tmp_path / "s1")
+    report = arrayckpt.verify(tmp_path / "s1")
+    assert not report.ok and "frozen" in report.damaged_keys and str(tmp_path / "s0") in report.damage[0].file
+    chunk.write_bytes(original)
+
+    # damage the delta's own row values
+    values = tmp_path / "s1" / "emb" / "values"
+    data_file = next(p for p in values.iterdir() if p.name.startswith("c"))
+    data_file.write_bytes(b"\0" * data_file.stat().st_size)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="'emb'"):
+        arrayckpt.open(tmp_path / "s1")["emb"].torch()
+
+    # a replaced base: same path, another checkpoint
+    os.rename(tmp_path / "s0", tmp_path / "moved")
+    with pytest.raises(arrayckpt.CheckpointNotFoundError, match=r"base checkpoint .*s0"):
+        arrayckpt.load(target, tmp_path / "s1")
+    info = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", "--json", str(tmp_path / "s1")],
+                          capture_output=True, text=True, check=True)
+    assert "error" in json.loads(info.stdout)["chain"][-1]
+    arrayckpt.save(state, tmp_path / "s0")
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="was replaced"):
+        arrayckpt.open(tmp_path / "s1")["dense"].torch()
+
+
+def test_compaction_equals_the_chain(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = _state(g)
+    state["opt"] = {"lr": 0.1, "betas": (0.9, 0.99)}
+    state["rng"] = arrayckpt.PerRank(torch.arange(4, dtype=torch.uint8))
+    arrayckpt.save(state, tmp_path / "s0", codec={"dense": "zstd"})
+    for step in range(1, 4):
+        rows = _update(state, g, step)
+        arrayckpt.save(state, tmp_path / f"s{step}", base=tmp_path / f"s{step - 1}", changed_rows={"emb": rows},
+                       step=step)
+    result = arrayckpt.compact(tmp_path / "s3", tmp_path / "full")
+    assert result.chain == tuple(str(tmp_path / f"s{i}") for i in (3, 2, 1, 0))
+    full, chain = arrayckpt.open(tmp_path / "full"), arrayckpt.open(tmp_path / "s3")
+    assert full.manifest.base is None and full.manifest.format_version == 1 and full.step == 3
+    assert sorted(full) == sorted(chain)
+    for key in chain:
+        assert _bits_equal(full[key].torch(), chain[key].torch()), key
+        assert full.manifest.entries[key] == arrayckpt.open(tmp_path / "s3").manifest.entries[key].__class__(
+            **{**chain.manifest.entries[key].__dict__, "delta": None})
+    assert dict(full.plain_values) == dict(chain.plain_values)
+    assert torch.equal(full.per_rank("rng")[0], torch.arange(4, dtype=torch.uint8))
+    assert "zstd" in json.dumps(full["dense"].metadata["codecs"])  # each tensor keeps its compression
+    assert arrayckpt.verify(tmp_path / "full").ok
+    # the CLI does the same; the chain is then no longer needed
+    out = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "compact", str(tmp_path / "s3"),
+                          str(tmp_path / "full2"), "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["arrays"] >= 6
+    for i in range(4):
+        os.rename(tmp_path / f"s{i}", tmp_path / f"gone{i}")
+    _assert_same(tmp_path / "full2", {k: v for k, v in state.items() if k not in ("opt", "rng")})
+
+
+def test_cli_info_shows_the_chain(tmp_path: Path) -> None:
+    w = torch.zeros(100, 4)
+    arrayckpt.save({"w": w}, tmp_path / "a", step=1)
+    w[7] = 1
+    arrayckpt.save({"w": w}, tmp_path / "b", base=tmp_path / "a", step=2)
+    out = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", str(tmp_path / "b")], capture_output=True,
+                         text=True, check=True).stdout
+    assert "1 rows" in out and "chain (newest first)" in out and str(tmp_path / "a") in out
+    data = json.loads(subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", "--json", str(tmp_path / "b")],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert [layer["step"] for layer in data["chain"]] == [2, 1] and data["tensors"]["w"]["stored"] == "1 rows"
+
+
+def test_async_delta_and_object_storage(tmp_path: Path) -> None:
+    w = torch.randn(500, 8)
+    base = "memory://bucket/chain/s0"
+    arrayckpt.save({"w": w}, base)
+    w[17] += 1
+    handle = arrayckpt.async_save({"w": w}, "memory://bucket/chain/s1", base=base)
+    expected = w.clone()
+    w[18] += 1  # after staging: not in this checkpoint
+    handle.wait()
+    ckpt = arrayckpt.open("memory://bucket/chain/s1")
+    assert ckpt.manifest.base.path == "../s0" and ckpt.manifest.entries["w"].delta.rows == 1
+    assert torch.equal(ckpt["w"].torch(), expected)
+
+
+def test_manager_starts_a_new_full_checkpoint_when_the_chain_costs_too_much(tmp_path: Path) -> None:
+    manager = arrayckpt.CheckpointManager(tmp_path, incremental=arrayckpt.Incremental(max_chain_ratio=0.3),
+                                          retention=arrayckpt.Retention(keep_last=1))
+    g = torch.Generator().manual_seed(4)
+    emb = torch.randn(4000, 32, generator=g)
+    kinds = []
+    for step in range(1, 13):
+        rows = torch.randperm(4000, generator=g)[:400]  # 10% of the rows: 0.1 of a full save each time
+        emb[rows] += 1
+        manager.save(step, {"emb": emb}, changed_rows={"emb": rows})
+        ckpt = arrayckpt.open(manager.path(step))
+        kinds.append("delta" if ckpt.manifest.base else "full")
+        assert torch.equal(ckpt["emb"].torch(), emb)
+        assert set(manager.steps()) == {c.step for c in ckpt.chain()}  # only the newest chain is kept
+    assert kinds[:5] == ["full", "delta", "delta", "delta", "full"]  # 3 deltas ~ 0.3 of a full one, then full
+    assert kinds.count("full") >= 3
+    restored = {"emb": torch.zeros_like(emb)}
+    assert manager.restore(restored) == 12 and torch.equal(restored["emb"], emb)
+
+
+# --- several ranks ---------------------------------------------------------------------------------
+
+
+def _global(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10)
+    table = torch.randn(90, 6, generator=g)
+    for s in range(1, step + 1):
+        table[torch.randint(0, 90, (5,), generator=g)] += s
+    return table
+
+
+def _save_sharded_chain(rank: int, world: int, root: str) -> None:
+    rows = 90 // world
+    for step in range(3):
+        table = _global(step)[rank * rows:(rank + 1) * rows].clone()
+        shard = arrayckpt.Shard(table, global_shape=(90, 6), global_offset=(rank * rows, 0))
+        dense = torch.full((8, 8), float(step))  # replicated on every rank
+        base = None if step == 0 else f"{root}/s{step - 1}"
+        arrayckpt.save({"table": shard, "dense": dense}, f"{root}/s{step}", base=base, step=step)
+
+
+def _load_resharded(rank: int, world: int, root: str) -> None:
+    rows = [0, 40, 90]  # uneven: rank 0 holds 40 rows, rank 1 holds 50
+    out = torch.zeros(rows[rank + 1] - rows[rank], 6)
+    dense = torch.zeros(8, 8)
+    arrayckpt.load({"table": arrayckpt.Shard(out, global_shape=(90, 6), global_offset=(rows[rank], 0)),
+                    "dense": dense}, f"{root}/s2")
+    assert torch.equal(out, _global(2)[rows[rank]:rows[rank + 1]]), rank
+    assert torch.equal(dense, torch.full((8, 8), 2.0))
+
+
+def test_chain_saved_on_3_ranks_loads_resharded_on_2(tmp_path: Path) -> None:
+    run_ranks(3, _save_sharded_chain, str(tmp_path))
+    ckpt = arrayckpt.open(tmp_path / "s2")
+    entry = ckpt.manifest.entries["table"]
+    assert isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "rows"
+    assert torch.equal(ckpt["table"].torch(), _global(2))
+    run_ranks(2, _load_resharded, str(tmp_path))
+    full = {"table": torch.zeros(90, 6), "dense": torch.zeros(8, 8)}
+    arrayckpt.load(full, tmp_path / "s2")
+    assert torch.equal(full["table"], _global(2))
