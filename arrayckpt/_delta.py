@@ -227,11 +227,8 @@ def _changed_chunks_by_rows(row_mask: np.ndarray, box: Box, grid: tuple[int, ...
     groups = math.ceil(len(mask) / rows_per)
     mask = np.concatenate([mask, np.zeros(groups * rows_per - len(mask), bool)]).reshape(groups, rows_per).any(1)
     per_row = math.prod(math.ceil(n / c) for n, c in zip(shape[1:], grid[1:], strict=True))
-    out = []
-    for g in np.flatnonzero(mask):
-        base = (first + int(g)) * per_row
-        out.extend(range(base, base + per_row))
-    return tuple(out)
+    starts = (first + np.flatnonzero(mask)) * per_row
+    return tuple((starts[:, None] + np.arange(per_row)).ravel().tolist())
 
 
 # --- on the coordinator: choose and lay out ------------------------------------------------------
@@ -344,13 +341,16 @@ def _row_layout(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: 
         value_arrays = {"values": (entry.dtype, tail)}
     row_bytes = INDEX_BYTES + sum(d.itemsize * math.prod(s) for d, s in value_arrays.values())
     largest = max((p.rows or 0) for _, p in pieces)
-    length = max(1, min(largest, ROW_CHUNK_BYTES // max(row_bytes, 1)))
+    most = max(1, ROW_CHUNK_BYTES // max(row_bytes, 1))
+    length = max(1, math.ceil(largest / max(1, math.ceil(largest / most))))  # balanced: no mostly-empty chunk
     placed = []
     offset = 0
-    for rank, piece in sorted(pieces, key=lambda rp: rp[1].box.offset):
-        padded = math.ceil((piece.rows or 0) / length) * length
-        if padded:
-            placed.append((rank, RowsTask(key, path, piece.box, offset, padded)))
+    ordered = [(rank, piece) for rank, piece in sorted(pieces, key=lambda rp: rp[1].box.offset) if piece.rows]
+    for i, (rank, piece) in enumerate(ordered):
+        # every piece but the last is padded to whole chunks, so no chunk has two writers
+        count = piece.rows or 0
+        padded = count if i == len(ordered) - 1 else math.ceil(count / length) * length
+        placed.append((rank, RowsTask(key, path, piece.box, offset, padded)))
         offset += padded
     out = {}
     for name, (dtype, shape) in {"rows": (dtype_by_name("int64"), ()), **value_arrays}.items():
@@ -410,7 +410,9 @@ def rows_jobs(task: RowsTask, plan: SavePlan, values: np.ndarray, held: Box, row
                     index, region((task.length,)))]
     for name, part in parts.items():
         array = plan.arrays[f"{task.path}/{name}"]
-        padded = np.zeros((task.length, *array.shape[1:]), part.dtype)
-        padded[:n] = part
+        padded = part
+        if task.length != n:
+            padded = np.zeros((task.length, *array.shape[1:]), part.dtype)
+            padded[:n] = part
         jobs.append(ArrayIO(task.key, array_spec(kvstore(array.path), array.metadata), padded, region(array.shape)))
     return jobs, error

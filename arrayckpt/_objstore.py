@@ -257,9 +257,9 @@ def _any_key(store: Any, where: object) -> bool:
 
 
 def _delete(store: Any, keys: list[str], where: object) -> None:
-    futures = []
-    for key in keys:
-        futures.append(store.delete_range(ts.KvStore.KeyRange(key, key + "\0")))
+    # One DELETE per object: writing None deletes a single key (``delete_range`` over a one-key range
+    # would first LIST that range on S3/GCS, doubling the requests of every clean-up).
+    futures = [store.write(key, None) for key in keys]
     errors = []
     for key, future in zip(keys, futures, strict=True):
         try:
@@ -318,6 +318,7 @@ class ObjectWriter:
         self.target = location  # where the ranks write
         self._old_nodes: dict[str, Any] | None = None  # the committed checkpoint being replaced
         self._deferred: Mapping[str, bytes] = {}
+        self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
         root = _read(self.store, ROOT_METADATA, location)
         if root is not None:
             try:
@@ -344,6 +345,9 @@ class ObjectWriter:
             if foreign:
                 raise CheckpointExistsError(f"{location}: objects that are not arrayckpt's are here (e.g. "
                                             f"{foreign[0]!r}); refusing to write among them")
+            # Nothing was here: after the commit there is nothing stale to find, and listing a large
+            # checkpoint costs a LIST per 1,000 objects (anything else found would be another writer's).
+            self._sweep = bool(keys)
         old = _encoding_of(self._old_nodes) if self._old_nodes is not None else KEY_ENCODINGS[1]
         self.key_encoding = KEY_ENCODINGS[1 - KEY_ENCODINGS.index(old)] if old in KEY_ENCODINGS else KEY_ENCODINGS[0]
 
@@ -376,8 +380,9 @@ class ObjectWriter:
             pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
                                      self.location)) for path, doc in self._deferred.items()]
             _wait(pending, self.location, "writing metadata")
-            nodes = json.loads(root_document)["consolidated_metadata"]["metadata"]
-            _delete(self.store, stale_keys(_list(self.store, self.location), nodes), self.location)
+            if self._sweep:
+                nodes = json.loads(root_document)["consolidated_metadata"]["metadata"]
+                _delete(self.store, stale_keys(_list(self.store, self.location), nodes), self.location)
         except Exception as e:  # noqa: BLE001 - committed; leftovers are only untidy
             warnings.warn(f"{self.location}: committed, but tidying up after the commit failed ({e}); a later save "
                           "with overwrite=True removes what is left", RuntimeWarning, stacklevel=2)

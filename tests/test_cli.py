@@ -42,7 +42,8 @@ def test_info_json_is_machine_readable(saved):
     info = json.loads(done.stdout)
     assert info["step"] == 7 and info["format_version"] == 1
     assert info["tensors"]["model.w"] == {"dtype": "bfloat16", "shape": [64, 32], "nbytes": 4096, "codec": "zstd(3)",
-                                          "kind": "tensor"}
+                                          "kind": "tensor", "stored": "whole"}
+    assert [layer["step"] for layer in info["chain"]] == [7] and info["stored_bytes"] == info["total_bytes"]
     assert info["values"] == {"step": 7, "name": "run-1"}
     assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
 
