@@ -103,6 +103,22 @@ def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> Non
         overlay()
 
 
+def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.ndarray]:
+    """Several boxes of ``key`` into new arrays, read concurrently through the chain."""
+    entry = _entry(checkpoint, key)
+    outs = [np.empty(box.shape, entry.dtype.numpy) for box in boxes]
+    jobs: list[ArrayIO] = []
+    overlays: list[Overlay] = []
+    for box, out in zip(boxes, outs, strict=True):
+        more, later = read_plan(checkpoint, key, box, out)
+        jobs.extend(more)
+        overlays.extend(later)
+    read_into(jobs, checkpoint._context, str(checkpoint.location))
+    for overlay in overlays:
+        overlay()
+    return outs
+
+
 def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
     """Write this layer's changed rows that fall in ``box`` over ``out``."""
     rows = checkpoint._delta_rows(entry.key)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._chunkwise import ChunkRef, chunk_shape, iter_chunks, read_chunks
+from ._chunkwise import ChunkRef, chunk_shape, iter_chunks
 from ._format import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from ._io import ArrayIO, read_into
 from ._reader import Checkpoint, open_checkpoint
@@ -318,18 +318,19 @@ def _describe(entry: Entry) -> str:
 
 def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     """Compare one tensor chunk by chunk (``a``'s grid), reading both sides' boxes in bounded batches."""
-    la, lb = left[key], right[key]
-    same_grid = chunk_shape(la.metadata) == chunk_shape(lb.metadata)
-    context = left._context
+    from ._chain import read_boxes
+    from ._shards import Box
+
+    # chunk by chunk on a's grid (of the array a stores, or of its base's for a delta), through both chains
+    same_grid = chunk_shape(left._dense_metadata(key)) == chunk_shape(right._dense_metadata(key))
     differing = nonfinite = chunks = differing_chunks = 0
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
 
     def flush() -> None:
         nonlocal differing, nonfinite, differing_chunks, max_abs, max_rel
-        mine = read_chunks(batch, context, str(left.location))
-        theirs = read_chunks([ChunkRef(key, c.array_path, c.file, c.index, lb.spec) for c in batch], right._context,
-                             str(right.location))
+        boxes = [Box(tuple(s.start for s in c.index), c.shape) for c in batch]
+        mine, theirs = read_boxes(left, key, boxes), read_boxes(right, key, boxes)
         for x, y in zip(mine, theirs, strict=True):
             count, worst_abs, worst_rel, bad = _compare(x, y)
             differing += count
@@ -338,7 +339,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
             max_abs, max_rel = max(max_abs, worst_abs), max(max_rel, worst_rel)
         batch.clear()
 
-    for chunk in iter_chunks(key, la.entry.path, la.spec):
+    for chunk in iter_chunks(key, left[key].entry.path, {"metadata": left._dense_metadata(key)}):
         chunks += 1
         batch.append(chunk)
         if sum(c.nbytes for c in batch) >= BLOCK_BYTES:

@@ -64,6 +64,10 @@ class ObjectLocation:
     def __str__(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
 
+    def __repr__(self) -> str:  # never show a secret (tracebacks with locals, logs)
+        shown = tuple((k, "***" if k in ("secret", "token") else v) for k, v in self.options)
+        return f"ObjectLocation({self.scheme!r}, {self.bucket!r}, {self.prefix!r}, options={shown!r})"
+
     @property
     def option(self) -> dict[str, Any]:
         return dict(self.options)
@@ -224,6 +228,8 @@ def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None
         options.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
         options.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
     options = {k: v for k, v in options.items() if v is not None}
+    if bool(options.get("key")) != bool(options.get("secret")):  # a usage error, before any request is made
+        raise ValueError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
     return ObjectLocation(scheme, bucket, prefix, tuple(sorted(options.items())))
 
 

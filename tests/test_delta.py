@@ -318,3 +318,16 @@ def test_chain_saved_on_3_ranks_loads_resharded_on_2(tmp_path: Path) -> None:
     full = {"table": torch.zeros(90, 6), "dense": torch.zeros(8, 8)}
     arrayckpt.load(full, tmp_path / "s2")
     assert torch.equal(full["table"], _global(2))
+
+
+def test_diff_and_show_read_through_the_chain(tmp_path: Path) -> None:
+    w = torch.zeros(300, 4)
+    arrayckpt.save({"w": w, "v": torch.ones(50, 50)}, tmp_path / "a")
+    w[[3, 200]] = 2.0
+    arrayckpt.save({"w": w, "v": torch.ones(50, 50)}, tmp_path / "b", base=tmp_path / "a")
+    report = arrayckpt.diff(tmp_path / "a", tmp_path / "b")
+    by_key = {t.key: t for t in report.tensors}
+    assert by_key["w"].differing_elements == 8 and by_key["w"].max_abs == 2.0 and by_key["v"].differing_elements == 0
+    assert arrayckpt.diff(tmp_path / "b", tmp_path / "b").identical
+    summary = arrayckpt.show(tmp_path / "b", "w", "200")
+    assert summary.max == 2.0 and summary.count == 4
