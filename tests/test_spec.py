@@ -11,8 +11,11 @@ import json
 import os
 import pickle
 import re
+import shutil
+import uuid
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -24,13 +27,28 @@ from hypothesis import strategies as st
 import arrayckpt
 import arrayckpt._plan as plan
 import arrayckpt._storage as storage
+from arrayckpt import _objstore
 from arrayckpt._codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
+from arrayckpt._delta import base_ref, find_changes, plan_delta, resolve_base, rows_jobs
 from arrayckpt._dtypes import DTYPES
 from arrayckpt._errors import FormatError
-from arrayckpt._format import GROUP_METADATA, MAX_NDIM, Manifest, node_documents, per_rank_path
+from arrayckpt._format import (
+    FORMAT_VERSION,
+    GROUP_METADATA,
+    KEY_ENCODINGS,
+    MAX_NDIM,
+    PLAIN_VERSION,
+    Manifest,
+    check_array_metadata,
+    chunk_key,
+    node_documents,
+    parse_chunk_key,
+    per_rank_path,
+)
 from arrayckpt._io import read_context
 from arrayckpt._keys import array_path, parse_array_path
-from arrayckpt._save import describe_local, host_view
+from arrayckpt._quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
+from arrayckpt._save import Record, _manifest, describe_local, host_view, open_delta
 from arrayckpt._saveplan import plan_save
 from arrayckpt._shards import Box
 from arrayckpt._storage import LocalWriter, parse_location
@@ -70,7 +88,21 @@ def _json_block(marker: str) -> object:
 
 
 def _without_created(manifest: dict) -> dict:
-    return {k: v for k, v in manifest.items() if k != "created"}
+    """A manifest without what differs from save to save: its provenance and its random ``id`` (checked to be
+    32 lower-case hex digits wherever it is present)."""
+    if "id" in manifest:
+        assert re.fullmatch(r"[0-9a-f]{32}", manifest["id"]), manifest["id"]
+    return {k: v for k, v in manifest.items() if k not in ("created", "id")}
+
+
+def _text_block(marker: str) -> str:
+    match = re.match(r"\s*```text\n(.*?)\n```", _after(marker), re.S)
+    assert match, marker
+    return match.group(1)
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
 def test_escaping_examples_match_array_path():
@@ -205,6 +237,7 @@ def test_root_document_and_manifest_examples(tmp_path):
     spec_root = _json_block("root-example")
     manifest = root["attributes"]["arrayckpt"]
     assert set(manifest["created"]) == {"library", "torch", "time", "host", "world_size"}
+    assert "id" in manifest and "id" in spec_root["attributes"]["arrayckpt"] and "base" not in manifest
     assert _without_created(manifest) == _without_created(spec_root["attributes"]["arrayckpt"])
     assert _without_created(manifest) == _without_created(_json_block("manifest-example"))
     assert {k: v for k, v in root.items() if k != "attributes"}.keys() == spec_root.keys() - {"attributes"}
@@ -241,6 +274,7 @@ def test_second_manifest_example(tmp_path):
     root = json.loads((path / "zarr.json").read_text())
     expected = _json_block("manifest-example-2")
     expected["entries"]["obj"]["nbytes"] = len(pickle.dumps({1, 2}, protocol=5))
+    assert "id" in root["attributes"]["arrayckpt"] and "id" not in expected  # the spec leaves it out
     assert _without_created(root["attributes"]["arrayckpt"]) == expected
     assert set(root["consolidated_metadata"]["metadata"]) == {
         "layers", "pair", "misc", "layers/0", "layers/1", "pair/0",
@@ -324,7 +358,7 @@ def test_per_rank_example():
     """The two-rank example of section 4.3, planned as the coordinator plans it (no processes needed)."""
     states = _per_rank_example_states()
     planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
-    manifest = Manifest(planned.entries, None, planned.containers, {}).to_dict()
+    manifest = _manifest(planned, Record(), len(states), None, [{}] * len(states), "default").to_dict()
     expected = _json_block("per-rank-example")
     assert _without_created(manifest) == _without_created(expected)
     assert list(manifest["entries"]) == list(expected["entries"])  # the order the spec describes
@@ -413,10 +447,258 @@ def test_reading_without_arrayckpt_examples(tmp_path):
     path = tmp_path / "ckpt"
     weight = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     arrayckpt.save({"model": {"weight": weight}}, path)
-    section = SPEC.split("## 13. Reading without arrayckpt", 1)[1].split("\n## ", 1)[0]
+    section = SPEC.split("## 14. Reading without arrayckpt", 1)[1].split("\n## ", 1)[0]
     snippets = re.findall(r"```python\n(.*?)\n```", section, re.S)
     assert len(snippets) == 2
     for snippet in snippets:
         scope: dict = {}
         exec(snippet.replace("/ckpt/step-100", str(path)), scope)  # the spec's own example
         assert np.array_equal(np.asarray(scope["weight"], dtype=np.float32), weight.float().numpy())
+
+
+# --- format version 2: chunk key encodings, object storage, delta checkpoints ----------------------------
+
+
+def test_format_versions():
+    assert (FORMAT_VERSION, PLAIN_VERSION) == (2, 1)
+    assert SPEC.startswith("# arrayckpt on-disk format, version 2\n")
+    assert "`format_version` **2**" in SPEC and "(arrayckpt: `N = 2`)" in SPEC
+    entry = {"kind": "tensor", "keys": ["t"], "path": "t", "dtype": "float32", "shape": [2]}
+    for version in (1, 2):
+        assert Manifest.from_dict({"format_version": version, "entries": {"t": entry}}).format_version == version
+    for version in (0, 3, True):
+        with pytest.raises(FormatError, match="format_version|not supported"):
+            Manifest.from_dict({"format_version": version, "entries": {}})
+
+
+def _array_document(encoding: dict, shape: list[int]) -> dict:
+    document = plan.array_metadata(plan.ArrayPlan("x", "x", DTYPES["float32"], tuple(shape), (1,) * len(shape),
+                                                  (1,) * len(shape), Codec()))
+    return {**document, "chunk_key_encoding": encoding}
+
+
+def test_chunk_key_examples():
+    for encoding, separator, shape, index, key in _table("chunk-keys"):
+        dims = json.loads(_code(shape))
+        document = _array_document({"name": _code(encoding), "configuration": {"separator": _code(separator)}}, dims)
+        check_array_metadata(document, tuple(dims), "float32", "x")
+        grid_index = tuple(json.loads(_code(index)))
+        assert chunk_key(document, grid_index) == _code(key), key
+        assert parse_chunk_key(document, _code(key)) == grid_index, key
+    # a missing separator means "/" for default and "." for v2, as in Zarr
+    assert chunk_key(_array_document({"name": "default"}, [10, 4]), (2, 0)) == "c/2/0"
+    assert chunk_key(_array_document({"name": "v2"}, [10, 4]), (2, 0)) == "2.0"
+    for encoding in ({"name": "default", "configuration": {"separator": "-"}}, {"name": "v3"}, "default"):
+        with pytest.raises(FormatError, match="chunk_key_encoding"):
+            check_array_metadata(_array_document(encoding, [10, 4]), (10, 4), "float32", "x")  # type: ignore[arg-type]
+    assert KEY_ENCODINGS == ("default", "v2")
+
+
+def _memory_keys(url: str) -> list[str]:
+    location = parse_location(url)
+    return sorted(k.decode() for k in location.open_store().list().result())
+
+
+def _memory_root(url: str) -> dict:
+    return json.loads(parse_location(url).open_store().read("zarr.json").result().value)
+
+
+def test_arrayckpt_shaped_keys():
+    assert "`c(\\.[0-9]+)*|[0-9]+(\\.[0-9]+)*`" in SPEC
+    keys = ["a/c", "a/c.0.1", "a/0", "a/0.1", "a/zarr.json", "zarr.json", "a/c.x", "a/notes.txt", "a/c0", "a/.0"]
+    assert _objstore._ours(keys) == ["a/c", "a/c.0.1", "a/0", "a/0.1", "a/zarr.json", "zarr.json"]
+
+
+def test_object_storage_generations():
+    url = f"memory://spec-bucket/generations-{uuid.uuid4().hex[:8]}"
+    state = {"w": torch.ones(2, 3), "s": torch.tensor(1.0)}
+    for number, (_, encoding, version, objects) in enumerate(_table("generations")):
+        arrayckpt.save(state, url, overwrite=number > 0)
+        root = _memory_root(url)
+        assert root["attributes"]["arrayckpt"]["format_version"] == int(version)
+        encodings = {doc["chunk_key_encoding"]["name"] for doc in root["consolidated_metadata"]["metadata"].values()}
+        assert encodings == {_code(encoding)}
+        assert _memory_keys(url) == re.findall(r"`([^`]*)`", objects)
+        assert torch.equal(arrayckpt.open(url)["w"].torch(), state["w"])
+
+
+def test_object_storage_interrupted_saves(monkeypatch):
+    """The rows of the table of interrupted saves in section 9.3 that concern replacing saves."""
+    url = f"memory://spec-bucket/interrupted-{uuid.uuid4().hex[:8]}"
+    arrayckpt.save({"w": torch.ones(2, 3)}, url)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies here: nothing after it runs, abort included
+
+    # a replacing save, before the commit: the old checkpoint, whole, beside the new save's chunks
+    monkeypatch.setattr(_objstore.ObjectWriter, "commit", crash)
+    with pytest.raises(KeyboardInterrupt):
+        arrayckpt.save({"w": torch.zeros(2, 3)}, url, overwrite=True)
+    monkeypatch.undo()
+    assert _memory_keys(url) == ["w/0.0", "w/c.0.0", "w/zarr.json", "zarr.json"]
+    assert torch.equal(arrayckpt.open(url)["w"].torch(), torch.ones(2, 3)) and arrayckpt.verify(url).ok
+    # after the commit, in step 5: the new checkpoint reads through its root; its node document is the old one's
+    monkeypatch.setattr(_objstore, "_write", crash)  # the deferred documents are the first written after it
+    with pytest.raises(KeyboardInterrupt):
+        arrayckpt.save({"w": torch.full((2, 3), 2.0)}, url, overwrite=True)
+    monkeypatch.undo()
+    assert _memory_keys(url) == ["w/0.0", "w/c.0.0", "w/zarr.json", "zarr.json"]
+    assert torch.equal(arrayckpt.open(url)["w"].torch(), torch.full((2, 3), 2.0))
+    stale = json.loads(parse_location(url).open_store().read("w/zarr.json").result().value)
+    assert stale["chunk_key_encoding"]["name"] == "default"  # describes the replaced checkpoint's chunks
+    report = arrayckpt.verify(url)
+    assert not report.ok and [d.file for d in report.damage] == ["w/zarr.json"]
+    # the next replacing save removes what is left
+    arrayckpt.save({"w": torch.full((2, 3), 3.0)}, url, overwrite=True)
+    assert _memory_keys(url) == ["w/c.0.0", "w/zarr.json", "zarr.json"] and arrayckpt.verify(url).ok
+
+
+def test_base_path_examples():
+    for delta_cell, base_cell, path_cell in _table("base-paths"):
+        delta, base = parse_location(_code(delta_cell)), parse_location(_code(base_cell))
+        checkpoint = SimpleNamespace(location=base, manifest=SimpleNamespace(id="0" * 32, step=100))
+        ref = base_ref(checkpoint, delta)  # type: ignore[arg-type]
+        assert (ref.path, ref.id, ref.step) == (_code(path_cell), "0" * 32, 100), delta_cell
+        assert str(resolve_base(delta, ref)) == str(base), delta_cell
+
+
+@pytest.mark.parametrize(("delta", "base", "error"), [
+    ({"mode": "blocks"}, True, "mode 'chunks' or 'rows'"),
+    ({"mode": "chunks", "present": [0, -1]}, True, "present"),
+    ({"mode": "chunks"}, True, "present"),
+    ({"mode": "rows", "rows": 1.5}, True, "row count"),
+    ({"mode": "rows", "rows": 1, "quantized": {"bits": 2, "max_abs_error": 0.0}}, True, "quantized"),
+    ({"mode": "rows", "rows": 1, "quantized": {"bits": 8}}, True, "quantized"),
+    ({"mode": "chunks", "present": []}, False, "no 'base'"),
+    ({"mode": "rows", "rows": 0}, True, "at least 1 dimension"),  # on the 0-d entry below
+])
+def test_invalid_delta_members_are_format_errors(delta, base, error):
+    """The refusals listed in section 10.2."""
+    shape = [] if "dimension" in error else [4, 2]
+    manifest: dict = {"format_version": 2, "entries": {
+        "t": {"kind": "tensor", "keys": ["t"], "path": "t", "dtype": "float32", "shape": shape, "delta": delta}}}
+    if base:
+        manifest["base"] = {"path": "../b", "id": "0" * 32, "step": None}
+    with pytest.raises(FormatError, match=re.escape(error)):
+        Manifest.from_dict(manifest)
+    manifest["base"] = {"path": "../b", "id": "0" * 32, "step": 100}
+    manifest["entries"]["t"] = {**manifest["entries"]["t"], "shape": [4, 2],
+                                "delta": {"mode": "rows", "rows": 1, "quantized": {"bits": 4, "max_abs_error": 0.5}}}
+    parsed = Manifest.from_dict(manifest)  # and the valid form parses
+    assert parsed.base is not None and parsed.base.step == 100
+
+
+def _unpacked(codes: np.ndarray, bits: int, columns: int) -> np.ndarray:
+    """Section 10.5's code layout, written out independently of the implementation."""
+    if bits == 8:
+        return codes[:columns]
+    out = np.empty(2 * len(codes), np.uint8)
+    out[0::2], out[1::2] = codes & 0x0F, codes >> 4
+    return out[:columns]
+
+
+def test_quantization_examples():
+    for bits_cell, row, codes, scale, offset, decoded in _table("quantization"):
+        bits, values = int(bits_cell), np.array([json.loads(_code(row))], np.float32)
+        q = quantize_rows(values, bits)
+        assert q.codes[0].tolist() == json.loads(_code(codes)), row
+        assert q.scale[0] == np.float32(json.loads(_code(scale))), row
+        assert q.offset[0] == np.float32(json.loads(_code(offset))), row
+        limit = float(np.finfo(np.float32).max)
+        codes64 = _unpacked(np.asarray(json.loads(_code(codes)), np.uint8), bits, values.shape[1]).astype(np.float64)
+        spec_decoded = np.clip(codes64 * np.float64(q.scale[0]) + np.float64(q.offset[0]), -limit, limit)
+        expected = np.asarray(json.loads(_code(decoded)), np.float32).tolist()
+        assert spec_decoded.astype(np.float32).tolist() == expected == dequantize_rows(q, np.float32)[0].tolist(), row
+    assert "bytes `0x50` (5 high, 0 low) and `0xFA`" in SPEC and "`0x30`, `0xA7` and\n`0x0F`" in SPEC
+    odd = np.array([[0.0, 1.0, 2.0, 3.0, 4.5]], np.float32)
+    assert _unpacked(quantize_rows(odd, 4).codes[0], 4, 5).tolist() == [0, 3, 7, 10, 15]
+    assert abs(max_abs_error(odd, quantize_rows(odd, 4)) - 0.1015) < 1e-6 and "about `0.1015` (column 2" in SPEC
+    assert packed_columns(5, 4) == 3 and packed_columns(5, 8) == 5
+
+
+def _delta_example(tmp_path: Path, monkeypatch) -> tuple[Path, Path, torch.Tensor, torch.Tensor]:
+    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 32)
+    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+    base, delta = tmp_path / "step-100", tmp_path / "step-200"
+    emb, w, b = torch.arange(32.0).reshape(8, 4), torch.arange(32.0).reshape(8, 4), torch.zeros(3)
+    arrayckpt.save({"emb": emb, "w": w, "b": b, "lr": 0.1}, base, step=100)
+    emb[5] = -1.0
+    w[0:2] = 7.0
+    w[6, 1] = 0.5
+    arrayckpt.save({"emb": emb, "w": w, "b": b, "lr": 0.05}, delta, step=200, base=base)
+    return base, delta, emb, w
+
+
+def test_delta_example(tmp_path, monkeypatch):
+    base, delta, emb, w = _delta_example(tmp_path, monkeypatch)
+    base_root, root = (json.loads((p / "zarr.json").read_text()) for p in (base, delta))
+    manifest, expected = root["attributes"]["arrayckpt"], _json_block("delta-example")
+    assert manifest["base"]["id"] == base_root["attributes"]["arrayckpt"]["id"] != manifest["id"]
+    expected["base"]["id"] = manifest["base"]["id"]  # the example's ids are made up
+    assert _without_created(manifest) == _without_created(expected)
+    assert list(manifest["entries"]) == list(expected["entries"])
+    assert base_root["attributes"]["arrayckpt"]["format_version"] == 1
+    base_w = base_root["consolidated_metadata"]["metadata"]["w"]  # the text's description of the base
+    assert base_w["chunk_grid"]["configuration"]["chunk_shape"] == [4, 4]
+    assert base_w["codecs"][0]["configuration"]["chunk_shape"] == [2, 4]
+    nodes = root["consolidated_metadata"]["metadata"]
+    assert nodes["w"] == _json_block("delta-array") and nodes["emb"] == GROUP_METADATA
+    for name, data_type, shape in (("rows", "int64", [1]), ("values", "float32", [1, 4])):
+        document = nodes[f"emb/{name}"]
+        assert (document["data_type"], document["shape"], document["chunk_grid"]["configuration"]["chunk_shape"],
+                document["attributes"]) == (data_type, shape, shape, {"arrayckpt": {"key": "emb"}})
+    listing = [line.split()[0].removeprefix("P/") for line in _text_block("delta-files").splitlines()]
+    assert sorted(listing) == _files(delta)
+    assert np.frombuffer((delta / "emb" / "rows" / "c.0").read_bytes()[:8], "<i8").tolist() == [5]
+    opened = arrayckpt.open(delta)
+    assert torch.equal(opened["emb"].torch(), emb) and torch.equal(opened["w"].torch(), w)
+    # w[1:7]: row 1 from the delta's chunk 0, rows 2-5 from the base (chunks 1 and 2), row 6 from chunk 3
+    out = np.empty((6, 4), np.float32)
+    jobs, overlays = opened.read_plan("w", Box((1, 0), (6, 4)), out)
+    own, of_base = opened._base["path"], opened.base._base["path"]
+    sources = [(job.index[0].start, job.index[0].stop, "delta" if job.spec["kvstore"]["path"].startswith(own)
+                else "base" if job.spec["kvstore"]["path"].startswith(of_base) else "?") for job in jobs]
+    assert sources == [(1, 2, "delta"), (2, 4, "base"), (4, 6, "base"), (6, 7, "delta")] and not overlays
+    assert np.array_equal(opened["w"][1:7], w[1:7].numpy())
+
+
+def test_delta_base_identity_is_checked(tmp_path, monkeypatch):
+    base, delta, _, _ = _delta_example(tmp_path, monkeypatch)
+    opened = arrayckpt.open(delta)
+    assert opened.plain_values["lr"] == 0.05 and [c.location.path for c in opened.chain()] == [delta, base]
+    arrayckpt.save({"emb": torch.zeros(8, 4), "w": torch.zeros(8, 4), "b": torch.zeros(3)}, base, overwrite=True)
+    replaced = arrayckpt.open(delta)
+    assert replaced.plain_values["lr"] == 0.05  # the delta's own values need no base
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="base was replaced"):
+        replaced["w"].torch()
+    shutil.rmtree(base)
+    with pytest.raises(arrayckpt.CheckpointNotFoundError, match="base checkpoint"):
+        arrayckpt.open(delta)["emb"].torch()
+
+
+def test_row_layout_example(tmp_path):
+    """Section 10.4's two-rank example, planned as the coordinator plans it (no processes needed)."""
+    assert "`[1, 3, -1, 6, 7, 9]` in two chunks, one per rank, and `N = 6`" in SPEC
+    base = tmp_path / "base"
+    old = torch.zeros(10, 4)
+    arrayckpt.save({"t": old}, base)
+    new = old.clone()
+    new[[1, 3, 6, 7, 9]] = 1.0
+    request = open_delta(str(base), parse_location(tmp_path / "delta"), None, None, None)
+    assert request is not None
+    locals_ = [describe_local({"t": arrayckpt.Shard(new[o:o + 5].clone(), (10, 4), (o, 0))}, rank, False, host_view)
+               for rank, o in enumerate((0, 5))]
+    found = [find_changes(local.description.arrays, local.data, request) for local in locals_]
+    descriptions = [local.description for local in locals_]
+    planned = plan_delta(plan_save(descriptions, None), descriptions, [f[0] for f in found], request)
+    assert planned.entries["t"].delta.to_dict() == {"mode": "rows", "rows": 5}  # type: ignore[union-attr]
+    rows_array = planned.arrays["t/rows"]
+    assert (rows_array.shape, rows_array.outer_chunk, rows_array.inner_chunk) == ((6,), (3,), (3,))
+    assert planned.arrays["t/values"].shape == (6, 4) and planned.arrays["t/values"].outer_chunk == (3, 4)
+    index = np.full(6, -2, np.int64)
+    for rank, (local, (_, rows)) in enumerate(zip(locals_, found, strict=True)):
+        (task,) = planned.tasks[rank]
+        held, data = local.data["t"]
+        jobs, _ = rows_jobs(task, planned, data, held, rows["t"], None, lambda path: {"driver": "memory"})
+        index[task.offset:task.offset + task.length] = jobs[0].data
+    assert index.tolist() == [1, 3, -1, 6, 7, 9]
