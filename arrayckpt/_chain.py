@@ -34,23 +34,28 @@ __all__ = ["Overlay", "dense_grid", "dense_layer", "read_box", "read_plan"]
 Overlay = Callable[[], None]
 
 
-def _entry(checkpoint: Checkpoint, key: str, below: Checkpoint | None = None) -> ArrayEntry:
+def _entry(checkpoint: Checkpoint, key: str, above: ArrayEntry | None = None) -> ArrayEntry:
+    """``key``'s entry in ``checkpoint``; with ``above`` (the entry of the delta reading through it), it must
+    be a tensor of the same dtype and shape, or the chain is inconsistent."""
     entry = checkpoint.manifest.entries.get(key)
     if not isinstance(entry, ArrayEntry):
-        raise CorruptCheckpointError(f"{checkpoint.location}: the delta checkpoint {below.location if below else ''} "
-                                     f"reads tensor {key!r} through this base, which does not hold it")
+        raise CorruptCheckpointError(f"{checkpoint.location}: a delta checkpoint reads tensor {key!r} through this "
+                                     "base, which does not hold it")
+    if above is not None and (entry.dtype != above.dtype or entry.shape != above.shape):
+        raise CorruptCheckpointError(
+            f"{checkpoint.location}: tensor {key!r} is {entry.dtype.name}{list(entry.shape)} here but "
+            f"{above.dtype.name}{list(above.shape)} in the delta checkpoint that reads through this base")
     return entry
 
 
 def dense_layer(checkpoint: Checkpoint, key: str) -> Checkpoint:
     """The nearest layer of the chain (``checkpoint`` itself or a base) that stores ``key`` as an array of its
     own shape: a full array or a chunks delta (a rows delta has only rows)."""
-    layer = checkpoint
-    while True:
-        entry = _entry(layer, key)
-        if entry.delta is None or entry.delta.mode == "chunks":
-            return layer
+    layer, entry = checkpoint, _entry(checkpoint, key)
+    while entry.delta is not None and entry.delta.mode == "rows":
         layer = layer.base
+        entry = _entry(layer, key, entry)
+    return layer
 
 
 def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
@@ -69,6 +74,7 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
     if entry.delta is None:
         return [ArrayIO(key, checkpoint[key].spec, out, box.slices() if box.shape else None)], []
     base = checkpoint.base
+    _entry(base, key, entry)
     if entry.delta.mode == "rows":
         jobs, overlays = read_plan(base, key, box, out)
         return jobs, [*overlays, lambda: _overlay_rows(checkpoint, entry, box, out)]
@@ -101,6 +107,7 @@ def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> Non
     read_into(jobs, checkpoint._context, str(checkpoint.location))
     for overlay in overlays:
         overlay()
+    checkpoint.check_unchanged()
 
 
 def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.ndarray]:
@@ -116,6 +123,7 @@ def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.nd
     read_into(jobs, checkpoint._context, str(checkpoint.location))
     for overlay in overlays:
         overlay()
+    checkpoint.check_unchanged()
     return outs
 
 

@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     from ._saveplan import LocalDescription, SavePlan
     from ._storage import Location
 
-__all__ = ["DeltaRequest", "PieceChange", "RowsTask", "chunk_jobs", "find_changes", "plan_delta", "rows_jobs"]
+__all__ = ["DeltaRequest", "PieceChange", "RowsTask", "chunk_jobs", "find_changes", "plan_delta", "rows_jobs",
+           "stored_bytes"]
 
+QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")  # dtypes whose changed rows can be quantized
 ROW_CHUNK_BYTES = 4 << 20  # chunk size of the row-delta arrays (rows and values)
 INDEX_BYTES = 8  # one int64 row index per stored row
 
@@ -109,8 +111,10 @@ def resolve_base(location: Location, ref: BaseRef) -> Location:
     from ._storage import LocalLocation, parse_location
 
     if "://" in ref.path or os.path.isabs(ref.path):
-        options = dict(getattr(location, "options", ()))
-        return parse_location(ref.path, options if "://" in ref.path and options else None)
+        # the delta's storage options (credentials) go only to a base on the same kind of storage
+        same = "://" in ref.path and ref.path.partition("://")[0] == getattr(location, "scheme", None)
+        options = dict(getattr(location, "options", ())) if same else None
+        return parse_location(ref.path, options or None)
     if isinstance(location, LocalLocation):
         return LocalLocation(type(location.path)(os.path.normpath(location.path / ref.path)))
     prefix = posixpath.normpath(posixpath.join("/" + location.prefix, ref.path)).strip("/")  # type: ignore[union-attr]
@@ -251,14 +255,12 @@ def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: l
     entries = dict(plan.entries)
     arrays = dict(plan.arrays)
     tasks: list[list[Any]] = [list(t) for t in plan.tasks]
-    stored = 0
     for key, entry in plan.entries.items():
         if not isinstance(entry, ArrayEntry):
             continue
         pieces = reported.get(key, [])
         choice = _choose(entry, pieces, boxes[key], request.bits(key)) if pieces else None
         if choice is None:
-            stored += entry.nbytes
             continue
         path = entry.path
         codec = plan.arrays[path].codec
@@ -273,9 +275,6 @@ def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: l
             for rank, piece in pieces:
                 if piece.chunks:
                     tasks[rank].append(WriteTask(key, path, piece.box))
-            chosen = set(present)
-            stored += sum(cell.size for flat, cell in _cells(Box.whole(entry.shape), grid, entry.shape)
-                          if flat in chosen) * entry.dtype.itemsize
         else:
             bits = request.bits(key)
             del arrays[path]
@@ -286,10 +285,26 @@ def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: l
                 entry, delta=Delta("rows", rows=total, quantized=Quantization(bits, 0.0) if bits else None))
             for rank, task in placed:
                 tasks[rank].append(task)
-            stored += sum(math.prod(a.shape) * a.dtype.itemsize for a in row_arrays.values())
     documents, consolidated = _documents(arrays)
     return dataclasses.replace(plan, entries=entries, arrays=arrays, tasks=tuple(tuple(t) for t in tasks),
-                               documents=documents, consolidated_json=consolidated, stored_bytes=stored)
+                               documents=documents, consolidated_json=consolidated)
+
+
+def stored_bytes(plan: SavePlan) -> int:
+    """The array bytes a planned checkpoint stores itself, before compression (the manifest's
+    ``stored_bytes``): every array whole, except the chunks a chunks delta leaves to its base; row arrays
+    with their indices and padding."""
+    total = 0
+    for array in plan.arrays.values():
+        entry = plan.entries.get(array.key)
+        delta = entry.delta if isinstance(entry, ArrayEntry) and array.path == entry.path else None
+        if delta is not None and delta.mode == "chunks":
+            present = set(delta.present)
+            total += sum(cell.size for flat, cell in _cells(Box.whole(array.shape), array.outer_chunk, array.shape)
+                         if flat in present) * array.dtype.itemsize
+        else:
+            total += math.prod(array.shape) * array.dtype.itemsize
+    return total
 
 
 def _choose(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], boxes: set[Box], bits: int | None) -> str | None:
@@ -303,7 +318,7 @@ def _choose(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], boxes: set
         if bits:
             from ._quant import packed_columns
 
-            if not entry.dtype.name.startswith(("float", "bfloat")) or not entry.shape:
+            if entry.dtype.name not in QUANTIZABLE or not entry.shape:
                 raise StateError(f"tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)}; only floating-point "
                                  "tensors of at least 1 dimension can have quantized deltas")
             cost = rows * (packed_columns(row_elements, bits) + 8 + INDEX_BYTES)

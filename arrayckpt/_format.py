@@ -175,8 +175,9 @@ Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry
 
 @dataclass(frozen=True)
 class BaseRef:
-    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's parent
-    directory when both are local siblings, else absolute) and its id, so a replaced base is detected."""
+    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's own location,
+    e.g. ``../step-100``, when both are local or in the same bucket; else absolute) and its id, so that a
+    replaced base is detected."""
 
     path: str
     id: str
@@ -189,7 +190,8 @@ class BaseRef:
     def from_dict(cls, data: object) -> BaseRef:
         if not (isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]
                 and isinstance(data.get("id"), str) and data["id"]
-                and (data.get("step") is None or _nonneg_int(data["step"]))):
+                and (data.get("step") is None or (isinstance(data["step"], int)
+                                                  and not isinstance(data["step"], bool)))):
             raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {data!r}")
         return cls(data["path"], data["id"], data.get("step"))
 

@@ -133,6 +133,7 @@ class _LoadPlan:
             exchange()
         for overlay in self.overlays:
             overlay()
+        self.checkpoint.check_unchanged()
         for target, staged in self.copies:
             target.copy_(staged)
         for leaf, value in self.replacements:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._codecs import check_checksummed
 from ._dtypes import DType
-from ._errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
+from ._errors import ArrayckptError, CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ._format import (
     ArrayEntry,
     PerRankEntry,
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Checkpoint", "LazyArray", "open_checkpoint"]
+
+MAX_CHAIN = 10_000  # a longer chain of bases is damage (or a loop), not a plan
 
 
 class LazyArray:
@@ -106,11 +108,13 @@ class LazyArray:
         if self.entry.delta is not None:
             return self._through_chain(index)
         try:
-            return np.asarray(self._store[index].read().result())
+            out = np.asarray(self._store[index].read().result())
         except (IndexError, TypeError):
             raise
         except Exception as e:
             raise CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}") from e
+        self._checkpoint.check_unchanged()
+        return out
 
     def _through_chain(self, index: Any) -> np.ndarray:
         """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
@@ -175,6 +179,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     def __init__(self, location: Location, allow_pickle: bool = False) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
+        self._above: frozenset[str | None] = frozenset()  # ids of the deltas that read through this checkpoint
         where = str(location)
         document, self._base, release = location.open_committed()
         weakref.finalize(self, release)
@@ -209,16 +214,35 @@ class Checkpoint(Mapping[str, LazyArray]):
             raise CorruptCheckpointError(
                 f"{self.location}: its base {location} is not the checkpoint it was saved against (id "
                 f"{base.manifest.id}, expected {ref.id}): the base was replaced; this delta cannot be read")
+        base._above = self._above | {self.manifest.id}
+        if ref.id in base._above or len(base._above) > MAX_CHAIN:
+            raise CorruptCheckpointError(f"{self.location}: its chain of bases loops back or exceeds {MAX_CHAIN} "
+                                         "checkpoints")
         return base
 
     def chain(self) -> list[Checkpoint]:
         """This checkpoint and its bases, newest first, down to a full checkpoint (every one opened)."""
         out = [self]
         while out[-1].manifest.base is not None:
-            if len(out) > 10_000:
-                raise CorruptCheckpointError(f"{self.location}: its chain of bases does not end")
             out.append(out[-1].base)
         return out
+
+    def check_unchanged(self) -> None:
+        """After reading data: on object storage (where nothing can pin a checkpoint), make sure the checkpoint
+        and the bases read through were not replaced meanwhile, or the data read may mix two checkpoints.
+        One small read per layer; nothing to do locally (the directory is pinned)."""
+        layer: Checkpoint | None = self
+        while layer is not None:
+            if type(layer.location).__name__ == "ObjectLocation":
+                try:
+                    now = layer.location.read_root().get("attributes", {}).get("arrayckpt", {}).get("id")
+                except ArrayckptError:
+                    now = None
+                if layer.manifest.id is not None and now != layer.manifest.id:
+                    raise CorruptCheckpointError(
+                        f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
+                        "what was read may mix two checkpoints: open it again")
+            layer = layer.__dict__.get("base")
 
     def dense_grid(self, key: str) -> tuple[int, ...]:
         from ._chain import dense_grid

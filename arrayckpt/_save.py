@@ -28,7 +28,17 @@ import numpy as np
 import torch
 
 from ._codecs import CodecChoice
-from ._delta import DeltaRequest, PieceChange, RowsTask, base_ref, chunk_jobs, find_changes, plan_delta, rows_jobs
+from ._delta import (
+    DeltaRequest,
+    PieceChange,
+    RowsTask,
+    base_ref,
+    chunk_jobs,
+    find_changes,
+    plan_delta,
+    rows_jobs,
+    stored_bytes,
+)
 from ._dist import Group, resolve_group
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
@@ -262,7 +272,7 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
         error = error or e
     if error is None:
         try:
-            manifest = _manifest(plan, record, group.size, delta, [q for _, q in results], writer.key_encoding)
+            manifest = build_manifest(plan, record, group.size, delta, [q for _, q in results], writer.key_encoding)
             writer.commit(encode_root_document(manifest, plan.consolidated_json))
             return None
         except (OSError, ArrayckptError) as e:
@@ -376,8 +386,9 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
     return DeltaRequest(checkpoint, base_ref(checkpoint, location), rows, dict(quantize or {}))
 
 
-def _manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaRequest | None,
-              errors: list[dict[str, float]], key_encoding: str) -> Manifest:
+def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaRequest | None,
+                   errors: list[dict[str, float]], key_encoding: str,
+                   created: dict[str, Any] | None = None) -> Manifest:
     """The manifest of a save that is about to commit: quantization errors gathered from the writers, and the
     lowest format version that describes it."""
     entries = dict(plan.entries)
@@ -390,12 +401,9 @@ def _manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaReque
         if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
             quantized = dataclasses.replace(entry.delta.quantized, max_abs_error=value)
             entries[key] = dataclasses.replace(entry, delta=dataclasses.replace(entry.delta, quantized=quantized))
-    stored = plan.stored_bytes
-    if stored is None:
-        stored = sum(e.nbytes for e in entries.values() if isinstance(e, ArrayEntry))
     version = FORMAT_VERSION if delta is not None or key_encoding != "default" else PLAIN_VERSION
-    return Manifest(entries, record.step, plan.containers, created_info(world_size), version, record.metrics,
-                    uuid.uuid4().hex, delta.ref if delta is not None else None, stored)
+    return Manifest(entries, record.step, plan.containers, created or created_info(world_size), version, record.metrics,
+                    uuid.uuid4().hex, delta.ref if delta is not None else None, stored_bytes(plan))
 
 
 def created_info(world_size: int) -> dict[str, Any]:

@@ -76,7 +76,6 @@ class SavePlan:
     bytes_by_rank: tuple[int, ...]
     documents: dict[str, bytes]  # serialised zarr.json of every array and intermediate group, by path
     consolidated_json: str  # the same documents as one JSON object, for the root's consolidated metadata
-    stored_bytes: int | None = None  # array bytes written (a delta plan's); None: every array whole
 
 
 def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SavePlan:

@@ -21,10 +21,10 @@ import torch
 from ._codecs import CodecChoice
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch
 from ._errors import StateError
-from ._format import Manifest, encode_root_document
+from ._format import encode_root_document
 from ._io import ArrayIO, array_spec, write_all
 from ._plan import ArrayPlan
-from ._save import created_info, describe_local, host_view
+from ._save import Record, build_manifest, created_info, describe_local, host_view
 from ._saveplan import SavePlan, plan_save, with_key_encoding
 from ._shards import Box
 from ._storage import Writer, open_writer, parse_location
@@ -73,8 +73,8 @@ def write_streaming(
         _write_arrays(plan, local.data, fetch, writer, batch_bytes, progress, release)
         wait()
         created = created_info(1) | ({"converted_from": source} if source is not None else {})
-        writer.commit(encode_root_document(Manifest(plan.entries, step, plan.containers, created),
-                                           plan.consolidated_json))
+        manifest = build_manifest(plan, Record(step), 1, None, [], writer.key_encoding, created)
+        writer.commit(encode_root_document(manifest, plan.consolidated_json))
     except BaseException:
         try:
             wait()  # nothing may still be writing into the directory we remove

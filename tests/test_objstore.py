@@ -204,3 +204,16 @@ def test_numpy_and_per_rank_and_pickle_values() -> None:
     assert torch.equal(ckpt.per_rank("r")[0], torch.ones(2))
     assert ckpt.plain_values["obj"] == {1, 2}
     assert _objstore.OBJECT_SCHEMES == ("s3", "gs", "memory")
+
+
+def test_reader_overtaken_by_two_replacements_fails_instead_of_mixing() -> None:
+    """The second replacement writes the first checkpoint's chunk keys again; a reader that opened the first
+    must not get the third checkpoint's bytes under the first's metadata."""
+    url = _url()
+    arrayckpt.save(_state(1), url)
+    first = arrayckpt.open(url)
+    arrayckpt.save(_state(2), url, overwrite=True)
+    arrayckpt.save(_state(3), url, overwrite=True)  # same chunk keys as the first again
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="replaced"):
+        first["model.w"].numpy()
+    _same(url, _state(3))  # opened afresh: the third, whole

@@ -48,7 +48,7 @@ from arrayckpt._format import (
 from arrayckpt._io import read_context
 from arrayckpt._keys import array_path, parse_array_path
 from arrayckpt._quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
-from arrayckpt._save import Record, _manifest, describe_local, host_view, open_delta
+from arrayckpt._save import Record, build_manifest, describe_local, host_view, open_delta
 from arrayckpt._saveplan import plan_save
 from arrayckpt._shards import Box
 from arrayckpt._storage import LocalWriter, parse_location
@@ -358,7 +358,7 @@ def test_per_rank_example():
     """The two-rank example of section 4.3, planned as the coordinator plans it (no processes needed)."""
     states = _per_rank_example_states()
     planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
-    manifest = _manifest(planned, Record(), len(states), None, [{}] * len(states), "default").to_dict()
+    manifest = build_manifest(planned, Record(), len(states), None, [{}] * len(states), "default").to_dict()
     expected = _json_block("per-rank-example")
     assert _without_created(manifest) == _without_created(expected)
     assert list(manifest["entries"]) == list(expected["entries"])  # the order the spec describes
