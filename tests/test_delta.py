@@ -331,3 +331,40 @@ def test_diff_and_show_read_through_the_chain(tmp_path: Path) -> None:
     assert arrayckpt.diff(tmp_path / "b", tmp_path / "b").identical
     summary = arrayckpt.show(tmp_path / "b", "w", "200")
     assert summary.max == 2.0 and summary.count == 4
+
+
+def test_crafted_chains_are_refused(tmp_path: Path) -> None:
+    """A loop of bases, and a base whose tensor has another shape, are format damage, not reads."""
+    arrayckpt.save({"w": torch.zeros(6, 2)}, tmp_path / "a")
+    w = torch.zeros(6, 2)
+    w[1] = 1
+    arrayckpt.save({"w": w}, tmp_path / "b", base=tmp_path / "a")
+    root = tmp_path / "a" / "zarr.json"
+    original = root.read_text()
+    document = json.loads(original)
+    b_id = arrayckpt.open(tmp_path / "b").manifest.id
+    document["attributes"]["arrayckpt"]["base"] = {"path": "../b", "id": b_id, "step": None}
+    document["attributes"]["arrayckpt"]["entries"]["w"]["delta"] = {"mode": "chunks", "present": []}
+    root.write_text(json.dumps(document))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="loops back"):
+        arrayckpt.open(tmp_path / "b").chain()
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="loops back"):
+        arrayckpt.open(tmp_path / "b")["w"].torch()
+    document = json.loads(original)
+    document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = [3, 4]
+    document["consolidated_metadata"]["metadata"]["w"]["shape"] = [3, 4]
+    root.write_text(json.dumps(document))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"float32\[3, 4\] here but float32\[6, 2\]"):
+        arrayckpt.open(tmp_path / "b")["w"].torch()
+
+
+def test_converted_checkpoint_can_be_a_base(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(100, 3)}, tmp_path / "m.pt")
+    arrayckpt.convert(tmp_path / "m.pt", tmp_path / "conv")
+    converted = arrayckpt.open(tmp_path / "conv").manifest
+    assert converted.id and converted.stored_bytes == 1200
+    w = torch.zeros(100, 3)
+    w[42] = 7
+    arrayckpt.save({"w": w}, tmp_path / "d", base=tmp_path / "conv")
+    assert arrayckpt.open(tmp_path / "d").manifest.entries["w"].delta.rows == 1
+    assert torch.equal(arrayckpt.open(tmp_path / "d")["w"].torch(), w)
