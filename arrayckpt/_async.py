@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ from ._dist import Group, resolve_group
 from ._dtypes import DType, numpy_view
 from ._errors import ArrayckptError
 from ._save import _attempt, check_record, describe_local, finish_save, open_delta
+from ._shards import Box
 from ._storage import parse_location
 
 __all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
@@ -64,13 +65,48 @@ class SaveHandle:
 
 
 class _Stager:
-    """Host copies of the arrays of a save, allocated once per (array path, shape, dtype) and reused."""
+    """Host copies of the arrays of a save, allocated once per (array path, shape, dtype) and reused.
+
+    With ``keep_copy`` the copies of a committed save are kept as they are (the next save stages into a
+    second set of buffers), so that the next incremental save against that checkpoint compares with them in
+    memory instead of reading the checkpoint back: exact, at the cost of a second host copy of the state.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
         self._used: set[tuple[str, tuple[int, ...], Any]] = set()
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
         self._cuda = False
+        self._views: dict[str, np.ndarray] = {}  # by array path: this staging's host copies
+        self._kept: dict[tuple[str, tuple[int, ...], Any], Any] = {}  # buffers of the kept copy
+        self._kept_views: dict[str, tuple[Box, np.ndarray]] = {}  # by array path: (box held, its bytes)
+        self.kept_id: str | None = None  # the checkpoint whose bytes the kept copy holds
+
+    def keep(self, checkpoint_id: str, boxes: dict[str, Box]) -> None:
+        """The save just staged committed as ``checkpoint_id``: keep its copies, stage the next elsewhere."""
+        self._kept_views = {path: (boxes[path], view) for path, view in self._views.items() if path in boxes}
+        self._kept, self._buffers = self._buffers, self._kept
+        self.kept_id = checkpoint_id
+
+    def begin(self) -> None:
+        """A new staging starts (the previous save is over, its copy kept or not)."""
+        self._views = {}
+
+    def forget(self) -> None:
+        """Drop the kept copy (its memory too)."""
+        self._kept, self._kept_views, self.kept_id = {}, {}, None
+
+    def reference(self, base_id: str | None) -> Callable[[str, Box], np.ndarray | None] | None:
+        """The kept bytes of checkpoint ``base_id`` by (array path, box), if that is the one kept."""
+        if base_id is None or base_id != self.kept_id:
+            return None
+        views = self._kept_views
+
+        def lookup(path: str, box: Box) -> np.ndarray | None:
+            kept = views.get(path)
+            return kept[1] if kept is not None and kept[0] == box else None
+
+        return lookup
 
     def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
         """The staging buffer of ``value`` (the ``host`` callback of ``describe_local``); tensors are copied
@@ -82,6 +118,7 @@ class _Stager:
                 buffer = self._buffers[slot] = np.empty(value.shape, value.dtype)
             np.copyto(buffer, value)
             self._used.add(slot)
+            self._views[path] = buffer
             return buffer
         source = value.detach()
         slot = (path, tuple(source.shape), source.dtype)
@@ -92,7 +129,8 @@ class _Stager:
         self._copies.append((tensor, source))
         self._cuda = self._cuda or pinned
         self._used.add(slot)
-        return numpy_view(tensor, dt)
+        self._views[path] = numpy_view(tensor, dt)
+        return self._views[path]
 
     def finish(self) -> None:
         """Copy every tensor into its buffer (one batched call; device copies non-blocking, then waited
@@ -132,6 +170,7 @@ def async_save(
     base: Any = None,
     changed_rows: Mapping[str, Any] | None = None,
     quantize: Mapping[str, int] | None = None,
+    keep_copy: bool = False,
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
 
@@ -139,7 +178,9 @@ def async_save(
     (nothing is committed then). An earlier async save still running is waited for first
     (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``). An incremental
     save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
-    background, so it blocks training no longer than a full one.
+    background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
+    copy once it has committed (a second host copy of the state), so that the next incremental save against
+    it compares in memory instead of reading the checkpoint back.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
@@ -154,15 +195,36 @@ def async_save(
     group = _background_group(resolve_group(process_group))
     location = parse_location(path, storage_options)
     delta = open_delta(base, location, changed_rows, quantize, storage_options)
+    reference = _STAGER.reference(delta.base.manifest.id if delta is not None else None)
+    if not keep_copy and reference is None:
+        _STAGER.forget()
+    _STAGER.begin()
     local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, _STAGER.host))
     _STAGER.finish()
     if error is not None and group.size == 1:
         raise error  # nobody else to tell: fail now rather than on wait()
-    future = _EXECUTOR.submit(finish_save, local, error, group, location, codec, overwrite, record, delta)
+    boxes = {path: box for path, (box, _) in local.data.items()} if local is not None else {}
+    future = _EXECUTOR.submit(_save_in_background, local, error, group, location, codec, overwrite, record, delta,
+                              reference, boxes if keep_copy else None)
     handle = SaveHandle(future, str(location), time.perf_counter() - started)
     with _LOCK:
         _IN_FLIGHT[:] = [handle]
     return handle
+
+
+def _save_in_background(local: Any, error: BaseException | None, group: Group, location: Any, codec: CodecChoice,
+                        overwrite: bool, record: Any, delta: Any, reference: Any,
+                        keep: dict[str, Box] | None) -> None:
+    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale)."""
+    try:
+        committed = finish_save(local, error, group, location, codec, overwrite, record, delta, reference)
+    except BaseException:
+        _STAGER.forget()
+        raise
+    if keep is not None:
+        _STAGER.keep(committed, keep)
+    else:
+        _STAGER.forget()
 
 
 def _wait_for_previous(if_busy: str) -> None:

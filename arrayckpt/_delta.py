@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from ._saveplan import LocalDescription, SavePlan
     from ._storage import Location
 
-__all__ = ["DeltaRequest", "PieceChange", "RowsTask", "chunk_jobs", "find_changes", "plan_delta", "rows_jobs",
-           "stored_bytes"]
+__all__ = ["DeltaRequest", "PieceChange", "Reference", "RowsTask", "chunk_jobs", "find_changes", "plan_delta",
+           "rows_jobs", "stored_bytes"]
 
 QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")  # dtypes whose changed rows can be quantized
 ROW_CHUNK_BYTES = 4 << 20  # chunk size of the row-delta arrays (rows and values)
@@ -164,10 +164,14 @@ def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
                                                                          strict=True))
 
 
+Reference = Callable[[str, Box], "np.ndarray | None"]  # (array path, box) -> the base's bytes of it, if kept
+
+
 def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], request: DeltaRequest,
-                 ) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
-    """Compare this rank's pieces (those it would write: replica 0) with the base; return the findings for
-    the coordinator and, by key, the changed global row indices this rank keeps for writing rows."""
+                 reference: Reference | None = None) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
+    """Compare this rank's pieces (those it would write: replica 0) with the base — a kept host copy of its
+    bytes where ``reference`` has one, else the base read back — and return the findings for the coordinator
+    and, by key, the changed global row indices this rank keeps for writing rows."""
     from ._keys import array_path
 
     findings: list[PieceChange] = []
@@ -194,8 +198,10 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
             if given is not None:
                 raise StateError(f"changed rows were given for {key!r}, but this rank holds a piece of it that is "
                                  f"not whole rows ({box}); give changed rows only for row-sharded tensors")
-            old = np.empty(box.shape, values.dtype)
-            request.base.read_box(key, box, old)
+            old = reference(array_path(key), box) if reference is not None else None
+            if old is None:
+                old = np.empty(box.shape, values.dtype)
+                request.base.read_box(key, box, old)
             diff = _differs(values, old)
             del old
             changed_rows = (np.flatnonzero(diff.reshape(box.shape[0], -1).any(axis=1)) + box.offset[0]

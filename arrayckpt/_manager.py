@@ -82,6 +82,7 @@ class Incremental:
     max_chain_ratio: float = 1.0
     max_chain_length: int | None = 16
     quantize: Mapping[str, int] | None = None
+    keep_copy: bool = False  # asynchronous managers: compare with a kept host copy (2x host memory), not a read
 
     def wants_full(self, latest: Any) -> bool:
         """Whether the next save should be full, given the newest committed checkpoint (opened)."""
@@ -183,8 +184,9 @@ class CheckpointManager:
         if self.asynchronous:
             from ._async import async_save
 
+            keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
-                                       step=step, metrics=metrics, overwrite=True, **delta)
+                                       step=step, metrics=metrics, overwrite=True, keep_copy=keep, **delta)
             self._blocking_seconds = self._pending.blocking_seconds
         else:
             from ._save import save

@@ -31,6 +31,7 @@ from ._codecs import CodecChoice
 from ._delta import (
     DeltaRequest,
     PieceChange,
+    Reference,
     RowsTask,
     base_ref,
     chunk_jobs,
@@ -150,12 +151,15 @@ def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) 
 
 
 def finish_save(local: _Local | None, error: BaseException | None, group: Group, location: Any,
-                codec: CodecChoice, overwrite: bool, record: Record, delta: DeltaRequest | None = None) -> None:
-    """Everything after describing the local state: the collectives, the writes, the commit."""
+                codec: CodecChoice, overwrite: bool, record: Record, delta: DeltaRequest | None = None,
+                reference: Reference | None = None) -> str:
+    """Everything after describing the local state: the collectives, the writes, the commit. Returns the
+    committed checkpoint's id. ``reference(path, box)`` may give the bytes the base holds for a piece (a
+    host copy kept from the save that wrote the base), spared from reading them back."""
     where = str(location)
     changes: Any = ([], {})
     if delta is not None and local is not None and error is None:
-        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta))
+        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
         changes = found or changes
     gathered = group.gather((None if local is None else local.description, error, changes[0]))
     coordination: _Coordination | None = None
@@ -176,13 +180,14 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
             coordination.wait_for_metadata = lambda: None
             coordination.writer.abort()
         raise
-    outcome: BaseException | None = None
+    outcome: BaseException | str | None = None
     if group.is_coordinator:
         assert coordination is not None and results is not None
         outcome = _commit_or_abort(coordination, plan, results, record, group, delta)
     outcome = group.broadcast(outcome)
-    if outcome is not None:
+    if isinstance(outcome, BaseException):
         raise outcome
+    return str(outcome)
 
 
 def _attempt(fn: Any) -> tuple[Any, BaseException | None]:
@@ -263,7 +268,8 @@ def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, whe
 
 
 def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, record: Record,
-                     group: Group, delta: DeltaRequest | None) -> BaseException | None:
+                     group: Group, delta: DeltaRequest | None) -> BaseException | str:
+    """Commit (returning the new checkpoint's id) or abort (returning the error every rank raises)."""
     writer = coordination.writer
     error = _first_error([e for e, _ in results])
     try:
@@ -274,7 +280,7 @@ def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list,
         try:
             manifest = build_manifest(plan, record, group.size, delta, [q for _, q in results], writer.key_encoding)
             writer.commit(encode_root_document(manifest, plan.consolidated_json))
-            return None
+            return str(manifest.id)
         except (OSError, ArrayckptError) as e:
             error = e if isinstance(e, ArrayckptError) else StorageError(f"{writer.location}: commit failed: {e}")
     writer.abort()

@@ -20,6 +20,10 @@ Every step, interleaved, in one process on one filesystem:
 ``delta[detected]``
     ``arrayckpt.save(state, base=previous)`` — everything compared with the base read back (exact,
     bitwise); no help from the caller.
+``delta[detected, async, kept copy]``
+    ``arrayckpt.async_save(state, base=previous).wait()`` where the base was saved with
+    ``async_save(..., keep_copy=True)``: the staged copy is compared with the kept host copy of the base in
+    memory (exact), no read-back; the time is staging + background save.
 ``delta[rows given, 8-bit]``
     as ``rows given``, with the embedding's changed rows quantized to 8 bits (lossy, opt-in).
 
@@ -84,6 +88,7 @@ def _runs(state: dict[str, torch.Tensor], work: Path, given: dict[str, torch.Ten
         "full": lambda p: arrayckpt.save(state, p),
         "delta[rows given]": lambda p: arrayckpt.save(state, p, base=work / "base", changed_rows=given),
         "delta[detected]": lambda p: arrayckpt.save(state, p, base=work / "base"),
+        "delta[detected, async, kept copy]": lambda p: arrayckpt.async_save(state, p, base=work / "base").wait(),
         "delta[rows given, 8-bit]": lambda p: arrayckpt.save(state, p, base=work / "base", changed_rows=given,
                                                              quantize={"emb": 8}),
         "emb only: full": lambda p: arrayckpt.save(emb, p),
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["disk_bytes"].append(_disk_bytes(path))
 
     try:
-        arrayckpt.save(state, work / "base")
+        arrayckpt.async_save(state, work / "base", keep_copy=True).wait()
         arrayckpt.save({"emb": state["emb"]}, work / "emb-base")
         base = arrayckpt.open(work / "base")
         grids = {k: base.dense_grid(k) for k in state if k != "emb"}
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             # the next step's deltas are against this step's state
             shutil.rmtree(work / "base")
             shutil.rmtree(work / "emb-base")
-            arrayckpt.save(state, work / "base")
+            arrayckpt.async_save(state, work / "base", keep_copy=True).wait()
             arrayckpt.save({"emb": state["emb"]}, work / "emb-base")
             print(f"step {step + 1}/{args.steps} done", file=sys.stderr)
     finally:

@@ -368,3 +368,32 @@ def test_converted_checkpoint_can_be_a_base(tmp_path: Path) -> None:
     arrayckpt.save({"w": w}, tmp_path / "d", base=tmp_path / "conv")
     assert arrayckpt.open(tmp_path / "d").manifest.entries["w"].delta.rows == 1
     assert torch.equal(arrayckpt.open(tmp_path / "d")["w"].torch(), w)
+
+
+def test_async_kept_copy_spares_reading_the_base_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from arrayckpt._reader import Checkpoint
+
+    reads: list[str] = []
+    real = Checkpoint.read_box
+    monkeypatch.setattr(Checkpoint, "read_box", lambda self, key, box, out: (reads.append(key), real(self, key, box,
+                                                                                                          out))[1])
+    g = torch.Generator().manual_seed(5)
+    state = {"a": torch.randn(400, 16, generator=g), "b": torch.randn(64, 64, generator=g)}
+    arrayckpt.async_save(state, tmp_path / "s0", keep_copy=True).wait()
+    for step in range(1, 4):
+        state["a"][step * 10] += 1
+        state["b"][:, step] -= 1
+        expected = {k: v.clone() for k, v in state.items()}
+        handle = arrayckpt.async_save(state, tmp_path / f"s{step}", base=tmp_path / f"s{step - 1}", keep_copy=True)
+        state["a"][:5] = 99.0  # after staging: neither in this checkpoint nor in the kept copy
+        handle.wait()
+        state["a"][:5] = expected["a"][:5]
+        ckpt = arrayckpt.open(tmp_path / f"s{step}")
+        assert ckpt.manifest.entries["a"].delta.rows == 1
+        for key, value in expected.items():
+            assert torch.equal(ckpt[key].torch(), value), (step, key)
+    assert reads == []  # every comparison was against the kept copy
+    # a delta against another checkpoint than the kept one reads that base back
+    arrayckpt.async_save(state, tmp_path / "other", base=tmp_path / "s1").wait()
+    assert sorted(set(reads)) == ["a", "b"]
+    assert torch.equal(arrayckpt.open(tmp_path / "other")["b"].torch(), state["b"])
