@@ -141,6 +141,33 @@ def _differs(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return diff.any(axis=-1) if diff.ndim > new.ndim else diff.reshape(new.shape)
 
 
+COMPARE_BLOCK_BYTES = 16 << 20  # rows compared at once, per thread: bounds the temporary boolean arrays
+
+
+def _changed_rows(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Per row (first dimension): whether any byte differs, compared as same-size unsigned integers a block of
+    rows at a time, so the temporary boolean array stays small (numpy measured 3x faster than torch here)."""
+    rows = new.shape[0]
+    a, b = _bits(new).reshape(rows, -1), _bits(old).reshape(rows, -1)
+    out = np.empty(rows, bool)
+    step = max(1, COMPARE_BLOCK_BYTES // max(1, a.shape[1] * a.dtype.itemsize))
+
+    def block(start: int) -> None:  # numpy releases the GIL: blocks run in parallel
+        np.any(a[start:start + step] != b[start:start + step], axis=1, out=out[start:start + step])
+
+    starts = range(0, rows, step)
+    if len(starts) == 1:
+        block(0)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ._fastio import IO_THREADS
+
+        with ThreadPoolExecutor(min(IO_THREADS, len(starts))) as pool:
+            list(pool.map(block, starts))
+    return out
+
+
 def _aligned(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in zip(box.offset, box.stop, grid, shape,
                                                                           strict=True))
@@ -202,11 +229,16 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
             if old is None:
                 old = np.empty(box.shape, values.dtype)
                 request.base.read_box(key, box, old)
-            diff = _differs(values, old)
+            if whole_rows and tuple(grid[1:]) == tuple(shape[1:]):  # the usual case: rows are enough
+                row_mask = _changed_rows(values, old)
+                changed_rows = np.flatnonzero(row_mask) + box.offset[0]
+                chunks = _changed_chunks_by_rows(row_mask, box, grid, shape)
+            else:
+                diff = _differs(values, old)
+                changed_rows = (np.flatnonzero(diff.reshape(box.shape[0], -1).any(axis=1)) + box.offset[0]
+                                if whole_rows else None)
+                chunks = _changed_chunks(diff, box, grid, shape)
             del old
-            changed_rows = (np.flatnonzero(diff.reshape(box.shape[0], -1).any(axis=1)) + box.offset[0]
-                            if whole_rows else None)
-            chunks = _changed_chunks(diff, box, grid, shape)
         if chunks is not None and not _aligned(box, grid, shape):
             chunks = None
         if changed_rows is not None:
