@@ -102,11 +102,20 @@ class ObjectLocation:
 
     read_context = write_context = context
 
-    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
-        """The root document, the kvstore to read data from, and a release function (nothing to pin here:
-        a replacing save writes other chunk keys and deletes the old ones only after its commit, so a
-        reader overtaken by it fails on a missing chunk instead of mixing checkpoints)."""
-        return self.read_root(), self.kvstore(), lambda: None
+    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+        """The root document, the kvstore to read data from, a release function (nothing can be pinned on
+        object storage) and the root's storage generation, for :meth:`changed_since`."""
+        document, generation = self._read_root_stamped()
+        return document, self.kvstore(), lambda: None, generation
+
+    def changed_since(self, generation: Any) -> bool:
+        """Whether the root document is no longer the one of ``generation`` (replaced or removed): one
+        conditional GET (``If-None-Match``) that transfers nothing while it is unchanged."""
+        try:
+            result = self.open_store().read(ROOT_METADATA, if_not_equal=generation).result()
+        except Exception as e:
+            raise StorageError(f"{self}: re-reading the root zarr.json failed: {e}") from e
+        return result.state != "unspecified"
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -119,8 +128,15 @@ class ObjectLocation:
 
     def read_root(self) -> dict[str, Any]:
         """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
+        return self._read_root_stamped()[0]
+
+    def _read_root_stamped(self) -> tuple[dict[str, Any], Any]:
         store = self.open_store()
-        data = _read(store, ROOT_METADATA, self)
+        try:
+            result = store.read(ROOT_METADATA).result()
+        except Exception as e:
+            raise StorageError(f"{self}: reading {ROOT_METADATA} failed: {e}") from e
+        data = result.value if result.state == "value" else None
         if data is None:
             if _any_key(store, self):
                 raise IncompleteCheckpointError(
@@ -128,7 +144,7 @@ class ObjectLocation:
                     "save again with overwrite=True to replace it)")
             raise CheckpointNotFoundError(f"{self}: no checkpoint here")
         try:
-            return json.loads(data)
+            return json.loads(data), result.stamp.generation
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"{self}: root zarr.json is damaged: {e}") from None
 

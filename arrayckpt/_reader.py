@@ -181,7 +181,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         self.allow_pickle = allow_pickle
         self._above: frozenset[str | None] = frozenset()  # ids of the deltas that read through this checkpoint
         where = str(location)
-        document, self._base, release = location.open_committed()
+        document, self._base, release, self._generation = location.open_committed()
         weakref.finalize(self, release)
         self.manifest, self._nodes = parse_root_document(document, where)
         self._context = location.read_context()
@@ -199,7 +199,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         """The checkpoint this delta checkpoint was saved against (opened on first use, and checked to be the
         very one: a base replaced since is refused)."""
         from ._delta import resolve_base
-        from ._errors import ArrayckptError, CheckpointNotFoundError
+        from ._errors import CheckpointNotFoundError
 
         ref = self.manifest.base
         if ref is None:
@@ -233,15 +233,10 @@ class Checkpoint(Mapping[str, LazyArray]):
         One small read per layer; nothing to do locally (the directory is pinned)."""
         layer: Checkpoint | None = self
         while layer is not None:
-            if type(layer.location).__name__ == "ObjectLocation":
-                try:
-                    now = layer.location.read_root().get("attributes", {}).get("arrayckpt", {}).get("id")
-                except ArrayckptError:
-                    now = None
-                if layer.manifest.id is not None and now != layer.manifest.id:
-                    raise CorruptCheckpointError(
-                        f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
-                        "what was read may mix two checkpoints: open it again")
+            if layer._generation is not None and layer.location.changed_since(layer._generation):
+                raise CorruptCheckpointError(
+                    f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
+                    "what was read may mix two checkpoints: open it again")
             layer = layer.__dict__.get("base")
 
     def dense_grid(self, key: str) -> tuple[int, ...]:

@@ -84,15 +84,20 @@ class LocalLocation:
 
         return write_context()
 
-    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None]]:
-        """The root document, the kvstore to read the data from, and a function that releases it: the
-        directory is pinned so that an overwrite meanwhile cannot mix two checkpoints' chunks."""
+    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+        """The root document, the kvstore to read the data from, a function that releases it, and a token
+        for :meth:`changed_since`: the directory is pinned, so an overwrite meanwhile cannot mix two
+        checkpoints' chunks."""
         root, release = pin_directory(self.path)
         try:
-            return read_root_json(self, root), file_kvstore(root, ""), release
+            return read_root_json(self, root), file_kvstore(root, ""), release, None
         except BaseException:
             release()
             raise
+
+    def changed_since(self, token: Any) -> bool:
+        """Never: reads go to the pinned directory, whatever replaces it at the path."""
+        return False
 
     def node_document(self, node_path: str) -> bytes | None:
         """A node's own ``zarr.json`` (``None`` when absent)."""

@@ -23,3 +23,8 @@ def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
         monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
     return request.param
+
+
+# The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket), shared by
+# every test module; the server starts only when a test asks for it.
+from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402, F401

@@ -6,9 +6,8 @@ HTTP/1.1 keep-alive proxy, in the test process, that forwards every request unch
 and returns the upstream response, while counting and logging requests and, on demand, answering some
 of them itself with real-looking S3 errors (503 ``SlowDown`` by default) instead of forwarding them.
 
-Fixtures (usable from a conftest or a test module with ``pytest_plugins = ["s3_server"]``, or imported
-with ``from s3_server import s3_server, s3_proxy, s3_bucket``; ``tests/`` is not a package, so the
-tests import it as a top-level module):
+Fixtures (``tests/conftest.py`` imports them, so every test module can use them; ``tests/`` is not a
+package, so the tests import this as a top-level module):
 
 - ``s3_server`` (session): an ``S3Server``; also puts ``s3_test_env()`` (dummy credentials, region,
   ``NO_PROXY``) in ``os.environ`` for the session, so TensorStore, s3fs/botocore and spawned children all find them.
@@ -269,6 +268,7 @@ _HOP_BY_HOP = frozenset(
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; Expect: 100-continue is answered by the base class
+    disable_nagle_algorithm = True  # else Nagle + delayed ACK add ~45 ms to every sequential request
     server: _ProxyHTTPServer
     timeout = 120  # an idle keep-alive connection is dropped after this
 

@@ -23,8 +23,6 @@ from s3_server import (
     tensorstore_kvstore_spec,
 )
 
-pytest_plugins = ["s3_server"]  # the s3_server / s3_proxy / s3_bucket fixtures
-
 # A sharded zarr3 array: 64x64 float32 in 32x32 shards of 8x8 inner chunks, crc32c on chunks and index.
 SHARDED_META = {
     "shape": [64, 64],
