@@ -1,15 +1,16 @@
 """CheckpointManager: step-named checkpoints under one root, an interval policy, retention, resume.
 
-Checkpoints live at ``<root>/step-<step:08d>``. Only committed checkpoints count: an interrupted save
-leaves a temporary directory that is never listed and is removed by :func:`arrayckpt.gc`. Retention runs
-on the coordinator after each save has committed, and never removes the newest checkpoint.
+Checkpoints live at ``<root>/step-<step:08d>``, locally or on object storage (``s3://bucket/run``). Only
+committed checkpoints count: an interrupted save leaves a temporary directory (locally) or an incomplete
+prefix (object storage) that is never listed and is removed by :meth:`CheckpointManager.clean_up`.
+Retention runs on the coordinator after each save has committed, never removes the newest checkpoint, and
+never removes a base that a kept delta checkpoint reads through.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -118,8 +119,16 @@ class CheckpointManager:
         codec: Any = None,
         process_group: Any = None,
         incremental: Incremental | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.root = Path(root)
+        from ._storage import LocalLocation, parse_location
+
+        self._location = parse_location(root, storage_options)
+        self._local = isinstance(self._location, LocalLocation)
+        self.storage_options = storage_options
+        #: The root: a local directory (``Path``) or an object-storage URL (``str``).
+        self.root: Path | str = self._location.path if isinstance(self._location, LocalLocation) \
+            else str(self._location)
         self.incremental = incremental
         self.interval = interval or Interval(every_steps=1)
         self.retention = retention or Retention()
@@ -130,23 +139,52 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._blocking_seconds: float | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.root, Path):
+            self.root.mkdir(parents=True, exist_ok=True)
 
     # --- where checkpoints are --------------------------------------------------------------------
 
-    def path(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}"
+    def path(self, step: int) -> Path | str:
+        """Where step ``step``'s checkpoint is (a path, or a URL on object storage)."""
+        name = f"step-{step:08d}"
+        return self.root / name if isinstance(self.root, Path) else f"{self.root}/{name}"
+
+    def _step_location(self, step: int) -> Any:
+        from ._storage import parse_location
+
+        return parse_location(self.path(step), self.storage_options if not self._local else None)
+
+    def _listed_steps(self) -> list[int]:
+        """Steps with something at their path, committed or not."""
+        if isinstance(self.root, Path):
+            names = [e.name for e in self.root.iterdir() if e.is_dir()]
+        else:
+            names = self._location.children()
+        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint, ascending (incomplete ones are ignored)."""
-        from ._storage import LocalLocation, is_committed
+        return [s for s in self._listed_steps() if self._step_location(s).is_committed()]
 
-        found = []
-        for entry in self.root.iterdir():
-            match = _STEP_DIR.fullmatch(entry.name)
-            if match and entry.is_dir() and is_committed(LocalLocation(entry)):
-                found.append(int(match.group(1)))
-        return sorted(found)
+    def clean_up(self, min_age_s: float = 3600.0) -> list[str]:
+        """Remove what interrupted saves left: incomplete step checkpoints older than the newest committed
+        one (a later save is never still running) and, locally, temporary directories untouched for
+        ``min_age_s``. Returns what was removed. Coordinator only."""
+        if not self._is_coordinator():
+            return []
+        committed = self.steps()
+        removed: list[str] = []
+        if committed:
+            for step in self._listed_steps():
+                if step < committed[-1] and step not in committed:
+                    location = self._step_location(step)
+                    location.delete()
+                    removed.append(str(location))
+        if isinstance(self.root, Path):
+            from ._storage import collect_garbage
+
+            removed.extend(str(p) for p in collect_garbage(self.root, min_age_s))
+        return removed
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -186,13 +224,14 @@ class CheckpointManager:
 
             keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
-                                       step=step, metrics=metrics, overwrite=True, keep_copy=keep, **delta)
+                                       step=step, metrics=metrics, overwrite=True, keep_copy=keep,
+                                       storage_options=self._options(), **delta)
             self._blocking_seconds = self._pending.blocking_seconds
         else:
             from ._save import save
 
             save(state, self.path(step), codec=self.codec, process_group=self.process_group, step=step,
-                 metrics=metrics, overwrite=True, **delta)
+                 metrics=metrics, overwrite=True, storage_options=self._options(), **delta)
             self._blocking_seconds = time.perf_counter() - started
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
@@ -209,7 +248,7 @@ class CheckpointManager:
             return {}
         from ._reader import open_checkpoint
 
-        base = open_checkpoint(self.path(latest))
+        base = open_checkpoint(self.path(latest), storage_options=self._options())
         if self.incremental.wants_full(base):
             return {}
         return {"base": base, "changed_rows": changed_rows, "quantize": self.incremental.quantize}
@@ -229,31 +268,33 @@ class CheckpointManager:
         steps = self.steps()
         metrics = {}
         if self.retention.keep_best and self.retention.metric:
-            metrics = {s: dict(open_checkpoint(self.path(s)).metrics) for s in steps}
+            metrics = {s: dict(open_checkpoint(self.path(s), storage_options=self._options()).metrics)
+                       for s in steps}
         kept = self.retention.keep(steps, metrics)
         kept |= self._bases_of(kept, set(steps))
         for step in set(steps) - kept:
-            shutil.rmtree(self.path(step), ignore_errors=True)
+            self._step_location(step).delete()
+
+    def _options(self) -> Mapping[str, Any] | None:
+        return None if self._local else self.storage_options
 
     def _bases_of(self, kept: set[int], steps: set[int]) -> set[int]:
         """Steps that kept delta checkpoints read through (transitively): deleting them would break those."""
+        from ._delta import resolve_base
         from ._reader import open_checkpoint
 
-        root = self.root.absolute()
+        by_location = {str(self._step_location(s)): s for s in steps}
         needed: set[int] = set()
         todo = sorted(kept)
         while todo:
             step = todo.pop()
-            ref = open_checkpoint(self.path(step)).manifest.base
+            ref = open_checkpoint(self.path(step), storage_options=self._options()).manifest.base
             if ref is None:
                 continue
-            base = Path(os.path.normpath(root / self.path(step).name / ref.path))
-            match = _STEP_DIR.fullmatch(base.name)
-            if match and base.parent == root and int(match.group(1)) in steps:
-                found = int(match.group(1))
-                if found not in needed and found not in kept:
-                    needed.add(found)
-                    todo.append(found)
+            found = by_location.get(str(resolve_base(self._step_location(step), ref)))
+            if found is not None and found not in needed and found not in kept:
+                needed.add(found)
+                todo.append(found)
         return needed
 
     def _is_coordinator(self) -> bool:
@@ -274,7 +315,8 @@ class CheckpointManager:
                 return None
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
-        load(state, self.path(step), process_group=self.process_group, **load_options)
+        load(state, self.path(step), process_group=self.process_group, storage_options=self._options(),
+             **load_options)
         self._last_step, self._last_time = step, time.monotonic()
         return step
 

@@ -159,6 +159,37 @@ class ObjectLocation:
             return False
         return _is_arrayckpt_root(document)
 
+    def fsspec_options(self) -> dict[str, Any]:
+        """The same storage options for fsspec/s3fs (e.g. ``zarr.open_group(url, storage_options=...)``)."""
+        options = self.option
+        out: dict[str, Any] = {}
+        for name in ("endpoint_url", "key", "secret", "token", "anon", "profile"):
+            if options.get(name) is not None:
+                out[name] = options[name]
+        if options.get("region"):
+            out["client_kwargs"] = {"region_name": options["region"]}
+        return out
+
+    def children(self) -> list[str]:
+        """Names of the "directories" right below the prefix. On S3 one delimited listing through s3fs when it
+        is installed (TensorStore lists every key below, recursively); elsewhere TensorStore's listing."""
+        if self.scheme == "s3":
+            try:
+                import s3fs
+            except ImportError:
+                s3fs = None
+            if s3fs is not None:
+                fs = s3fs.S3FileSystem(**self.fsspec_options())
+                path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+                try:
+                    entries = fs.ls(path, detail=True, refresh=True)
+                except FileNotFoundError:
+                    return []
+                except Exception as e:
+                    raise StorageError(f"{self}: listing failed: {e}") from e
+                return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+        return sorted({key.split("/", 1)[0] for key in _list(self.open_store(), self) if "/" in key})
+
     def delete(self) -> None:
         """Remove the checkpoint: the commit first (so a half-deleted one reads as incomplete), then the rest."""
         store = self.open_store()

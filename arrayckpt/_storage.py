@@ -110,7 +110,12 @@ class LocalLocation:
         return is_committed(self)
 
     def delete(self) -> None:
-        shutil.rmtree(self.path)
+        """Remove the checkpoint: the commit first (so a half-removed one reads as incomplete), then the rest."""
+        try:
+            (self.path / ROOT_METADATA).unlink()
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def leftovers(self) -> list[Path]:
         """Temporary directories of interrupted saves to this path."""

@@ -106,3 +106,22 @@ def test_sigterm_completes_a_save_before_exiting(tmp_path):
     step = manager.latest_step()
     assert step is not None and step > 0
     assert torch.equal(arrayckpt.open(manager.path(step))["w"].torch(), torch.full((8,), float(step)))
+
+
+def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
+    import os
+    import time
+
+    manager = arrayckpt.CheckpointManager(tmp_path, retention=arrayckpt.Retention(keep_last=None))
+    manager.save(1, {"w": torch.ones(2)})
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "step-00000002" / "w").mkdir()  # an incomplete step: no root zarr.json
+    manager.save(3, {"w": torch.ones(2)})
+    leftover = tmp_path / ".step-00000004.arrayckpt-tmp-0123456789ab"
+    leftover.mkdir()
+    old = time.time() - 7200
+    os.utime(leftover, (old, old))
+    assert manager.steps() == [1, 3]
+    removed = manager.clean_up()
+    assert sorted(removed) == sorted([str(tmp_path / "step-00000002"), str(leftover)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000003"]

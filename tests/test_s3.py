@@ -471,3 +471,29 @@ def test_endpoint_and_region_from_the_environment(s3_proxy: FaultProxy, s3_bucke
     _same(url, state, {})
     assert s3_proxy.counts["PUT"] > 0
     assert all(f"/{REGION}/s3/aws4_request" in _authorization(h) for h in s3_proxy.request_headers)
+
+
+def test_incremental_manager_on_s3(s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str) -> None:
+    """Step checkpoints under an S3 root: deltas, retention that keeps the bases kept deltas need, restore,
+    and clean-up of an incomplete step left by an interrupted save."""
+    options = _options(s3_proxy)
+    root = f"s3://{s3_bucket}/run"
+    manager = arrayckpt.CheckpointManager(root, storage_options=options, retention=arrayckpt.Retention(keep_last=1),
+                                          incremental=arrayckpt.Incremental(max_chain_length=2))
+    emb = torch.arange(4000.0).reshape(1000, 4)
+    for step in range(1, 6):
+        emb[step * 7] = -step
+        manager.save(step, {"emb": emb}, changed_rows={"emb": torch.tensor([step * 7])})
+    # steps 1 (full), 2, 3 (deltas), 4 (full), 5 (delta): keep_last=1 keeps 5 and its base 4
+    assert manager.steps() == [4, 5]
+    assert arrayckpt.open(manager.path(5), storage_options=options).manifest.base.path == "../step-00000004"
+    keys = s3_server.list_keys(s3_bucket, "run/")
+    assert {k.split("/")[1] for k in keys} == {"step-00000004", "step-00000005"}
+    # an interrupted save of step 3's kind left objects but no commit at an older step
+    s3_server.client.put_object(Bucket=s3_bucket, Key="run/step-00000003/emb/c.0.0", Body=b"partial")
+    assert manager.steps() == [4, 5] and manager.latest_step() == 5
+    assert manager.clean_up() == [f"{root}/step-00000003"]
+    assert {k.split("/")[1] for k in s3_server.list_keys(s3_bucket, "run/")} == {"step-00000004", "step-00000005"}
+    restored = {"emb": torch.zeros(1000, 4)}
+    assert arrayckpt.CheckpointManager(root, storage_options=options).restore(restored) == 5
+    assert torch.equal(restored["emb"], emb)
