@@ -312,15 +312,7 @@ def _any_key(store: Any, where: object) -> bool:
 def _delete(store: Any, keys: list[str], where: object) -> None:
     # One DELETE per object: writing None deletes a single key (``delete_range`` over a one-key range
     # would first LIST that range on S3/GCS, doubling the requests of every clean-up).
-    futures = [store.write(key, None) for key in keys]
-    errors = []
-    for key, future in zip(keys, futures, strict=True):
-        try:
-            future.result()
-        except Exception as e:
-            errors.append(f"{key}: {e}")
-    if errors:
-        raise StorageError(f"{where}: deleting {len(errors)} object(s) failed, first: {errors[0]}")
+    _wait([(key, store.write(key, None)) for key in keys], where, "deleting")
 
 
 def _is_arrayckpt_root(document: object) -> bool:
@@ -451,11 +443,12 @@ class ObjectWriter:
 
 
 def _wait(pending: list[tuple[str, Any]], where: object, what: str) -> None:
+    """Wait for every (name, future), then raise one error naming the first failure and how many failed."""
     errors = []
-    for path, future in pending:
+    for name, future in pending:
         try:
             future.result()
         except Exception as e:
-            errors.append(f"{path or '/'}: {e}")
+            errors.append(f"{name or '/'}: {e}")
     if errors:
-        raise StorageError(f"{where}: {what} failed: {errors[0]} ({len(errors)} document(s) failed)")
+        raise StorageError(f"{where}: {what} failed: {errors[0]} ({len(errors)} object(s) failed)")
