@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._delta import _cells
-from ._errors import CorruptCheckpointError
+from ._errors import ArrayckptError, CorruptCheckpointError
 from ._format import ArrayEntry
 from ._io import ArrayIO, open_array, read_into
 from ._shards import Box
@@ -104,9 +104,13 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
 def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
     """Fill ``out`` (shaped like ``box``) with that part of ``key``, through the chain."""
     jobs, overlays = read_plan(checkpoint, key, box, out)
-    read_into(jobs, checkpoint._context, str(checkpoint.location))
-    for overlay in overlays:
-        overlay()
+    try:
+        read_into(jobs, checkpoint._context, str(checkpoint.location))
+        for overlay in overlays:
+            overlay()
+    except ArrayckptError as e:
+        checkpoint.raise_if_replaced(e)
+        raise
     checkpoint.check_unchanged()
 
 
@@ -120,9 +124,13 @@ def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.nd
         more, later = read_plan(checkpoint, key, box, out)
         jobs.extend(more)
         overlays.extend(later)
-    read_into(jobs, checkpoint._context, str(checkpoint.location))
-    for overlay in overlays:
-        overlay()
+    try:
+        read_into(jobs, checkpoint._context, str(checkpoint.location))
+        for overlay in overlays:
+            overlay()
+    except ArrayckptError as e:
+        checkpoint.raise_if_replaced(e)
+        raise
     checkpoint.check_unchanged()
     return outs
 

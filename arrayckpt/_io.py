@@ -9,7 +9,9 @@ missing chunk can never read back as zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +22,25 @@ import tensorstore as ts
 from ._errors import CorruptCheckpointError, FormatError, StorageError
 from ._fastio import RowLayout, read_rows, row_layout, write_rows
 
-__all__ = ["ArrayIO", "array_spec", "open_array", "read_context", "read_into", "write_all", "write_context"]
+__all__ = ["ArrayIO", "array_spec", "collector_paused", "open_array", "read_context", "read_into", "write_all",
+           "write_context"]
 
 FILE_IO_CONCURRENCY = 32
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a synchronous save or load: describing, planning and
+    reading thousands of tensors allocates enough objects to trigger full collections over the whole heap
+    (measured: ~8% of a 1 GiB, 2,186-tensor save on tmpfs). The caller is blocked meanwhile, so nothing else
+    piles up garbage; asynchronous saves leave it alone (training runs on)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def write_context() -> ts.Context:

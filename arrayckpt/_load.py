@@ -15,7 +15,7 @@ from ._dist import Group, resolve_group
 from ._dtypes import dtype_of_numpy
 from ._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from ._format import ArrayEntry, Entry, PerRankEntry
-from ._io import ArrayIO, read_into
+from ._io import ArrayIO, collector_paused, read_into
 from ._keys import dotted
 from ._reader import Checkpoint, open_checkpoint
 from ._readonce import split_reads
@@ -85,11 +85,12 @@ def load(
             + (f"; the checkpoint has {len(unexpected)} other key(s): {_few(unexpected)}" if unexpected else "")
             + ". Pass strict=False to load the rest"
         )
-    plan = _LoadPlan(checkpoint, group.rank, group.size)
-    for key, leaf in walked.leaves.items():
-        if key in entries:
-            plan.add(entries[key], leaf)
-    plan.run(group if read_once and group.size > 1 else None)
+    with collector_paused():
+        plan = _LoadPlan(checkpoint, group.rank, group.size)
+        for key, leaf in walked.leaves.items():
+            if key in entries:
+                plan.add(entries[key], leaf)
+        plan.run(group if read_once and group.size > 1 else None)
     _hand_back(walked.statefuls)
     return LoadResult(missing, unexpected)
 
@@ -116,7 +117,11 @@ class _LoadPlan:
         """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
         arriving from other ranks), then move staged data to devices and replace plain values."""
         if share_with is None:
-            read_into(self.reads, self.checkpoint._context, self.where)
+            try:
+                read_into(self.reads, self.checkpoint._context, self.where)
+            except ArrayckptError as e:
+                self.checkpoint.raise_if_replaced(e)
+                raise
         else:
             own, exchange = split_reads(self.reads, share_with)
             error: BaseException | None = None

@@ -364,6 +364,7 @@ class ObjectWriter:
         self._old_nodes: dict[str, Any] | None = None  # the committed checkpoint being replaced
         self._deferred: Mapping[str, bytes] = {}
         self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
+        self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
         root = _read(self.store, ROOT_METADATA, location)
         if root is not None:
             try:
@@ -420,7 +421,8 @@ class ObjectWriter:
         try:
             self.store.write(ROOT_METADATA, root_document).result()
         except Exception as e:
-            raise StorageError(f"{self.location}: writing the root zarr.json (the commit) failed: {e}") from e
+            if not self._landed(root_document, e):
+                raise StorageError(f"{self.location}: writing the root zarr.json (the commit) failed: {e}") from e
         try:
             pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
                                      self.location)) for path, doc in self._deferred.items()]
@@ -432,8 +434,24 @@ class ObjectWriter:
             warnings.warn(f"{self.location}: committed, but tidying up after the commit failed ({e}); a later save "
                           "with overwrite=True removes what is left", RuntimeWarning, stacklevel=2)
 
+    def _landed(self, root_document: bytes, error: Exception) -> bool:
+        """After a failed commit PUT: whether it took effect all the same (the store applied it but the answer was
+        lost, e.g. a dropped connection). The root document is then ours (each holds its save's unique id), and
+        aborting would delete the chunks of the checkpoint just committed. If the root cannot be read back
+        either, the outcome is unknown and nothing may be deleted."""
+        try:
+            return _read(self.store, ROOT_METADATA, self.location) == root_document
+        except StorageError as again:
+            self._outcome_unknown = True
+            raise StorageError(
+                f"{self.location}: writing the root zarr.json (the commit) failed ({error}) and reading it back "
+                f"failed too ({again}): the save may or may not have committed; nothing was deleted (open the "
+                "checkpoint to see which one is there)") from error
+
     def abort(self) -> None:
         """Remove what this save wrote; a committed checkpoint being replaced keeps all its objects."""
+        if self._outcome_unknown:  # the new root may be the commit: its chunks must stay; a later save tidies up
+            return
         try:
             keys = _list(self.store, self.location)
             _delete(self.store, stale_keys(keys, self._old_nodes) if self._old_nodes is not None else _ours(keys),

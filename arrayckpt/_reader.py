@@ -112,7 +112,10 @@ class LazyArray:
         except (IndexError, TypeError):
             raise
         except Exception as e:
-            raise CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}") from e
+            failed = CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}")
+            failed.__cause__ = e
+            self._checkpoint.raise_if_replaced(failed)
+            raise failed from e
         self._checkpoint.check_unchanged()
         return out
 
@@ -238,6 +241,38 @@ class Checkpoint(Mapping[str, LazyArray]):
                     f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
                     "what was read may mix two checkpoints: open it again")
             layer = layer.__dict__.get("base")
+
+    def raise_if_replaced(self, error: BaseException) -> None:
+        """After a failed read: if the checkpoint, or a base read through, is no longer the one at its location
+        (replaced or removed since it was opened), raise that instead of ``error``: its chunks went with it, they
+        are not damaged. Returns when it cannot tell, or when nothing was replaced."""
+        layer: Checkpoint | None = self
+        while layer is not None:
+            try:
+                replaced = layer._replaced()
+            except Exception:  # noqa: BLE001 - cannot tell: the original error stands
+                replaced = False
+            if replaced:
+                raise CorruptCheckpointError(
+                    f"{layer.location}: the checkpoint was replaced (or removed) while it was being read, its data "
+                    "with it (the read failed; see the cause): open it again") from error
+            layer = layer.__dict__.get("base")
+
+    def _replaced(self) -> bool:
+        if self._generation is not None:  # object storage: the root document changed
+            return self.location.changed_since(self._generation)
+        pinned, path = self._base.get("path"), getattr(self.location, "path", None)
+        if not isinstance(pinned, str) or path is None:
+            return False
+        try:
+            held = os.stat(pinned)
+        except OSError:
+            return False
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return True
+        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
 
     def dense_grid(self, key: str) -> tuple[int, ...]:
         from ._chain import dense_grid

@@ -54,7 +54,7 @@ from ._format import (
     parse_metrics,
     per_rank_path,
 )
-from ._io import ArrayIO, array_spec, write_all
+from ._io import ArrayIO, array_spec, collector_paused, write_all
 from ._keys import array_path
 from ._saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save, with_key_encoding
 from ._shards import Box, PerRank, Shard, local_piece
@@ -124,8 +124,9 @@ def save(
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     delta = open_delta(base, location, changed_rows, quantize, storage_options)
-    local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
-    finish_save(local, error, group, location, codec, overwrite, record, delta)
+    with collector_paused():
+        local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
+        finish_save(local, error, group, location, codec, overwrite, record, delta)
 
 
 @dataclass(frozen=True)

@@ -88,12 +88,22 @@ class LocalLocation:
         """The root document, the kvstore to read the data from, a function that releases it, and a token
         for :meth:`changed_since`: the directory is pinned, so an overwrite meanwhile cannot mix two
         checkpoints' chunks."""
-        root, release = pin_directory(self.path)
-        try:
-            return read_root_json(self, root), file_kvstore(root, ""), release, None
-        except BaseException:
-            release()
-            raise
+        for _ in range(_OPEN_ATTEMPTS):
+            root, release = pin_directory(self.path)
+            try:
+                return read_root_json(self, root), file_kvstore(root, ""), release, None
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                # An overwrite swapped the directory we pinned out of the path and deleted it before we read its
+                # root document: not an incomplete checkpoint. Pin the one at the path now.
+                replaced = _replaced(root, self.path)
+                release()
+                if not replaced:
+                    raise
+            except BaseException:
+                release()
+                raise
+        raise CorruptCheckpointError(f"{self}: the checkpoint was replaced {_OPEN_ATTEMPTS} times while being opened; "
+                                     "open it again")
 
     def changed_since(self, token: Any) -> bool:
         """Never: reads go to the pinned directory, whatever replaces it at the path."""
@@ -195,6 +205,18 @@ def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
         os.close(fd)
         return str(path), lambda: None
     return pinned, lambda: os.close(fd)
+
+
+_OPEN_ATTEMPTS = 100  # opens overtaken by an overwrite (each one a new committed checkpoint) before giving up
+
+
+def _replaced(pinned: str, path: Path) -> bool:
+    """Whether the directory pinned as ``pinned`` is no longer the one at ``path`` (an overwrite swapped it out)."""
+    try:
+        held, now = os.stat(pinned), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
 
 
 def read_root_json(location: LocalLocation, directory: str | None = None) -> dict[str, Any]:
