@@ -5,8 +5,7 @@ torch.save file) gives the structure first, then tensors are read one at a time 
 :func:`arrayckpt._stream.write_streaming` (into arrayckpt) or appended to the target file (out of it).
 Bit patterns are kept exactly (bfloat16 and float8 included); nothing is cast.
 
-Limits: writing a torch.save file needs every tensor in memory at once (``torch.save`` takes one object);
-safetensors holds tensors only, so plain values are left out (and listed in the result); tensors that
+Limits: safetensors holds tensors only, so plain values are left out (and listed in the result); tensors that
 share storage (tied weights) are stored separately.
 """
 
@@ -216,17 +215,134 @@ def _release_pages(tensor: torch.Tensor) -> None:
 
 def to_torch(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
              progress: Progress | None = None) -> ConvertResult:
-    """An arrayckpt checkpoint into one ``torch.save`` file (nested as saved; needs every tensor in memory)."""
+    """An arrayckpt checkpoint into one ``torch.save`` file (nested as saved), one tensor at a time.
+
+    The file is written as ``torch.save`` writes it (a zip of ``data.pkl`` and one record per tensor, see
+    :func:`_write_torch_file`), but each tensor is read from arrayckpt only when its record is written, so
+    memory stays near the largest tensor. Pickled values holding tensors of other kinds (parameters,
+    subclasses, sparse) fall back to ``torch.save`` of the whole state, in memory at once.
+    """
     target = Path(dst)
     _refuse_existing(target, overwrite)
-    state, skipped = _nested_state(checkpoint, lambda key: checkpoint[key].torch())
+    state, skipped = _nested_state(checkpoint, lambda key: _Deferred(checkpoint, key))
     temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        torch.save(state, temp)
+        try:
+            _write_torch_file(state, temp, progress)
+        except _NotStreamable:
+            temp.unlink(missing_ok=True)
+            torch.save(_nested_state(checkpoint, lambda key: checkpoint[key].torch())[0], temp)
+        with open(temp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(temp, target)
     finally:
         temp.unlink(missing_ok=True)
     return ConvertResult("arrayckpt", "torch", len(checkpoint), checkpoint.nbytes, (str(target),), skipped)
+
+
+class _Deferred:
+    """Stands for an arrayckpt tensor in the state being pickled; its bytes are read when its record is written."""
+
+    def __init__(self, checkpoint: Checkpoint, key: str) -> None:
+        array = checkpoint[key]
+        self.dtype, self.shape, self.nbytes = array.dtype, tuple(array.shape), array.nbytes
+        self.read: Callable[[], torch.Tensor] = array.torch
+
+
+class _NotStreamable(Exception):
+    """The state holds something :func:`_write_torch_file` does not write the way ``torch.save`` would."""
+
+
+class _StorageStub:
+    def __init__(self, tensor: _Deferred) -> None:
+        self.tensor = tensor
+
+
+def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None:
+    """``torch.save(state, path)`` where the tensors are :class:`_Deferred`, reading one at a time.
+
+    ``torch.save`` pickles the whole object first, storages by reference (a persistent id naming the
+    record ``data/<key>``), then writes each storage as a record: the same is done here, with each
+    tensor pickled as torch pickles a contiguous CPU tensor (``_rebuild_tensor_v2`` of a typed storage, or
+    ``_rebuild_tensor_v3`` of an untyped storage for dtypes without a legacy storage class) and its
+    record written from the tensor read just then. The zip container is torch's own writer
+    (alignment, crc32, ``byteorder``), so ``torch.load`` (``weights_only``, ``mmap``) reads the file as
+    any other. Plain tensors in pickled values are written the same way.
+    """
+    import collections
+    import io
+    import pickle
+
+    from torch._utils import _rebuild_tensor_v2, _rebuild_tensor_v3
+    from torch.serialization import _open_zipfile_writer
+
+    storage_alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    if storage_alignment is None:  # a torch older than this writer's model of torch.save
+        raise _NotStreamable("torch.serialization has no _get_storage_alignment")
+    records: list[tuple[str, Callable[[], torch.Tensor], int]] = []
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _Deferred):
+                deferred = obj
+            elif type(obj) is torch.Tensor:
+                if obj.layout != torch.strided or obj.is_quantized or obj.requires_grad or obj.is_conj() or \
+                        obj.is_neg() or obj.device.type == "meta":
+                    raise _NotStreamable(f"a {obj.layout} tensor on {obj.device}")
+                deferred = _Deferred.__new__(_Deferred)
+                deferred.dtype, deferred.shape, deferred.nbytes = obj.dtype, tuple(obj.shape), obj.nbytes
+                deferred.read = lambda tensor=obj: tensor  # type: ignore[misc]
+            elif isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
+                raise _NotStreamable(f"a {type(obj).__name__}")
+            else:
+                return NotImplemented
+            stride = tuple(math.prod(deferred.shape[d + 1:]) for d in range(len(deferred.shape)))
+            args = (_StorageStub(deferred), 0, deferred.shape, stride, False, collections.OrderedDict())
+            if deferred.dtype in _LEGACY_STORAGE_NAMES:
+                return _rebuild_tensor_v2, args
+            return _rebuild_tensor_v3, (*args, deferred.dtype)
+
+        def persistent_id(self, obj: Any) -> Any:
+            if not isinstance(obj, _StorageStub):
+                return None
+            tensor, key = obj.tensor, str(len(records))
+            records.append((key, tensor.read, tensor.nbytes))
+            name = _LEGACY_STORAGE_NAMES.get(tensor.dtype)
+            if name is not None:
+                itemsize = torch.empty((), dtype=tensor.dtype).element_size()
+                return ("storage", getattr(torch, name), key, "cpu", tensor.nbytes // itemsize)
+            return ("storage", torch.UntypedStorage, key, "cpu", tensor.nbytes)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(state)  # torch.save's default protocol
+    data = buffer.getvalue()
+    total = sum(n for _, _, n in records)
+    done = 0
+    with open(path, "wb") as file, _open_zipfile_writer(file) as archive:  # a file object: archive name "archive"
+        archive.write_record("data.pkl", data, len(data))
+        archive.write_record(".format_version", "1", 1)
+        alignment = str(storage_alignment())
+        archive.write_record(".storage_alignment", alignment, len(alignment))
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, read, nbytes in records:
+            tensor = read().detach().cpu()
+            if not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            if tensor.nbytes != nbytes:
+                raise StateError(f"a tensor read back has {tensor.nbytes} bytes where {nbytes} were expected")
+            archive.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
+            del tensor
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+
+
+_LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+    torch.int64: "LongStorage", torch.int32: "IntStorage", torch.int16: "ShortStorage", torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage", torch.bool: "BoolStorage", torch.bfloat16: "BFloat16Storage",
+    torch.complex128: "ComplexDoubleStorage", torch.complex64: "ComplexFloatStorage",
+}
 
 
 def _nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:

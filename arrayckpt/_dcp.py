@@ -313,14 +313,31 @@ def _check_chunks(src: Any, fqn: str, item: Any) -> None:
                 any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
             raise FormatError(f"{src}: tensor {fqn!r} has a chunk at {list(offsets)} of size {list(sizes)}, "
                               f"outside its shape {list(size)}")
-    if sum(math.prod(sizes) for _, sizes in chunks) != math.prod(size) or _overlap(chunks):
+    chunks = [c for c in chunks if math.prod(c[1])]
+    if sum(math.prod(sizes) for _, sizes in chunks) != math.prod(size) or \
+            not (_tiling_grid(chunks, size) or not _overlap(chunks)):
         raise FormatError(f"{src}: the saved chunks of tensor {fqn!r} do not cover its shape {list(size)} "
                           "exactly once (gaps or overlaps)")
 
 
+def _tiling_grid(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], size: tuple[int, ...]) -> bool:
+    """Whether the chunks are exactly the grid that some partition of each dimension makes (what DTensor and
+    sharded-tensor saves produce): then they tile the tensor, found in O(n log n) rather than pairwise."""
+    counts = 1
+    for d, extent in enumerate(size):
+        position = 0
+        for offset, length in sorted({(o[d], n[d]) for o, n in chunks}):
+            if offset != position:
+                return False
+            position += length
+        if position != extent:
+            return False
+        counts *= len({(o[d], n[d]) for o, n in chunks})
+    return len(set(chunks)) == len(chunks) == counts
+
+
 def _overlap(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether two non-empty chunks overlap (vectorised; chunk counts are the ranks that saved a tensor)."""
-    chunks = [c for c in chunks if math.prod(c[1])]
+    """Whether two (non-empty) chunks overlap: pairwise, vectorised, for layouts that are not a grid."""
     if len(chunks) < 2:
         return False
     import numpy as np

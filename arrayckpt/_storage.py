@@ -32,6 +32,7 @@ from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    StateError,
     StorageError,
 )
 
@@ -244,11 +245,15 @@ def read_root_json(location: LocalLocation, directory: str | None = None) -> dic
         raise CorruptCheckpointError(f"{location}: root zarr.json is damaged: {e}") from None
 
 
-def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False) -> list[Path]:
-    """Remove what interrupted saves left in directory ``root`` (temporary directories), returning them.
+def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False,
+                    storage_options: Mapping[str, Any] | None = None) -> list[Path] | list[str]:
+    """Remove what interrupted saves left under ``root``, returning it (``dry_run``: only find it).
 
-    Only leftovers untouched for ``min_age_s`` seconds are removed, so a save still running next to them
-    is not disturbed. Committed checkpoints are never touched.
+    In a local directory: the temporary directories of interrupted saves (paths). Under an object-storage
+    prefix (``s3://bucket/run``, ``memory://...``): the incomplete checkpoints right below it (URLs), see
+    :func:`find_object_garbage`. Only leftovers untouched for ``min_age_s`` seconds are removed, so a
+    save still running next to them is not disturbed. Committed checkpoints are never touched, nor any
+    object that is not arrayckpt's.
 
     >>> import arrayckpt, tempfile
     >>> arrayckpt.gc(tempfile.mkdtemp())
@@ -256,10 +261,14 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
     """
     import time
 
-    location = parse_location(root)
+    location = parse_location(root, storage_options)
     if not isinstance(location, LocalLocation):
-        raise ValueError(f"{location}: gc works on local directories; on object storage an interrupted save "
-                         "is replaced by saving again with overwrite=True")
+        found, _ = find_object_garbage(location, min_age_s)
+        removed = []
+        for leftover in found:
+            if dry_run or leftover.remove():
+                removed.append(leftover.url)
+        return removed
     base = location.path
     if not base.is_dir():
         raise CheckpointNotFoundError(f"{base}: not a directory")
@@ -283,6 +292,182 @@ def _newest_mtime(path: Path) -> float:
             except FileNotFoundError:
                 pass
     return newest
+
+
+@dataclass(frozen=True)
+class ObjectLeftover:
+    """An incomplete checkpoint on object storage: a prefix with arrayckpt's objects and no root document."""
+
+    location: ObjectLocation
+    keys: tuple[str, ...]  # every object under the prefix (relative to it), all arrayckpt-shaped
+    age_s: float | None  # seconds since its newest object was written (None: the store gives no times)
+
+    @property
+    def url(self) -> str:
+        return str(self.location)
+
+    def remove(self) -> bool:
+        """Delete the objects found, unless a root document has appeared meanwhile (a save committed after all:
+        then nothing is deleted and ``False`` is returned)."""
+        from ._objstore import _delete, _read
+
+        store = self.location.open_store()
+        if _read(store, ROOT_METADATA, self.location) is not None:
+            return False
+        _delete(store, list(self.keys), self.location)
+        return True
+
+
+def find_object_garbage(location: ObjectLocation,
+                        min_age_s: float) -> tuple[list[ObjectLeftover], list[tuple[str, str]]]:
+    """The incomplete checkpoints right below ``location``'s prefix that are safe to remove, and the other
+    non-committed prefixes there, each with why it is kept.
+
+    A prefix ``P`` below the root is removed only when all of these hold (spec §9.3):
+
+    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched);
+    - every object under ``P`` is arrayckpt-shaped (a ``zarr.json`` or a chunk name), and its ``zarr.json``
+      documents are Zarr v3 groups or arrays, at least one of them an array that arrayckpt wrote
+      (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,
+      numbered objects or a Zarr store of someone else's;
+    - its newest object is at least ``min_age_s`` old. On S3 the objects' ``LastModified`` (through s3fs,
+      one listing per 1,000 objects) is compared with this machine's clock. Where the store gives no times
+      (``memory://``, TensorStore's in-process store; ``gs://``; S3 without s3fs) objects count as just
+      written, so only ``min_age_s=0`` removes anything there: the caller then vouches that no save to
+      those prefixes is running (on ``memory://`` such a save could only be one of this very process).
+
+    The root itself must not be, or lie inside, a checkpoint or another Zarr hierarchy (its groups would
+    look like incomplete checkpoints): that is refused.
+    """
+    import time
+
+    from ._objstore import ObjectLocation, _is_arrayckpt_root, _ours, _read
+
+    _refuse_inside_hierarchy(location)
+    listing = _list_with_times(location)
+    children: dict[str, list[tuple[str, float | None]]] = {}
+    for key, mtime in listing:
+        child, slash, rest = key.partition("/")
+        if slash and rest:
+            children.setdefault(child, []).append((rest, mtime))
+    store = location.open_store()
+    now = time.time()
+    found: list[ObjectLeftover] = []
+    kept: list[tuple[str, str]] = []
+    for child, entries in sorted(children.items()):
+        prefix = f"{location.prefix}/{child}" if location.prefix else child
+        where = ObjectLocation(location.scheme, location.bucket, prefix, location.options)
+        keys = [k for k, _ in entries]
+        if ROOT_METADATA in keys:
+            document = _read(store, f"{child}/{ROOT_METADATA}", where)
+            try:
+                committed = _is_arrayckpt_root(json.loads(document)) if document is not None else False
+            except ValueError:
+                committed = False
+            if not committed:
+                kept.append((str(where), "its zarr.json is not an arrayckpt checkpoint's: not arrayckpt's data"))
+            continue
+        foreign = sorted(set(keys) - set(_ours(keys)))
+        if foreign:
+            kept.append((str(where), f"holds objects that are not arrayckpt's (e.g. {foreign[0]!r})"))
+            continue
+        problem = _not_arrayckpt_documents(store, child, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA],
+                                           where)
+        if problem:
+            kept.append((str(where), problem))
+            continue
+        times = [t for _, t in entries]
+        age = None if any(t is None for t in times) else max(0.0, now - max(times))  # type: ignore[type-var]
+        if min_age_s > 0 and (age is None or age < min_age_s):
+            reason = (f"newest object written {age:.0f} s ago, under the minimum age of {min_age_s:g} s"
+                      if age is not None else f"{location.scheme}:// gives no modification times here, so its "
+                      f"objects count as just written (min_age_s=0 removes it)")
+            kept.append((str(where), f"incomplete checkpoint, maybe still being saved: {reason}"))
+            continue
+        found.append(ObjectLeftover(where, tuple(sorted(keys)), age))
+    return found, kept
+
+
+def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
+    """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
+    from ._objstore import ObjectLocation, _is_arrayckpt_root, _read
+
+    bucket = ObjectLocation(location.scheme, location.bucket, "", location.options)
+    store = bucket.open_store()
+    parts = location.prefix.split("/") if location.prefix else []
+    for depth in range(len(parts) + 1):
+        prefix = "/".join(parts[:depth])
+        document = _read(store, f"{prefix}/{ROOT_METADATA}" if prefix else ROOT_METADATA, bucket)
+        if document is None:
+            continue
+        here = ObjectLocation(location.scheme, location.bucket, prefix, location.options)
+        try:
+            ours = _is_arrayckpt_root(json.loads(document))
+        except ValueError:
+            ours = False
+        what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
+        if depth == len(parts):
+            raise StateError(f"{location}: is {what}, not a prefix holding checkpoints; gc takes the prefix above it")
+        raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
+
+
+def _not_arrayckpt_documents(store: Any, child: str, documents: list[str], where: object) -> str | None:
+    """Why the ``zarr.json`` documents below ``child`` do not show an interrupted arrayckpt save (``None``: they do)."""
+    from ._objstore import _wait
+
+    if not documents:
+        return "no zarr.json of an arrayckpt array under it (only chunk-named objects): not known to be arrayckpt's"
+    futures = [(name, store.read(f"{child}/{name}")) for name in documents]
+    _wait(futures, where, "reading metadata")
+    arrays = 0
+    for name, future in futures:
+        result = future.result()
+        if result.state != "value":
+            continue  # deleted meanwhile
+        try:
+            document = json.loads(result.value)
+        except ValueError:
+            return f"{name} is not JSON: not known to be arrayckpt's"
+        node = document.get("node_type") if isinstance(document, dict) else None
+        if not isinstance(document, dict) or document.get("zarr_format") != 3 or node not in ("group", "array"):
+            return f"{name} is not a Zarr v3 group or array document: not arrayckpt's"
+        if node == "array":
+            attributes = document.get("attributes")
+            if not (isinstance(attributes, dict) and isinstance(attributes.get("arrayckpt"), dict)):
+                return f"{name} describes an array arrayckpt did not write: not arrayckpt's"
+            arrays += 1
+    if not arrays:
+        return "no zarr.json of an arrayckpt array under it: not known to be arrayckpt's"
+    return None
+
+
+def _list_with_times(location: ObjectLocation) -> list[tuple[str, float | None]]:
+    """Every object under the prefix (key relative to it) with its modification time (epoch seconds), where the
+    store tells: on S3 through s3fs (``LastModified``); elsewhere TensorStore's listing, without times."""
+    from ._objstore import _list
+
+    if location.scheme == "s3":
+        try:
+            import s3fs
+        except ImportError:
+            s3fs = None
+        if s3fs is not None:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **location.fsspec_options())
+            base = f"{location.bucket}/{location.prefix}" if location.prefix else location.bucket
+            try:
+                entries = fs.find(base, detail=True)
+            except FileNotFoundError:
+                return []
+            except Exception as e:
+                raise StorageError(f"{location}: listing failed: {e}") from e
+            out = []
+            for name, info in entries.items():
+                if info.get("type") == "directory" or not name.startswith(base + "/"):
+                    continue
+                modified = info.get("LastModified")
+                out.append((name[len(base) + 1:], modified.timestamp() if modified is not None else None))
+            return out
+    return [(key, None) for key in _list(location.open_store(), location)]
 
 
 def is_committed(location: LocalLocation) -> bool:

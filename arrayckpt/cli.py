@@ -158,15 +158,26 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._storage import collect_garbage
+    from ._storage import LocalLocation, collect_garbage, find_object_garbage, parse_location
 
-    removed = collect_garbage(args.root, min_age_s=args.min_age, dry_run=args.dry_run)
-    if args.json:
-        print(json.dumps({"removed" if not args.dry_run else "would_remove": [str(p) for p in removed]}))
-        return 0
+    location = parse_location(args.root)
+    kept: list[tuple[str, str]] = []
+    if isinstance(location, LocalLocation):
+        removed = [str(p) for p in collect_garbage(location, min_age_s=args.min_age, dry_run=args.dry_run)]
+    else:  # incomplete checkpoints right below the prefix; the others are reported with why they stay
+        found, kept = find_object_garbage(location, args.min_age)
+        removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
     verb = "would remove" if args.dry_run else "removed"
+    if args.json:
+        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
+        if not isinstance(location, LocalLocation):
+            report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
+        print(json.dumps(report))
+        return 0
     for path in removed:
         print(f"{verb} {path}")
+    for path, reason in kept:
+        print(f"kept {path}: {reason}")
     print(f"{len(removed)} leftover(s) {verb}")
     return 0
 
@@ -400,10 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=_cmd_info)
-    gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory")
-    gc.add_argument("root", help="directory holding checkpoints")
+    gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
+                                        "(s3://bucket/run: its incomplete checkpoints)")
+    gc.add_argument("root", help="directory, or object-storage prefix (s3://bucket/run), holding checkpoints")
     gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
-                    help="only remove leftovers untouched this long (default 3600: never a running save's)")
+                    help="only remove leftovers untouched this long (default 3600: never a running save's; on "
+                         "object storage without modification times, memory:// or gs://, only 0 removes)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)

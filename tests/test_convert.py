@@ -238,3 +238,202 @@ def test_dcp_from_2_fsdp2_ranks_converts_and_loads_on_3(tmp_path):
     assert arrayckpt.verify(ckpt_path).ok
     for problems in run_ranks(3, _load_on_3_ranks, ckpt_path, reference):
         assert problems == []
+
+
+# ------------------------------------------------------------------ memory: one tensor at a time, in place
+
+
+@pytest.fixture
+def one_tensor_at_a_time(monkeypatch):
+    """Fails a conversion out of arrayckpt that reads a tensor while one it read before is still alive."""
+    import weakref
+
+    from arrayckpt._reader import LazyArray
+
+    alive: list[weakref.ref] = []
+    read = LazyArray.torch
+
+    def torch_once(self):
+        held = [r for r in alive if r() is not None]
+        assert not held, f"reading {self.key!r} while {len(held)} tensor(s) read before are still referenced"
+        tensor = read(self)
+        # memory we can watch: a numpy buffer lives exactly as long as the storage of every view of the tensor
+        memory = np.empty(tensor.nbytes, dtype=np.uint8)
+        alive.append(weakref.ref(memory))
+        return torch.from_numpy(memory).view(tensor.dtype).reshape(tensor.shape).copy_(tensor)
+
+    monkeypatch.setattr(LazyArray, "torch", torch_once)
+    return alive
+
+
+def _no_dcp_reader(monkeypatch) -> list[list[str]]:
+    """Records what goes through DCP's own reader (values only, when tensors are read in place)."""
+    import arrayckpt._dcp as dcp_module
+
+    calls: list[list[str]] = []
+    load = dcp_module._dcp_load
+
+    def spy(state, *args):
+        calls.append(sorted(state))
+        return load(state, *args)
+
+    monkeypatch.setattr(dcp_module, "_dcp_load", spy)
+    return calls
+
+
+def test_dcp_tensors_are_read_in_place_not_through_dcp(tmp_path, monkeypatch):
+    state = {"model": {k: v for k, v in _tensors().items() if v.numel()}, "step": 3, "u16": torch.arange(7).to(
+        torch.uint16), "c64": random_tensor((3, 2), torch.complex64, seed=5)}
+    _dcp_save(state, tmp_path / "dcp")  # one .distcp file holding every tensor (DCP's default)
+    calls = _no_dcp_reader(monkeypatch)
+    arrayckpt.convert(tmp_path / "dcp", tmp_path / "ckpt")
+    assert calls == [["step"]]  # the one plain value; every tensor straight from the file
+    opened = arrayckpt.open(tmp_path / "ckpt")
+    for key, tensor in state["model"].items():
+        assert_bit_equal(opened[f"model.{key}"].torch(), tensor)
+    assert_bit_equal(opened["u16"].torch(), state["u16"])
+    assert_bit_equal(opened["c64"].torch(), state["c64"])
+
+
+def test_dcp_payload_it_does_not_recognise_goes_through_dcp(tmp_path, monkeypatch):
+    transposed = torch.randn(4, 6).t()  # DCP keeps a dense tensor's strides: not C-contiguous in the file
+    _dcp_save({"t": transposed, "w": torch.randn(3)}, tmp_path / "dcp")
+    calls = _no_dcp_reader(monkeypatch)
+    arrayckpt.convert(tmp_path / "dcp", tmp_path / "ckpt")
+    assert calls == [["t"]]
+    assert_bit_equal(arrayckpt.open(tmp_path / "ckpt")["t"].torch(), transposed)
+
+
+def _rewrite_metadata(path: Path, change) -> None:
+    from arrayckpt._dcp import read_dcp_metadata
+
+    metadata = read_dcp_metadata(path)
+    change(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("layout", ["gap", "overlap"])
+def test_dcp_chunks_that_do_not_cover_a_tensor_are_refused(tmp_path, layout):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _dcp_save({"w": torch.randn(4, 3)}, tmp_path / "dcp")
+
+    def change(metadata):
+        chunks = metadata.state_dict_metadata["w"].chunks
+        if layout == "gap":  # rows 2 and 3 saved nowhere
+            chunks[0].sizes = torch.Size([2, 3])
+        else:  # as many elements as the tensor has, but rows 1-2 twice and row 3 never
+            chunks[:] = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+                         ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([2, 3]))]
+
+    _rewrite_metadata(tmp_path / "dcp", change)
+    with pytest.raises(arrayckpt.FormatError, match=r"chunks of tensor 'w' do not cover its shape \[4, 3\]"):
+        arrayckpt.convert(tmp_path / "dcp", tmp_path / "ckpt")
+
+
+def test_dcp_data_file_outside_the_checkpoint_is_refused(tmp_path):
+    _dcp_save({"w": torch.randn(4, 3)}, tmp_path / "dcp")
+
+    def escape(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../etc/passwd"
+
+    _rewrite_metadata(tmp_path / "dcp", escape)
+    with pytest.raises(arrayckpt.FormatError, match="a data file outside the checkpoint"):
+        arrayckpt.convert(tmp_path / "dcp", tmp_path / "ckpt")
+
+
+def _sharded_reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"col": torch.randn(6, 10, generator=g), "row": torch.randn(9, 4, generator=g),
+            "uneven": torch.randn(5, 7, generator=g).to(torch.bfloat16), "deep": torch.randn(3, 4, 6, generator=g),
+            "rep": torch.randn(5, generator=g)}
+
+
+def _save_sharded_dcp(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _sharded_reference()
+    placements = {"col": Shard(1), "row": Shard(0), "uneven": Shard(1), "deep": Shard(2), "rep": Replicate()}
+    dcp.save({k: distribute_tensor(v, mesh, [placements[k]]) for k, v in full.items()}, checkpoint_id=path)
+
+
+def test_dcp_column_shards_are_read_into_place(tmp_path, monkeypatch):
+    from dist_helpers import run_ranks
+
+    import arrayckpt._dcp as dcp_module
+
+    run_ranks(2, _save_sharded_dcp, str(tmp_path / "dcp"))
+    calls = _no_dcp_reader(monkeypatch)
+    for buffer in (16, 64 << 20):  # a bounce buffer smaller than one row (element by element), and a big one
+        monkeypatch.setattr(dcp_module, "_READ_BUFFER", buffer)
+        arrayckpt.convert(tmp_path / "dcp", tmp_path / f"ckpt-{buffer}")
+        opened = arrayckpt.open(tmp_path / f"ckpt-{buffer}")
+        for key, tensor in _sharded_reference().items():
+            assert_bit_equal(opened[key].torch(), tensor)
+    assert calls == []
+
+
+def test_to_dcp_and_to_torch_hold_one_tensor_at_a_time(tmp_path, one_tensor_at_a_time):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v for k, v in _tensors().items() if v.numel()}, "step": 5}
+    arrayckpt.save(state, tmp_path / "ckpt")
+    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "dcp", to_format="dcp")
+    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.pt")
+    assert len(one_tensor_at_a_time) == 2 * len(state["model"])
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(target, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    for key, tensor in state["model"].items():
+        assert_bit_equal(target["model"][key], tensor)
+        assert_bit_equal(back["model"][key], tensor)
+    assert target["step"] == back["step"] == 5
+
+
+def test_torch_file_written_record_by_record_is_torch_saves_format(tmp_path):
+    state = {"model": _tensors(), "u16": torch.arange(5).to(torch.uint16),
+             "c64": random_tensor((2, 3), torch.complex64), "nested": [torch.ones(2), (torch.zeros(3), "x")],
+             "step": 9, "name": "run"}
+    arrayckpt.save(state, tmp_path / "ckpt")
+    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.pt")
+    reference = tmp_path / "reference.pt"
+    torch.save(arrayckpt._convert._nested_state(arrayckpt.open(tmp_path / "ckpt"),
+                                                lambda k: torch.zeros(0))[0], reference)
+    import zipfile
+
+    names = sorted(n.partition("/")[2] for n in zipfile.ZipFile(tmp_path / "out.pt").namelist())
+    assert names == sorted(n.partition("/")[2] for n in zipfile.ZipFile(reference).namelist())  # same records
+    for mmap in (False, True):
+        back = torch.load(tmp_path / "out.pt", weights_only=True, mmap=mmap)
+        for key, tensor in state["model"].items():
+            assert_bit_equal(back["model"][key], tensor)
+        assert_bit_equal(back["u16"], state["u16"])
+        assert_bit_equal(back["c64"], state["c64"])
+        assert isinstance(back["nested"], list) and isinstance(back["nested"][1], tuple)
+        assert_bit_equal(back["nested"][1][0], torch.zeros(3))
+        assert back["step"] == 9 and back["name"] == "run"
+
+
+class Holder:
+    """A pickled value (module level, so that torch.load can find it) holding a tensor."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize("kind", ["tensor", "parameter"])
+def test_torch_file_with_tensors_in_pickled_values(tmp_path, kind):
+    inner = torch.arange(6.0).reshape(2, 3)[1:]  # a view: its record holds only its own elements
+    value = Holder(inner if kind == "tensor" else torch.nn.Parameter(inner.clone()))  # a Parameter: plain torch.save
+    arrayckpt.save({"w": torch.ones(3), "holder": value}, tmp_path / "ckpt", allow_pickle=True)
+    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.pt", allow_pickle=True)
+    back = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert_bit_equal(back["w"], torch.ones(3))
+    assert type(back["holder"].value) is type(value.value)
+    assert_bit_equal(back["holder"].value.detach(), inner)
