@@ -191,6 +191,18 @@ def _wait_all(pending: list[tuple[ArrayIO, Any]], where: str, action: str) -> No
 
 def _wrap(error: BaseException, key: str, where: str, action: str) -> Exception:
     message = f"{where}: tensor {key!r}: {action} failed: {_describe(error)}"
-    wrapped: Exception = StorageError(message) if action == "write" else CorruptCheckpointError(message)
+    wrapped: Exception = StorageError(message) if action == "write" else read_failure(message, error)
     wrapped.__cause__ = error
     return wrapped
+
+
+# TensorStore status codes of a store that could not be reached or refused access (ABORTED: its retries were used
+# up), as opposed to what it holds being damaged or missing (NOT_FOUND, DATA_LOSS, decoding errors).
+_UNREACHABLE = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                "RESOURCE_EXHAUSTED")
+
+
+def read_failure(message: str, error: BaseException) -> Exception:
+    """The error for a failed read: a :class:`StorageError` when the storage could not be reached (nothing says
+    the data is bad), else a :class:`CorruptCheckpointError`."""
+    return (StorageError if _describe(error).startswith(_UNREACHABLE) else CorruptCheckpointError)(message)

@@ -28,7 +28,7 @@ from ._format import (
     parse_root_document,
     per_rank_path,
 )
-from ._io import ArrayIO, array_spec, open_array, read_into
+from ._io import ArrayIO, array_spec, open_array, read_failure, read_into
 from ._shards import Box
 from ._storage import Location, kvstore_at, parse_location
 from ._tensors import writable_numpy
@@ -93,7 +93,12 @@ class LazyArray:
 
     @cached_property
     def _store(self) -> ts.TensorStore:
-        return open_array(self.spec, self._checkpoint._context, self.key, str(self._checkpoint.location))
+        import tensorstore as ts
+
+        store = open_array(self.spec, self._checkpoint._context, self.key, str(self._checkpoint.location))
+        # explicit bounds: an index past the shape is an IndexError when indexing (as a negative one is), not a
+        # read that fails later and would be reported as damage
+        return store[ts.d[:].mark_bounds_implicit[False]]
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -112,7 +117,7 @@ class LazyArray:
         except (IndexError, TypeError):
             raise
         except Exception as e:
-            failed = CorruptCheckpointError(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}")
+            failed = read_failure(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}", e)
             failed.__cause__ = e
             self._checkpoint.raise_if_replaced(failed)
             raise failed from e

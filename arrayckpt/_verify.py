@@ -18,7 +18,7 @@ from typing import Any
 
 from ._chunkwise import ChunkRef, iter_chunks, read_chunks
 from ._codecs import check_checksummed
-from ._errors import ArrayckptError, CorruptCheckpointError, FormatError, IncompleteCheckpointError
+from ._errors import ArrayckptError, CorruptCheckpointError, FormatError, IncompleteCheckpointError, StorageError
 from ._format import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from ._io import array_spec
 from ._reader import Checkpoint, open_checkpoint
@@ -71,7 +71,9 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     Checks: the commit (root ``zarr.json``) exists and parses; every array's and group's own ``zarr.json``
     is present and matches the consolidated copy (other Zarr readers need it); every chunk of every
     tensor, per-rank array and pickled value is present and passes its crc32c. A missing checkpoint
-    raises :class:`arrayckpt.CheckpointNotFoundError`; everything else is reported, not raised.
+    raises :class:`arrayckpt.CheckpointNotFoundError`, and storage that cannot be read at all (its retries used
+    up, access refused) :class:`arrayckpt.StorageError`, since that says nothing about the data; everything else
+    is reported, not raised.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -196,6 +198,8 @@ def _check_node_file(location: Location, key: str | None, node_path: str,
             return [Damage(key, file, "node metadata file is missing (Zarr readers that do not use the root's "
                                       "consolidated metadata cannot open this node)")]
         stored = json.loads(data)
+    except StorageError:  # the store cannot be reached: nothing is known about the file
+        raise
     except (OSError, ValueError, ArrayckptError) as e:
         return [Damage(key, file, f"node metadata file is unreadable: {e}")]
     if stored != document:
@@ -229,7 +233,9 @@ def _read_all(chunks: list[ChunkRef], context: Any, where: str, budget: int, dam
             for chunk in batch:
                 try:
                     read_chunks([chunk], context, where)
-                except Exception as e:  # every failure is reported, whatever raised it
+                except (StorageError, MemoryError):  # unreachable store, no memory: nothing is known about the chunk
+                    raise
+                except Exception as e:  # every other failure is reported, whatever raised it
                     damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
         done += sum(c.nbytes for c in batch)
         if progress is not None:

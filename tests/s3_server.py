@@ -4,7 +4,9 @@
 the test process for the GIL, and spawned ranks can reach it too). ``FaultProxy`` is a threaded
 HTTP/1.1 keep-alive proxy, in the test process, that forwards every request unchanged to an endpoint
 and returns the upstream response, while counting and logging requests and, on demand, answering some
-of them itself with real-looking S3 errors (503 ``SlowDown`` by default) instead of forwarding them.
+of them itself with real-looking S3 errors (503 ``SlowDown`` by default) instead of forwarding them,
+answering them slowly, or dropping their connections (before forwarding, after forwarding, halfway
+through the answer, or after a silent stall).
 
 Fixtures (``tests/conftest.py`` imports them, so every test module can use them; ``tests/`` is not a
 package, so the tests import this as a top-level module):
@@ -33,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -298,10 +300,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # reduced to its path and query
         self._target = self.path if self.path.startswith("/") else urlunsplit(("", "", split.path or "/",
                                                                                split.query, ""))
-        error = proxy._record_and_decide(self.command, split.path, split.query, self.headers)
+        error, drop, delay = proxy._record_and_decide(self.command, split.path, split.query, self.headers)
         try:
-            if proxy.latency_s > 0:
-                time.sleep(proxy.latency_s)
+            if delay > 0:
+                time.sleep(delay)
+            if drop == "before":  # the request never reaches the store, and no answer comes
+                self._hang_up()
+                return
+            if drop == "stall":  # the connection stays open and silent, then closes: a hung server
+                proxy._closing.wait(proxy.stall_s)
+                self._hang_up()
+                return
             if error is not None:
                 self._send_s3_error(error, split.path)
                 return
@@ -314,6 +323,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.end_headers()
                 self.wfile.write(msg)
                 return
+            if drop == "after":  # the store did what was asked; its answer is lost
+                self._hang_up()
+                return
             # HEAD, 204 and 304 carry no body: their Content-Length (if any) is upstream's, passed on as is
             bodyless = self.command == "HEAD" or status in (204, 304) or status < 200
             self.send_response_only(status, reason)
@@ -323,10 +335,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not bodyless:
                 self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
+            if drop == "half":  # the status line and headers, then half the body (none if it has none), then EOF
+                if not bodyless and payload:
+                    self.wfile.write(payload[: len(payload) // 2])
+                self._hang_up()
+                return
             if not bodyless and payload:
                 self.wfile.write(payload)
         finally:
             proxy._done()
+
+    def _hang_up(self) -> None:
+        """Close the client's connection at once (FIN, after whatever was already written), without answering
+        (further): what a crashed server, a load balancer timing out or a reset network path looks like."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = do_OPTIONS = _handle
 
@@ -461,7 +486,22 @@ class FaultProxy:
       ``permanent_error = "AccessDenied"`` (403) for an error that no client retries at all.
     - ``latency_s``: a delay added before every answer (forwarded or injected), and ``in_flight`` /
       ``max_in_flight``: requests being handled now / at most at once since the last ``reset()``, to
-      see a client's concurrency limit at work.
+      see a client's concurrency limit at work. ``slow_fraction`` / ``slow_s``: that share of the
+      requests (any method) waits ``slow_s`` more before it is answered (a slow answer, not a failure).
+    - Dropped connections: ``drop_fraction`` maps a kind of request (``"PUT"``, ``"GET"`` for object GETs,
+      ``"LIST"`` for ListObjects GETs, ``"HEAD"``, ``"DELETE"``, ``"POST"``) to the share of them whose
+      connection the proxy closes instead of answering normally; ``drop_next`` (a ``Counter`` by kind)
+      drops the next so many deterministically, and ``drop_when(method, path, query) -> bool`` (``None``
+      by default) drops every request it accepts. How is ``drop_mode``: ``"before"`` closes the connection
+      without forwarding the request (it never took effect; no answer at all), ``"after"`` forwards it
+      and then closes without answering (it took effect, but the client cannot know), ``"half"``
+      forwards it and sends the status line, the headers (with the full ``Content-Length``) and half of
+      the body, then closes (a truncated answer; an answer without a body, e.g. to a PUT, then goes out
+      whole before the close, so it is no fault), ``"stall"`` neither forwards nor answers and keeps the
+      connection open and silent for ``stall_s`` seconds (or until ``close()``) before closing it (a hung
+      server: only a client-side timeout gets past it). ``dropped`` counts the dropped requests by method,
+      ``slowed`` the slow ones. Dropping is checked before the injected errors: a dropped request is never
+      answered with one.
     """
 
     def __init__(self, upstream: str, *, seed: int = 0, fail_put_fraction: float = 0.0,
@@ -488,6 +528,16 @@ class FaultProxy:
         self.log: list[LogEntry] = []
         self.request_headers: list[dict[str, str]] = []
         self.latency_s = 0.0
+        self.slow_fraction = 0.0
+        self.slow_s = 0.0
+        self.drop_fraction: dict[str, float] = {}
+        self.drop_next: collections.Counter[str] = collections.Counter()
+        self.drop_when: Callable[[str, str, str], bool] | None = None
+        self.drop_mode = "before"
+        self.stall_s = 30.0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.slowed: collections.Counter[str] = collections.Counter()
+        self._closing = threading.Event()
         self.in_flight = 0
         self.max_in_flight = 0
         self._server = _ProxyHTTPServer(("127.0.0.1", 0), self)
@@ -501,10 +551,13 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def reset(self) -> None:
-        """Clear ``counts``, ``log``, ``request_headers`` and ``injected`` (the failure settings stay)."""
+        """Clear ``counts``, ``log``, ``request_headers``, ``injected``, ``dropped`` and ``slowed`` (the failure
+        settings stay)."""
         with self._lock:
             self.counts.clear()
             self.injected.clear()
+            self.dropped.clear()
+            self.slowed.clear()
             self.log.clear()
             self.request_headers.clear()
             self.max_in_flight = self.in_flight
@@ -515,6 +568,10 @@ class FaultProxy:
         self.fail_delete_fraction = self.fail_post_fraction = self.fail_list_fraction = 0.0
         self.fail_puts_always = False
         self.fail_next.clear()
+        self.drop_fraction = {}
+        self.drop_next.clear()
+        self.drop_when = None
+        self.slow_fraction = 0.0
 
     @staticmethod
     def is_list(method: str, path: str, query: str) -> bool:
@@ -534,12 +591,32 @@ class FaultProxy:
             and (lists is None or self.is_list(m, p, q) == lists)
         )
 
-    def _record_and_decide(self, method: str, path: str, query: str, headers: Any) -> str | None:
-        """Log the request; return the S3 error code to answer it with, or None to forward it."""
+    def _record_and_decide(self, method: str, path: str, query: str,
+                           headers: Any) -> tuple[str | None, str | None, float]:
+        """Log the request; return the S3 error code to answer it with (None: forward it), how to drop its
+        connection (None: don't) and how long to wait before answering."""
         with self._lock:
             self.counts[method] += 1
             self.log.append((method, path, query, headers.get("Range")))
             self.request_headers.append(dict(headers.items()))
+            delay = self.latency_s
+            if self.slow_fraction > 0 and self._rng.random() < self.slow_fraction:
+                delay += self.slow_s
+                self.slowed[method] += 1
+            kind = "LIST" if self.is_list(method, path, query) else method
+            drop = self.drop_next.get(kind, 0) > 0
+            if drop:
+                self.drop_next[kind] -= 1
+            elif self.drop_when is not None and self.drop_when(method, path, query):
+                drop = True
+            else:
+                fraction = self.drop_fraction.get(kind, 0.0)
+                drop = fraction > 0 and self._rng.random() < fraction
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if drop:
+                self.dropped[method] += 1
+                return None, self.drop_mode, delay
             if self.fail_next.get(method, 0) > 0:
                 self.fail_next[method] -= 1
                 error: str | None = self.transient_error
@@ -555,15 +632,14 @@ class FaultProxy:
                 error = self.transient_error if fraction > 0 and self._rng.random() < fraction else None
             if error is not None:
                 self.injected[method] += 1
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            return error
+            return error, None, delay
 
     def _done(self) -> None:
         with self._lock:
             self.in_flight -= 1
 
     def close(self) -> None:
+        self._closing.set()  # stalled requests end now
         self._server.shutdown()
         self._server.server_close()
         self._server.drop_connections()
