@@ -172,32 +172,51 @@ def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray
     return dequantize_rows(q, entry.dtype.numpy).reshape(len(positions), *entry.shape[1:])
 
 
-def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, Any] | None:
-    """For basic indexing (ints, slices with positive steps, ``...``): the box the index touches and the
-    same index relative to that box; ``None`` for anything else (the caller reads everything)."""
+def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
+    """A numpy basic index (ints, slices with positive steps, ``...``) normalised as numpy reads it: ``...``
+    expanded, negative positions counted from the end, slices clipped to the shape; an integer out of range
+    raises :class:`IndexError` as numpy does. ``None`` for anything else (advanced indexing, ``None``, negative
+    steps), which the caller leaves to numpy on the whole array."""
     if not isinstance(index, tuple):
         index = (index,)
+    if sum(part is Ellipsis for part in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
     if any(part is Ellipsis for part in index):
         at = next(i for i, part in enumerate(index) if part is Ellipsis)
         index = (*index[:at], *(slice(None),) * (len(shape) - len(index) + 1), *index[at + 1:])
     if len(index) > len(shape):
+        if all(isinstance(part, (int, np.integer, slice)) for part in index):
+            raise IndexError(f"too many indices: the array has {len(shape)} dimension(s), the index {len(index)}")
         return None
-    index = (*index, *(slice(None),) * (len(shape) - len(index)))
-    start, size, relative = [], [], []
-    for part, n in zip(index, shape, strict=True):
-        if isinstance(part, (int, np.integer)) and not isinstance(part, bool):
+    out: list[int | slice] = []
+    for axis, (part, n) in enumerate(zip((*index, *(slice(None),) * (len(shape) - len(index))), shape, strict=True)):
+        if isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_)):
             i = int(part) + n if part < 0 else int(part)
             if not 0 <= i < n:
-                return None  # let the full read raise numpy's IndexError
-            start.append(i)
-            size.append(1)
-            relative.append(0)
+                raise IndexError(f"index {int(part)} is out of bounds for axis {axis} with size {n}")
+            out.append(i)
         elif isinstance(part, slice) and (part.step is None or part.step > 0):
             lo, hi, step = part.indices(n)
-            hi = max(hi, lo)
-            start.append(lo)
-            size.append(hi - lo)
-            relative.append(slice(0, hi - lo, step))
+            out.append(slice(lo, max(hi, lo), step))
         else:
             return None
+    return tuple(out)
+
+
+def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, Any] | None:
+    """For a basic index (see :func:`basic_index`): the box it touches and the same index relative to that box;
+    ``None`` for anything else (the caller reads everything)."""
+    normal = basic_index(index, shape)
+    if normal is None:
+        return None
+    start, size, relative = [], [], []
+    for part in normal:
+        if isinstance(part, int):
+            start.append(part)
+            size.append(1)
+            relative.append(0)
+        else:
+            start.append(part.start)
+            size.append(part.stop - part.start)
+            relative.append(slice(0, part.stop - part.start, part.step))
     return Box(tuple(start), tuple(size)), tuple(relative)

@@ -42,6 +42,12 @@ from ._format import KEY_ENCODINGS, parse_chunk_key
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url"]
 
+# TensorStore's HTTP client has no timeout of its own: a server that stops answering mid-request would hang a
+# save forever. A transfer slower than 1 byte/s for 60 s is abandoned (and retried like any failure) unless
+# the user chose otherwise. curl reads these once per process, so this must run before the first request.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
+
 ROOT_METADATA = "zarr.json"
 OBJECT_SCHEMES = ("s3", "gs", "memory")
 DEFAULT_RETRIES = 10

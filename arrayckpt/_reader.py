@@ -110,10 +110,17 @@ class LazyArray:
         return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
 
     def __getitem__(self, index: Any) -> np.ndarray:
+        """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
+        touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
+        from ._chain import basic_index
+
+        normal = basic_index(index, self.shape)
+        if normal is None:
+            return self.numpy()[index]
         if self.entry.delta is not None:
-            return self._through_chain(index)
+            return self._through_chain(normal)
         try:
-            out = np.asarray(self._store[index].read().result())
+            out = np.asarray(self._store[normal].read().result())
         except (IndexError, TypeError):
             raise
         except Exception as e:
@@ -129,14 +136,15 @@ class LazyArray:
         from ._chain import bounding_box, read_box
 
         found = bounding_box(index, self.shape)
-        box, relative = found if found is not None else (Box.whole(self.shape), index)
+        assert found is not None  # a basic index (see __getitem__)
+        box, relative = found
         out = np.empty(box.shape, self.numpy_dtype)
         read_box(self._checkpoint, self.key, box, out)
         return out[relative]
 
     def numpy(self) -> np.ndarray:
         """The whole array as numpy."""
-        return self[()] if not self.shape else self[...]
+        return self[(slice(None),) * len(self.shape)]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()

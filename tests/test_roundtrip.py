@@ -205,3 +205,23 @@ def test_loads_into_tensor_requiring_grad_and_other_dtype_bits(ckpt):
     assert torch.equal(q.detach(), p.detach())
     assert q.requires_grad
     assert torch.equal(bits(q.detach()), bits(p.detach()))
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_lazy_arrays_index_like_numpy(tmp_path, delta):
+    """Negative positions, clipped slices, steps (also negative), ``...``, index arrays and ``None`` all select
+    what numpy selects, for stored arrays and through a delta chain; out-of-range positions are IndexError."""
+    w = torch.arange(60.0).reshape(10, 6)
+    arrayckpt.save({"w": w}, tmp_path / "a")
+    if delta:
+        w[3] = -1
+        arrayckpt.save({"w": w}, tmp_path / "b", base=tmp_path / "a")
+    array = arrayckpt.open(tmp_path / ("b" if delta else "a"))["w"]
+    expected = w.numpy()
+    for index in [-1, (slice(-3, None),), slice(None, None, -1), slice(8, 20), (..., -2), [1, 3],
+                  (np.array([0, 9]), slice(None)), (None, 2), (slice(None), slice(None, None, 2)), (2, -6)]:
+        got = array[index]
+        assert got.shape == expected[index].shape and np.array_equal(got, expected[index]), index
+    for index in [10, -11, (0, 6), (1, 2, 3)]:
+        with pytest.raises(IndexError):
+            array[index]
