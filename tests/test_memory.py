@@ -143,12 +143,15 @@ def test_slices_loads_and_verify_of_a_checkpoint_bigger_than_memory(big_checkpoi
 
 
 def test_a_block_past_the_shape_is_an_index_error_not_damage(tmp_path: Path) -> None:
-    """Reading slice by slice, a last block that runs past the shape is the caller's error: ``IndexError`` when
-    indexing (TensorStore's indexing: no clamping, no negative indices), never a failed read reported as a
-    ``CorruptCheckpointError`` of a healthy checkpoint."""
+    """Reading slice by slice, a last block that runs past the shape is clipped as numpy clips it, and a position
+    past the shape is ``IndexError`` — never a failed read reported as a ``CorruptCheckpointError`` of a healthy
+    checkpoint."""
     arrayckpt.save({"w": torch.arange(40.0).reshape(10, 4)}, tmp_path / "ckpt")
     w = arrayckpt.open(tmp_path / "ckpt")["w"]
-    for index in (slice(8, 12), 10, (slice(None), slice(2, 5)), -1):
+    expected = torch.arange(40.0).reshape(10, 4).numpy()
+    for index in (slice(8, 12), (slice(None), slice(2, 5)), -1):
+        assert (w[index] == expected[index]).all() and w[index].shape == expected[index].shape
+    for index in (10, -11, (0, 4)):
         with pytest.raises(IndexError):
             w[index]
     assert w[8:10].tolist() == [[32.0, 33.0, 34.0, 35.0], [36.0, 37.0, 38.0, 39.0]]
