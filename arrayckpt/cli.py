@@ -69,6 +69,7 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
                 "codec": codec_name(a),
                 "kind": a.entry.kind,
                 "stored": stored_as(a),
+                "chunks": chunk_grid(checkpoint, key),
             }
             for key, a in checkpoint.items()
         },
@@ -77,6 +78,15 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
         "stored_bytes": checkpoint.manifest.stored_bytes,
         "chain": chain_info(checkpoint),
     }
+
+
+def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
+    """Chunks per dimension of the array that holds the tensor's layout (its own, or its base's for a rows
+    delta): the sharding at save, since chunks follow the ranks' shards (``[4, 1]``: split over rows in 4)."""
+    metadata = checkpoint._dense_metadata(key)
+    shape = metadata["shape"]
+    chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    return [-(-n // c) if n else 0 for n, c in zip(shape, chunk, strict=True)]
 
 
 def stored_as(array: LazyArray) -> str:
@@ -122,8 +132,9 @@ def _print_info(info: dict[str, Any]) -> None:
         print("created   " + ", ".join(f"{k}={v}" for k, v in created.items()))
     delta = len(info["chain"]) > 1
     rows = [(k, t["dtype"], "×".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["codec"],
-             *((t["stored"],) if delta else ())) for k, t in info["tensors"].items()]
-    header = ("key", "dtype", "shape", "size", "codec", *(("stored",) if delta else ()))
+             "×".join(map(str, t["chunks"])) or "1", *((t["stored"],) if delta else ()))
+            for k, t in info["tensors"].items()]
+    header = ("key", "dtype", "shape", "size", "codec", "chunks", *(("stored",) if delta else ()))
     widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
     print()
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))

@@ -31,8 +31,8 @@ def test_info_prints_a_table_of_tensors_and_values(saved):
     out = done.stdout
     assert "step 7" in out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("model.")}
-    assert lines["model.w"][1:3] == ["bfloat16", "64×32"] and lines["model.w"][-1] == "zstd(3)"
-    assert lines["model.b"][1:3] == ["float32", "32"] and lines["model.b"][-1] == "none"
+    assert lines["model.w"][1:3] == ["bfloat16", "64×32"] and lines["model.w"][-2:] == ["zstd(3)", "1×1"]
+    assert lines["model.b"][1:3] == ["float32", "32"] and lines["model.b"][-2:] == ["none", "1"]
     assert "name = 'run-1'" in out and "2 tensors" in out
 
 
@@ -42,7 +42,7 @@ def test_info_json_is_machine_readable(saved):
     info = json.loads(done.stdout)
     assert info["step"] == 7 and info["format_version"] == 1
     assert info["tensors"]["model.w"] == {"dtype": "bfloat16", "shape": [64, 32], "nbytes": 4096, "codec": "zstd(3)",
-                                          "kind": "tensor", "stored": "whole"}
+                                          "kind": "tensor", "stored": "whole", "chunks": [1, 1]}
     assert [layer["step"] for layer in info["chain"]] == [7] and info["stored_bytes"] == info["total_bytes"]
     assert info["values"] == {"step": 7, "name": "run-1"}
     assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
