@@ -20,6 +20,7 @@ import os
 import pickle
 import socket
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +186,16 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     if group.is_coordinator:
         assert coordination is not None and results is not None
         outcome = _commit_or_abort(coordination, plan, results, record, group, delta)
-    outcome = group.broadcast(outcome)
+    try:
+        outcome = group.broadcast(outcome)
+    except CollectiveError as e:
+        if isinstance(outcome, str):  # the coordinator committed: the checkpoint is whole, only the news is lost
+            warnings.warn(f"{where}: committed, but telling the other ranks failed ({e.__cause__ or e})",
+                          RuntimeWarning, stacklevel=2)
+            return outcome
+        raise CollectiveError(f"{where}: rank {group.rank} could not learn whether the save committed (the "
+                              f"coordinator died or lost contact at the commit); open the checkpoint to find out "
+                              f"({e.__cause__ or e})") from e
     if isinstance(outcome, BaseException):
         raise outcome
     return str(outcome)
