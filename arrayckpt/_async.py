@@ -24,6 +24,7 @@ from ._codecs import CodecChoice
 from ._dist import Group, resolve_group
 from ._dtypes import DType, numpy_view
 from ._errors import ArrayckptError
+from ._keys import array_path
 from ._save import _attempt, check_record, describe_local, finish_save, open_delta
 from ._shards import Box
 from ._storage import parse_location
@@ -204,6 +205,10 @@ def async_save(
     if error is not None and group.size == 1:
         raise error  # nobody else to tell: fail now rather than on wait()
     boxes = {path: box for path, (box, _) in local.data.items()} if local is not None else {}
+    if delta is not None and local is not None:  # quantized rows are stored lossy: the staged bytes are not theirs
+        for piece in local.description.arrays:
+            if delta.bits(piece.key):
+                boxes.pop(array_path(piece.key), None)
     future = _EXECUTOR.submit(_save_in_background, local, error, group, location, codec, overwrite, record, delta,
                               reference, boxes if keep_copy else None)
     handle = SaveHandle(future, str(location), time.perf_counter() - started)

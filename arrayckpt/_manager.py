@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._errors import CheckpointNotFoundError, StateError
+from ._errors import ArrayckptError, CheckpointNotFoundError, StateError
 from ._interval import optimal_interval
 
 __all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
@@ -175,11 +175,19 @@ class CheckpointManager:
         committed = self.steps()
         removed: list[str] = []
         if committed:
+            from ._errors import IncompleteCheckpointError
+
             for step in self._listed_steps():
                 if step < committed[-1] and step not in committed:
                     location = self._step_location(step)
-                    location.delete()
-                    removed.append(str(location))
+                    try:
+                        location.read_root()
+                        continue  # readable after all (a transient failure hid it): never delete
+                    except IncompleteCheckpointError:  # positively no root document: an interrupted save
+                        location.delete()
+                        removed.append(str(location))
+                    except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
+                        continue
         if isinstance(self.root, Path):
             from ._storage import collect_garbage
 

@@ -163,7 +163,8 @@ def finish_save(local: _Local | None, error: BaseException | None, group: Group,
     if delta is not None and local is not None and error is None:
         found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
         changes = found or changes
-    gathered = group.gather((None if local is None else local.description, error, changes[0]))
+    agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
+    gathered = group.gather((None if local is None else local.description, error, changes[0], agreement))
     coordination: _Coordination | None = None
     message: Any = None
     if group.is_coordinator:
@@ -234,14 +235,19 @@ def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
                 overwrite: bool, delta: DeltaRequest | None) -> tuple[Any, _Coordination | None]:
     """Plan the save and prepare storage, or return the error every rank must raise."""
     assert gathered is not None
-    error = _first_error([e for _, e, _ in gathered])
+    error = _first_error([e for _, e, _, _ in gathered])
     if error is not None:
         return error, None
+    agreements = {repr(a) for _, _, _, a in gathered}
+    if len(agreements) > 1:
+        return StateError(f"{location}: the ranks disagree on the incremental save (base checkpoint id and quantize, "
+                          f"by rank: {[a for _, _, _, a in gathered]}); every rank must pass the same base= and "
+                          "quantize="), None
     try:
-        descriptions = [d for d, _, _ in gathered]
+        descriptions = [d for d, _, _, _ in gathered]
         plan = plan_save(descriptions, codec)
         if delta is not None:
-            plan = plan_delta(plan, descriptions, [f for _, _, f in gathered], delta)
+            plan = plan_delta(plan, descriptions, [f for _, _, f, _ in gathered], delta)
         writer = open_writer(location, overwrite)
         plan = with_key_encoding(plan, writer.key_encoding)
     except ArrayckptError as e:
@@ -384,9 +390,11 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
             raise StateError("changed_rows and quantize apply to incremental saves only; pass base=...")
         return None
     checkpoint = base if isinstance(base, Checkpoint) else open_checkpoint(base, storage_options=storage_options)
-    if str(checkpoint.location) == str(location):
-        raise StateError(f"{location}: a checkpoint cannot be saved as a delta of itself (replacing the base would "
-                         "break the delta); save to another path")
+    for layer in checkpoint.chain():
+        if str(layer.location) == str(location):
+            raise StateError(f"{location}: this is {'the base' if layer is checkpoint else 'in the chain of bases'} "
+                             f"of the delta being saved; replacing it would make the delta unreadable: save to "
+                             "another path")
     rows = {}
     for key, value in (changed_rows or {}).items():
         array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)

@@ -83,7 +83,10 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
 def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
     """Chunks per dimension of the array that holds the tensor's layout (its own, or its base's for a rows
     delta): the sharding at save, since chunks follow the ranks' shards (``[4, 1]``: split over rows in 4)."""
-    metadata = checkpoint._dense_metadata(key)
+    try:
+        metadata = checkpoint._dense_metadata(key)
+    except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
+        return []
     shape = metadata["shape"]
     chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
     return [-(-n // c) if n else 0 for n, c in zip(shape, chunk, strict=True)]

@@ -128,7 +128,7 @@ def test_given_rows_outside_the_tensor_are_refused(tmp_path: Path) -> None:
     arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "a")
     with pytest.raises(arrayckpt.StateError, match=r"changed_rows\['e'\].*outside 0..9"):
         arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "b", base=tmp_path / "a", changed_rows={"e": [3, 10]})
-    with pytest.raises(arrayckpt.StateError, match="delta of itself"):
+    with pytest.raises(arrayckpt.StateError, match="the base of the delta being saved"):
         arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "a", base=tmp_path / "a", overwrite=True)
     with pytest.raises(arrayckpt.StateError, match="incremental saves only"):
         arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "c", changed_rows={"e": [1]})
@@ -397,3 +397,42 @@ def test_async_kept_copy_spares_reading_the_base_back(tmp_path: Path, monkeypatc
     arrayckpt.async_save(state, tmp_path / "other", base=tmp_path / "s1").wait()
     assert sorted(set(reads)) == ["a", "b"]
     assert torch.equal(arrayckpt.open(tmp_path / "other")["b"].torch(), state["b"])
+
+
+def test_a_delta_may_not_replace_any_checkpoint_of_its_chain(tmp_path: Path) -> None:
+    arrayckpt.save({"w": torch.zeros(10, 2)}, tmp_path / "a")
+    arrayckpt.save({"w": torch.ones(10, 2)}, tmp_path / "b", base=tmp_path / "a")
+    with pytest.raises(arrayckpt.StateError, match="in the chain of bases"):
+        arrayckpt.save({"w": torch.ones(10, 2)}, tmp_path / "a", base=tmp_path / "b", overwrite=True)
+    assert torch.equal(arrayckpt.open(tmp_path / "b")["w"].torch(), torch.ones(10, 2))
+
+
+def test_kept_copy_is_not_used_for_rows_stored_quantized(tmp_path: Path) -> None:
+    """The staged bytes of a quantized save are not what it stored: the next delta must not compare with them."""
+    emb = torch.randn(200, 16, generator=torch.Generator().manual_seed(6))
+    arrayckpt.async_save({"emb": emb}, tmp_path / "a", keep_copy=True).wait()
+    emb[3] += 1
+    arrayckpt.async_save({"emb": emb}, tmp_path / "b", base=tmp_path / "a", quantize={"emb": 8}, keep_copy=True).wait()
+    arrayckpt.async_save({"emb": emb}, tmp_path / "c", base=tmp_path / "b", keep_copy=True).wait()
+    ckpt = arrayckpt.open(tmp_path / "c")
+    assert ckpt.manifest.entries["emb"].delta.rows == 1  # row 3 is stored exactly again
+    assert torch.equal(ckpt["emb"].torch(), emb)
+
+
+def test_ranks_must_agree_on_the_base(tmp_path: Path) -> None:
+    from thread_ranks import run_thread_ranks
+
+    for name in ("a", "b"):
+        arrayckpt.save({"w": torch.zeros(4)}, tmp_path / name)
+
+    def save_rank(rank: int, group) -> str:
+        try:
+            arrayckpt.save({"w": torch.ones(4)}, tmp_path / "c", base=tmp_path / ("a", "b")[rank],
+                           process_group=group)
+        except arrayckpt.StateError as e:
+            return str(e)
+        return "saved"
+
+    for message in run_thread_ranks(2, save_rank):
+        assert "disagree on the incremental save" in message
+    assert not (tmp_path / "c").exists()

@@ -116,6 +116,8 @@ def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
     manager.save(1, {"w": torch.ones(2)})
     (tmp_path / "step-00000002").mkdir()
     (tmp_path / "step-00000002" / "w").mkdir()  # an incomplete step: no root zarr.json
+    (tmp_path / "step-00000000").mkdir()
+    (tmp_path / "step-00000000" / "zarr.json").write_text("{damaged")  # unreadable, not incomplete: kept
     manager.save(3, {"w": torch.ones(2)})
     leftover = tmp_path / ".step-00000004.arrayckpt-tmp-0123456789ab"
     leftover.mkdir()
@@ -124,4 +126,4 @@ def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
     assert manager.steps() == [1, 3]
     removed = manager.clean_up()
     assert sorted(removed) == sorted([str(tmp_path / "step-00000002"), str(leftover)])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000000", "step-00000001", "step-00000003"]
