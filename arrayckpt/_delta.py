@@ -351,14 +351,15 @@ def _choose(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], boxes: set
         return None  # some piece was not compared (e.g. no replica 0 of it): store whole
     itemsize = entry.dtype.itemsize
     row_elements = math.prod(entry.shape[1:]) if entry.shape else 1
+    if bits and (entry.dtype.name not in QUANTIZABLE or not entry.shape):
+        raise StateError(f"tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)}; only floating-point "
+                         f"tensors ({', '.join(QUANTIZABLE)}) of at least 1 dimension can have quantized deltas: "
+                         "narrow the quantize= pattern")
     if all(p.rows is not None for _, p in pieces):
         rows = sum(p.rows or 0 for _, p in pieces)
         if bits:
             from ._quant import packed_columns
 
-            if entry.dtype.name not in QUANTIZABLE or not entry.shape:
-                raise StateError(f"tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)}; only floating-point "
-                                 "tensors of at least 1 dimension can have quantized deltas")
             cost = rows * (packed_columns(row_elements, bits) + 8 + INDEX_BYTES)
             return "rows" if cost < entry.nbytes else None
         row_cost: float = rows * (row_elements * itemsize + INDEX_BYTES)
