@@ -103,24 +103,23 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
 
 def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
     """Fill ``out`` (shaped like ``box``) with that part of ``key``, through the chain."""
-    jobs, overlays = read_plan(checkpoint, key, box, out)
-    try:
-        read_into(jobs, checkpoint._context, str(checkpoint.location))
-        for overlay in overlays:
-            overlay()
-    except ArrayckptError as e:
-        checkpoint.raise_if_replaced(e)
-        raise
-    checkpoint.check_unchanged()
+    _read(checkpoint, key, [(box, out)])
 
 
 def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.ndarray]:
     """Several boxes of ``key`` into new arrays, read concurrently through the chain."""
     entry = _entry(checkpoint, key)
     outs = [np.empty(box.shape, entry.dtype.numpy) for box in boxes]
+    _read(checkpoint, key, list(zip(boxes, outs, strict=True)))
+    return outs
+
+
+def _read(checkpoint: Checkpoint, key: str, targets: list[tuple[Box, np.ndarray]]) -> None:
+    """All plain reads of all targets at once, then the overlays in order; a failure caused by the checkpoint
+    being replaced meanwhile says so, and a success is checked not to have been overtaken by one."""
     jobs: list[ArrayIO] = []
     overlays: list[Overlay] = []
-    for box, out in zip(boxes, outs, strict=True):
+    for box, out in targets:
         more, later = read_plan(checkpoint, key, box, out)
         jobs.extend(more)
         overlays.extend(later)
@@ -132,7 +131,6 @@ def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.nd
         checkpoint.raise_if_replaced(e)
         raise
     checkpoint.check_unchanged()
-    return outs
 
 
 def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
