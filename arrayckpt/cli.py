@@ -166,9 +166,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
     info = info_dict(open_checkpoint(args.path))
     if args.json:
         _print_json(info)
+    elif args.tree:
+        _print_tree(info)
     else:
         _print_info(info)
     return 0
+
+
+def _print_tree(info: dict[str, Any]) -> None:
+    """The keys as a tree of their dotted parts: containers once, leaves with what they hold."""
+    print(f"checkpoint {info['path']}  (format v{info['format_version']}, step {info['step']})")
+    leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
+                    f"{t['codec']}") for key, t in info["tensors"].items()}
+    leaves.update({key: f"= {value!r}"[:100] for key, value in info["values"].items()})
+    shown: set[str] = set()
+    for key, text in leaves.items():
+        parts = key.split(".")
+        for depth in range(len(parts) - 1):
+            prefix = ".".join(parts[: depth + 1])
+            if prefix not in shown:
+                shown.add(prefix)
+                print("  " * depth + parts[depth] + "/")
+        print("  " * (len(parts) - 1) + f"{parts[-1]}  {text}")
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -424,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="list the tensors and values of a checkpoint")
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument("--tree", action="store_true", help="print the keys as a tree of their dotted parts")
     info.set_defaults(func=_cmd_info)
     gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
                                         "(s3://bucket/run: its incomplete checkpoints)")

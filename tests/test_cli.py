@@ -71,3 +71,15 @@ def test_gc_removes_leftovers_of_interrupted_saves_only(tmp_path):
     assert done.returncode == 0 and "1 leftover(s) removed" in done.stdout
     assert not leftover.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
     assert "w" in arrayckpt.open(tmp_path / "kept")
+
+
+def test_info_tree_shows_the_nesting(tmp_path):
+    import subprocess
+    import sys
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    arrayckpt.save({"model": model, "step": 3}, tmp_path / "c")
+    out = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", "--tree", str(tmp_path / "c")],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[1:4] == ["model/", "  0/", "    weight  float32 3×2  24 B  none"]
+    assert "  1/" in out and out[-1] == "step  = 3"
