@@ -262,12 +262,10 @@ def test_slow_answers_are_waited_for_concurrently(s3_proxy: FaultProxy, s3_bucke
     s3_proxy.reset()
     s3_proxy.slow_fraction, s3_proxy.slow_s = 0.3, 0.25
     new = _state(2)
-    started = time.perf_counter()
     arrayckpt.save(new, url, storage_options=options, overwrite=True)
-    elapsed = time.perf_counter() - started
     slowed = sum(s3_proxy.slowed.values())
     assert slowed >= 5, (s3_proxy.slowed, s3_proxy.counts)
-    assert elapsed < 0.75 * slowed * s3_proxy.slow_s, (elapsed, slowed)  # the waits overlapped
+    assert s3_proxy.max_in_flight >= 2, s3_proxy.max_in_flight  # other requests went on while slow ones waited
     target = _zeros(new)
     arrayckpt.load(target, url, storage_options=options)  # reads wait too
     for key, tensor in _flat(target).items():
