@@ -444,6 +444,18 @@ def _separator(encoding: dict[str, Any]) -> str:
     return str(encoding.get("configuration", {}).get("separator", default))
 
 
+def grid_counts(metadata: dict[str, Any]) -> list[int]:
+    """Chunks per dimension of an array's (outer) chunk grid."""
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    return [-(-n // c) for n, c in zip(metadata["shape"], chunks, strict=True)]
+
+
+def is_arrayckpt_root(document: object) -> bool:
+    """Whether a parsed root ``zarr.json`` is arrayckpt's (it carries the manifest); a foreign Zarr group is not."""
+    return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
+        MANIFEST_ATTRIBUTE in document["attributes"]
+
+
 def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
     """The key of chunk ``grid_index`` below its array (``c.1.0`` or ``c`` for 0-d with the default encoding;
     ``1.0`` or ``0`` with the v2 encoding)."""

@@ -38,7 +38,7 @@ from ._errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from ._format import KEY_ENCODINGS, parse_chunk_key
+from ._format import KEY_ENCODINGS, is_arrayckpt_root, parse_chunk_key
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url"]
 
@@ -163,7 +163,7 @@ class ObjectLocation:
             document = self.read_root()
         except (StorageError, CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError):
             return False
-        return _is_arrayckpt_root(document)
+        return is_arrayckpt_root(document)
 
     def fsspec_options(self) -> dict[str, Any]:
         """The same storage options for fsspec/s3fs (e.g. ``zarr.open_group(url, storage_options=...)``)."""
@@ -321,11 +321,6 @@ def _delete(store: Any, keys: list[str], where: object) -> None:
     _wait([(key, store.write(key, None)) for key in keys], where, "deleting")
 
 
-def _is_arrayckpt_root(document: object) -> bool:
-    return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
-        "arrayckpt" in document["attributes"]
-
-
 _CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
 
 
@@ -377,7 +372,7 @@ class ObjectWriter:
                 document = json.loads(root)
             except ValueError:
                 document = None
-            if not _is_arrayckpt_root(document):
+            if not is_arrayckpt_root(document):
                 raise CheckpointExistsError(f"{location}: a zarr.json that is not an arrayckpt checkpoint is here; "
                                             "refusing to replace it (delete it yourself, or choose another prefix)")
             if not overwrite:

@@ -25,6 +25,7 @@ from ._format import (
     PickleEntry,
     ValueEntry,
     check_array_metadata,
+    grid_counts,
     parse_root_document,
     per_rank_path,
 )
@@ -318,8 +319,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         if key not in cache:
             entry = self.manifest.entries[key]
             assert isinstance(entry, ArrayEntry) and entry.delta is not None
-            grid = self[key].metadata["chunk_grid"]["configuration"]["chunk_shape"]
-            count = math.prod(math.ceil(n / c) for n, c in zip(entry.shape, grid, strict=True))
+            count = math.prod(grid_counts(self[key].metadata))
             if any(i >= count for i in entry.delta.present):
                 raise FormatError(f"{self.location}: entry {key!r}: delta names chunks beyond its {count}-chunk grid")
             cache[key] = frozenset(entry.delta.present)

@@ -35,6 +35,7 @@ from ._errors import (
     StateError,
     StorageError,
 )
+from ._format import is_arrayckpt_root
 
 if TYPE_CHECKING:
     from ._objstore import ObjectLocation, ObjectWriter
@@ -341,7 +342,7 @@ def find_object_garbage(location: ObjectLocation,
     """
     import time
 
-    from ._objstore import ObjectLocation, _is_arrayckpt_root, _ours, _read
+    from ._objstore import ObjectLocation, _ours, _read
 
     _refuse_inside_hierarchy(location)
     listing = _list_with_times(location)
@@ -361,7 +362,7 @@ def find_object_garbage(location: ObjectLocation,
         if ROOT_METADATA in keys:
             document = _read(store, f"{child}/{ROOT_METADATA}", where)
             try:
-                committed = _is_arrayckpt_root(json.loads(document)) if document is not None else False
+                committed = is_arrayckpt_root(json.loads(document)) if document is not None else False
             except ValueError:
                 committed = False
             if not committed:
@@ -390,7 +391,7 @@ def find_object_garbage(location: ObjectLocation,
 
 def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
     """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
-    from ._objstore import ObjectLocation, _is_arrayckpt_root, _read
+    from ._objstore import ObjectLocation, _read
 
     bucket = ObjectLocation(location.scheme, location.bucket, "", location.options)
     store = bucket.open_store()
@@ -402,7 +403,7 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
             continue
         here = ObjectLocation(location.scheme, location.bucket, prefix, location.options)
         try:
-            ours = _is_arrayckpt_root(json.loads(document))
+            ours = is_arrayckpt_root(json.loads(document))
         except ValueError:
             ours = False
         what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
@@ -476,8 +477,7 @@ def is_committed(location: LocalLocation) -> bool:
         document = json.loads((location.path / ROOT_METADATA).read_bytes())
     except (OSError, ValueError):
         return False
-    return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
-        "arrayckpt" in document["attributes"]
+    return is_arrayckpt_root(document)
 
 
 class LocalWriter:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -87,9 +88,9 @@ def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
         metadata = checkpoint._dense_metadata(key)
     except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
         return []
-    shape = metadata["shape"]
-    chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-    return [-(-n // c) if n else 0 for n, c in zip(shape, chunk, strict=True)]
+    from ._format import grid_counts
+
+    return grid_counts(metadata)
 
 
 def stored_as(array: LazyArray) -> str:
@@ -100,11 +101,9 @@ def stored_as(array: LazyArray) -> str:
     if delta.mode == "chunks":
         if not delta.present:
             return "unchanged"
-        grid = array.metadata["chunk_grid"]["configuration"]["chunk_shape"]
-        total = 1
-        for n, c in zip(array.shape, grid, strict=True):
-            total *= -(-n // c)
-        return f"{len(delta.present)}/{total} chunks"
+        from ._format import grid_counts
+
+        return f"{len(delta.present)}/{math.prod(grid_counts(array.metadata))} chunks"
     lossy = f", {delta.quantized.bits}-bit (max error {delta.quantized.max_abs_error:.3g})" if delta.quantized else ""
     return f"{delta.rows} rows{lossy}"
 
