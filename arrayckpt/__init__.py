@@ -20,10 +20,7 @@ from . import _zarr_dtypes as _zarr_dtypes  # registers bfloat16/float8 with zar
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ._async import CheckpointBusyError, SaveHandle, async_save
-    from ._codecs import Codec
-    from ._compact import CompactResult, compact
-    from ._convert import ConvertResult, convert
+    from ._convert.common import ConvertResult, convert
     from ._errors import (
         ArrayckptError,
         CheckpointExistsError,
@@ -37,63 +34,66 @@ if TYPE_CHECKING:
         StateError,
         StorageError,
     )
-    from ._estimate import SizeEstimate, estimate_size
-    from ._inspect import DiffReport, SliceSummary, TensorDiff, diff, show
-    from ._interval import OptimalInterval, optimal_interval
-    from ._load import LoadResult, load
+    from ._format.codecs import Codec
+    from ._layout.box import PerRank, Shard
     from ._manager import CheckpointManager, Incremental, Interval, Retention
-    from ._reader import Checkpoint, LazyArray
-    from ._reader import open_checkpoint as open  # noqa: A004
-    from ._save import save
-    from ._shards import PerRank, Shard
-    from ._storage import collect_garbage as gc
-    from ._verify import Damage, VerifyReport, verify
+    from ._read.checkpoint import Checkpoint, LazyArray
+    from ._read.checkpoint import open_checkpoint as open  # noqa: A004
+    from ._read.load import LoadResult, load
+    from ._storage.local import collect_garbage as gc
+    from ._tools.estimate import SizeEstimate, estimate_size
+    from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
+    from ._tools.interval import OptimalInterval, optimal_interval
+    from ._tools.verify import Damage, VerifyReport, verify
+    from ._write.asynchronous import CheckpointBusyError, SaveHandle, async_save
+    from ._write.compact import CompactResult, compact
+    from ._write.save import save
 
 _LAZY = {
     "ArrayckptError": "._errors",
-    "Checkpoint": "._reader",
-    "CheckpointBusyError": "._async",
+    "Checkpoint": "._read.checkpoint",
+    "CheckpointBusyError": "._write.asynchronous",
     "CheckpointExistsError": "._errors",
     "CheckpointManager": "._manager",
     "CheckpointNotFoundError": "._errors",
     "CollectiveError": "._errors",
-    "Codec": "._codecs",
-    "CompactResult": "._compact",
-    "ConvertResult": "._convert",
+    "Codec": "._format.codecs",
+    "CompactResult": "._write.compact",
+    "ConvertResult": "._convert.common",
     "CorruptCheckpointError": "._errors",
-    "Damage": "._verify",
-    "DiffReport": "._inspect",
+    "Damage": "._tools.verify",
+    "DiffReport": "._tools.inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
     "Incremental": "._manager",
     "Interval": "._manager",
     "KeyMismatchError": "._errors",
-    "LazyArray": "._reader",
-    "LoadResult": "._load",
-    "OptimalInterval": "._interval",
-    "PerRank": "._shards",
+    "LazyArray": "._read.checkpoint",
+    "LoadResult": "._read.load",
+    "OptimalInterval": "._tools.interval",
+    "PerRank": "._layout.box",
     "PickleNotAllowedError": "._errors",
     "Retention": "._manager",
-    "SaveHandle": "._async",
-    "Shard": "._shards",
-    "SizeEstimate": "._estimate",
-    "SliceSummary": "._inspect",
+    "SaveHandle": "._write.asynchronous",
+    "Shard": "._layout.box",
+    "SizeEstimate": "._tools.estimate",
+    "SliceSummary": "._tools.inspect",
     "StateError": "._errors",
     "StorageError": "._errors",
-    "TensorDiff": "._inspect",
-    "VerifyReport": "._verify",
-    "async_save": "._async",
-    "compact": "._compact",
-    "convert": "._convert",
-    "diff": "._inspect",
-    "estimate_size": "._estimate",
-    "gc": "._storage:collect_garbage",
-    "load": "._load",
-    "open": "._reader:open_checkpoint",
-    "optimal_interval": "._interval",
-    "save": "._save",
-    "show": "._inspect",
-    "verify": "._verify",
+    "TensorDiff": "._tools.inspect",
+    "VerifyReport": "._tools.verify",
+    "async_save": "._write.asynchronous",
+    "compact": "._write.compact",
+    "convert": "._convert.common",
+    "diff": "._tools.inspect",
+    "estimate_size": "._tools.estimate",
+    "gc": "._storage.local:collect_garbage",
+    "load": "._read.load",
+    "open": "._read.checkpoint:open_checkpoint",
+    "optimal_interval": "._tools.interval",
+    "save": "._write.save",
+    "show": "._tools.inspect",
+    "verify": "._tools.verify",
 }
 
 __all__ = [

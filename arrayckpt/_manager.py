@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._errors import ArrayckptError, CheckpointNotFoundError, StateError
-from ._interval import optimal_interval
+from ._tools.interval import optimal_interval
 
 __all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
 
@@ -121,7 +121,7 @@ class CheckpointManager:
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from ._storage import LocalLocation, parse_location
+        from ._storage.local import LocalLocation, parse_location
 
         self._location = parse_location(root, storage_options)
         self._local = isinstance(self._location, LocalLocation)
@@ -150,7 +150,7 @@ class CheckpointManager:
         return self.root / name if isinstance(self.root, Path) else f"{self.root}/{name}"
 
     def _step_location(self, step: int) -> Any:
-        from ._storage import parse_location
+        from ._storage.local import parse_location
 
         return parse_location(self.path(step), self.storage_options if not self._local else None)
 
@@ -189,7 +189,7 @@ class CheckpointManager:
                     except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
                         continue
         if isinstance(self.root, Path):
-            from ._storage import collect_garbage
+            from ._storage.local import collect_garbage
 
             removed.extend(str(p) for p in collect_garbage(self.root, min_age_s))
         return removed
@@ -228,7 +228,7 @@ class CheckpointManager:
         started = time.perf_counter()
         delta = self._delta_options(changed_rows)
         if self.asynchronous:
-            from ._async import async_save
+            from ._write.asynchronous import async_save
 
             keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
@@ -236,7 +236,7 @@ class CheckpointManager:
                                        storage_options=self._options(), **delta)
             self._blocking_seconds = self._pending.blocking_seconds
         else:
-            from ._save import save
+            from ._write.save import save
 
             save(state, self.path(step), codec=self.codec, process_group=self.process_group, step=step,
                  metrics=metrics, overwrite=True, storage_options=self._options(), **delta)
@@ -254,7 +254,7 @@ class CheckpointManager:
         latest = self.latest_step()
         if latest is None:
             return {}
-        from ._reader import open_checkpoint
+        from ._read.checkpoint import open_checkpoint
 
         base = open_checkpoint(self.path(latest), storage_options=self._options())
         if self.incremental.wants_full(base):
@@ -271,7 +271,7 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if not self._is_coordinator():
             return
-        from ._reader import open_checkpoint
+        from ._read.checkpoint import open_checkpoint
 
         steps = self.steps()
         metrics = {}
@@ -288,8 +288,8 @@ class CheckpointManager:
 
     def _bases_of(self, kept: set[int], steps: set[int]) -> set[int]:
         """Steps that kept delta checkpoints read through (transitively): deleting them would break those."""
-        from ._delta import resolve_base
-        from ._reader import open_checkpoint
+        from ._layout.delta import resolve_base
+        from ._read.checkpoint import open_checkpoint
 
         by_location = {str(self._step_location(s)): s for s in steps}
         needed: set[int] = set()
@@ -306,7 +306,7 @@ class CheckpointManager:
         return needed
 
     def _is_coordinator(self) -> bool:
-        from ._dist import resolve_group
+        from ._torch.dist import resolve_group
 
         return resolve_group(self.process_group).is_coordinator
 
@@ -315,7 +315,7 @@ class CheckpointManager:
     def restore(self, state: Mapping[str, Any], step: int | None = None, **load_options: Any) -> int | None:
         """Load the newest committed checkpoint (or ``step``) into ``state``; returns its step, or
         ``None`` when there is nothing to resume from (a fresh start)."""
-        from ._load import load
+        from ._read.load import load
 
         if step is None:
             step = self.latest_step()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ArrayckptError
 
 if TYPE_CHECKING:  # imported when used: `estimate` and `interval` need neither torch nor TensorStore
-    from ._reader import Checkpoint, LazyArray
+    from ._read.checkpoint import Checkpoint, LazyArray
 
 __all__ = ["main"]
 
@@ -51,7 +51,7 @@ def codec_name(array: LazyArray) -> str:
 
 def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
     """Everything ``info`` shows, as plain JSON-able data."""
-    from ._format import PickleEntry
+    from ._format.manifest import PickleEntry
 
     values: dict[str, Any] = {}
     for key in checkpoint.plain_values:
@@ -88,7 +88,7 @@ def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
         metadata = checkpoint._dense_metadata(key)
     except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
         return []
-    from ._format import grid_counts
+    from ._format.manifest import grid_counts
 
     return grid_counts(metadata)
 
@@ -101,7 +101,7 @@ def stored_as(array: LazyArray) -> str:
     if delta.mode == "chunks":
         if not delta.present:
             return "unchanged"
-        from ._format import grid_counts
+        from ._format.manifest import grid_counts
 
         return f"{len(delta.present)}/{math.prod(grid_counts(array.metadata))} chunks"
     lossy = f", {delta.quantized.bits}-bit (max error {delta.quantized.max_abs_error:.3g})" if delta.quantized else ""
@@ -160,7 +160,7 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from ._reader import open_checkpoint
+    from ._read.checkpoint import open_checkpoint
 
     info = info_dict(open_checkpoint(args.path))
     if args.json:
@@ -190,7 +190,7 @@ def _print_tree(info: dict[str, Any]) -> None:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._storage import LocalLocation, collect_garbage, find_object_garbage, parse_location
+    from ._storage.local import LocalLocation, collect_garbage, find_object_garbage, parse_location
 
     location = parse_location(args.root)
     kept: list[tuple[str, str]] = []
@@ -241,7 +241,7 @@ MAX_DAMAGE_LINES = 50
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from ._tools.verify import verify
 
     counter = _Counter("verify")
     try:
@@ -266,7 +266,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _slice_text(text: str) -> str:
     """argparse type for SLICE: checked now, so a typo is a usage error, not a traceback."""
-    from ._inspect import parse_slice
+    from ._tools.inspect import parse_slice
 
     try:
         parse_slice(text)
@@ -276,9 +276,9 @@ def _slice_text(text: str) -> str:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from ._format import PerRankEntry, PickleEntry
-    from ._inspect import show
-    from ._reader import open_checkpoint
+    from ._format.manifest import PerRankEntry, PickleEntry
+    from ._read.checkpoint import open_checkpoint
+    from ._tools.inspect import show
 
     checkpoint = open_checkpoint(args.path)
     entry = checkpoint.manifest.entries.get(args.key)
@@ -312,7 +312,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from ._inspect import diff
+    from ._tools.inspect import diff
 
     report = diff(args.a, args.b)
     if args.json:
@@ -338,7 +338,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _param_count(text: str) -> int:
-    from ._estimate import parse_count
+    from ._tools.estimate import parse_count
 
     try:
         return parse_count(text)
@@ -357,7 +357,7 @@ def _positive(text: str) -> float:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from ._estimate import estimate_size
+    from ._tools.estimate import estimate_size
 
     e = estimate_size(args.params, dtype=args.dtype, optimizer=args.optimizer, master_weights=args.master_weights,
                       ranks=args.ranks)
@@ -374,7 +374,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 def _cmd_interval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ._interval import optimal_interval
+    from ._tools.interval import optimal_interval
 
     result = optimal_interval(args.blocking_seconds, args.mtbf_hours * 3600)
     overhead = result.blocking_seconds / (result.daly_seconds + result.blocking_seconds)
@@ -399,7 +399,7 @@ def _size(text: str) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ._convert import convert
+    from ._convert.common import convert
 
     counter = _Counter("convert")
     try:
@@ -420,7 +420,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from ._compact import compact
+    from ._write.compact import compact
 
     counter = _Counter("compact")
     try:

@@ -38,7 +38,7 @@ per repeat (A B A B ...); each measurement set first saves and loads a tiny stat
    several ranks need is read by one and sent over the process group. Reported: bytes read from storage
    summed over ranks, and time, with vs without.
 
-Bytes read from storage: the change of ``arrayckpt._fastio.STATS["bytes_read"]`` over the op on each rank
+Bytes read from storage: the change of ``arrayckpt._io.fastio.STATS["bytes_read"]`` over the op on each rank
 (arrayckpt's local fast path, which serves uncompressed local arrays: every array here), summed over the
 ranks; it includes each chunk's 4-byte checksum and shard indexes. DCP's reads are not counted.
 
@@ -338,7 +338,7 @@ def cpu_seconds() -> float:
 
 def bytes_read_so_far() -> int | None:
     try:
-        from arrayckpt._fastio import STATS
+        from arrayckpt._io.fastio import STATS
     except ImportError:
         return None
     return STATS["bytes_read"]

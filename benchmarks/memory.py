@@ -14,7 +14,7 @@ of every baseline. Each operation runs in this process, repeatedly, interleaved:
 ``async_save``   ``arrayckpt.async_save(state, path)`` then ``handle.wait()``: stages a host copy of the state first
                  (that is what lets training change the tensors at once), writes it in the background. The
                  staging buffers are allocated by the first async save of a process and kept for the next ones:
-                 ``async_save (first)`` is measured with a fresh stager (``arrayckpt._async._STAGER`` replaced,
+                 ``async_save (first)`` is measured with a fresh stager (``_write.asynchronous._STAGER`` replaced,
                  which frees the previous buffers), ``async_save (again)`` right after it, reusing its buffers.
 ``load``         ``arrayckpt.load(dst, path)`` into preallocated, zero-filled tensors (allocated and touched
                  outside the measurement, so they are part of the baseline).
@@ -64,8 +64,8 @@ from save_load import (  # noqa: E402  (the state and the measurement of save_lo
 )
 
 import arrayckpt  # noqa: E402
-import arrayckpt._async as arrayckpt_async  # noqa: E402
-from arrayckpt._verify import BATCH_BYTES  # noqa: E402
+import arrayckpt._write.asynchronous as arrayckpt_async  # noqa: E402
+from arrayckpt._tools.verify import BATCH_BYTES  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

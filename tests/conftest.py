@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import arrayckpt._plan as plan
+import arrayckpt._layout.chunking as plan
 
 
 @pytest.fixture

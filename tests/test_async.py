@@ -11,7 +11,7 @@ from dist_helpers import run_ranks
 from helpers import assert_bit_equal, random_tensor
 
 import arrayckpt
-import arrayckpt._save as save_module
+import arrayckpt._write.save as save_module
 
 
 def _state() -> dict:

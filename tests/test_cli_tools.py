@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._plan as plan
+import arrayckpt._layout.chunking as plan
 from arrayckpt import cli
 
 

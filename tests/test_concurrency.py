@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._plan as plan
-import arrayckpt._storage as storage
+import arrayckpt._layout.chunking as plan
+import arrayckpt._storage.local as storage
 
 KEYS = ("model.w", "model.b", "bf", "count")
 DEADLINE_S = 40.0  # a race that has not shown both outcomes by then fails

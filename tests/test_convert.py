@@ -14,7 +14,7 @@ import torch
 from helpers import assert_bit_equal, random_tensor
 
 import arrayckpt
-from arrayckpt._convert import detect_format
+from arrayckpt._convert.common import detect_format
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
           torch.uint8, torch.bool, torch.float64]
@@ -248,7 +248,7 @@ def one_tensor_at_a_time(monkeypatch):
     """Fails a conversion out of arrayckpt that reads a tensor while one it read before is still alive."""
     import weakref
 
-    from arrayckpt._reader import LazyArray
+    from arrayckpt._read.checkpoint import LazyArray
 
     alive: list[weakref.ref] = []
     read = LazyArray.torch
@@ -268,7 +268,7 @@ def one_tensor_at_a_time(monkeypatch):
 
 def _no_dcp_reader(monkeypatch) -> list[list[str]]:
     """Records what goes through DCP's own reader (values only, when tensors are read in place)."""
-    import arrayckpt._dcp as dcp_module
+    import arrayckpt._convert.dcp as dcp_module
 
     calls: list[list[str]] = []
     load = dcp_module._dcp_load
@@ -305,7 +305,7 @@ def test_dcp_payload_it_does_not_recognise_goes_through_dcp(tmp_path, monkeypatc
 
 
 def _rewrite_metadata(path: Path, change) -> None:
-    from arrayckpt._dcp import read_dcp_metadata
+    from arrayckpt._convert.dcp import read_dcp_metadata
 
     metadata = read_dcp_metadata(path)
     change(metadata)
@@ -364,7 +364,7 @@ def _save_sharded_dcp(rank: int, world: int, path: str) -> None:
 def test_dcp_column_shards_are_read_into_place(tmp_path, monkeypatch):
     from dist_helpers import run_ranks
 
-    import arrayckpt._dcp as dcp_module
+    import arrayckpt._convert.dcp as dcp_module
 
     run_ranks(2, _save_sharded_dcp, str(tmp_path / "dcp"))
     calls = _no_dcp_reader(monkeypatch)
@@ -403,7 +403,7 @@ def test_torch_file_written_record_by_record_is_torch_saves_format(tmp_path):
     arrayckpt.save(state, tmp_path / "ckpt")
     arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.pt")
     reference = tmp_path / "reference.pt"
-    torch.save(arrayckpt._convert._nested_state(arrayckpt.open(tmp_path / "ckpt"),
+    torch.save(arrayckpt._convert.common._nested_state(arrayckpt.open(tmp_path / "ckpt"),
                                                 lambda k: torch.zeros(0))[0], reference)
     import zipfile
 

@@ -17,7 +17,7 @@ from dist_helpers import run_ranks
 from helpers import bits
 
 import arrayckpt
-from arrayckpt._format import ArrayEntry
+from arrayckpt._format.manifest import ArrayEntry
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -371,7 +371,7 @@ def test_converted_checkpoint_can_be_a_base(tmp_path: Path) -> None:
 
 
 def test_async_kept_copy_spares_reading_the_base_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from arrayckpt._reader import Checkpoint
+    from arrayckpt._read.checkpoint import Checkpoint
 
     reads: list[str] = []
     real = Checkpoint.read_box

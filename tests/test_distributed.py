@@ -10,8 +10,8 @@ from dist_helpers import run_ranks
 from helpers import assert_bit_equal
 
 import arrayckpt
-from arrayckpt._saveplan import ArrayDescription, LocalDescription, plan_save
-from arrayckpt._shards import Box
+from arrayckpt._layout.box import Box
+from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
 
 
 def _global() -> dict[str, torch.Tensor]:
@@ -28,7 +28,7 @@ def _save_3_ranks(rank: int, world: int, path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import arrayckpt._plan as plan
+    import arrayckpt._layout.chunking as plan
 
     plan.INNER_CHUNK_BYTES, plan.OUTER_CHUNK_BYTES = 64, 256  # several chunks per shard
     full = _global()
@@ -146,7 +146,7 @@ def test_plan_refuses_disagreeing_global_shapes():
 
 
 def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas(monkeypatch):
-    import arrayckpt._plan as plan
+    import arrayckpt._layout.chunking as plan
 
     monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 1024)
     monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 4096)
@@ -177,7 +177,7 @@ def test_uneven_and_2d_shard_grids_align_chunks_with_every_shard():
 
 
 def test_repeated_layout_reuses_the_plan_and_takes_fresh_values():
-    from arrayckpt._format import ValueEntry
+    from arrayckpt._format.manifest import ValueEntry
 
     def descriptions(step: int) -> list[LocalDescription]:
         return [LocalDescription(arrays=_d("w", r, (2 * r, 0), (2, 4), (4, 4)).arrays,
@@ -215,7 +215,7 @@ def test_case_collisions_through_groups_are_refused():
 
 
 def test_prime_shard_steps_fall_back_to_one_chunk_per_shard():
-    from arrayckpt._plan import choose_chunks
+    from arrayckpt._layout.chunking import choose_chunks
 
     outer, inner = choose_chunks((24573, 4096), 4, (8191, None))  # 8191 is prime
     assert outer == inner == (8191, 4096)
@@ -225,7 +225,7 @@ def _four_ranks_2d_and_read_once(rank: int, world: int, path: str, replicated_pa
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import arrayckpt._fastio as fastio
+    import arrayckpt._io.fastio as fastio
 
     g = torch.Generator().manual_seed(1)
     full = torch.randn(10, 9, generator=g)
@@ -268,9 +268,9 @@ def _die_or_save(rank: int, port: int, path: str, victim: int, point: str, resul
 
     import torch.distributed as dist
 
-    import arrayckpt._dist as dist_module
-    import arrayckpt._save as save_module
-    import arrayckpt._storage as storage_module
+    import arrayckpt._storage.local as storage_module
+    import arrayckpt._torch.dist as dist_module
+    import arrayckpt._write.save as save_module
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))

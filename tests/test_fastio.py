@@ -9,8 +9,8 @@ import torch
 from helpers import assert_bit_equal, random_tensor
 
 import arrayckpt
-import arrayckpt._io as io
-import arrayckpt._plan as plan
+import arrayckpt._io.arrays as io
+import arrayckpt._layout.chunking as plan
 
 
 @pytest.fixture

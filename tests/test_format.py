@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arrayckpt._dtypes import DTYPES
 from arrayckpt._errors import FormatError
-from arrayckpt._format import Manifest
-from arrayckpt._keys import _SEGMENT, array_path, parse_array_path
-from arrayckpt._plan import INNER_CHUNK_BYTES, OUTER_CHUNK_BYTES, choose_chunks
-from arrayckpt._values import NotJSONable, decode_value, encode_value
+from arrayckpt._format.dtypes import DTYPES
+from arrayckpt._format.keys import _SEGMENT, array_path, parse_array_path
+from arrayckpt._format.manifest import Manifest
+from arrayckpt._format.values import NotJSONable, decode_value, encode_value
+from arrayckpt._layout.chunking import INNER_CHUNK_BYTES, OUTER_CHUNK_BYTES, choose_chunks
 
 
 @pytest.mark.parametrize(

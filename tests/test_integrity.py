@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._plan as plan
+import arrayckpt._layout.chunking as plan
 
 
 def _chunk_files(array_dir: Path) -> list[Path]:
@@ -109,14 +109,14 @@ def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
 
 _KILLED_SAVE = textwrap.dedent(
     """
-    import os, sys, torch, arrayckpt, arrayckpt._io as io, arrayckpt._storage as storage
+    import os, sys, torch, arrayckpt, arrayckpt._io.arrays as io, arrayckpt._storage.local as storage
     point = sys.argv[2]
     if point == "during-data":
         real = io.write_all
         def write_half(jobs, context, where):
             real(jobs[: len(jobs) // 2], context, where)
             os._exit(17)
-        import arrayckpt._save as save_module
+        import arrayckpt._write.save as save_module
         save_module.write_all = write_half
     elif point == "before-commit":
         storage.LocalWriter.commit = lambda self, root: os._exit(17)
@@ -151,7 +151,7 @@ def test_killed_save_leaves_no_committed_checkpoint_and_the_previous_intact(ckpt
 
 def test_failed_save_cleans_up_and_keeps_previous(ckpt, monkeypatch):
     arrayckpt.save({"w": torch.ones(4), "step": 1}, ckpt)
-    import arrayckpt._save as save_module
+    import arrayckpt._write.save as save_module
 
     def fail(*args, **kwargs):
         raise arrayckpt.StorageError("disk on fire")

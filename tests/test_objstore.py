@@ -11,8 +11,8 @@ import tensorstore as ts
 import torch
 
 import arrayckpt
-from arrayckpt import _objstore
-from arrayckpt._objstore import ObjectWriter, parse_object_url, stale_keys
+from arrayckpt._storage import object as _objstore
+from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
 
 
 def _url() -> str:
@@ -94,7 +94,7 @@ def test_failed_overwrite_leaves_old_checkpoint_and_no_garbage(monkeypatch: pyte
     old = _state(1)
     arrayckpt.save(old, url)
     before = _keys(url)
-    from arrayckpt import _save
+    from arrayckpt._write import save as _save
 
     real = _save.write_all
 

@@ -1,4 +1,4 @@
-"""Row-wise quantization of embedding rows (``arrayckpt._quant``).
+"""Row-wise quantization of embedding rows (``arrayckpt._format.quant``).
 
 The references here are written independently of the module: a float64 min/max quantizer, a scalar
 one-row-at-a-time port of FBGEMM's greedy range search, and a nibble-by-nibble decoder of the packed codes.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from arrayckpt import _quant as quant
-from arrayckpt._quant import (
+from arrayckpt._format import quant as quant
+from arrayckpt._format.quant import (
     BITS,
     SEARCH_BINS,
     SEARCH_RATIO,

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from thread_ranks import run_thread_ranks
 
 import arrayckpt
-import arrayckpt._plan as plan
-from arrayckpt._dtypes import dtype_of_torch, torch_view
+import arrayckpt._layout.chunking as plan
+from arrayckpt._format.dtypes import dtype_of_torch, torch_view
 
 
 @st.composite

@@ -182,7 +182,7 @@ def test_per_key_codec_choice(ckpt):
 
 
 def test_sharded_layout_is_used_for_big_tensors(ckpt, monkeypatch):
-    import arrayckpt._plan as plan
+    import arrayckpt._layout.chunking as plan
 
     monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 64)
     monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 256)

@@ -16,8 +16,8 @@ from helpers import assert_bit_equal, bits
 from s3_server import REGION, FaultProxy, S3Server, patched_environ, s3fs_storage_options
 
 import arrayckpt
-import arrayckpt._plan as plan
-from arrayckpt._objstore import ObjectWriter, parse_object_url, stale_keys
+import arrayckpt._layout.chunking as plan
+from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
 
 MANY = 5_000  # tensors in the checkpoint whose open must cost O(1) requests
 

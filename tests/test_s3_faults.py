@@ -30,8 +30,8 @@ from helpers import assert_bit_equal
 from s3_server import FaultProxy, S3Server
 
 import arrayckpt
-import arrayckpt._plan as plan
-from arrayckpt._objstore import stale_keys
+import arrayckpt._layout.chunking as plan
+from arrayckpt._storage.object import stale_keys
 
 MODES = ["before", "after", "half"]  # see FaultProxy.drop_mode
 

@@ -25,14 +25,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import arrayckpt
-import arrayckpt._plan as plan
-import arrayckpt._storage as storage
-from arrayckpt import _objstore
-from arrayckpt._codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
-from arrayckpt._delta import base_ref, find_changes, plan_delta, resolve_base, rows_jobs
-from arrayckpt._dtypes import DTYPES
+import arrayckpt._layout.chunking as plan
+import arrayckpt._storage.local as storage
 from arrayckpt._errors import FormatError
-from arrayckpt._format import (
+from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
+from arrayckpt._format.dtypes import DTYPES
+from arrayckpt._format.keys import array_path, parse_array_path
+from arrayckpt._format.manifest import (
     FORMAT_VERSION,
     GROUP_METADATA,
     KEY_ENCODINGS,
@@ -45,14 +44,15 @@ from arrayckpt._format import (
     parse_chunk_key,
     per_rank_path,
 )
-from arrayckpt._io import read_context
-from arrayckpt._keys import array_path, parse_array_path
-from arrayckpt._quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
-from arrayckpt._save import Record, build_manifest, describe_local, host_view, open_delta
-from arrayckpt._saveplan import plan_save
-from arrayckpt._shards import Box
-from arrayckpt._storage import LocalWriter, parse_location
-from arrayckpt._values import decode_value, encode_value
+from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
+from arrayckpt._format.values import decode_value, encode_value
+from arrayckpt._io.arrays import read_context
+from arrayckpt._layout.box import Box
+from arrayckpt._layout.delta import base_ref, find_changes, plan_delta, resolve_base, rows_jobs
+from arrayckpt._layout.saveplan import plan_save
+from arrayckpt._storage import object as _objstore
+from arrayckpt._storage.local import LocalWriter, parse_location
+from arrayckpt._write.save import Record, build_manifest, describe_local, host_view, open_delta
 
 SPEC = (Path(__file__).resolve().parent.parent / "spec" / "FORMAT.md").read_text(encoding="utf-8")
 

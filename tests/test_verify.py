@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._plan as plan
+import arrayckpt._layout.chunking as plan
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from arrayckpt._dist import Group
+from arrayckpt._torch.dist import Group
 
 
 @dataclass(eq=False)

@@ -1,0 +1,515 @@
+"""The manifest: what a checkpoint holds, as frozen dataclasses with JSON round trips.
+
+The manifest lives in the root group's ``zarr.json`` under ``attributes["arrayckpt"]``, next to the
+consolidated metadata of every array, so opening a checkpoint is one read. Writing that document is the
+commit. Parsing is strict: unknown versions, wrong types and unsafe paths raise :class:`FormatError`
+naming the entry, and unknown entry kinds are refused rather than skipped. See ``spec/FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._errors import FormatError
+from .._format.dtypes import DType, dtype_by_name
+from .._format.keys import Key, array_path, parse_array_path, parse_key_parts
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_ATTRIBUTE",
+    "ArrayEntry",
+    "BaseRef",
+    "Delta",
+    "Entry",
+    "Manifest",
+    "PerRankEntry",
+    "PickleEntry",
+    "Quantization",
+    "ValueEntry",
+    "parse_root_document",
+    "per_rank_path",
+    "check_array_metadata",
+    "encode_root_document",
+    "root_document",
+]
+
+FORMAT_VERSION = 2  # the newest this code reads; a checkpoint records the lowest that describes it
+PLAIN_VERSION = 1  # full checkpoints with the default chunk key encoding: readable by arrayckpt 0.1 too
+MANIFEST_ATTRIBUTE = "arrayckpt"
+MAX_NDIM = 32  # TensorStore's limit
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Lossy row values of a row delta: row-wise asymmetric ``bits``-bit codes (see ``_quant``), with the
+    largest absolute error any stored element has."""
+
+    bits: int
+    max_abs_error: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bits": self.bits, "max_abs_error": self.max_abs_error}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """How an entry of a delta checkpoint is stored relative to its base (format version 2).
+
+    ``mode="chunks"``: the array at the entry's path has only the chunks whose bytes changed since the base
+    (``present``: their flat C-order indices in its chunk grid); every other chunk reads through to the base.
+    ``mode="rows"``: the entry's path is a group of arrays ``rows`` (int64 row indices, -1 for padding) and
+    ``values`` (those rows' new values; with ``quantized``, ``codes``/``scale``/``offset`` instead); every
+    other row reads through to the base.
+    """
+
+    mode: Literal["chunks", "rows"]
+    present: tuple[int, ...] = ()
+    rows: int = 0  # number of changed rows (rows mode)
+    quantized: Quantization | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.mode == "chunks":
+            out["present"] = list(self.present)
+        else:
+            out["rows"] = self.rows
+            if self.quantized is not None:
+                out["quantized"] = self.quantized.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """A tensor (``kind="tensor"``) or numpy array (``kind="ndarray"``) stored as a Zarr array."""
+
+    key: str
+    parts: Key
+    dtype: DType
+    shape: tuple[int, ...]
+    kind: Literal["tensor", "ndarray"] = "tensor"
+    delta: Delta | None = None  # None: stored whole; else only what changed since the base
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "kind": self.kind,
+            "keys": list(self.parts),
+            "path": self.path,
+            "dtype": self.dtype.name,
+            "shape": list(self.shape),
+        }
+        if self.delta is not None:
+            out["delta"] = self.delta.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A plain value stored inline as typed JSON (see ``_values.py``)."""
+
+    key: str
+    parts: Key
+    value: Any  # the encoded JSON form
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "value", "keys": list(self.parts), "value": self.value}
+
+
+@dataclass(frozen=True)
+class PickleEntry:
+    """A value only pickle could store, kept as a 1-D uint8 array; loading it needs consent."""
+
+    key: str
+    parts: Key
+    nbytes: int
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "pickle", "keys": list(self.parts), "path": self.path, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class PerRankEntry:
+    """A value saved once per rank; ``items[r]`` is rank ``r``'s: a :class:`ValueEntry` or :class:`ArrayEntry`
+    (whose array lives at ``<key path>/%r<r>``, a segment no escaped key can produce)."""
+
+    key: str
+    parts: Key
+    items: tuple[ValueEntry | ArrayEntry | None, ...]  # None: that rank did not hold the key
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "per_rank",
+            "keys": list(self.parts),
+            "ranks": [None if item is None else _per_rank_item(item) for item in self.items],
+        }
+
+
+def per_rank_path(key: str, rank: int) -> str:
+    """Where rank ``rank``'s array of a per-rank entry is stored."""
+    return f"{array_path(key)}/%r{rank}"
+
+
+def _per_rank_item(item: ValueEntry | ArrayEntry) -> dict[str, Any]:
+    if isinstance(item, ValueEntry):
+        return {"value": item.value}
+    return {"dtype": item.dtype.name, "shape": list(item.shape), "kind": item.kind}
+
+
+Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's own location,
+    e.g. ``../step-100``, when both are local or in the same bucket; else absolute) and its id, so that a
+    replaced base is detected."""
+
+    path: str
+    id: str
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "id": self.id, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, data: object) -> BaseRef:
+        if not (isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]
+                and isinstance(data.get("id"), str) and data["id"]
+                and (data.get("step") is None or (isinstance(data["step"], int)
+                                                  and not isinstance(data["step"], bool)))):
+            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {data!r}")
+        return cls(data["path"], data["id"], data.get("step"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs besides the arrays' own metadata."""
+
+    entries: Mapping[str, Entry]
+    step: int | None = None
+    # Containers that are not dicts, by dotted prefix ("list" or "tuple"), to rebuild nested state.
+    containers: Mapping[str, str] = field(default_factory=dict)
+    created: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = PLAIN_VERSION
+    # Training metrics the caller attached (e.g. validation loss), for choosing which checkpoints to keep.
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    id: str | None = None  # unique per save; deltas name their base by it
+    base: BaseRef | None = None  # set for delta checkpoints
+    stored_bytes: int | None = None  # array bytes this checkpoint stores itself (before compression)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created": dict(self.created),
+            "containers": dict(self.containers),
+            "entries": {key: entry.to_dict() for key, entry in self.entries.items()},
+        }
+        if self.metrics:
+            out["metrics"] = dict(self.metrics)
+        if self.id is not None:
+            out["id"] = self.id
+        if self.base is not None:
+            out["base"] = self.base.to_dict()
+        if self.stored_bytes is not None:
+            out["stored_bytes"] = self.stored_bytes
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> Manifest:
+        if not isinstance(data, dict):
+            raise FormatError(f"manifest must be a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise FormatError(f"manifest has no valid format_version (got {version!r})")
+        if version > FORMAT_VERSION or version < 1:
+            raise FormatError(
+                f"checkpoint format version {version} is not supported by this arrayckpt "
+                f"(reads versions 1..{FORMAT_VERSION}); upgrade arrayckpt"
+            )
+        step = data.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise FormatError(f"manifest 'step' must be an integer or null, got {step!r}")
+        entries = data.get("entries")
+        if not isinstance(entries, dict):
+            raise FormatError("manifest 'entries' must be a JSON object")
+        containers = data.get("containers", {})
+        if not isinstance(containers, dict) or not all(v in ("list", "tuple") for v in containers.values()):
+            raise FormatError(f"manifest 'containers' must map prefixes to 'list' or 'tuple', got {containers!r}")
+        created = data.get("created", {})
+        if not isinstance(created, dict):
+            raise FormatError("manifest 'created' must be a JSON object")
+        parsed = {key: parse_entry(key, value) for key, value in entries.items()}
+        identity = data.get("id")
+        if identity is not None and not isinstance(identity, str):
+            raise FormatError(f"manifest 'id' must be a string, got {identity!r}")
+        base = BaseRef.from_dict(data["base"]) if data.get("base") is not None else None
+        if base is None and any(isinstance(e, ArrayEntry) and e.delta is not None for e in parsed.values()):
+            raise FormatError("manifest has delta entries but no 'base'")
+        stored = data.get("stored_bytes")
+        if stored is not None and (not isinstance(stored, int) or isinstance(stored, bool) or stored < 0):
+            raise FormatError(f"manifest 'stored_bytes' must be a non-negative integer, got {stored!r}")
+        return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})), identity,
+                   base, stored)
+
+
+def parse_metrics(metrics: object) -> dict[str, float]:
+    """Metrics: a JSON object of finite numbers by name."""
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for k, v in metrics.items()
+    ):
+        raise FormatError(f"metrics must map names to finite numbers, got {metrics!r}")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _parse_shape(shape: object, key: str) -> tuple[int, ...]:
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
+    ):
+        raise FormatError(f"entry {key!r}: shape {shape!r} must be a list of non-negative integers")
+    return tuple(shape)
+
+
+def parse_entry(key: object, data: object) -> Entry:
+    """Parse one manifest entry, refusing anything unexpected."""
+    if not isinstance(key, str):
+        raise FormatError(f"entry name {key!r} must be a string")
+    if not isinstance(data, dict):
+        raise FormatError(f"entry {key!r} must be a JSON object")
+    kind = data.get("kind")
+    parts = parse_key_parts(data.get("keys"), key)
+    if kind in ("tensor", "ndarray"):
+        parse_array_path(data.get("path"), key)
+        try:
+            dtype = dtype_by_name(data.get("dtype"))
+        except FormatError as e:
+            raise FormatError(f"entry {key!r}: {e}") from None
+        shape = _parse_shape(data.get("shape"), key)
+        delta = _parse_delta(data["delta"], key, shape) if data.get("delta") is not None else None
+        return ArrayEntry(key, parts, dtype, shape, kind, delta)
+    if kind == "value":
+        if "value" not in data:
+            raise FormatError(f"entry {key!r}: value entry has no 'value'")
+        return ValueEntry(key, parts, data["value"])
+    if kind == "pickle":
+        parse_array_path(data.get("path"), key)
+        nbytes = data.get("nbytes")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise FormatError(f"entry {key!r}: 'nbytes' must be a non-negative integer, got {nbytes!r}")
+        return PickleEntry(key, parts, nbytes)
+    if kind == "per_rank":
+        ranks = data.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise FormatError(f"entry {key!r}: 'ranks' must be a non-empty list")
+        return PerRankEntry(key, parts, tuple(_parse_per_rank_item(key, parts, item) for item in ranks))
+    raise FormatError(
+        f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle, per_rank"
+    )
+
+
+def _nonneg_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_delta(data: object, key: str, shape: tuple[int, ...]) -> Delta:
+    if not isinstance(data, dict) or data.get("mode") not in ("chunks", "rows"):
+        raise FormatError(f"entry {key!r}: 'delta' must be an object with mode 'chunks' or 'rows', got {data!r}")
+    if data["mode"] == "chunks":
+        present = data.get("present")
+        if not isinstance(present, list) or not all(_nonneg_int(i) for i in present):
+            raise FormatError(f"entry {key!r}: delta 'present' must be a list of chunk indices")
+        return Delta("chunks", tuple(present))
+    rows = data.get("rows")
+    if not shape or not _nonneg_int(rows):
+        raise FormatError(f"entry {key!r}: a rows delta needs an array of at least 1 dimension and a row count")
+    quantized = data.get("quantized")
+    if quantized is not None:
+        if not (isinstance(quantized, dict) and quantized.get("bits") in (4, 8)
+                and isinstance(quantized.get("max_abs_error"), (int, float))
+                and not isinstance(quantized.get("max_abs_error"), bool)):
+            raise FormatError(f"entry {key!r}: delta 'quantized' must be {{bits: 4|8, max_abs_error}}")
+        return Delta("rows", rows=rows, quantized=Quantization(quantized["bits"], float(quantized["max_abs_error"])))
+    return Delta("rows", rows=rows)
+
+
+def _parse_per_rank_item(key: str, parts: Key, item: object) -> ValueEntry | ArrayEntry | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict):
+        raise FormatError(f"entry {key!r}: per-rank item {item!r} must be an object or null")
+    if "value" in item:
+        return ValueEntry(key, parts, item["value"])
+    kind = item.get("kind", "tensor")
+    if kind not in ("tensor", "ndarray"):
+        raise FormatError(f"entry {key!r}: per-rank item kind {kind!r} must be tensor or ndarray")
+    try:
+        dtype = dtype_by_name(item.get("dtype"))
+    except FormatError as e:
+        raise FormatError(f"entry {key!r}: {e}") from None
+    return ArrayEntry(key, parts, dtype, _parse_shape(item.get("shape"), key), kind)
+
+
+def _group_paths(array_paths: list[str]) -> list[str]:
+    """Every intermediate group path above the given arrays (Zarr v3 has no implicit groups)."""
+    groups: set[str] = set()
+    for path in array_paths:
+        segments = path.split("/")
+        groups.update("/".join(segments[:i]) for i in range(1, len(segments)))
+    return sorted(groups)
+
+
+GROUP_METADATA: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def node_documents(arrays: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``zarr.json`` documents for every array and every intermediate group, by path."""
+    nodes: dict[str, dict[str, Any]] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
+    nodes.update(arrays)
+    return nodes
+
+
+def root_document(manifest: Manifest, nodes: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The root ``zarr.json``: the manifest plus consolidated metadata of every node below."""
+    return {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {MANIFEST_ATTRIBUTE: manifest.to_dict()},
+        "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": dict(nodes)},
+    }
+
+
+def _positive_ints(value: object, length: int) -> bool:
+    return isinstance(value, list) and len(value) == length and all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62 for n in value)
+
+
+def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: str, where: str) -> dict[str, Any]:
+    """Validate one array's (consolidated) metadata before anything acts on it: the fields arrayckpt relies
+    on must have the right types and agree with the manifest; codecs are checked by the reader."""
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: array metadata {what}")
+
+    if not isinstance(metadata, dict) or metadata.get("node_type") != "array" or metadata.get("zarr_format") != 3:
+        raise bad("is missing or not a Zarr v3 array")
+    if metadata.get("data_type") != data_type:
+        raise bad(f"data_type {metadata.get('data_type')!r} does not match the manifest's {data_type!r}")
+    if metadata.get("shape") != list(shape):
+        raise bad(f"shape {metadata.get('shape')!r} does not match the manifest's {list(shape)}")
+    grid = metadata.get("chunk_grid")
+    if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(grid.get("configuration"), dict)
+            and _positive_ints(grid["configuration"].get("chunk_shape"), len(shape))):
+        raise bad(f"chunk_grid {grid!r} is not a regular grid of positive chunk extents, one per dimension")
+    encoding = metadata.get("chunk_key_encoding")
+    if not (isinstance(encoding, dict) and encoding.get("name") in KEY_ENCODINGS
+            and isinstance(encoding.get("configuration", {}), dict)
+            and _separator(encoding) in ("/", ".")):
+        raise bad(f"chunk_key_encoding {encoding!r} is not the 'default' or 'v2' encoding with '/' or '.'")
+    codecs = metadata.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
+        raise bad(f"codecs {codecs!r} are not a list of codec objects")
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        config = codecs[0].get("configuration")
+        if not (isinstance(config, dict) and _positive_ints(config.get("chunk_shape"), len(shape))
+                and all(o % i == 0 for o, i in zip(grid["configuration"]["chunk_shape"], config["chunk_shape"],
+                                                   strict=True))):
+            raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
+    return metadata
+
+
+# Zarr v3's chunk key encodings. arrayckpt writes "default" with "." ("c.0.1"); on object storage a save
+# that replaces a committed checkpoint uses the other one, so its chunks never overwrite the old ones.
+KEY_ENCODINGS = ("default", "v2")
+
+
+def _separator(encoding: dict[str, Any]) -> str:
+    default = "/" if encoding.get("name") == "default" else "."
+    return str(encoding.get("configuration", {}).get("separator", default))
+
+
+def grid_counts(metadata: dict[str, Any]) -> list[int]:
+    """Chunks per dimension of an array's (outer) chunk grid."""
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    return [-(-n // c) for n, c in zip(metadata["shape"], chunks, strict=True)]
+
+
+def is_arrayckpt_root(document: object) -> bool:
+    """Whether a parsed root ``zarr.json`` is arrayckpt's (it carries the manifest); a foreign Zarr group is not."""
+    return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
+        MANIFEST_ATTRIBUTE in document["attributes"]
+
+
+def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
+    """The key of chunk ``grid_index`` below its array (``c.1.0`` or ``c`` for 0-d with the default encoding;
+    ``1.0`` or ``0`` with the v2 encoding)."""
+    encoding = metadata.get("chunk_key_encoding", {})
+    if encoding.get("name") == "v2":
+        return _separator(encoding).join(str(i) for i in grid_index) or "0"
+    return _separator(encoding).join(["c", *(str(i) for i in grid_index)])
+
+
+def parse_chunk_key(metadata: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The grid index a chunk key names, if it is a valid key of this array (right encoding, inside the grid)."""
+    shape = metadata.get("shape", [])
+    chunks = metadata.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [])
+    encoding = metadata.get("chunk_key_encoding", {})
+    separator = _separator(encoding)
+    parts = name.split(separator) if name else []
+    if encoding.get("name") == "v2":
+        if not shape:
+            return () if name == "0" else None
+    else:
+        if not parts or parts[0] != "c":
+            return None
+        parts = parts[1:]
+    if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+        return None
+    index = tuple(int(p) for p in parts)
+    grid = [-(-n // c) for n, c in zip(shape, chunks, strict=False)]
+    return index if all(0 <= i < g for i, g in zip(index, grid, strict=False)) else None
+
+
+def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:
+    """:func:`root_document` serialised, reusing the JSON text of the consolidated node metadata (which a
+    repeated save with the same layout does not need to encode again)."""
+    return (
+        '{"zarr_format": 3, "node_type": "group", "attributes": {"' + MANIFEST_ATTRIBUTE + '": '
+        + json.dumps(manifest.to_dict())
+        + '}, "consolidated_metadata": {"kind": "inline", "must_understand": false, "metadata": '
+        + consolidated_json + "}}"
+    ).encode()
+
+
+def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, dict[str, Any]]]:
+    """The manifest and consolidated node metadata of a root ``zarr.json``."""
+    if not isinstance(document, dict) or document.get("zarr_format") != 3 or document.get("node_type") != "group":
+        raise FormatError(f"{where}: root zarr.json is not a Zarr v3 group")
+    attributes = document.get("attributes")
+    if not isinstance(attributes, dict) or MANIFEST_ATTRIBUTE not in attributes:
+        raise FormatError(f"{where}: root group has no '{MANIFEST_ATTRIBUTE}' manifest; not an arrayckpt checkpoint")
+    try:
+        manifest = Manifest.from_dict(attributes[MANIFEST_ATTRIBUTE])
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    consolidated = document.get("consolidated_metadata")
+    metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
+    return manifest, metadata

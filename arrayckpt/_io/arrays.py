@@ -1,0 +1,208 @@
+"""Array IO through TensorStore: many arrays written or read concurrently, errors named by key.
+
+Specs are built by pure functions (cf. Orbax ``tensorstore_utils.py``). Every array is opened with
+``assume_metadata`` and the metadata arrayckpt planned or read from the root's consolidated metadata,
+so opening costs no storage request. Missing chunks are errors (``fill_missing_data_reads: false``)
+and chunks equal to the fill value are still written (``store_data_equal_to_fill_value: true``), so a
+missing chunk can never read back as zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .._errors import CorruptCheckpointError, FormatError, StorageError
+from .._io.fastio import RowLayout, read_rows, row_layout, write_rows
+
+__all__ = ["ArrayIO", "array_spec", "collector_paused", "open_array", "read_context", "read_into", "write_all",
+           "write_context"]
+
+FILE_IO_CONCURRENCY = 32
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a synchronous save or load: describing, planning and
+    reading thousands of tensors allocates enough objects to trigger full collections over the whole heap
+    (measured: ~8% of a 1 GiB, 2,186-tensor save on tmpfs). The caller is blocked meanwhile, so nothing else
+    piles up garbage; asynchronous saves leave it alone (training runs on)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def write_context() -> ts.Context:
+    """A TensorStore context for one save: no per-file fsync (one flush at commit, see ``_storage``)."""
+    return ts.Context({"file_io_sync": False, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
+
+
+def read_context() -> ts.Context:
+    """A TensorStore context for reading: local files are memory-mapped, which saves one copy per chunk
+    (measured ~1.7x faster loads). Committed chunk files are never modified in place, so a mapping
+    cannot see a file change under it."""
+    return ts.Context({"file_io_mode": {"mode": "memmap"}, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
+
+
+def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """The zarr3 driver spec of one array whose metadata is known up front."""
+    return {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "metadata": metadata,
+        "fill_missing_data_reads": False,
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: str = "") -> ts.TensorStore:
+    """Open one array without touching storage (metadata is assumed from the spec)."""
+    return _result(_start_open(spec, context, key, where), key, where, "open")
+
+
+def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:
+    """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
+    try:
+        return ts.open(spec, open=True, assume_metadata=True, context=context)
+    except Exception as e:
+        raise FormatError(f"{where}: tensor {key!r}: TensorStore refuses the array metadata: {e}") from e
+
+
+@dataclass(frozen=True)
+class ArrayIO:
+    """One array transfer: the named array's spec and the host memory it goes from or to."""
+
+    key: str
+    spec: dict[str, Any]
+    data: np.ndarray
+    index: tuple[slice, ...] | None = None  # the part of the array ``data`` covers (None: all of it)
+
+
+def _describe(error: BaseException) -> str:
+    return str(error).strip() or type(error).__name__
+
+
+def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
+    """Write every array's data concurrently and wait; the source memory must stay unchanged.
+
+    Uncompressed row-chunked arrays on local disk take the fast path (``_fastio``); the rest, and
+    anything the fast path declines, go through TensorStore at the same time.
+    """
+    fast, slow = _split_fast(jobs)
+    with ThreadPoolExecutor(1) as background:
+        pending = background.submit(_transfer, slow, context, where, "write", _write_store)
+        declined = write_rows([job for _, job in fast], where)
+        pending.result()
+    _transfer([fast[i][0] for i in declined], context, where, "write", _write_store)
+
+
+def _write_store(store: Any, job: ArrayIO) -> Any:
+    """Start one write. TensorStore may keep referring to the source memory instead of copying it (we wait
+    before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
+    reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
+    keep = job.spec.get("kvstore", {}).get("driver") != "memory"
+    return store.write(job.data, can_reference_source_data_indefinitely=keep)
+
+
+def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
+    """Read every array concurrently straight into the given (writable) memory (fast path as for writes)."""
+    fast, slow = _split_fast(jobs)
+    with ThreadPoolExecutor(1) as background:
+        pending = background.submit(_transfer, slow, context, where, "read", _read_store)
+        declined = read_rows([job for _, job in fast], where)
+        pending.result()
+    _transfer([fast[i][0] for i in declined], context, where, "read", _read_store)
+
+
+def _read_store(store: Any, job: ArrayIO) -> Any:
+    return ts.array(job.data, copy=False, write=True).write(store)
+
+
+def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:
+    """Jobs the local fast path can take (with its arguments), and the rest."""
+    fast, slow = [], []
+    for job in jobs:
+        kvstore = job.spec.get("kvstore", {})
+        layout = row_layout(job.spec["metadata"]) if kvstore.get("driver") == "file" else None
+        first = _first_row(job, layout) if layout is not None else None
+        if first is None:
+            slow.append(job)
+        else:
+            fast.append((job, (job.key, kvstore["path"], layout, first, job.data)))
+    return fast, slow
+
+
+def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:
+    """The first row ``job.index`` selects, when it selects whole rows only (else ``None``)."""
+    if job.index is None or layout.ndim == 0:
+        return 0
+    shape = job.spec["metadata"]["shape"]
+    rows, *rest = job.index
+    if rows.step not in (None, 1) or any((s.start or 0, s.stop, s.step) != (0, n, None) and
+                                         (s.start, s.stop, s.step) != (None, None, None)
+                                         for s, n in zip(rest, shape[1:], strict=True)):
+        return None
+    return rows.start or 0
+
+
+def _transfer(
+    jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, ArrayIO], Any]
+) -> None:
+    """Open all arrays, start every transfer, then wait for all of them (none is left running)."""
+    opened = [_start_open(job.spec, context, job.key, where) for job in jobs]
+    pending = []
+    try:
+        for job, future in zip(jobs, opened, strict=True):
+            store = _result(future, job.key, where, "open")
+            pending.append((job, start(store if job.index is None else store[job.index], job)))
+    finally:  # even when an open fails, never return while transfers still use the memory
+        _wait_all(pending, where, action)
+
+
+def _result(future: Any, key: str, where: str, action: str) -> Any:
+    try:
+        return future.result()
+    except Exception as e:  # TensorStore raises ValueError/RuntimeError carrying a status code
+        raise _wrap(e, key, where, action) from e
+
+
+def _wait_all(pending: list[tuple[ArrayIO, Any]], where: str, action: str) -> None:
+    """Wait for every transfer, then raise the first failure (named) so none is left running."""
+    first: BaseException | None = None
+    for job, future in pending:
+        try:
+            future.result()
+        except Exception as e:
+            first = first or _wrap(e, job.key, where, action)
+    if first is not None:
+        raise first
+
+
+def _wrap(error: BaseException, key: str, where: str, action: str) -> Exception:
+    message = f"{where}: tensor {key!r}: {action} failed: {_describe(error)}"
+    wrapped: Exception = StorageError(message) if action == "write" else read_failure(message, error)
+    wrapped.__cause__ = error
+    return wrapped
+
+
+# TensorStore status codes of a store that could not be reached or refused access (ABORTED: its retries were used
+# up), as opposed to what it holds being damaged or missing (NOT_FOUND, DATA_LOSS, decoding errors).
+_UNREACHABLE = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                "RESOURCE_EXHAUSTED")
+
+
+def read_failure(message: str, error: BaseException) -> Exception:
+    """The error for a failed read: a :class:`StorageError` when the storage could not be reached (nothing says
+    the data is bad), else a :class:`CorruptCheckpointError`."""
+    return (StorageError if _describe(error).startswith(_UNREACHABLE) else CorruptCheckpointError)(message)

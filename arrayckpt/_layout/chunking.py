@@ -1,0 +1,173 @@
+"""Planning: each array's chunk grid and its complete Zarr v3 metadata, computed without IO.
+
+The chunk grid follows the rank shards (with one process the whole tensor is one shard). Within a
+shard, the outer chunk is the write unit (one file, one storage request) and the inner chunk, through
+Zarr's ``sharding_indexed`` codec, is the read unit, so a slice read fetches only the inner chunks it
+touches. Outer chunks are whole multiples of inner chunks along the split dimension, as the sharding
+codec requires.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from .._format.codecs import Codec, codec_pipeline, sharded_pipeline
+from .._format.dtypes import DType
+from .._layout.box import Box
+
+__all__ = [
+    "INNER_CHUNK_BYTES",
+    "OUTER_CHUNK_BYTES",
+    "ArrayPlan",
+    "array_metadata",
+    "choose_chunks",
+    "plan_array",
+    "shard_grid",
+]
+
+INNER_CHUNK_BYTES = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
+OUTER_CHUNK_BYTES = 64 << 20  # write unit: one file per outer chunk; several per big tensor for parallelism
+CHUNK_KEY_SEPARATOR = "."  # chunk files "c.0.1" beside zarr.json: no directory per chunk row
+MIN_INNER_CHUNK_BYTES = 256 << 10  # smaller read units cost more in index entries and calls than they save
+INNER_CHUNKS_PER_SHARD = 16  # a shard read at another sharding fetches at most ~2/16 of a shard too much
+# Chunks forced (by awkward shard steps) 16x below their target and under 32 KiB cost more than they help.
+FRAGMENTATION_LIMIT = 16
+SMALLEST_CHUNK_BYTES = 32 << 10
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """Where and how one array is stored."""
+
+    key: str
+    path: str
+    dtype: DType
+    shape: tuple[int, ...]
+    outer_chunk: tuple[int, ...]
+    inner_chunk: tuple[int, ...]
+    codec: Codec
+    key_encoding: str = "default"  # "v2" only where a save must not reuse the chunk keys of the one it replaces
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """The array's ``zarr.json`` document (computed once; see :func:`array_metadata`)."""
+        return array_metadata(self)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether inner chunks are packed into outer chunks (only when there is more than one)."""
+        return self.inner_chunk != self.outer_chunk
+
+
+def _split(shape: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...]:
+    """Chunk shape of at most ``target`` bytes, splitting the leading dimensions first.
+
+    Dimension ``d`` is cut into equal pieces when one index along it (all later dimensions whole)
+    fits the target; otherwise it is cut to 1 and the next dimension is split.
+    """
+    chunk = [max(1, n) for n in shape]
+    for d in range(len(shape)):
+        unit = itemsize * math.prod(chunk[d + 1 :])
+        if unit * chunk[d] <= target:
+            break
+        if unit <= target:
+            pieces = math.ceil(chunk[d] * unit / target)
+            chunk[d] = min(math.ceil(chunk[d] / pieces), target // unit)  # balanced, never over target
+            break
+        chunk[d] = 1
+    return tuple(chunk)
+
+
+def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int | None, ...]:
+    """Per dimension, the step every shard boundary is a multiple of (``None``: the dimension is not split).
+
+    ``torch.chunk``-style splits (DTensor ``Shard(d)``) have boundaries at multiples of
+    ``ceil(n / parts)``, so the step is that size even when the last shard is short (7 rows over 3 ranks:
+    boundaries 3 and 6, step 3). Arbitrary offsets give the greatest common divisor of the boundaries.
+    """
+    interior: list[set[int]] = [set() for _ in shape]
+    for box in boxes:
+        for d, (start, stop) in enumerate(zip(box.offset, box.stop, strict=True)):
+            interior[d].update(b for b in (start, stop) if 0 < b < shape[d])
+    return tuple(math.gcd(*bounds) if bounds else None for bounds in interior)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is ``<= limit`` (at least 1)."""
+    best = 1
+    for small in range(1, math.isqrt(n) + 1):
+        if n % small == 0:
+            for d in (small, n // small):
+                if best < d <= limit:
+                    best = d
+    return best
+
+
+def _fit(chunk: tuple[int, ...], steps: tuple[int | None, ...]) -> tuple[int, ...]:
+    """Shrink each chunk extent to a divisor of its dimension's shard step, so chunks never straddle shards."""
+    return tuple(c if s is None else _largest_divisor_at_most(s, c) for c, s in zip(chunk, steps, strict=True))
+
+
+def _fragmented(fitted: tuple[int, ...], wanted: tuple[int, ...], itemsize: int) -> bool:
+    """Whether fitting to the shard steps left chunks far smaller than wanted and absolutely small."""
+    size = itemsize * math.prod(fitted)
+    return size * FRAGMENTATION_LIMIT < itemsize * math.prod(wanted) and size < SMALLEST_CHUNK_BYTES
+
+
+def choose_chunks(
+    shape: tuple[int, ...], itemsize: int, steps: tuple[int | None, ...] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(outer, inner) chunk shapes; with ``steps`` (see :func:`shard_grid`) outer chunks tile every shard.
+
+    The inner chunk comes first, about :data:`INNER_CHUNK_BYTES`; the outer chunk is the largest
+    multiple of it, dimension by dimension, within :data:`OUTER_CHUNK_BYTES` and within one shard.
+    When shard steps have no divisor near the target (a prime number of rows per rank), inner chunks
+    would be tiny, so the layout falls back to unsharded chunks the size of the outer target.
+    """
+    steps = steps or (None,) * len(shape)
+    cell = tuple(s or max(1, n) for s, n in zip(steps, shape, strict=True))
+    # Inner chunks of ~1/16 of a shard (within [MIN_INNER_CHUNK_BYTES, INNER_CHUNK_BYTES]), so that a
+    # load at another sharding reads little more than it needs, even when shards are small.
+    shard_bytes = itemsize * math.prod(cell)
+    inner_target = min(INNER_CHUNK_BYTES, max(MIN_INNER_CHUNK_BYTES, shard_bytes // INNER_CHUNKS_PER_SHARD))
+    wanted = _split(cell, itemsize, inner_target)
+    inner = _fit(wanted, steps)
+    if _fragmented(inner, wanted, itemsize):
+        wanted_outer = _split(cell, itemsize, OUTER_CHUNK_BYTES)
+        outer = _fit(wanted_outer, steps)
+        if _fragmented(outer, wanted_outer, itemsize):
+            outer = cell  # no useful divisor at all (a prime step): one chunk per shard, however big
+        return outer, outer
+    counts = [math.ceil(c / i) for c, i in zip(cell, inner, strict=True)]
+    grouped = _fit(_split(tuple(counts), itemsize * math.prod(inner), OUTER_CHUNK_BYTES),
+                   tuple(None if s is None else cnt for s, cnt in zip(steps, counts, strict=True)))
+    # An outer chunk may reach past the array's edge (Zarr allows partial edge chunks); it must stay a
+    # whole multiple of the inner chunk for the sharding codec.
+    return tuple(g * c for g, c in zip(grouped, inner, strict=True)), inner
+
+
+def plan_array(key: str, path: str, dtype: DType, shape: tuple[int, ...], codec: Codec) -> ArrayPlan:
+    """Plan one array written whole by one process."""
+    outer, inner = choose_chunks(shape, dtype.itemsize)
+    return ArrayPlan(key, path, dtype, shape, outer, inner, codec)
+
+
+def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
+    """The array's ``zarr.json`` document (also stored in the root's consolidated metadata)."""
+    chunk_codecs = codec_pipeline(plan.codec, plan.dtype.itemsize)
+    codecs = sharded_pipeline(list(plan.inner_chunk), chunk_codecs) if plan.sharded else chunk_codecs
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(plan.shape),
+        "data_type": plan.dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.outer_chunk)}},
+        "chunk_key_encoding": {"name": plan.key_encoding, "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
+        "fill_value": plan.dtype.fill_value,
+        "codecs": codecs,
+        "attributes": {"arrayckpt": {"key": plan.key}},
+    }

@@ -1,0 +1,220 @@
+"""Reading through a delta chain: each read of a box becomes plain reads from the layers that hold it,
+plus row overlays applied afterwards, oldest first.
+
+For a box of a key, a layer answers:
+
+- stored whole (no delta): one read of the box from this layer;
+- ``chunks`` delta: per chunk of its grid meeting the box, a read from this layer if the chunk is present,
+  else the same question asked of the base for that part;
+- ``rows`` delta: the base answers for the whole box, then this layer's changed rows that fall inside the
+  box are written over it.
+
+The plain reads of one box never overlap, so they run concurrently (``_io.read_into``); overlays run
+after them. Bit-exact by construction: every byte comes from the newest layer that stored it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import ArrayckptError, CorruptCheckpointError
+from .._format.manifest import ArrayEntry
+from .._io.arrays import ArrayIO, open_array, read_into
+from .._layout.box import Box
+from .._layout.delta import _cells
+
+if TYPE_CHECKING:
+    from .._read.checkpoint import Checkpoint
+
+__all__ = ["Overlay", "dense_grid", "dense_layer", "read_box", "read_plan"]
+
+Overlay = Callable[[], None]
+
+
+def _entry(checkpoint: Checkpoint, key: str, above: ArrayEntry | None = None) -> ArrayEntry:
+    """``key``'s entry in ``checkpoint``; with ``above`` (the entry of the delta reading through it), it must
+    be a tensor of the same dtype and shape, or the chain is inconsistent."""
+    entry = checkpoint.manifest.entries.get(key)
+    if not isinstance(entry, ArrayEntry):
+        raise CorruptCheckpointError(f"{checkpoint.location}: a delta checkpoint reads tensor {key!r} through this "
+                                     "base, which does not hold it")
+    if above is not None and (entry.dtype != above.dtype or entry.shape != above.shape):
+        raise CorruptCheckpointError(
+            f"{checkpoint.location}: tensor {key!r} is {entry.dtype.name}{list(entry.shape)} here but "
+            f"{above.dtype.name}{list(above.shape)} in the delta checkpoint that reads through this base")
+    return entry
+
+
+def dense_layer(checkpoint: Checkpoint, key: str) -> Checkpoint:
+    """The nearest layer of the chain (``checkpoint`` itself or a base) that stores ``key`` as an array of its
+    own shape: a full array or a chunks delta (a rows delta has only rows)."""
+    layer, entry = checkpoint, _entry(checkpoint, key)
+    while entry.delta is not None and entry.delta.mode == "rows":
+        layer = layer.base
+        entry = _entry(layer, key, entry)
+    return layer
+
+
+def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
+    """The read-chunk shape of the nearest dense layer of ``key`` (inner chunks when sharded): the grid a
+    delta of ``key`` against this checkpoint compares and stores chunks on."""
+    metadata = dense_layer(checkpoint, key)[key].metadata
+    codecs = metadata.get("codecs", [])
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        return tuple(codecs[0]["configuration"]["chunk_shape"])
+    return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+
+
+def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
+    """The reads (and overlays, to run after them in order) that fill ``out`` with ``box`` of ``key``."""
+    entry = _entry(checkpoint, key)
+    if entry.delta is None:
+        return [ArrayIO(key, checkpoint[key].spec, out, box.slices() if box.shape else None)], []
+    base = checkpoint.base
+    _entry(base, key, entry)
+    if entry.delta.mode == "rows":
+        jobs, overlays = read_plan(base, key, box, out)
+        return jobs, [*overlays, lambda: _overlay_rows(checkpoint, entry, box, out)]
+    metadata = checkpoint[key].metadata
+    grid = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    present = checkpoint._present(key)
+    cells = _cells(box, grid, entry.shape) if box.size else []
+    if not any(flat in present for flat, _ in cells):
+        return read_plan(base, key, box, out)
+    jobs: list[ArrayIO] = []
+    overlays: list[Overlay] = []
+    spec = checkpoint[key].spec
+    for flat, cell in cells:
+        part = cell.intersect(box)
+        if part is None:
+            continue
+        view = out[part.relative_to(box)]
+        if flat in present:
+            jobs.append(ArrayIO(key, spec, view, part.slices()))
+        else:
+            more, later = read_plan(base, key, part, view)
+            jobs.extend(more)
+            overlays.extend(later)
+    return jobs, overlays
+
+
+def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
+    """Fill ``out`` (shaped like ``box``) with that part of ``key``, through the chain."""
+    _read(checkpoint, key, [(box, out)])
+
+
+def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.ndarray]:
+    """Several boxes of ``key`` into new arrays, read concurrently through the chain."""
+    entry = _entry(checkpoint, key)
+    outs = [np.empty(box.shape, entry.dtype.numpy) for box in boxes]
+    _read(checkpoint, key, list(zip(boxes, outs, strict=True)))
+    return outs
+
+
+def _read(checkpoint: Checkpoint, key: str, targets: list[tuple[Box, np.ndarray]]) -> None:
+    """All plain reads of all targets at once, then the overlays in order; a failure caused by the checkpoint
+    being replaced meanwhile says so, and a success is checked not to have been overtaken by one."""
+    jobs: list[ArrayIO] = []
+    overlays: list[Overlay] = []
+    for box, out in targets:
+        more, later = read_plan(checkpoint, key, box, out)
+        jobs.extend(more)
+        overlays.extend(later)
+    try:
+        read_into(jobs, checkpoint._context, str(checkpoint.location))
+        for overlay in overlays:
+            overlay()
+    except ArrayckptError as e:
+        checkpoint.raise_if_replaced(e)
+        raise
+    checkpoint.check_unchanged()
+
+
+def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
+    """Write this layer's changed rows that fall in ``box`` over ``out``."""
+    rows = checkpoint._delta_rows(entry.key)
+    positions = np.flatnonzero((rows >= box.offset[0]) & (rows < box.stop[0]))
+    if not len(positions):
+        return
+    values = _row_values(checkpoint, entry, positions)
+    columns = tuple(slice(o, o + n) for o, n in zip(box.offset[1:], box.shape[1:], strict=True))
+    out[rows[positions] - box.offset[0]] = values[(slice(None), *columns)]  # out covers exactly the box
+
+
+def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
+    spec = checkpoint._delta_spec(entry, name)
+    where = str(checkpoint.location)
+    store = open_array(spec, checkpoint._context, entry.key, where)
+    try:
+        return np.asarray(store[positions].read().result())
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: "
+                                     f"{e}") from e
+
+
+def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:
+    """The stored new values of the rows at ``positions`` of a rows delta, dequantized if they are codes."""
+    assert entry.delta is not None
+    quantized = entry.delta.quantized
+    if quantized is None:
+        return _read_rows_of(checkpoint, entry, "values", positions)
+    from .._format.quant import QuantizedRows, dequantize_rows
+
+    codes = _read_rows_of(checkpoint, entry, "codes", positions)
+    q = QuantizedRows(codes, _read_rows_of(checkpoint, entry, "scale", positions),
+                      _read_rows_of(checkpoint, entry, "offset", positions), quantized.bits,
+                      int(np.prod(entry.shape[1:], dtype=np.int64)))
+    return dequantize_rows(q, entry.dtype.numpy).reshape(len(positions), *entry.shape[1:])
+
+
+def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
+    """A numpy basic index (ints, slices with positive steps, ``...``) normalised as numpy reads it: ``...``
+    expanded, negative positions counted from the end, slices clipped to the shape; an integer out of range
+    raises :class:`IndexError` as numpy does. ``None`` for anything else (advanced indexing, ``None``, negative
+    steps), which the caller leaves to numpy on the whole array."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if sum(part is Ellipsis for part in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if any(part is Ellipsis for part in index):
+        at = next(i for i, part in enumerate(index) if part is Ellipsis)
+        index = (*index[:at], *(slice(None),) * (len(shape) - len(index) + 1), *index[at + 1:])
+    if len(index) > len(shape):
+        if all(isinstance(part, (int, np.integer, slice)) for part in index):
+            raise IndexError(f"too many indices: the array has {len(shape)} dimension(s), the index {len(index)}")
+        return None
+    out: list[int | slice] = []
+    for axis, (part, n) in enumerate(zip((*index, *(slice(None),) * (len(shape) - len(index))), shape, strict=True)):
+        if isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_)):
+            i = int(part) + n if part < 0 else int(part)
+            if not 0 <= i < n:
+                raise IndexError(f"index {int(part)} is out of bounds for axis {axis} with size {n}")
+            out.append(i)
+        elif isinstance(part, slice) and (part.step is None or part.step > 0):
+            lo, hi, step = part.indices(n)
+            out.append(slice(lo, max(hi, lo), step))
+        else:
+            return None
+    return tuple(out)
+
+
+def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, Any] | None:
+    """For a basic index (see :func:`basic_index`): the box it touches and the same index relative to that box;
+    ``None`` for anything else (the caller reads everything)."""
+    normal = basic_index(index, shape)
+    if normal is None:
+        return None
+    start, size, relative = [], [], []
+    for part in normal:
+        if isinstance(part, int):
+            start.append(part)
+            size.append(1)
+            relative.append(0)
+        else:
+            start.append(part.start)
+            size.append(part.stop - part.start)
+            relative.append(slice(0, part.stop - part.start, part.step))
+    return Box(tuple(start), tuple(size)), tuple(relative)

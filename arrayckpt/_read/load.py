@@ -1,0 +1,292 @@
+"""``load``: read a checkpoint in place into the tensors of a state, then hand state dicts back."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
+from .._format.dtypes import dtype_of_numpy
+from .._format.keys import dotted
+from .._format.manifest import ArrayEntry, Entry, PerRankEntry
+from .._format.values import decode_value
+from .._io.arrays import ArrayIO, collector_paused, read_into
+from .._layout.box import Box, PerRank, Shard, to_local_box
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._torch.dist import Group, resolve_group
+from .._torch.readonce import split_reads
+from .._torch.state import Leaf, StatefulNode, Walk, walk
+from .._torch.tensors import writable_numpy
+
+__all__ = ["LoadResult", "load"]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``load`` could not match: keys of the state absent from the checkpoint, and the reverse."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    process_group: Any = None,
+    read_once: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoadResult:
+    """Load the checkpoint at ``path`` into ``state`` in place.
+
+    Tensors are filled in place (read straight into their memory when on the CPU); plain values are
+    replaced in their dicts and lists; objects with ``load_state_dict`` get their filled state dict
+    back. Optimizers and other non-module stateful objects get state they lack created from the
+    checkpoint (a fresh optimizer has no per-parameter state yet). Shapes and dtypes must match
+    exactly. With ``strict=True`` keys of ``state`` missing from the checkpoint raise
+    :class:`KeyMismatchError`; either way the result lists missing and unexpected keys. Everything
+    is checked before the first byte is read, so a mismatch leaves ``state`` untouched (damage found
+    while reading can leave some tensors loaded and others not).
+
+    With several ranks, every rank calls ``load`` with its own targets and reads only the slices they
+    hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
+    data-parallel copies of a shard — read from storage by one of them and sent to the others over the
+    process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
+    ``storage_options`` as for :func:`arrayckpt.save`.
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> arrayckpt.save({"w": torch.ones(3), "step": 5}, path)
+    >>> state = {"w": torch.zeros(3), "step": 0}
+    >>> arrayckpt.load(state, path)
+    LoadResult(missing_keys=[], unexpected_keys=[])
+    >>> state
+    {'w': tensor([1., 1., 1.]), 'step': 5}
+    """
+    group = resolve_group(process_group)
+    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle, storage_options=storage_options)
+    where = str(checkpoint.location)
+    walked = walk(state)
+    entries = checkpoint.manifest.entries
+    _create_missing(walked, entries)
+    missing = [key for key in walked.leaves if key not in entries]
+    unexpected = [key for key in entries if key not in walked.leaves]
+    if strict and missing:
+        raise KeyMismatchError(
+            f"{where}: {len(missing)} key(s) of the state are not in the checkpoint: {_few(missing)}"
+            + (f"; the checkpoint has {len(unexpected)} other key(s): {_few(unexpected)}" if unexpected else "")
+            + ". Pass strict=False to load the rest"
+        )
+    with collector_paused():
+        plan = _LoadPlan(checkpoint, group.rank, group.size)
+        for key, leaf in walked.leaves.items():
+            if key in entries:
+                plan.add(entries[key], leaf)
+        plan.run(group if read_once and group.size > 1 else None)
+    _hand_back(walked.statefuls)
+    return LoadResult(missing, unexpected)
+
+
+def _few(keys: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", … ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class _LoadPlan:
+    """How every entry reaches its leaf; built (and validated) before any array data is read."""
+
+    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int) -> None:
+        self.checkpoint = checkpoint
+        self.where = str(checkpoint.location)
+        self.rank = rank
+        self.world_size = world_size
+        self.reads: list[ArrayIO] = []
+        self.overlays: list[Any] = []  # row overlays of delta checkpoints, run after the reads, in order
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replacements: list[tuple[Leaf, Any]] = []
+
+    def run(self, share_with: Group | None = None) -> None:
+        """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
+        arriving from other ranks), then move staged data to devices and replace plain values."""
+        if share_with is None:
+            try:
+                read_into(self.reads, self.checkpoint._context, self.where)
+            except ArrayckptError as e:
+                self.checkpoint.raise_if_replaced(e)
+                raise
+        else:
+            own, exchange = split_reads(self.reads, share_with)
+            error: BaseException | None = None
+            try:
+                read_into(own, self.checkpoint._context, self.where)
+            except ArrayckptError as e:
+                error = e
+            failures = [(r, str(e)) for r, e in enumerate(share_with.all_gather(error)) if e is not None]
+            if error is not None:
+                raise error
+            if failures:  # another rank could not read what it was to send: nobody exchanges
+                rank, message = failures[0]
+                raise CorruptCheckpointError(f"rank {rank} failed to read data this rank needs: {message}")
+            exchange()
+        for overlay in self.overlays:
+            overlay()
+        self.checkpoint.check_unchanged()
+        for target, staged in self.copies:
+            target.copy_(staged)
+        for leaf, value in self.replacements:
+            leaf.parent[leaf.slot] = value
+
+    def add(self, entry: Entry, leaf: Leaf) -> None:
+        target = leaf.value
+        if isinstance(entry, PerRankEntry) or isinstance(target, PerRank):
+            self._per_rank(entry, leaf)
+        elif isinstance(entry, ArrayEntry) and isinstance(target, (torch.Tensor, Shard, np.ndarray)):
+            self._array(entry, None, target)
+        elif isinstance(entry, ArrayEntry):  # a plain value in the state: replace it with a new array
+            self._replace(leaf, self._fresh(entry, None))
+        elif isinstance(target, (torch.Tensor, Shard, np.ndarray)):
+            raise StateError(
+                f"{self.where}: {entry.key!r} is a plain value in the checkpoint but an array in the state"
+            )
+        else:
+            self._replace(leaf, self.checkpoint.value(entry.key))
+
+    def _replace(self, leaf: Leaf, value: Any) -> None:
+        if isinstance(leaf.parent, tuple):
+            raise StateError(f"{self.where}: cannot replace {dotted(leaf.parts)!r} inside a tuple; use a list")
+        self.replacements.append((leaf, value))
+
+    def _fresh(self, entry: ArrayEntry, spec: dict[str, Any] | None) -> torch.Tensor | np.ndarray:
+        fresh = _empty_like_entry(entry)
+        self._array(entry, spec, fresh)
+        return fresh
+
+    def _array(self, entry: ArrayEntry, spec: dict[str, Any] | None,
+               target: torch.Tensor | Shard | np.ndarray) -> None:
+        """Read the part of ``entry`` that ``target`` holds (a DTensor's or Shard's box, else everything);
+        ``spec`` names the array (``None``: the checkpoint's array of that key, through its chain of bases)."""
+        key = entry.key
+        if isinstance(target, np.ndarray):
+            self._check(entry, dtype_of_numpy(target.dtype), entry.dtype, target.shape)
+            if not target.flags.writeable:
+                raise StateError(f"{self.where}: numpy array {key!r} in the state is read-only")
+            self._read(entry, spec, Box.whole(entry.shape), target)
+            return
+        global_shape, box, local = to_local_box(target, key)
+        self._check(entry, local.dtype, entry.dtype.torch, global_shape)
+        if box.size == 0 and math.prod(entry.shape) != 0:
+            return  # this rank holds no part of the tensor
+        if local.device.type == "cpu":
+            self._read(entry, spec, box, writable_numpy(local, entry.dtype, key))
+        else:
+            staged = torch.empty(box.shape, dtype=entry.dtype.torch)
+            self._read(entry, spec, box, writable_numpy(staged, entry.dtype, key))
+            self.copies.append((local, staged))
+
+    def _read(self, entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> None:
+        if spec is None:
+            jobs, overlays = self.checkpoint.read_plan(entry.key, box, out)
+            self.reads.extend(jobs)
+            self.overlays.extend(overlays)
+        else:
+            self.reads.append(ArrayIO(entry.key, spec, out, box.slices() if box.shape else None))
+
+    def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
+        if have != want or tuple(shape) != entry.shape:
+            raise StateError(
+                f"{self.where}: tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)} in the checkpoint but "
+                f"{_dtype_name(have)}{list(shape)} in the state; arrayckpt never casts or reshapes silently: load "
+                "into a matching tensor and convert"
+            )
+
+    def _per_rank(self, entry: Entry, leaf: Leaf) -> None:
+        """A per-rank entry goes to a ``PerRank`` target, from this rank's saved value or the one it names."""
+        key, target = entry.key, leaf.value
+        if not isinstance(entry, PerRankEntry) or not isinstance(target, PerRank):
+            raise StateError(
+                f"{self.where}: {key!r} is {'per-rank' if isinstance(entry, PerRankEntry) else 'not per-rank'} in "
+                f"the checkpoint but {'a PerRank' if isinstance(target, PerRank) else 'not a PerRank'} in the state; "
+                "wrap it in arrayckpt.PerRank on save and on load"
+            )
+        source = self.rank if target.rank is None else target.rank
+        saved_ranks = len(entry.items)
+        if target.rank is None and saved_ranks != self.world_size:
+            raise StateError(
+                f"{self.where}: per-rank value {key!r} was saved by {saved_ranks} ranks and is loaded on "
+                f"{self.world_size}; choose the rank to take it from with PerRank(value, rank=r), or read all of "
+                "them with arrayckpt.open(path).per_rank(key)"
+            )
+        if not 0 <= source < saved_ranks or entry.items[source] is None:
+            raise StateError(f"{self.where}: per-rank value {key!r} has no value saved by rank {source}")
+        item = entry.items[source]
+        if isinstance(item, ArrayEntry):
+            spec = self.checkpoint.per_rank_spec(key, source)
+            if isinstance(target.value, (torch.Tensor, np.ndarray)):
+                self._array(item, spec, target.value)
+            else:
+                self._replace(leaf, PerRank(self._fresh(item, spec), target.rank))
+        else:
+            self._replace(leaf, PerRank(decode_value(item.value, key), target.rank))
+
+
+def _dtype_name(dtype: object) -> str:
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+
+
+def _empty_like_entry(entry: ArrayEntry) -> torch.Tensor | np.ndarray:
+    if entry.kind == "ndarray":
+        return np.empty(entry.shape, entry.dtype.numpy)
+    return torch.empty(entry.shape, dtype=entry.dtype.torch)
+
+
+def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> None:
+    """Create, inside non-module stateful objects' state dicts, entries the checkpoint has and they lack.
+
+    A fresh optimizer has an empty ``state`` until its first step; its ``load_state_dict`` accepts the
+    full state, so the checkpoint's tensors are materialised into its state dict. Modules have a fixed
+    set of keys, so for them extra checkpoint keys stay unexpected.
+    """
+    for node in walked.statefuls:
+        if isinstance(node.obj, torch.nn.Module):
+            continue
+        depth = len(node.parts)
+        for key, entry in entries.items():
+            if key in walked.leaves or entry.parts[:depth] != node.parts or len(entry.parts) == depth:
+                continue
+            _insert(walked, node, entry)
+
+
+def _insert(walked: Walk, node: StatefulNode, entry: Entry) -> None:
+    container: Any = node.state_dict
+    for i in range(len(node.parts), len(entry.parts) - 1):
+        part = entry.parts[i]
+        if not isinstance(container, dict):
+            return
+        child = container.get(part)
+        if child is None:
+            child = container[part] = {}
+        elif isinstance(child, dict) and not child:
+            walked.leaves.pop(dotted(entry.parts[: i + 1]), None)  # now a container
+        container = child
+    slot = entry.parts[-1]
+    if not isinstance(container, dict) or slot in container:
+        return
+    container[slot] = _empty_like_entry(entry) if isinstance(entry, ArrayEntry) else None
+    walked.leaves[entry.key] = Leaf(entry.parts, container[slot], container, slot)
+
+
+def _hand_back(statefuls: list[StatefulNode]) -> None:
+    """Give every stateful object its filled state dict, innermost first."""
+    for node in statefuls:
+        node.obj.load_state_dict(node.state_dict)
+
+

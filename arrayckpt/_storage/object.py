@@ -1,0 +1,473 @@
+"""Object storage (S3, GCS, TensorStore's in-memory store): a checkpoint is a key prefix.
+
+There is no rename on object storage, so the commit is the root ``zarr.json``: one PUT, written last
+by the coordinator after every chunk (S3 and GCS make a whole object visible at once, and reads after
+a write see it). A prefix holding objects but no root document is an incomplete checkpoint.
+
+Replacing a committed checkpoint must not touch it before the new one commits, yet Zarr fixes where
+each array's chunks live. Chunk keys are what can differ: Zarr v3 has two chunk key encodings, and
+arrayckpt alternates between them from one save at a prefix to the next (``default``: ``c.0.1``, ``c``
+for a 0-d array; ``v2``: ``0.1``, ``0``), so the new chunks never land on the old ones. The per-array
+``zarr.json`` documents are written only after the commit (arrayckpt and zarr-python read the root's
+consolidated copies), then the old generation's chunks and any other stale objects are deleted. Until
+the commit the old checkpoint is whole; after it, the new one is.
+
+All IO, metadata included, goes through TensorStore's kvstores, so one client configuration
+(endpoint, credentials, retries, concurrency) serves chunks and metadata alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import tensorstore as ts
+
+from .._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+from .._format.manifest import KEY_ENCODINGS, is_arrayckpt_root, parse_chunk_key
+
+__all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url"]
+
+# TensorStore's HTTP client has no timeout of its own: a server that stops answering mid-request would hang a
+# save forever. A transfer slower than 1 byte/s for 60 s is abandoned (and retried like any failure) unless
+# the user chose otherwise. curl reads these once per process, so this must run before the first request.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
+
+ROOT_METADATA = "zarr.json"
+OBJECT_SCHEMES = ("s3", "gs", "memory")
+DEFAULT_RETRIES = 10
+DEFAULT_CONCURRENCY = 64
+
+# storage_options understood (s3fs's names where it has one)
+_OPTION_NAMES = frozenset({"endpoint_url", "region", "key", "secret", "token", "anon", "max_retries",
+                           "request_concurrency", "profile"})
+
+
+@dataclass(frozen=True)
+class ObjectLocation:
+    """A checkpoint at ``scheme://bucket/prefix`` on object storage."""
+
+    scheme: str
+    bucket: str
+    prefix: str  # no leading or trailing "/"; "" is the bucket's root
+    options: tuple[tuple[str, Any], ...] = ()  # resolved storage options, sorted (hashable)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
+
+    def __repr__(self) -> str:  # never show a secret (tracebacks with locals, logs)
+        shown = tuple((k, "***" if k in ("secret", "token") else v) for k, v in self.options)
+        return f"ObjectLocation({self.scheme!r}, {self.bucket!r}, {self.prefix!r}, options={shown!r})"
+
+    @property
+    def option(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec of a "directory" (key prefix) inside the checkpoint."""
+        # the memory kvstore has no buckets: the bucket is the first path segment there
+        path = "/".join(p for p in (self.bucket if self.scheme == "memory" else "", self.prefix, subpath) if p)
+        spec = dict(self._base_spec())
+        spec["path"] = f"{path}/" if path else ""
+        return spec
+
+    def _base_spec(self) -> dict[str, Any]:
+        options = self.option
+        if self.scheme == "memory":
+            return {"driver": "memory"}
+        if self.scheme == "gs":
+            spec: dict[str, Any] = {"driver": "gcs", "bucket": self.bucket}
+            return spec
+        spec = {"driver": "s3", "bucket": self.bucket}
+        if options.get("endpoint_url"):
+            spec["endpoint"] = options["endpoint_url"]
+        if options.get("region"):
+            spec["aws_region"] = options["region"]
+        credentials = _aws_credentials(options)
+        if credentials is not None:
+            spec["aws_credentials"] = credentials
+        return spec
+
+    def context(self) -> ts.Context:
+        return object_context(self)
+
+    read_context = write_context = context
+
+    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+        """The root document, the kvstore to read data from, a release function (nothing can be pinned on
+        object storage) and the root's storage generation, for :meth:`changed_since`."""
+        document, generation = self._read_root_stamped()
+        return document, self.kvstore(), lambda: None, generation
+
+    def changed_since(self, generation: Any) -> bool:
+        """Whether the root document is no longer the one of ``generation`` (replaced or removed): one
+        conditional GET (``If-None-Match``) that transfers nothing while it is unchanged."""
+        try:
+            result = self.open_store().read(ROOT_METADATA, if_not_equal=generation).result()
+        except Exception as e:
+            raise StorageError(f"{self}: re-reading the root zarr.json failed: {e}") from e
+        return result.state != "unspecified"
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def open_store(self) -> Any:
+        """The kvstore of the checkpoint's prefix (keys relative to it)."""
+        try:
+            return ts.KvStore.open(self.kvstore(), context=self.context()).result()
+        except Exception as e:
+            raise StorageError(f"{self}: cannot open the object store: {e}") from e
+
+    def read_root(self) -> dict[str, Any]:
+        """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
+        return self._read_root_stamped()[0]
+
+    def _read_root_stamped(self) -> tuple[dict[str, Any], Any]:
+        store = self.open_store()
+        try:
+            result = store.read(ROOT_METADATA).result()
+        except Exception as e:
+            raise StorageError(f"{self}: reading {ROOT_METADATA} failed: {e}") from e
+        data = result.value if result.state == "value" else None
+        if data is None:
+            if _any_key(store, self):
+                raise IncompleteCheckpointError(
+                    f"{self}: incomplete checkpoint (objects but no root zarr.json: its save never committed; "
+                    "save again with overwrite=True to replace it)")
+            raise CheckpointNotFoundError(f"{self}: no checkpoint here")
+        try:
+            return json.loads(data), result.stamp.generation
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(f"{self}: root zarr.json is damaged: {e}") from None
+
+    def node_document(self, node_path: str) -> bytes | None:
+        """A node's own ``zarr.json`` (``None`` when absent)."""
+        return _read(self.open_store(), f"{node_path}/{ROOT_METADATA}" if node_path else ROOT_METADATA, self)
+
+    def is_committed(self) -> bool:
+        try:
+            document = self.read_root()
+        except (StorageError, CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError):
+            return False
+        return is_arrayckpt_root(document)
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """The same storage options for fsspec/s3fs (e.g. ``zarr.open_group(url, storage_options=...)``)."""
+        options = self.option
+        out: dict[str, Any] = {}
+        for name in ("endpoint_url", "key", "secret", "token", "anon", "profile"):
+            if options.get(name) is not None:
+                out[name] = options[name]
+        if options.get("region"):
+            out["client_kwargs"] = {"region_name": options["region"]}
+        return out
+
+    def children(self) -> list[str]:
+        """Names of the "directories" right below the prefix. On S3 one delimited listing through s3fs when it
+        is installed (TensorStore lists every key below, recursively); elsewhere TensorStore's listing."""
+        if self.scheme == "s3":
+            try:
+                import s3fs
+            except ImportError:
+                s3fs = None
+            if s3fs is not None:
+                fs = s3fs.S3FileSystem(**self.fsspec_options())
+                path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+                try:
+                    entries = fs.ls(path, detail=True, refresh=True)
+                except FileNotFoundError:
+                    return []
+                except Exception as e:
+                    raise StorageError(f"{self}: listing failed: {e}") from e
+                return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+        return sorted({key.split("/", 1)[0] for key in _list(self.open_store(), self) if "/" in key})
+
+    def delete(self) -> None:
+        """Remove the checkpoint: the commit first (so a half-deleted one reads as incomplete), then the rest."""
+        store = self.open_store()
+        _delete(store, [ROOT_METADATA], self)
+        _delete(store, _ours(_list(store, self)), self)
+
+
+def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any] | None:
+    """TensorStore's ``aws_credentials`` for the given options (``None``: its default chain, which reads the
+    standard AWS environment variables and files). TensorStore takes no literal keys, so explicit ``key`` and
+    ``secret`` go through a private credentials file of this process."""
+    if options.get("anon"):
+        return {"type": "anonymous"}
+    if options.get("key") or options.get("secret"):
+        if not (options.get("key") and options.get("secret")):
+            raise ValueError("storage options 'key' and 'secret' go together; give both or neither")
+        config, credentials = _credentials_files(options["key"], options["secret"], options.get("token"))
+        return {"type": "profile", "profile": "arrayckpt", "credentials_file": credentials, "config_file": config}
+    if options.get("profile"):
+        return {"type": "profile", "profile": options["profile"]}
+    return None
+
+
+@functools.cache
+def _credentials_files(key: str, secret: str, token: str | None) -> tuple[str, str]:
+    """An AWS config and credentials file (mode 0600, removed at exit) holding one profile with these keys."""
+    import atexit
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="arrayckpt-aws-")
+    atexit.register(shutil.rmtree, directory, True)
+    config, credentials = os.path.join(directory, "config"), os.path.join(directory, "credentials")
+    lines = ["[arrayckpt]", f"aws_access_key_id = {key}", f"aws_secret_access_key = {secret}"]
+    if token:
+        lines.append(f"aws_session_token = {token}")
+    for path, text in ((config, "[profile arrayckpt]\n"), (credentials, "\n".join(lines) + "\n")):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+    return config, credentials
+
+
+_CONTEXTS: dict[Any, ts.Context] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def object_context(location: ObjectLocation) -> ts.Context:
+    """One TensorStore context per storage configuration and process: request concurrency and retries for
+    S3/GCS; for ``memory://`` the process-wide store every save and read must share."""
+    key = (location.scheme, location.options)
+    with _CONTEXTS_LOCK:
+        context = _CONTEXTS.get(key)
+        if context is None:
+            options = location.option
+            retries = {"max_retries": int(options.get("max_retries", DEFAULT_RETRIES)),
+                       "initial_delay": "50ms", "max_delay": "5s"}
+            limit = {"limit": int(options.get("request_concurrency", DEFAULT_CONCURRENCY))}
+            spec: dict[str, Any] = {}
+            if location.scheme == "s3":
+                spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}
+            elif location.scheme == "gs":
+                spec = {"gcs_request_retries": retries, "gcs_request_concurrency": limit}
+            context = _CONTEXTS[key] = ts.Context(spec)
+        return context
+
+
+def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None) -> ObjectLocation:
+    """``s3://bucket/prefix`` (or ``gs://``, ``memory://``) with its storage options resolved: given options
+    first, then the standard environment variables (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``,
+    ``AWS_REGION``/``AWS_DEFAULT_REGION``; credentials are left to the client's default chain)."""
+    scheme, _, rest = text.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise ValueError(f"{text!r}: no bucket in the URL (expected {scheme}://BUCKET/PREFIX)")
+    if any(part in (".", "..") for part in prefix.split("/")) or "//" in prefix:
+        raise ValueError(f"{text!r}: the prefix must not contain '.', '..' or empty segments")
+    options = dict(storage_options or {})
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise ValueError(f"{text!r}: unknown storage option(s) {sorted(unknown)}; known: {sorted(_OPTION_NAMES)}")
+    if scheme == "s3":
+        options.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        options.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
+    options = {k: v for k, v in options.items() if v is not None}
+    if bool(options.get("key")) != bool(options.get("secret")):  # a usage error, before any request is made
+        raise ValueError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
+    return ObjectLocation(scheme, bucket, prefix, tuple(sorted(options.items())))
+
+
+# --- kvstore helpers (each names the checkpoint in its errors) -----------------------------------
+
+
+def _read(store: Any, key: str, where: object) -> bytes | None:
+    try:
+        result = store.read(key).result()
+    except Exception as e:
+        raise StorageError(f"{where}: reading {key} failed: {e}") from e
+    return result.value if result.state == "value" else None
+
+
+def _write(store: Any, key: str, data: bytes, where: object) -> Any:
+    try:
+        return store.write(key, data)
+    except Exception as e:
+        raise StorageError(f"{where}: writing {key} failed: {e}") from e
+
+
+def _list(store: Any, where: object) -> list[str]:
+    try:
+        return [k.decode() for k in store.list().result()]
+    except Exception as e:
+        raise StorageError(f"{where}: listing failed: {e}") from e
+
+
+def _any_key(store: Any, where: object) -> bool:
+    return bool(_list(store, where))
+
+
+def _delete(store: Any, keys: list[str], where: object) -> None:
+    # One DELETE per object: writing None deletes a single key (``delete_range`` over a one-key range
+    # would first LIST that range on S3/GCS, doubling the requests of every clean-up).
+    _wait([(key, store.write(key, None)) for key in keys], where, "deleting")
+
+
+_CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
+
+
+def _ours(keys: list[str]) -> list[str]:
+    """Keys shaped like arrayckpt's objects (``zarr.json`` documents and chunk keys); others are left alone."""
+    return [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA or _CHUNK_NAME.fullmatch(k.rpartition("/")[2])]
+
+
+def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
+    """The keys among ``keys`` that are arrayckpt-shaped but not part of the checkpoint whose consolidated
+    node metadata is ``nodes``: chunks of another generation or of arrays it does not have, documents of
+    nodes it does not have."""
+    stale = []
+    for key in _ours(keys):
+        node, _, name = key.rpartition("/")
+        if key == ROOT_METADATA:
+            continue
+        metadata = nodes.get(node)
+        if not isinstance(metadata, dict):
+            stale.append(key)
+        elif name == ROOT_METADATA:
+            continue
+        elif metadata.get("node_type") != "array" or parse_chunk_key(metadata, name) is None:
+            stale.append(key)
+    return stale
+
+
+def _encoding_of(nodes: Mapping[str, Any]) -> str:
+    for metadata in nodes.values():
+        if isinstance(metadata, dict) and metadata.get("node_type") == "array":
+            return str(metadata.get("chunk_key_encoding", {}).get("name", "default"))
+    return "default"
+
+
+class ObjectWriter:
+    """One save to an object-storage prefix; the root ``zarr.json`` PUT is the commit."""
+
+    def __init__(self, location: ObjectLocation, overwrite: bool) -> None:
+        self.location = location
+        self.store = location.open_store()
+        self.target = location  # where the ranks write
+        self._old_nodes: dict[str, Any] | None = None  # the committed checkpoint being replaced
+        self._deferred: Mapping[str, bytes] = {}
+        self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
+        self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
+        root = _read(self.store, ROOT_METADATA, location)
+        if root is not None:
+            try:
+                document = json.loads(root)
+            except ValueError:
+                document = None
+            if not is_arrayckpt_root(document):
+                raise CheckpointExistsError(f"{location}: a zarr.json that is not an arrayckpt checkpoint is here; "
+                                            "refusing to replace it (delete it yourself, or choose another prefix)")
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{location}: a committed checkpoint is already here; pass overwrite=True to replace it "
+                    "(the old one stays readable until the new one commits)")
+            metadata = document["consolidated_metadata"]["metadata"] if isinstance(
+                document.get("consolidated_metadata"), dict) else {}
+            self._old_nodes = metadata if isinstance(metadata, dict) else {}
+        else:
+            keys = _list(self.store, location)
+            if keys and not overwrite:
+                raise CheckpointExistsError(
+                    f"{location}: objects but no committed checkpoint are here (an interrupted save, or other "
+                    "data); pass overwrite=True to replace them, or choose another prefix")
+            foreign = sorted(set(keys) - set(_ours(keys)))
+            if foreign:
+                raise CheckpointExistsError(f"{location}: objects that are not arrayckpt's are here (e.g. "
+                                            f"{foreign[0]!r}); refusing to write among them")
+            # Nothing was here: after the commit there is nothing stale to find, and listing a large
+            # checkpoint costs a LIST per 1,000 objects (anything else found would be another writer's).
+            self._sweep = bool(keys)
+        old = _encoding_of(self._old_nodes) if self._old_nodes is not None else KEY_ENCODINGS[1]
+        self.key_encoding = KEY_ENCODINGS[1 - KEY_ENCODINGS.index(old)] if old in KEY_ENCODINGS else KEY_ENCODINGS[0]
+
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        return self.location.kvstore(subpath)
+
+    def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
+        """Start writing the array and group ``zarr.json`` documents; when replacing a committed checkpoint
+        they wait until after the commit (they would otherwise describe the new arrays to readers of the old
+        one)."""
+        if self._old_nodes is not None:
+            self._deferred = documents
+            return lambda: None
+        pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
+                                 self.location)) for path, doc in documents.items()]
+
+        def wait() -> None:
+            _wait(pending, self.location, "writing metadata")
+
+        return wait
+
+    def commit(self, root_document: bytes) -> None:
+        """Write the root document (the commit), then the deferred node documents, then delete what the new
+        checkpoint no longer needs. Failures after the commit only warn: the checkpoint is committed."""
+        try:
+            self.store.write(ROOT_METADATA, root_document).result()
+        except Exception as e:
+            if not self._landed(root_document, e):
+                raise StorageError(f"{self.location}: writing the root zarr.json (the commit) failed: {e}") from e
+        try:
+            pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
+                                     self.location)) for path, doc in self._deferred.items()]
+            _wait(pending, self.location, "writing metadata")
+            if self._sweep:
+                nodes = json.loads(root_document)["consolidated_metadata"]["metadata"]
+                _delete(self.store, stale_keys(_list(self.store, self.location), nodes), self.location)
+        except Exception as e:  # noqa: BLE001 - committed; leftovers are only untidy
+            warnings.warn(f"{self.location}: committed, but tidying up after the commit failed ({e}); a later save "
+                          "with overwrite=True removes what is left", RuntimeWarning, stacklevel=2)
+
+    def _landed(self, root_document: bytes, error: Exception) -> bool:
+        """After a failed commit PUT: whether it took effect all the same (the store applied it but the answer was
+        lost, e.g. a dropped connection). The root document is then ours (each holds its save's unique id), and
+        aborting would delete the chunks of the checkpoint just committed. If the root cannot be read back
+        either, the outcome is unknown and nothing may be deleted."""
+        try:
+            return _read(self.store, ROOT_METADATA, self.location) == root_document
+        except StorageError as again:
+            self._outcome_unknown = True
+            raise StorageError(
+                f"{self.location}: writing the root zarr.json (the commit) failed ({error}) and reading it back "
+                f"failed too ({again}): the save may or may not have committed; nothing was deleted (open the "
+                "checkpoint to see which one is there)") from error
+
+    def abort(self) -> None:
+        """Remove what this save wrote; a committed checkpoint being replaced keeps all its objects."""
+        if self._outcome_unknown:  # the new root may be the commit: its chunks must stay; a later save tidies up
+            return
+        try:
+            keys = _list(self.store, self.location)
+            _delete(self.store, stale_keys(keys, self._old_nodes) if self._old_nodes is not None else _ours(keys),
+                    self.location)
+        except StorageError as e:
+            warnings.warn(f"{e} (while removing an aborted save's objects)", RuntimeWarning, stacklevel=2)
+
+
+def _wait(pending: list[tuple[str, Any]], where: object, what: str) -> None:
+    """Wait for every (name, future), then raise one error naming the first failure and how many failed."""
+    errors = []
+    for name, future in pending:
+        try:
+            future.result()
+        except Exception as e:
+            errors.append(f"{name or '/'}: {e}")
+    if errors:
+        raise StorageError(f"{where}: {what} failed: {errors[0]} ({len(errors)} object(s) failed)")

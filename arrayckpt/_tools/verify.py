@@ -1,0 +1,251 @@
+"""``verify``: read every stored byte of a checkpoint and report all the damage found, not just the first.
+
+Loading already refuses damaged data, but only for what it reads, and stops at the first problem. Before
+deleting the previous checkpoint, or after copying one between storage systems, you want every chunk of
+every array read and its crc32c checked, and a list of *everything* that is wrong, named by entry and
+chunk file. Pickled values are checked as bytes and never unpickled. Memory stays bounded: chunks are
+read in batches of at most ``batch_bytes`` (a single chunk larger than that is read alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, IncompleteCheckpointError, StorageError
+from .._format.codecs import check_checksummed
+from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from .._io.arrays import array_spec
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._storage.local import ROOT_METADATA, Location, kvstore_at, parse_location
+from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
+
+__all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
+
+BATCH_BYTES = 256 << 20  # chunks read at once: enough for concurrency, small enough for any host
+
+Progress = Callable[[int, int], None]  # (bytes checked so far, bytes to check)
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One problem: the entry it affects (``None``: the checkpoint as a whole), the file, and what is wrong."""
+
+    key: str | None
+    file: str  # path inside the checkpoint, e.g. ``model/w/c.1.0`` or ``zarr.json``
+    problem: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "file": self.file, "problem": self.problem}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` checked and every problem it found; ``ok`` when there were none."""
+
+    path: str
+    damage: tuple[Damage, ...] = ()
+    arrays: int = 0
+    chunks: int = 0
+    bytes_checked: int = 0
+    damaged_keys: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "arrays": self.arrays, "chunks": self.chunks,
+                "bytes_checked": self.bytes_checked, "damaged_keys": list(self.damaged_keys),
+                "damage": [d.to_dict() for d in self.damage]}
+
+
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
+           batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Read every chunk of every array of the checkpoint at ``path`` and check it; return all damage found.
+
+    Checks: the commit (root ``zarr.json``) exists and parses; every array's and group's own ``zarr.json``
+    is present and matches the consolidated copy (other Zarr readers need it); every chunk of every
+    tensor, per-rank array and pickled value is present and passes its crc32c. A missing checkpoint
+    raises :class:`arrayckpt.CheckpointNotFoundError`, and storage that cannot be read at all (its retries used
+    up, access refused) :class:`arrayckpt.StorageError`, since that says nothing about the data; everything else
+    is reported, not raised.
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> arrayckpt.save({"w": torch.ones(4, 4), "step": 1}, path)
+    >>> report = arrayckpt.verify(path)
+    >>> report.ok, report.arrays, report.bytes_checked
+    (True, 1, 64)
+    """
+    location = parse_location(path, storage_options)
+    where = str(location)
+    try:
+        checkpoint = open_checkpoint(location)
+    except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
+        return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
+    damage: list[Damage] = []
+    arrays = chunks = checked = 0
+    layer: Checkpoint | None = checkpoint
+    while layer is not None:  # a delta checkpoint is only as good as its chain of bases: check them all
+        prefix = "" if layer is checkpoint else f"{layer.location}: "
+        found: list[Damage] = []
+        counts = _verify_layer(layer, found, batch_bytes, progress)
+        arrays, chunks, checked = arrays + counts[0], chunks + counts[1], checked + counts[2]
+        damage.extend(dataclasses.replace(d, file=prefix + d.file) for d in found)
+        layer = _next_layer(layer, damage)
+    keys = tuple(dict.fromkeys(d.key for d in damage if d.key is not None))
+    return VerifyReport(where, tuple(damage), arrays, chunks, checked, keys)
+
+
+def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
+    """The base of a delta checkpoint (``None`` for a full one, or when the base is unreadable: damage)."""
+    if layer.manifest.base is None:
+        return None
+    try:
+        return layer.base
+    except ArrayckptError as e:
+        damage.append(Damage(None, f"{layer.manifest.base.path} (base)", _short(str(e), str(layer.location))))
+        return None
+
+
+def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int,
+                  progress: Progress | None) -> tuple[int, int, int]:
+    """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
+    location, nodes, where = checkpoint.location, checkpoint._nodes, str(checkpoint.location)
+    chunks: list[ChunkRef] = []
+    arrays = 0
+    for key, array_path, spec in _arrays(checkpoint, nodes, damage):
+        arrays += 1
+        damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
+        chunks.extend(_present_chunks(checkpoint, key, array_path, spec))
+    groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
+    for group_path in groups:
+        damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
+    checked = _read_all(chunks, checkpoint._context, where, batch_bytes, damage, progress)
+    return arrays, len(chunks), checked
+
+
+def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> list[ChunkRef]:
+    """The chunks an array stores: all of them, except in a chunks delta (only the changed ones)."""
+    chunks = list(iter_chunks(key, array_path, spec))
+    entry = checkpoint.manifest.entries.get(key)
+    if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks" \
+            and array_path == entry.path:
+        present = checkpoint._present(key)
+        return [chunk for flat, chunk in enumerate(chunks) if flat in present]
+    return chunks
+
+
+def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
+            damage: list[Damage]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(key, array path, spec) of every stored array: tensors, per-rank arrays and pickled values."""
+    location = checkpoint.location
+    for key, entry in checkpoint.manifest.entries.items():
+        if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "rows":
+            names = ("rows", "values") if entry.delta.quantized is None else ("rows", "codes", "scale", "offset")
+            for name in names:
+                try:
+                    yield key, f"{entry.path}/{name}", checkpoint._delta_spec(entry, name)
+                except ArrayckptError as e:
+                    damage.append(Damage(key, f"{entry.path}/{name}/{ROOT_METADATA}", _short(str(e), str(location))))
+        elif isinstance(entry, ArrayEntry):
+            yield key, entry.path, checkpoint[key].spec
+        elif isinstance(entry, PerRankEntry):
+            for rank, item in enumerate(entry.items):
+                if isinstance(item, ArrayEntry):
+                    try:
+                        spec = checkpoint.per_rank_spec(key, rank)
+                    except (ArrayckptError, KeyError) as e:
+                        damage.append(Damage(key, f"{per_rank_path(key, rank)}/{ROOT_METADATA}",
+                                             _short(str(e), str(location))))
+                        continue
+                    yield key, per_rank_path(key, rank), spec
+        elif isinstance(entry, PickleEntry):
+            metadata = nodes.get(entry.path)
+            problem = _pickle_metadata_problem(metadata, entry)
+            if problem:
+                damage.append(Damage(key, f"{entry.path}/{ROOT_METADATA}", problem))
+                continue
+            yield key, entry.path, array_spec(kvstore_at(checkpoint._base, entry.path), metadata)  # type: ignore
+
+
+def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None:
+    """Why a pickle entry's array metadata is unusable (``None`` when it is fine)."""
+    if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
+        return "no array metadata for this pickled value in the root's consolidated metadata"
+    if metadata.get("data_type") != "uint8" or metadata.get("shape") != [entry.nbytes]:
+        return (f"array metadata says {metadata.get('data_type')}{metadata.get('shape')}, the manifest "
+                f"uint8[{entry.nbytes}]")
+    try:
+        check_checksummed(metadata, entry.key)
+    except FormatError as e:
+        return str(e)
+    return None
+
+
+def _check_node_file(location: Location, key: str | None, node_path: str,
+                     document: dict[str, Any]) -> list[Damage]:
+    """A node's own ``zarr.json`` must exist and agree with the consolidated copy in the root document."""
+    file = f"{node_path}/{ROOT_METADATA}"
+    try:
+        data = location.node_document(node_path)
+        if data is None:
+            return [Damage(key, file, "node metadata file is missing (Zarr readers that do not use the root's "
+                                      "consolidated metadata cannot open this node)")]
+        stored = json.loads(data)
+    except StorageError:  # the store cannot be reached: nothing is known about the file
+        raise
+    except (OSError, ValueError, ArrayckptError) as e:
+        return [Damage(key, file, f"node metadata file is unreadable: {e}")]
+    if stored != document:
+        return [Damage(key, file, "node metadata file differs from the root's consolidated metadata")]
+    return []
+
+
+def _batches(chunks: list[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
+    """Consecutive runs of chunks of at most ``budget`` bytes (a bigger chunk is a batch of its own)."""
+    batch: list[ChunkRef] = []
+    size = 0
+    for chunk in chunks:
+        if batch and size + chunk.nbytes > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(chunk)
+        size += chunk.nbytes
+    if batch:
+        yield batch
+
+
+def _read_all(chunks: list[ChunkRef], context: Any, where: str, budget: int, damage: list[Damage],
+              progress: Progress | None) -> int:
+    """Read every chunk (batched for speed); a failed batch is re-read chunk by chunk to name each damage."""
+    total = sum(c.nbytes for c in chunks)
+    done = 0
+    for batch in _batches(chunks, budget):
+        try:
+            read_chunks(batch, context, where)
+        except Exception:
+            for chunk in batch:
+                try:
+                    read_chunks([chunk], context, where)
+                except (StorageError, MemoryError):  # unreachable store, no memory: nothing is known about the chunk
+                    raise
+                except Exception as e:  # every other failure is reported, whatever raised it
+                    damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
+        done += sum(c.nbytes for c in batch)
+        if progress is not None:
+            progress(done, total)
+    return done
+
+
+def _short(message: str, where: str, key: str | None = None) -> str:
+    """An error message without the location and key prefixes the report already shows."""
+    message = message.removeprefix(f"{where}: ")
+    if key is not None:
+        message = message.removeprefix(f"tensor {key!r}: ").removeprefix("read failed: ")
+    return message.strip()

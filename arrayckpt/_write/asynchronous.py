@@ -1,0 +1,260 @@
+"""Asynchronous saves: training blocks only while tensors are copied to host staging buffers.
+
+``async_save`` walks the state and copies every tensor into a host buffer (pinned memory for CUDA
+tensors, one non-blocking copy each and one synchronisation), then returns a :class:`SaveHandle`; a
+background thread does the rest of an ordinary save — collectives, writes, commit — from the staged
+copies, so the training loop may change its tensors right away. Buffers are allocated once per
+(array, shape, dtype) and reused by the next save. The background collectives run on a process group
+of their own, so they never interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .._errors import ArrayckptError
+from .._format.codecs import CodecChoice
+from .._format.dtypes import DType, numpy_view
+from .._format.keys import array_path
+from .._layout.box import Box
+from .._storage.local import parse_location
+from .._torch.dist import Group, resolve_group
+from .._write.save import _attempt, check_record, describe_local, finish_save, open_delta
+
+__all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
+
+
+class CheckpointBusyError(ArrayckptError, RuntimeError):
+    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+
+
+class SaveHandle:
+    """A save running in the background: :meth:`wait` for it (re-raising its error) or poll :meth:`done`."""
+
+    def __init__(self, future: Future[None], path: str, blocking_seconds: float) -> None:
+        self._future = future
+        self._observed = False  # whether the caller has seen the outcome (so it is not raised twice)
+        self.path = path
+        #: How long ``async_save`` blocked the caller (staging copies); what a checkpoint costs training.
+        self.blocking_seconds = blocking_seconds
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save has committed; raise what made it fail (nothing was committed then)."""
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._observed = True
+            raise
+        self._observed = True
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.path!r}, {state}, blocked {self.blocking_seconds * 1e3:.1f} ms)"
+
+
+class _Stager:
+    """Host copies of the arrays of a save, allocated once per (array path, shape, dtype) and reused.
+
+    With ``keep_copy`` the copies of a committed save are kept as they are (the next save stages into a
+    second set of buffers), so that the next incremental save against that checkpoint compares with them in
+    memory instead of reading the checkpoint back: exact, at the cost of a second host copy of the state.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
+        self._used: set[tuple[str, tuple[int, ...], Any]] = set()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
+        self._cuda = False
+        self._views: dict[str, np.ndarray] = {}  # by array path: this staging's host copies
+        self._kept: dict[tuple[str, tuple[int, ...], Any], Any] = {}  # buffers of the kept copy
+        self._kept_views: dict[str, tuple[Box, np.ndarray]] = {}  # by array path: (box held, its bytes)
+        self.kept_id: str | None = None  # the checkpoint whose bytes the kept copy holds
+
+    def keep(self, checkpoint_id: str, boxes: dict[str, Box]) -> None:
+        """The save just staged committed as ``checkpoint_id``: keep its copies, stage the next elsewhere."""
+        self._kept_views = {path: (boxes[path], view) for path, view in self._views.items() if path in boxes}
+        self._kept, self._buffers = self._buffers, self._kept
+        self.kept_id = checkpoint_id
+
+    def begin(self) -> None:
+        """A new staging starts (the previous save is over, its copy kept or not)."""
+        self._views = {}
+
+    def forget(self) -> None:
+        """Drop the kept copy (its memory too)."""
+        self._kept, self._kept_views, self.kept_id = {}, {}, None
+
+    def reference(self, base_id: str | None) -> Callable[[str, Box], np.ndarray | None] | None:
+        """The kept bytes of checkpoint ``base_id`` by (array path, box), if that is the one kept."""
+        if base_id is None or base_id != self.kept_id:
+            return None
+        views = self._kept_views
+
+        def lookup(path: str, box: Box) -> np.ndarray | None:
+            kept = views.get(path)
+            return kept[1] if kept is not None and kept[0] == box else None
+
+        return lookup
+
+    def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
+        """The staging buffer of ``value`` (the ``host`` callback of ``describe_local``); tensors are copied
+        into it by :meth:`finish`, all in one batched call."""
+        if isinstance(value, np.ndarray):
+            slot = (path, value.shape, value.dtype)
+            buffer = self._buffers.get(slot)
+            if buffer is None:
+                buffer = self._buffers[slot] = np.empty(value.shape, value.dtype)
+            np.copyto(buffer, value)
+            self._used.add(slot)
+            self._views[path] = buffer
+            return buffer
+        source = value.detach()
+        slot = (path, tuple(source.shape), source.dtype)
+        tensor = self._buffers.get(slot)
+        pinned = source.is_cuda and torch.cuda.is_available()
+        if tensor is None:
+            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        self._copies.append((tensor, source))
+        self._cuda = self._cuda or pinned
+        self._used.add(slot)
+        self._views[path] = numpy_view(tensor, dt)
+        return self._views[path]
+
+    def finish(self) -> None:
+        """Copy every tensor into its buffer (one batched call; device copies non-blocking, then waited
+        for) and forget buffers the save did not use (the state's layout changed)."""
+        if self._copies:
+            buffers, sources = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
+                                 non_blocking=self._cuda)
+            self._copies.clear()
+        if self._cuda:
+            torch.cuda.synchronize()
+        for slot in set(self._buffers) - self._used:
+            del self._buffers[slot]
+        self._used.clear()
+        self._cuda = False
+
+
+_EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-save")
+_LOCK = threading.Lock()
+_IN_FLIGHT: list[SaveHandle] = []
+_STAGER = _Stager()
+_BACKGROUND_GROUPS: dict[Any, Group] = {}
+
+
+def async_save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    codec: CodecChoice = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    process_group: Any = None,
+    step: int | None = None,
+    metrics: Mapping[str, float] | None = None,
+    if_busy: Literal["wait", "error"] = "wait",
+    storage_options: Mapping[str, Any] | None = None,
+    base: Any = None,
+    changed_rows: Mapping[str, Any] | None = None,
+    quantize: Mapping[str, int] | None = None,
+    keep_copy: bool = False,
+) -> SaveHandle:
+    """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
+
+    The state may be modified as soon as this returns. A failure is raised by the handle's ``wait()``
+    (nothing is committed then). An earlier async save still running is waited for first
+    (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``). An incremental
+    save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
+    background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
+    copy once it has committed (a second host copy of the state), so that the next incremental save against
+    it compares in memory instead of reading the checkpoint back.
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> w = torch.ones(4)
+    >>> handle = arrayckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+    >>> w.zero_()  # training goes on; the checkpoint keeps the ones
+    tensor([0., 0., 0., 0.])
+    >>> handle.wait()
+    """
+    record = check_record(step, metrics)
+    _wait_for_previous(if_busy)
+    started = time.perf_counter()
+    group = _background_group(resolve_group(process_group))
+    location = parse_location(path, storage_options)
+    delta = open_delta(base, location, changed_rows, quantize, storage_options)
+    reference = _STAGER.reference(delta.base.manifest.id if delta is not None else None)
+    if not keep_copy and reference is None:
+        _STAGER.forget()
+    _STAGER.begin()
+    local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, _STAGER.host))
+    _STAGER.finish()
+    if error is not None and group.size == 1:
+        raise error  # nobody else to tell: fail now rather than on wait()
+    boxes = {path: box for path, (box, _) in local.data.items()} if local is not None else {}
+    if delta is not None and local is not None:  # quantized rows are stored lossy: the staged bytes are not theirs
+        for piece in local.description.arrays:
+            if delta.bits(piece.key):
+                boxes.pop(array_path(piece.key), None)
+    future = _EXECUTOR.submit(_save_in_background, local, error, group, location, codec, overwrite, record, delta,
+                              reference, boxes if keep_copy else None)
+    handle = SaveHandle(future, str(location), time.perf_counter() - started)
+    with _LOCK:
+        _IN_FLIGHT[:] = [handle]
+    return handle
+
+
+def _save_in_background(local: Any, error: BaseException | None, group: Group, location: Any, codec: CodecChoice,
+                        overwrite: bool, record: Any, delta: Any, reference: Any,
+                        keep: dict[str, Box] | None) -> None:
+    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale)."""
+    try:
+        committed = finish_save(local, error, group, location, codec, overwrite, record, delta, reference)
+    except BaseException:
+        _STAGER.forget()
+        raise
+    if keep is not None:
+        _STAGER.keep(committed, keep)
+    else:
+        _STAGER.forget()
+
+
+def _wait_for_previous(if_busy: str) -> None:
+    """The staging buffers are about to be reused: the previous save must be over, and its failure seen."""
+    with _LOCK:
+        previous = _IN_FLIGHT[0] if _IN_FLIGHT else None
+    if previous is None:
+        return
+    if if_busy == "error" and not previous.done():
+        raise CheckpointBusyError(f"an async save to {previous.path} is still running; wait() for it first")
+    error = previous._future.exception()  # waits
+    with _LOCK:
+        _IN_FLIGHT.clear()
+    if error is not None and not previous._observed:
+        previous._observed = True
+        raise error
+
+
+def _background_group(group: Group) -> Group:
+    """A separate gloo group over the same ranks for the background collectives (created once, collectively)."""
+    if group.size == 1 or type(group) is not Group:
+        return group
+    import torch.distributed as dist
+
+    if group.pg not in _BACKGROUND_GROUPS:
+        pg = dist.new_group(ranks=dist.get_process_group_ranks(group.pg), backend="gloo")
+        _BACKGROUND_GROUPS[group.pg] = Group(group.rank, group.size, pg, pg)
+    return _BACKGROUND_GROUPS[group.pg]

@@ -1,0 +1,188 @@
+"""``compact``: materialise a delta chain into one standalone full checkpoint, bit for bit.
+
+Every array is read through the chain (as ``load`` would read it) and written whole, in batches of bounded
+size; plain values, per-rank entries and pickled values (as bytes, never unpickled) are carried over; the
+new checkpoint has no base. Each tensor keeps the compression of the array it was stored in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._format.codecs import Codec, CodecChoice, codec_of_metadata, resolve_codec
+from .._format.dtypes import dtype_by_name
+from .._format.manifest import (
+    FORMAT_VERSION,
+    PLAIN_VERSION,
+    ArrayEntry,
+    Entry,
+    Manifest,
+    PerRankEntry,
+    PickleEntry,
+    encode_root_document,
+    per_rank_path,
+)
+from .._io.arrays import ArrayIO, array_spec, read_into, write_all
+from .._layout.box import Box
+from .._layout.chunking import ArrayPlan, plan_array
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._storage.local import open_writer, parse_location
+
+__all__ = ["CompactResult", "compact"]
+
+BATCH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    """What a compaction did: the source chain (newest first) and the bytes written."""
+
+    source: str
+    destination: str
+    chain: tuple[str, ...]
+    arrays: int
+    bytes_written: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "destination": self.destination, "chain": list(self.chain),
+                "arrays": self.arrays, "bytes_written": self.bytes_written}
+
+
+_KEEP = object()
+
+
+def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
+            codec: CodecChoice | object = _KEEP, storage_options: Mapping[str, Any] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> CompactResult:
+    """Write the checkpoint at ``src`` (a delta chain, or a full checkpoint) as a full checkpoint at ``dst``.
+
+    Loading ``dst`` gives exactly what loading ``src`` gives. ``codec`` overrides the compression (default:
+    each tensor keeps its own). ``dst`` may be on other storage than ``src`` (e.g. compact an S3 chain to a
+    local directory).
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> w = torch.zeros(4, 3)
+    >>> arrayckpt.save({"w": w}, f"{d}/base")
+    >>> w[1] = 1.0
+    >>> arrayckpt.save({"w": w}, f"{d}/delta", base=f"{d}/base")
+    >>> arrayckpt.compact(f"{d}/delta", f"{d}/full").chain == (f"{d}/delta", f"{d}/base")
+    True
+    >>> arrayckpt.open(f"{d}/full")["w"][1].tolist(), arrayckpt.open(f"{d}/full").manifest.base is None
+    ([1.0, 1.0, 1.0], True)
+    """
+    checkpoint = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
+    chain = checkpoint.chain()  # every base opened and checked before anything is written
+    writer = open_writer(parse_location(dst, storage_options), overwrite)
+    entries, arrays, sources = _plan(checkpoint, codec, writer.key_encoding)
+    from .._layout.saveplan import _documents
+
+    documents, consolidated = _documents(arrays)
+    wait = writer.write_documents(documents)
+    try:
+        written = _copy(checkpoint, arrays, sources, writer.target, progress)
+        wait()
+        created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
+        version = FORMAT_VERSION if writer.key_encoding != "default" else PLAIN_VERSION
+        manifest = Manifest(entries, checkpoint.manifest.step, checkpoint.manifest.containers, created, version,
+                            checkpoint.manifest.metrics, uuid.uuid4().hex, None, written)
+        writer.commit(encode_root_document(manifest, consolidated))
+    except BaseException:
+        try:
+            wait()
+        finally:
+            writer.abort()
+        raise
+    return CompactResult(str(checkpoint.location), str(writer.location), tuple(str(c.location) for c in chain),
+                         len(arrays), written)
+
+
+Source = Callable[[np.ndarray], tuple[list[ArrayIO], list[Callable[[], None]]]]
+
+
+def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
+          ) -> tuple[dict[str, Entry], dict[str, ArrayPlan], dict[str, Source]]:
+    """The full checkpoint's entries and array plans, and for each array how to read its data from ``src``."""
+    entries: dict[str, Entry] = {}
+    arrays: dict[str, ArrayPlan] = {}
+    sources: dict[str, Source] = {}
+
+    def add(key: str, path: str, dtype_name: str, shape: tuple[int, ...], kept: Codec, source: Source) -> None:
+        chosen = kept if codec is _KEEP else resolve_codec(codec, key)  # type: ignore[arg-type]
+        plan = plan_array(key, path, dtype_by_name(dtype_name), shape, chosen)
+        arrays[path] = dataclasses.replace(plan, key_encoding=encoding)
+        sources[path] = source
+
+    for key, entry in checkpoint.manifest.entries.items():
+        if isinstance(entry, ArrayEntry):
+            entries[key] = dataclasses.replace(entry, delta=None)
+            kept = codec_of_metadata(checkpoint._dense_metadata(key))
+            add(key, entry.path, entry.dtype.name, entry.shape, kept, _chain_source(checkpoint, key, entry.shape))
+        elif isinstance(entry, PickleEntry):
+            entries[key] = entry
+            spec = array_spec(checkpoint._kvstore(entry.path), checkpoint._nodes[entry.path])
+            add(key, entry.path, "uint8", (entry.nbytes,), Codec(), _spec_source(key, spec))
+        elif isinstance(entry, PerRankEntry):
+            entries[key] = entry
+            for rank, item in enumerate(entry.items):
+                if isinstance(item, ArrayEntry):
+                    spec = checkpoint.per_rank_spec(key, rank)
+                    add(key, per_rank_path(key, rank), item.dtype.name, item.shape, codec_of_metadata(spec["metadata"]),
+                        _spec_source(key, spec))
+        else:
+            entries[key] = entry
+    return entries, arrays, sources
+
+
+def _chain_source(checkpoint: Checkpoint, key: str, shape: tuple[int, ...]) -> Source:
+    return lambda out: checkpoint.read_plan(key, Box.whole(shape), out)
+
+
+def _spec_source(key: str, spec: dict[str, Any]) -> Source:
+    return lambda out: ([ArrayIO(key, spec, out)], [])
+
+
+def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
+          progress: Callable[[int, int], None] | None) -> int:
+    """Read and write every array in batches of at most ``BATCH_BYTES`` (one array if bigger)."""
+    where = str(checkpoint.location)
+    total = sum(a.dtype.itemsize * int(np.prod(a.shape, dtype=np.int64)) for a in arrays.values())
+    done = 0
+    batch: list[tuple[ArrayPlan, np.ndarray]] = []
+    held = 0
+    context = target.write_context()
+
+    def flush() -> None:
+        nonlocal done, held
+        reads, overlays = [], []
+        for plan, data in batch:
+            more, later = sources[plan.path](data)
+            reads.extend(more)
+            overlays.extend(later)
+        read_into(reads, checkpoint._context, where)
+        for overlay in overlays:
+            overlay()
+        write_all([ArrayIO(p.key, array_spec(target.kvstore(p.path), p.metadata), d) for p, d in batch], context,
+                  str(target))
+        done += held
+        held = 0
+        batch.clear()
+        if progress is not None:
+            progress(done, total)
+
+    for plan in arrays.values():
+        data = np.empty(plan.shape, plan.dtype.numpy)
+        batch.append((plan, data))
+        held += data.nbytes
+        if held >= BATCH_BYTES:
+            flush()
+    if batch:
+        flush()
+    return done
