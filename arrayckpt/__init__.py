@@ -35,7 +35,6 @@ if TYPE_CHECKING:
         StorageError,
     )
     from ._format.codecs import Codec
-    from ._layout.box import PerRank, Shard
     from ._manager import CheckpointManager, Incremental, Interval, Retention
     from ._read.checkpoint import Checkpoint, LazyArray
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._tools.interval import OptimalInterval, optimal_interval
     from ._tools.verify import Damage, VerifyReport, verify
+    from ._torch.shards import PerRank, Shard
     from ._write.asynchronous import CheckpointBusyError, SaveHandle, async_save
     from ._write.compact import CompactResult, compact
     from ._write.save import save
@@ -71,11 +71,11 @@ _LAZY = {
     "LazyArray": "._read.checkpoint",
     "LoadResult": "._read.load",
     "OptimalInterval": "._tools.interval",
-    "PerRank": "._layout.box",
+    "PerRank": "._torch.shards",
     "PickleNotAllowedError": "._errors",
     "Retention": "._manager",
     "SaveHandle": "._write.asynchronous",
-    "Shard": "._layout.box",
+    "Shard": "._torch.shards",
     "SizeEstimate": "._tools.estimate",
     "SliceSummary": "._tools.inspect",
     "StateError": "._errors",

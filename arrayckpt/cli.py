@@ -88,7 +88,7 @@ def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
         metadata = checkpoint._dense_metadata(key)
     except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
         return []
-    from ._format.manifest import grid_counts
+    from ._format.zarr import grid_counts
 
     return grid_counts(metadata)
 
@@ -101,7 +101,7 @@ def stored_as(array: LazyArray) -> str:
     if delta.mode == "chunks":
         if not delta.present:
             return "unchanged"
-        from ._format.manifest import grid_counts
+        from ._format.zarr import grid_counts
 
         return f"{len(delta.present)}/{math.prod(grid_counts(array.metadata))} chunks"
     lossy = f", {delta.quantized.bits}-bit (max error {delta.quantized.max_abs_error:.3g})" if delta.quantized else ""

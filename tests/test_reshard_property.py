@@ -16,7 +16,7 @@ from thread_ranks import run_thread_ranks
 
 import arrayckpt
 import arrayckpt._layout.chunking as plan
-from arrayckpt._format.dtypes import dtype_of_torch, torch_view
+from arrayckpt._torch.dtypes import dtype_of_torch, torch_view
 
 
 @st.composite

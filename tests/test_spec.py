@@ -31,27 +31,25 @@ from arrayckpt._errors import FormatError
 from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
 from arrayckpt._format.dtypes import DTYPES
 from arrayckpt._format.keys import array_path, parse_array_path
-from arrayckpt._format.manifest import (
-    FORMAT_VERSION,
+from arrayckpt._format.manifest import FORMAT_VERSION, MAX_NDIM, PLAIN_VERSION, Manifest, per_rank_path
+from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
+from arrayckpt._format.values import decode_value, encode_value
+from arrayckpt._format.zarr import (
     GROUP_METADATA,
     KEY_ENCODINGS,
-    MAX_NDIM,
-    PLAIN_VERSION,
-    Manifest,
     check_array_metadata,
     chunk_key,
     node_documents,
     parse_chunk_key,
-    per_rank_path,
 )
-from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
-from arrayckpt._format.values import decode_value, encode_value
 from arrayckpt._io.arrays import read_context
 from arrayckpt._layout.box import Box
-from arrayckpt._layout.delta import base_ref, find_changes, plan_delta, resolve_base, rows_jobs
+from arrayckpt._layout.delta import base_ref, plan_delta, resolve_base
 from arrayckpt._layout.saveplan import plan_save
 from arrayckpt._storage import object as _objstore
 from arrayckpt._storage.local import LocalWriter, parse_location
+from arrayckpt._torch.dtypes import torch_dtype
+from arrayckpt._write.changes import find_changes, rows_jobs
 from arrayckpt._write.save import Record, build_manifest, describe_local, host_view, open_delta
 
 SPEC = (Path(__file__).resolve().parent.parent / "spec" / "FORMAT.md").read_text(encoding="utf-8")
@@ -157,7 +155,7 @@ def test_dtype_table_matches_the_code():
     assert set(rows) - set(DTYPES) <= {"float8_e8m0fnu"}  # only present with new enough torch/ml_dtypes
     for name, dt in DTYPES.items():
         _, torch_cell, numpy_cell, itemsize, fill = rows[name]
-        assert _code(torch_cell) == str(dt.torch)
+        assert _code(torch_cell) == str(torch_dtype(dt))
         module, _, attr = _code(numpy_cell).partition(".")
         assert np.dtype(getattr({"numpy": np, "ml_dtypes": ml_dtypes}[module], attr)) == dt.numpy
         assert int(itemsize) == dt.itemsize

@@ -1,21 +1,17 @@
-"""Shard descriptions: which box of a global tensor this rank holds, from DTensor or explicit ``Shard``.
-
-A box is an offset and a shape in the global index space. Every array leaf of the state becomes a
-:class:`LocalPiece` (its global shape, the box this rank holds, and whether this rank's copy is a
-replica); the coordinator only ever sees these metadata, never data.
+"""Boxes: hyper-rectangles of a global array (an offset and a shape per dimension), and the chunks of a
+regular grid that meet one. Pure geometry, no IO and no torch: shards, chunks, write tasks and reads are all
+boxes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
 
-import torch
+import numpy as np
 
-from .._errors import StateError
-
-__all__ = ["Box", "LocalPiece", "PerRank", "Shard", "local_piece", "to_local_box"]
+__all__ = ["Box", "grid_cells"]
 
 
 @dataclass(frozen=True)
@@ -53,100 +49,15 @@ class Box:
         return cls((0,) * len(shape), shape)
 
 
-@dataclass(frozen=True)
-class Shard:
-    """This rank's piece of a global tensor, for frameworks without DTensor (Megatron-style TP/PP/DP).
-
-    ``Shard(local, global_shape=(1024, 512), global_offset=(256, 0))`` says ``local`` holds rows
-    256..256+local.shape[0] of a 1024x512 tensor. Ranks holding the same piece as data-parallel
-    replicas give it distinct ``replica_id``s (0 for the primary copy); replicas are stored once.
-    """
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    replica_id: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(n) for n in self.global_shape))
-        object.__setattr__(self, "global_offset", tuple(int(n) for n in self.global_offset))
-        ndim = self.tensor.dim()
-        if len(self.global_shape) != ndim or len(self.global_offset) != ndim:
-            raise StateError(
-                f"Shard: tensor has {ndim} dims but global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} must have one entry per dimension"
-            )
-        for o, n, g in zip(self.global_offset, self.tensor.shape, self.global_shape, strict=True):
-            if o < 0 or o + n > g:
-                raise StateError(
-                    f"Shard: local shape {tuple(self.tensor.shape)} at offset {self.global_offset} does not fit "
-                    f"in global shape {self.global_shape}"
-                )
-
-
-@dataclass(frozen=True)
-class PerRank:
-    """A value saved separately for every rank (RNG state, data-loader position) and restored to its rank.
-
-    ``arrayckpt.save({"rng": arrayckpt.PerRank(torch.get_rng_state())}, path)``. Loading needs the same
-    world size, unless the target names the rank to take the value from: ``PerRank(t, rank=0)``.
-    """
-
-    value: Any
-    rank: int | None = None  # on load: take this saved rank's value instead of the loading rank's
-
-
-@dataclass(frozen=True)
-class LocalPiece:
-    """What one rank holds of one array leaf: the global shape, its box, and its replica index."""
-
-    global_shape: tuple[int, ...]
-    box: Box
-    replica_id: int
-    tensor: torch.Tensor  # the local data, shaped like ``box``
-
-
-def _is_dtensor(value: object) -> bool:
-    return type(value).__name__ == "DTensor" and hasattr(value, "placements")
-
-
-def local_piece(value: torch.Tensor | Shard, key: str, rank: int) -> LocalPiece:
-    """This rank's piece of an array leaf. Plain tensors are whole copies, replicated across ranks."""
-    if isinstance(value, Shard):
-        return LocalPiece(value.global_shape, Box(value.global_offset, tuple(value.tensor.shape)), value.replica_id,
-                          value.tensor)
-    if _is_dtensor(value):
-        return _dtensor_piece(value, key)
-    shape = tuple(value.shape)
-    return LocalPiece(shape, Box.whole(shape), rank, value)
-
-
-def to_local_box(value: Any, key: str) -> tuple[tuple[int, ...], Box, torch.Tensor]:
-    """For load: (global shape, box this rank needs, local tensor to fill) of a target leaf."""
-    piece = local_piece(value, key, 0)
-    return piece.global_shape, piece.box, piece.tensor
-
-
-def _dtensor_piece(value: Any, key: str) -> LocalPiece:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = value.device_mesh, value.placements
-    for placement in placements:
-        if type(placement).__name__ == "_StridedShard":
-            raise StateError(f"DTensor {key!r} uses strided sharding ({placement}), which is not supported yet")
-        if not isinstance(placement, (Replicate, DShard)):
-            raise StateError(f"DTensor {key!r} has placement {placement}; only Shard(d) and Replicate() can be "
-                             "saved (reduce Partial placements with .redistribute() first)")
-    global_shape = tuple(value.shape)
-    local = value.to_local()
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the tensor's mesh: it holds nothing
-        return LocalPiece(global_shape, Box((0,) * len(global_shape), (0,) * len(global_shape)), 1, local)
-    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
-    replica_id = 0
-    for dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate):
-            replica_id = replica_id * mesh.size(dim) + coordinate[dim]
-    return LocalPiece(global_shape, Box(tuple(offset), tuple(local_shape)), replica_id, local)
+def grid_cells(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, Box]]:
+    """The chunks of the regular grid ``grid`` over an array of ``shape`` that meet ``box``: (flat C-order index,
+    the chunk's box clipped to the array)."""
+    counts = [math.ceil(n / c) for n, c in zip(shape, grid, strict=True)]
+    ranges = [range(o // c, math.ceil(e / c)) for o, e, c in zip(box.offset, box.stop, grid, strict=True)]
+    out = []
+    for index in itertools.product(*ranges):
+        start = tuple(i * c for i, c in zip(index, grid, strict=True))
+        stop = tuple(min(s + c, n) for s, c, n in zip(start, grid, shape, strict=True))
+        flat = int(np.ravel_multi_index(index, counts)) if counts else 0
+        out.append((flat, Box(start, tuple(e - s for s, e in zip(start, stop, strict=True)))))
+    return out

@@ -23,7 +23,8 @@ from .._errors import StateError
 from .._format.codecs import CodecChoice, resolve_codec
 from .._format.dtypes import dtype_by_name
 from .._format.keys import Key, array_path
-from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, node_documents, per_rank_path
+from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, per_rank_path
+from .._format.zarr import node_documents
 from .._layout import chunking as _chunking
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan, choose_chunks, shard_grid
@@ -158,14 +159,14 @@ def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout
         _plan_per_rank_arrays(name, items, codec, arrays, work)
     _check_paths(arrays)
     tasks, loads = _assign(work, world)
-    documents, consolidated = _documents(arrays)
+    documents, consolidated = documents_of(arrays)
     layout = _Layout(entries, arrays, tasks, loads, {k: [r for r, _ in v] for k, v in pieces.items()}, documents,
                      consolidated)
     _LAST_LAYOUT[:] = [(key, layout)]
     return layout
 
 
-def _documents(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:
+def documents_of(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:
     """The serialised ``zarr.json`` of every array and group, and the same as consolidated metadata."""
     nodes = node_documents({path: array.metadata for path, array in arrays.items()})
     documents = {path: json.dumps(document).encode() for path, document in nodes.items()}
@@ -178,7 +179,7 @@ def with_key_encoding(plan: SavePlan, encoding: str) -> SavePlan:
     if all(a.key_encoding == encoding for a in plan.arrays.values()):
         return plan
     arrays = {path: dataclasses.replace(a, key_encoding=encoding) for path, a in plan.arrays.items()}
-    documents, consolidated = _documents(arrays)
+    documents, consolidated = documents_of(arrays)
     return dataclasses.replace(plan, arrays=arrays, documents=documents, consolidated_json=consolidated)
 
 

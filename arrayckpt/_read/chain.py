@@ -23,8 +23,7 @@ import numpy as np
 from .._errors import ArrayckptError, CorruptCheckpointError
 from .._format.manifest import ArrayEntry
 from .._io.arrays import ArrayIO, open_array, read_into
-from .._layout.box import Box
-from .._layout.delta import _cells
+from .._layout.box import Box, grid_cells
 
 if TYPE_CHECKING:
     from .._read.checkpoint import Checkpoint
@@ -81,7 +80,7 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
     metadata = checkpoint[key].metadata
     grid = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
     present = checkpoint._present(key)
-    cells = _cells(box, grid, entry.shape) if box.size else []
+    cells = grid_cells(box, grid, entry.shape) if box.size else []
     if not any(flat in present for flat, _ in cells):
         return read_plan(base, key, box, out)
     jobs: list[ArrayIO] = []

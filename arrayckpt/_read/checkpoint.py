@@ -19,21 +19,12 @@ import numpy as np
 from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, PickleNotAllowedError
 from .._format.codecs import check_checksummed
 from .._format.dtypes import DType
-from .._format.manifest import (
-    ArrayEntry,
-    PerRankEntry,
-    PickleEntry,
-    ValueEntry,
-    check_array_metadata,
-    grid_counts,
-    parse_root_document,
-    per_rank_path,
-)
+from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
 from .._format.values import decode_value
+from .._format.zarr import check_array_metadata, grid_counts
 from .._io.arrays import ArrayIO, array_spec, open_array, read_failure, read_into
 from .._layout.box import Box
 from .._storage.local import Location, kvstore_at, parse_location
-from .._torch.tensors import writable_numpy
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -70,7 +61,9 @@ class LazyArray:
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype the tensor was saved with."""
-        return self.entry.dtype.torch
+        from .._torch.dtypes import torch_dtype  # torch only for torch's answer
+
+        return torch_dtype(self.entry.dtype)
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -162,6 +155,7 @@ class LazyArray:
     def read_into(self, tensor: torch.Tensor) -> None:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
         from .._read.chain import read_box
+        from .._torch.tensors import writable_numpy  # torch only when reading into torch
 
         read_box(self._checkpoint, self.key, Box.whole(self.shape), writable_numpy(tensor, self.entry.dtype, self.key))
 
@@ -383,7 +377,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     def per_rank(self, key: str) -> list[Any]:
         """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
         had none), e.g. to inspect RNG states or resume at another world size."""
-        import torch
+        from .._torch.dtypes import torch_view  # per-rank tensors come back as torch tensors
 
         entry = self.manifest.entries.get(key)
         if not isinstance(entry, PerRankEntry):
@@ -391,15 +385,9 @@ class Checkpoint(Mapping[str, LazyArray]):
         out: list[Any] = []
         for rank, item in enumerate(entry.items):
             if isinstance(item, ArrayEntry):
-                if item.kind == "ndarray":
-                    array = np.empty(item.shape, item.dtype.numpy)
-                    read_into([ArrayIO(key, self.per_rank_spec(key, rank), array)], self._context, str(self.location))
-                    out.append(array)
-                    continue
-                tensor = torch.empty(item.shape, dtype=item.dtype.torch)
-                read_into([ArrayIO(key, self.per_rank_spec(key, rank), writable_numpy(tensor, item.dtype, key))],
-                          self._context, str(self.location))
-                out.append(tensor)
+                array = np.empty(item.shape, item.dtype.numpy)
+                read_into([ArrayIO(key, self.per_rank_spec(key, rank), array)], self._context, str(self.location))
+                out.append(array if item.kind == "ndarray" else torch_view(array, item.dtype))
             else:
                 out.append(None if item is None else decode_value(item.value, key))
         return out

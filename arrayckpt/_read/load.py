@@ -17,10 +17,12 @@ from .._format.keys import dotted
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
-from .._layout.box import Box, PerRank, Shard, to_local_box
+from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._torch.dist import Group, resolve_group
+from .._torch.dtypes import torch_dtype
 from .._torch.readonce import split_reads
+from .._torch.shards import PerRank, Shard, to_local_box
 from .._torch.state import Leaf, StatefulNode, Walk, walk
 from .._torch.tensors import writable_numpy
 
@@ -181,13 +183,13 @@ class _LoadPlan:
             self._read(entry, spec, Box.whole(entry.shape), target)
             return
         global_shape, box, local = to_local_box(target, key)
-        self._check(entry, local.dtype, entry.dtype.torch, global_shape)
+        self._check(entry, local.dtype, torch_dtype(entry.dtype), global_shape)
         if box.size == 0 and math.prod(entry.shape) != 0:
             return  # this rank holds no part of the tensor
         if local.device.type == "cpu":
             self._read(entry, spec, box, writable_numpy(local, entry.dtype, key))
         else:
-            staged = torch.empty(box.shape, dtype=entry.dtype.torch)
+            staged = torch.empty(box.shape, dtype=torch_dtype(entry.dtype))
             self._read(entry, spec, box, writable_numpy(staged, entry.dtype, key))
             self.copies.append((local, staged))
 
@@ -245,7 +247,7 @@ def _dtype_name(dtype: object) -> str:
 def _empty_like_entry(entry: ArrayEntry) -> torch.Tensor | np.ndarray:
     if entry.kind == "ndarray":
         return np.empty(entry.shape, entry.dtype.numpy)
-    return torch.empty(entry.shape, dtype=entry.dtype.torch)
+    return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
 
 
 def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> None:

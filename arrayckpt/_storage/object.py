@@ -38,7 +38,8 @@ from .._errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from .._format.manifest import KEY_ENCODINGS, is_arrayckpt_root, parse_chunk_key
+from .._format.manifest import is_arrayckpt_root
+from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._format.dtypes import dtype_by_name
-from .._format.manifest import chunk_key
+from .._format.zarr import chunk_key
 from .._io.arrays import ArrayIO, read_into
 
 __all__ = ["ChunkRef", "chunk_file", "chunk_shape", "iter_chunks", "read_chunks"]

@@ -18,6 +18,7 @@ import torch
 
 from .._errors import StateError
 from .._format.keys import Key, dotted
+from .shards import PerRank, Shard
 
 __all__ = ["Leaf", "Stateful", "StatefulNode", "Walk", "is_array_leaf", "walk"]
 
@@ -68,7 +69,6 @@ def is_stateful(obj: object) -> bool:
 
 
 def is_array_leaf(obj: object) -> bool:
-    from .._layout.box import PerRank, Shard
 
     return isinstance(obj, (torch.Tensor, np.ndarray, Shard, PerRank))
 

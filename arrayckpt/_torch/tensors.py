@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from .._errors import StateError
-from .._format.dtypes import DType, numpy_view
+from .._format.dtypes import DType
+from .dtypes import numpy_view
 
 __all__ = ["readable_numpy", "writable_numpy"]
 

@@ -22,11 +22,12 @@ import torch
 
 from .._errors import ArrayckptError
 from .._format.codecs import CodecChoice
-from .._format.dtypes import DType, numpy_view
+from .._format.dtypes import DType
 from .._format.keys import array_path
 from .._layout.box import Box
 from .._storage.local import parse_location
 from .._torch.dist import Group, resolve_group
+from .._torch.dtypes import numpy_view
 from .._write.save import _attempt, check_record, describe_local, finish_save, open_delta
 
 __all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]

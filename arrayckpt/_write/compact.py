@@ -82,9 +82,9 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
     chain = checkpoint.chain()  # every base opened and checked before anything is written
     writer = open_writer(parse_location(dst, storage_options), overwrite)
     entries, arrays, sources = _plan(checkpoint, codec, writer.key_encoding)
-    from .._layout.saveplan import _documents
+    from .._layout.saveplan import documents_of
 
-    documents, consolidated = _documents(arrays)
+    documents, consolidated = documents_of(arrays)
     wait = writer.write_documents(documents)
     try:
         written = _copy(checkpoint, arrays, sources, writer.target, progress)

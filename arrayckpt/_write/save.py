@@ -30,7 +30,7 @@ import torch
 
 from .._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
 from .._format.codecs import CodecChoice
-from .._format.dtypes import DType, dtype_of_numpy, dtype_of_torch
+from .._format.dtypes import DType, dtype_of_numpy
 from .._format.keys import array_path
 from .._format.manifest import (
     FORMAT_VERSION,
@@ -45,24 +45,16 @@ from .._format.manifest import (
 )
 from .._format.values import NotJSONable, encode_value
 from .._io.arrays import ArrayIO, array_spec, collector_paused, write_all
-from .._layout.box import Box, PerRank, Shard, local_piece
-from .._layout.delta import (
-    DeltaRequest,
-    PieceChange,
-    Reference,
-    RowsTask,
-    base_ref,
-    chunk_jobs,
-    find_changes,
-    plan_delta,
-    rows_jobs,
-    stored_bytes,
-)
+from .._layout.box import Box
+from .._layout.delta import PieceChange, RowsTask, base_ref, plan_delta, stored_bytes
 from .._layout.saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save, with_key_encoding
 from .._storage.local import Location, Writer, finish_rank_writes, open_writer, parse_location
 from .._torch.dist import Group, resolve_group
+from .._torch.dtypes import dtype_of_torch
+from .._torch.shards import PerRank, Shard, local_piece
 from .._torch.state import walk
 from .._torch.tensors import readable_numpy
+from .changes import DeltaRequest, Reference, chunk_jobs, find_changes, rows_jobs
 
 __all__ = ["save"]
 

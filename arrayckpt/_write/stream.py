@@ -20,13 +20,14 @@ import torch
 
 from .._errors import StateError
 from .._format.codecs import CodecChoice
-from .._format.dtypes import DType, dtype_of_numpy, dtype_of_torch
+from .._format.dtypes import DType, dtype_of_numpy
 from .._format.manifest import encode_root_document
 from .._io.arrays import ArrayIO, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
 from .._storage.local import Writer, open_writer, parse_location
+from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .._write.save import Record, build_manifest, created_info, describe_local, host_view
 

@@ -1,0 +1,121 @@
+"""Zarr v3 metadata as arrayckpt writes and checks it: node documents, chunk grids, chunk keys.
+
+Every array and intermediate group has its own ``zarr.json`` (Zarr v3 has no implicit groups), and the root's
+consolidated metadata holds a copy of each. Readers validate an array's metadata before acting on it
+(:func:`check_array_metadata`); chunk keys follow Zarr's ``default`` or ``v2`` encodings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import FormatError
+
+__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "ROOT_METADATA", "check_array_metadata", "chunk_key", "grid_counts",
+           "node_documents", "parse_chunk_key"]
+
+ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
+
+
+def _group_paths(array_paths: list[str]) -> list[str]:
+    """Every intermediate group path above the given arrays (Zarr v3 has no implicit groups)."""
+    groups: set[str] = set()
+    for path in array_paths:
+        segments = path.split("/")
+        groups.update("/".join(segments[:i]) for i in range(1, len(segments)))
+    return sorted(groups)
+
+
+GROUP_METADATA: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def node_documents(arrays: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``zarr.json`` documents for every array and every intermediate group, by path."""
+    nodes: dict[str, dict[str, Any]] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
+    nodes.update(arrays)
+    return nodes
+
+
+def _positive_ints(value: object, length: int) -> bool:
+    return isinstance(value, list) and len(value) == length and all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62 for n in value)
+
+
+def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: str, where: str) -> dict[str, Any]:
+    """Validate one array's (consolidated) metadata before anything acts on it: the fields arrayckpt relies
+    on must have the right types and agree with the manifest; codecs are checked by the reader."""
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: array metadata {what}")
+
+    if not isinstance(metadata, dict) or metadata.get("node_type") != "array" or metadata.get("zarr_format") != 3:
+        raise bad("is missing or not a Zarr v3 array")
+    if metadata.get("data_type") != data_type:
+        raise bad(f"data_type {metadata.get('data_type')!r} does not match the manifest's {data_type!r}")
+    if metadata.get("shape") != list(shape):
+        raise bad(f"shape {metadata.get('shape')!r} does not match the manifest's {list(shape)}")
+    grid = metadata.get("chunk_grid")
+    if not (isinstance(grid, dict) and grid.get("name") == "regular" and isinstance(grid.get("configuration"), dict)
+            and _positive_ints(grid["configuration"].get("chunk_shape"), len(shape))):
+        raise bad(f"chunk_grid {grid!r} is not a regular grid of positive chunk extents, one per dimension")
+    encoding = metadata.get("chunk_key_encoding")
+    if not (isinstance(encoding, dict) and encoding.get("name") in KEY_ENCODINGS
+            and isinstance(encoding.get("configuration", {}), dict)
+            and _separator(encoding) in ("/", ".")):
+        raise bad(f"chunk_key_encoding {encoding!r} is not the 'default' or 'v2' encoding with '/' or '.'")
+    codecs = metadata.get("codecs")
+    if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
+        raise bad(f"codecs {codecs!r} are not a list of codec objects")
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        config = codecs[0].get("configuration")
+        if not (isinstance(config, dict) and _positive_ints(config.get("chunk_shape"), len(shape))
+                and all(o % i == 0 for o, i in zip(grid["configuration"]["chunk_shape"], config["chunk_shape"],
+                                                   strict=True))):
+            raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
+    return metadata
+
+
+# Zarr v3's chunk key encodings. arrayckpt writes "default" with "." ("c.0.1"); on object storage a save
+# that replaces a committed checkpoint uses the other one, so its chunks never overwrite the old ones.
+KEY_ENCODINGS = ("default", "v2")
+
+
+def _separator(encoding: dict[str, Any]) -> str:
+    default = "/" if encoding.get("name") == "default" else "."
+    return str(encoding.get("configuration", {}).get("separator", default))
+
+
+def grid_counts(metadata: dict[str, Any]) -> list[int]:
+    """Chunks per dimension of an array's (outer) chunk grid."""
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    return [-(-n // c) for n, c in zip(metadata["shape"], chunks, strict=True)]
+
+
+def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
+    """The key of chunk ``grid_index`` below its array (``c.1.0`` or ``c`` for 0-d with the default encoding;
+    ``1.0`` or ``0`` with the v2 encoding)."""
+    encoding = metadata.get("chunk_key_encoding", {})
+    if encoding.get("name") == "v2":
+        return _separator(encoding).join(str(i) for i in grid_index) or "0"
+    return _separator(encoding).join(["c", *(str(i) for i in grid_index)])
+
+
+def parse_chunk_key(metadata: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """The grid index a chunk key names, if it is a valid key of this array (right encoding, inside the grid)."""
+    shape = metadata.get("shape", [])
+    chunks = metadata.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [])
+    encoding = metadata.get("chunk_key_encoding", {})
+    separator = _separator(encoding)
+    parts = name.split(separator) if name else []
+    if encoding.get("name") == "v2":
+        if not shape:
+            return () if name == "0" else None
+    else:
+        if not parts or parts[0] != "c":
+            return None
+        parts = parts[1:]
+    if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+        return None
+    index = tuple(int(p) for p in parts)
+    grid = [-(-n // c) for n, c in zip(shape, chunks, strict=False)]
+    return index if all(0 <= i < g for i, g in zip(index, grid, strict=False)) else None
