@@ -16,13 +16,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _zarr_dtypes as _zarr_dtypes  # registers bfloat16/float8 with zarr-python
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 if TYPE_CHECKING:
-    from ._convert.common import ConvertResult, convert
+    from ._convert.common import ConvertResult
+    from ._convert.dispatch import convert
     from ._errors import (
         ArrayckptError,
+        CheckpointBusyError,
         CheckpointExistsError,
         CheckpointNotFoundError,
         CollectiveError,
@@ -31,33 +32,38 @@ if TYPE_CHECKING:
         IncompleteCheckpointError,
         KeyMismatchError,
         PickleNotAllowedError,
+        ReplacedCheckpointError,
         StateError,
         StorageError,
     )
     from ._format.codecs import Codec
     from ._manager import CheckpointManager, Incremental, Interval, Retention
-    from ._read.checkpoint import Checkpoint, LazyArray
+    from ._read.checkpoint import Checkpoint
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
+    from ._read.lazy import LazyArray
     from ._read.load import LoadResult, load
-    from ._storage.local import collect_garbage as gc
+    from ._storage.gc import collect_garbage as gc
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._tools.interval import OptimalInterval, optimal_interval
     from ._tools.verify import Damage, VerifyReport, verify
     from ._torch.shards import PerRank, Shard
-    from ._write.asynchronous import CheckpointBusyError, SaveHandle, async_save
+    from ._write.asynchronous import SaveHandle, async_save
     from ._write.compact import CompactResult, compact
     from ._write.save import save
 
-_LAZY = {
+# The public API: name -> module (and attribute, where it differs) that defines it, imported on first use.
+# This is the one table: ``__all__`` is derived from it, and ``tests/test_architecture.py`` checks that the
+# TYPE_CHECKING imports above (for type checkers and IDEs only) say the same.
+_LAZY: dict[str, str] = {
     "ArrayckptError": "._errors",
     "Checkpoint": "._read.checkpoint",
-    "CheckpointBusyError": "._write.asynchronous",
+    "CheckpointBusyError": "._errors",
     "CheckpointExistsError": "._errors",
     "CheckpointManager": "._manager",
     "CheckpointNotFoundError": "._errors",
-    "CollectiveError": "._errors",
     "Codec": "._format.codecs",
+    "CollectiveError": "._errors",
     "CompactResult": "._write.compact",
     "ConvertResult": "._convert.common",
     "CorruptCheckpointError": "._errors",
@@ -68,11 +74,12 @@ _LAZY = {
     "Incremental": "._manager",
     "Interval": "._manager",
     "KeyMismatchError": "._errors",
-    "LazyArray": "._read.checkpoint",
+    "LazyArray": "._read.lazy",
     "LoadResult": "._read.load",
     "OptimalInterval": "._tools.interval",
     "PerRank": "._torch.shards",
     "PickleNotAllowedError": "._errors",
+    "ReplacedCheckpointError": "._errors",
     "Retention": "._manager",
     "SaveHandle": "._write.asynchronous",
     "Shard": "._torch.shards",
@@ -84,10 +91,10 @@ _LAZY = {
     "VerifyReport": "._tools.verify",
     "async_save": "._write.asynchronous",
     "compact": "._write.compact",
-    "convert": "._convert.common",
+    "convert": "._convert.dispatch",
     "diff": "._tools.inspect",
     "estimate_size": "._tools.estimate",
-    "gc": "._storage.local:collect_garbage",
+    "gc": "._storage.gc:collect_garbage",
     "load": "._read.load",
     "open": "._read.checkpoint:open_checkpoint",
     "optimal_interval": "._tools.interval",
@@ -96,53 +103,7 @@ _LAZY = {
     "verify": "._tools.verify",
 }
 
-__all__ = [
-    "ArrayckptError",
-    "Checkpoint",
-    "CheckpointBusyError",
-    "CheckpointExistsError",
-    "CheckpointManager",
-    "CheckpointNotFoundError",
-    "CollectiveError",
-    "Codec",
-    "CompactResult",
-    "ConvertResult",
-    "CorruptCheckpointError",
-    "Damage",
-    "DiffReport",
-    "FormatError",
-    "IncompleteCheckpointError",
-    "Incremental",
-    "Interval",
-    "KeyMismatchError",
-    "LazyArray",
-    "LoadResult",
-    "OptimalInterval",
-    "PerRank",
-    "PickleNotAllowedError",
-    "Retention",
-    "SaveHandle",
-    "Shard",
-    "SizeEstimate",
-    "SliceSummary",
-    "StateError",
-    "StorageError",
-    "TensorDiff",
-    "VerifyReport",
-    "__version__",
-    "async_save",
-    "compact",
-    "convert",
-    "diff",
-    "estimate_size",
-    "gc",
-    "load",
-    "open",
-    "optimal_interval",
-    "save",
-    "show",
-    "verify",
-]
+__all__ = sorted([*_LAZY, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArrayckptError",
+    "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CollectiveError",
@@ -17,6 +18,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeyMismatchError",
     "PickleNotAllowedError",
+    "ReplacedCheckpointError",
     "StateError",
     "StorageError",
 ]
@@ -43,7 +45,14 @@ class CollectiveError(ArrayckptError, RuntimeError):
 
 
 class CorruptCheckpointError(ArrayckptError, OSError):
-    """Stored bytes are damaged or missing: a checksum mismatch, a missing chunk, unreadable metadata."""
+    """Stored bytes are damaged or missing: a checksum mismatch, a missing chunk, unreadable metadata, a delta
+    whose base is gone or was replaced."""
+
+
+class ReplacedCheckpointError(CorruptCheckpointError):
+    """The checkpoint (or a base it reads through) was replaced or removed while it was being read, so what was
+    read may mix two checkpoints. Nothing is damaged: open it again. (A :class:`CorruptCheckpointError`, so
+    ``except CorruptCheckpointError`` keeps catching it.)"""
 
 
 class FormatError(ArrayckptError, ValueError):
@@ -66,4 +75,9 @@ class PickleNotAllowedError(ArrayckptError, PermissionError):
 
 
 class StorageError(ArrayckptError, OSError):
-    """Writing to storage failed (full disk, permissions, a store that keeps refusing requests)."""
+    """Storage could not be used: a write failed (full disk, permissions), or a store could not be reached or
+    kept refusing requests past its retries (on reads too: that says nothing about the data)."""
+
+
+class CheckpointBusyError(ArrayckptError, RuntimeError):
+    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""

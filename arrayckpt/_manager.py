@@ -18,8 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._errors import ArrayckptError, CheckpointNotFoundError, StateError
+from ._errors import ArrayckptError, CheckpointNotFoundError, IncompleteCheckpointError, StateError
+from ._read.checkpoint import open_checkpoint
+from ._read.load import load
+from ._storage import Location, parse_location
 from ._tools.interval import optimal_interval
+from ._torch.dist import resolve_group
+from ._write.asynchronous import async_save_with
+from ._write.options import SaveOptions
+from ._write.save import save_with
 
 __all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
 
@@ -121,45 +128,36 @@ class CheckpointManager:
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from ._storage.local import LocalLocation, parse_location
-
         self._location = parse_location(root, storage_options)
-        self._local = isinstance(self._location, LocalLocation)
         self.storage_options = storage_options
         #: The root: a local directory (``Path``) or an object-storage URL (``str``).
-        self.root: Path | str = self._location.path if isinstance(self._location, LocalLocation) \
-            else str(self._location)
+        self.root: Path | str = self._location.native
         self.incremental = incremental
         self.interval = interval or Interval(every_steps=1)
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
-        self.codec = codec
         self.process_group = process_group
+        #: The options every save starts from; each save sets its step, metrics and base on a copy.
+        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
+                                        storage_options=storage_options)
         self._pending: Any = None  # the in-flight SaveHandle of an asynchronous save
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._blocking_seconds: float | None = None
-        if isinstance(self.root, Path):
-            self.root.mkdir(parents=True, exist_ok=True)
+        self._location.make_directory()
 
     # --- where checkpoints are --------------------------------------------------------------------
 
     def path(self, step: int) -> Path | str:
         """Where step ``step``'s checkpoint is (a path, or a URL on object storage)."""
-        name = f"step-{step:08d}"
-        return self.root / name if isinstance(self.root, Path) else f"{self.root}/{name}"
+        return self._step_location(step).native
 
-    def _step_location(self, step: int) -> Any:
-        from ._storage.local import parse_location
-
-        return parse_location(self.path(step), self.storage_options if not self._local else None)
+    def _step_location(self, step: int) -> Location:
+        return self._location.child(f"step-{step:08d}")
 
     def _listed_steps(self) -> list[int]:
         """Steps with something at their path, committed or not."""
-        if isinstance(self.root, Path):
-            names = [e.name for e in self.root.iterdir() if e.is_dir()]
-        else:
-            names = self._location.children()
+        names = self._location.children()
         return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
 
     def steps(self) -> list[int]:
@@ -168,15 +166,13 @@ class CheckpointManager:
 
     def clean_up(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove what interrupted saves left: incomplete step checkpoints older than the newest committed
-        one (a later save is never still running) and, locally, temporary directories untouched for
-        ``min_age_s``. Returns what was removed. Coordinator only."""
+        one (a later save is never still running), and the other leftovers of interrupted saves untouched for
+        ``min_age_s`` (see :func:`arrayckpt.gc`). Returns what was removed. Coordinator only."""
         if not self._is_coordinator():
             return []
         committed = self.steps()
         removed: list[str] = []
         if committed:
-            from ._errors import IncompleteCheckpointError
-
             for step in self._listed_steps():
                 if step < committed[-1] and step not in committed:
                     location = self._step_location(step)
@@ -188,10 +184,8 @@ class CheckpointManager:
                         removed.append(str(location))
                     except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
                         continue
-        if isinstance(self.root, Path):
-            from ._storage.local import collect_garbage
-
-            removed.extend(str(p) for p in collect_garbage(self.root, min_age_s))
+        found, _ = self._location.leftovers(min_age_s)
+        removed.extend(leftover.url for leftover in found if leftover.remove())
         return removed
 
     def latest_step(self) -> int | None:
@@ -226,27 +220,23 @@ class CheckpointManager:
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
-        delta = self._delta_options(changed_rows)
-        if self.asynchronous:
-            from ._write.asynchronous import async_save
+        from dataclasses import replace
 
+        options = replace(self.save_options, step=step, metrics=metrics, **self._delta_options(changed_rows))
+        if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
-            self._pending = async_save(state, self.path(step), codec=self.codec, process_group=self.process_group,
-                                       step=step, metrics=metrics, overwrite=True, keep_copy=keep,
-                                       storage_options=self._options(), **delta)
+            self._pending = async_save_with(state, self.path(step), options, keep_copy=keep)
             self._blocking_seconds = self._pending.blocking_seconds
         else:
-            from ._write.save import save
-
-            save(state, self.path(step), codec=self.codec, process_group=self.process_group, step=step,
-                 metrics=metrics, overwrite=True, storage_options=self._options(), **delta)
+            save_with(state, self.path(step), options)
             self._blocking_seconds = time.perf_counter() - started
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
         return True
 
     def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``save`` arguments for the next save: a delta against the newest checkpoint, or nothing (full)."""
+        """The next save's incremental options (``SaveOptions`` fields): a delta against the newest checkpoint,
+        or none (a full save)."""
         if self.incremental is None:
             if changed_rows:
                 raise StateError("changed_rows needs an incremental manager (incremental=arrayckpt.Incremental())")
@@ -254,9 +244,7 @@ class CheckpointManager:
         latest = self.latest_step()
         if latest is None:
             return {}
-        from ._read.checkpoint import open_checkpoint
-
-        base = open_checkpoint(self.path(latest), storage_options=self._options())
+        base = open_checkpoint(self.path(latest), storage_options=self.storage_options)
         if self.incremental.wants_full(base):
             return {}
         return {"base": base, "changed_rows": changed_rows, "quantize": self.incremental.quantize}
@@ -271,43 +259,33 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if not self._is_coordinator():
             return
-        from ._read.checkpoint import open_checkpoint
-
         steps = self.steps()
         metrics = {}
         if self.retention.keep_best and self.retention.metric:
-            metrics = {s: dict(open_checkpoint(self.path(s), storage_options=self._options()).metrics)
+            metrics = {s: dict(open_checkpoint(self.path(s), storage_options=self.storage_options).metrics)
                        for s in steps}
         kept = self.retention.keep(steps, metrics)
         kept |= self._bases_of(kept, set(steps))
         for step in set(steps) - kept:
             self._step_location(step).delete()
 
-    def _options(self) -> Mapping[str, Any] | None:
-        return None if self._local else self.storage_options
-
     def _bases_of(self, kept: set[int], steps: set[int]) -> set[int]:
         """Steps that kept delta checkpoints read through (transitively): deleting them would break those."""
-        from ._layout.delta import resolve_base
-        from ._read.checkpoint import open_checkpoint
-
         by_location = {str(self._step_location(s)): s for s in steps}
         needed: set[int] = set()
         todo = sorted(kept)
         while todo:
             step = todo.pop()
-            ref = open_checkpoint(self.path(step), storage_options=self._options()).manifest.base
+            ref = open_checkpoint(self.path(step), storage_options=self.storage_options).manifest.base
             if ref is None:
                 continue
-            found = by_location.get(str(resolve_base(self._step_location(step), ref)))
+            found = by_location.get(str(self._step_location(step).resolve(ref.path)))
             if found is not None and found not in needed and found not in kept:
                 needed.add(found)
                 todo.append(found)
         return needed
 
     def _is_coordinator(self) -> bool:
-        from ._torch.dist import resolve_group
-
         return resolve_group(self.process_group).is_coordinator
 
     # --- resuming ---------------------------------------------------------------------------------
@@ -315,15 +293,13 @@ class CheckpointManager:
     def restore(self, state: Mapping[str, Any], step: int | None = None, **load_options: Any) -> int | None:
         """Load the newest committed checkpoint (or ``step``) into ``state``; returns its step, or
         ``None`` when there is nothing to resume from (a fresh start)."""
-        from ._read.load import load
-
         if step is None:
             step = self.latest_step()
             if step is None:
                 return None
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
-        load(state, self.path(step), process_group=self.process_group, storage_options=self._options(),
+        load(state, self.path(step), process_group=self.process_group, storage_options=self.storage_options,
              **load_options)
         self._last_step, self._last_time = step, time.monotonic()
         return step

@@ -7,6 +7,9 @@ values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when
 turns a delta checkpoint and its bases into one full checkpoint; ``estimate`` and ``interval`` size
 checkpoints and their frequency. Paths may be URLs (``s3://bucket/prefix``; endpoint and credentials from
 the standard AWS environment variables). ``--json`` prints JSON for scripts.
+
+Longer than 500 lines: one short function per command and the argument parser that lists them all; kept
+together so that the whole command line reads as one page.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
     """Chunks per dimension of the array that holds the tensor's layout (its own, or its base's for a rows
     delta): the sharding at save, since chunks follow the ranks' shards (``[4, 1]``: split over rows in 4)."""
     try:
-        metadata = checkpoint._dense_metadata(key)
+        metadata = checkpoint.dense_metadata(key)
     except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
         return []
     from ._format.zarr import grid_counts
@@ -190,19 +193,15 @@ def _print_tree(info: dict[str, Any]) -> None:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._storage.local import LocalLocation, collect_garbage, find_object_garbage, parse_location
+    from ._storage import parse_location
 
-    location = parse_location(args.root)
-    kept: list[tuple[str, str]] = []
-    if isinstance(location, LocalLocation):
-        removed = [str(p) for p in collect_garbage(location, min_age_s=args.min_age, dry_run=args.dry_run)]
-    else:  # incomplete checkpoints right below the prefix; the others are reported with why they stay
-        found, kept = find_object_garbage(location, args.min_age)
-        removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
+    # what interrupted saves left right below the root; what looks like it but stays is reported with why
+    found, kept = parse_location(args.root).leftovers(args.min_age)
+    removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
-        if not isinstance(location, LocalLocation):
+        if kept:
             report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
         print(json.dumps(report))
         return 0
@@ -399,7 +398,7 @@ def _size(text: str) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ._convert.common import convert
+    from ._convert.dispatch import convert
 
     counter = _Counter("convert")
     try:

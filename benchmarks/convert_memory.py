@@ -28,7 +28,7 @@ BOUND_EXTRA = 512 * MiB
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child would report its parent's peak.
 _CHILD = """
 import json, sys, time
-import torch, tensorstore, arrayckpt, arrayckpt._convert.common, arrayckpt._convert.dcp
+import torch, tensorstore, arrayckpt, arrayckpt._convert.dispatch
 import torch.distributed.checkpoint
 
 def hwm():

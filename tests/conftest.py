@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-import arrayckpt._layout.chunking as plan
+from policies import SHARDED, WHOLE, Chunking
 
 
 @pytest.fixture
@@ -17,12 +16,10 @@ def ckpt(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(params=["whole", "sharded"])
-def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Default chunk targets, or tiny ones so that every non-trivial tensor is split and sharded."""
-    if request.param == "sharded":
-        monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
-        monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
-    return request.param
+def chunking(request: pytest.FixtureRequest) -> Chunking:
+    """Default chunk targets, or tiny ones so that every non-trivial tensor is split and sharded: a test saves
+    with ``chunking.save(state, path, **save_options)`` (``chunking.name`` is the parameter)."""
+    return {"whole": WHOLE, "sharded": SHARDED}[request.param]
 
 
 # The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket), shared by

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from policies import small_chunks
 
-import arrayckpt
-import arrayckpt._layout.chunking as plan
 from arrayckpt import cli
 
 
@@ -38,12 +37,10 @@ def main(capsys: pytest.CaptureFixture[str]):
 
 
 @pytest.fixture
-def saved(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def saved(ckpt: Path) -> Path:
     """A checkpoint with several chunk files per tensor (saved in-process with tiny chunk targets)."""
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 32)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
     w = torch.arange(64, dtype=torch.float32).reshape(16, 4)
-    arrayckpt.save({"model": {"w": w, "b": torch.ones(4, dtype=torch.bfloat16)}, "step": 7}, ckpt, step=7)
+    small_chunks(32, 64).save({"model": {"w": w, "b": torch.ones(4, dtype=torch.bfloat16)}, "step": 7}, ckpt, step=7)
     return ckpt
 
 
@@ -99,7 +96,7 @@ def test_diff(saved, tmp_path, main):
     other = tmp_path / "other"
     w = torch.arange(64, dtype=torch.float32).reshape(16, 4)
     w[9, 1] += 0.5
-    arrayckpt.save({"model": {"w": w, "b": torch.ones(4)}, "step": 8, "extra": 1}, other)
+    small_chunks(32, 64).save({"model": {"w": w, "b": torch.ones(4)}, "step": 8, "extra": 1}, other)
     done = _run("diff", saved, other)
     assert done.returncode == 1, done.stderr
     assert "only in B: extra" in done.stdout
@@ -114,14 +111,12 @@ def test_diff(saved, tmp_path, main):
     assert same.returncode == 0 and same.stdout.strip().endswith("identical")
 
 
-def test_diff_counts_chunks_on_the_same_grid(tmp_path, monkeypatch, main):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 32)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+def test_diff_counts_chunks_on_the_same_grid(tmp_path, main):
     a = torch.randn(16, 4)
     b = a.clone()
     b[0, 0], b[15, 3] = float("nan"), b[15, 3] * 2
-    arrayckpt.save({"w": a}, tmp_path / "a")
-    arrayckpt.save({"w": b}, tmp_path / "b")
+    small_chunks(32, 64).save({"w": a}, tmp_path / "a")
+    small_chunks(32, 64).save({"w": b}, tmp_path / "b")
     w = json.loads(main("diff", "--json", tmp_path / "a", tmp_path / "b").stdout)["tensors"]["w"]
     assert (w["differing_elements"], w["differing_chunks"], w["chunks"], w["nonfinite"]) == (2, 2, 4, 1)
 

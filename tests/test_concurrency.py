@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from policies import WHOLE, Chunking, small_chunks
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 import arrayckpt._storage.local as storage
 
 KEYS = ("model.w", "model.b", "bf", "count")
@@ -140,20 +140,20 @@ class Writer(threading.Thread):
     """Overwrites the checkpoint with state 1, 2, 3, ... until stopped (it has saved state 0 first), pausing
     up to ``pause_s`` (at random) between saves so that slow readers also get whole reads."""
 
-    def __init__(self, url: str, options: dict | None, pause_s: float = 0.0):
+    def __init__(self, url: str, options: dict | None, pause_s: float = 0.0, chunking: Chunking = WHOLE):
         super().__init__(name="overwriter", daemon=True)
-        self.url, self.options, self.pause_s = url, options, pause_s
+        self.url, self.options, self.pause_s, self.chunking = url, options, pause_s, chunking
         self._rng = random.Random(0)
         self.saves = 0
         self.error: BaseException | None = None
         self.stop = threading.Event()
-        arrayckpt.save(_state(0), url, storage_options=options)
+        chunking.save(_state(0), url, storage_options=options)
 
     def run(self) -> None:
         try:
             while not self.stop.is_set():
                 self.saves += 1
-                arrayckpt.save(_state(self.saves), self.url, storage_options=self.options, overwrite=True)
+                self.chunking.save(_state(self.saves), self.url, storage_options=self.options, overwrite=True)
                 if self.pause_s:
                     self.stop.wait(self._rng.uniform(0, self.pause_s))
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -161,9 +161,9 @@ class Writer(threading.Thread):
 
 
 def _race(url: str, options: dict | None, readers: int = 2, pause_s: float = 0.0,
-          goal: dict[str, int] = ENOUGH) -> tuple[Tally, Writer]:
+          goal: dict[str, int] = ENOUGH, chunking: Chunking = WHOLE) -> tuple[Tally, Writer]:
     tally = Tally(goal=dict(goal))
-    writer = Writer(url, options, pause_s)
+    writer = Writer(url, options, pause_s, chunking)
     deadline = time.monotonic() + DEADLINE_S
 
     def done() -> bool:
@@ -190,22 +190,20 @@ def _assert_race(tally: Tally, writer: Writer) -> None:
                            f"{writer.saves} saves"
 
 
-def test_local_readers_see_one_whole_checkpoint(tmp_path: Path, chunking: str) -> None:
-    tally, writer = _race(str(tmp_path / "ckpt"), None)
+def test_local_readers_see_one_whole_checkpoint(tmp_path: Path, chunking: Chunking) -> None:
+    tally, writer = _race(str(tmp_path / "ckpt"), None, chunking=chunking)
     _assert_race(tally, writer)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # every overwrite cleaned up after itself
 
 
-def test_memory_store_readers_see_one_whole_checkpoint(chunking: str) -> None:
-    tally, writer = _race(f"memory://race/{uuid.uuid4().hex[:8]}", None, pause_s=0.02)
+def test_memory_store_readers_see_one_whole_checkpoint(chunking: Chunking) -> None:
+    tally, writer = _race(f"memory://race/{uuid.uuid4().hex[:8]}", None, pause_s=0.02, chunking=chunking)
     _assert_race(tally, writer)
 
 
-def test_s3_readers_see_one_whole_checkpoint(s3_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 64)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 256)
+def test_s3_readers_see_one_whole_checkpoint(s3_server: Any, s3_bucket: str) -> None:
     tally, writer = _race(f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_server.endpoint, "max_retries": 3},
-                          pause_s=0.3, goal=ENOUGH_S3)
+                          pause_s=0.3, goal=ENOUGH_S3, chunking=small_chunks(64, 256))
     _assert_race(tally, writer)
 
 
@@ -222,11 +220,9 @@ print(json.dumps(tally.to_dict()), flush=True)
 """
 
 
-def test_local_reader_process_sees_one_whole_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 64)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 256)
+def test_local_reader_process_sees_one_whole_checkpoint(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
-    writer = Writer(url, None)
+    writer = Writer(url, None, chunking=small_chunks(64, 256))
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(Path(__file__).parent), url, str(DEADLINE_S)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -272,15 +268,15 @@ def test_open_overtaken_between_pinning_and_reading_the_root(tmp_path: Path, mon
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
-def test_a_handle_overtaken_by_an_overwrite_says_replaced(tmp_path: Path, chunking: str, where: str) -> None:
+def test_a_handle_overtaken_by_an_overwrite_says_replaced(tmp_path: Path, chunking: Chunking, where: str) -> None:
     """The deterministic version of the refusal: a handle opened before an overwrite (two on object storage,
     where the second one reuses the first one's chunk keys) reads nothing of the new state."""
     url = str(tmp_path / "ckpt") if where == "local" else f"memory://race/{uuid.uuid4().hex[:8]}"
-    arrayckpt.save(_state(1), url)
+    chunking.save(_state(1), url)
     handle = arrayckpt.open(url)
     assert np.all(handle["model.b"][:] == 1)
     for k in (2, 3):
-        arrayckpt.save(_state(k), url, overwrite=True)
+        chunking.save(_state(k), url, overwrite=True)
     for key in KEYS:
         with pytest.raises(arrayckpt.CorruptCheckpointError, match="was replaced"):
             handle[key][...]

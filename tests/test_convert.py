@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_bit_equal, random_tensor
+from policies import Chunking
 
 import arrayckpt
-from arrayckpt._convert.common import detect_format
+from arrayckpt._convert.common import ConvertResult
+from arrayckpt._convert.dcp import from_dcp
+from arrayckpt._convert.dispatch import detect_format
+from arrayckpt._convert.safetensors import from_safetensors
+from arrayckpt._convert.torch_save import from_torch
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
           torch.uint8, torch.bool, torch.float64]
@@ -28,6 +33,12 @@ def _tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+def _into(src: Path, dst: Path, chunking: Chunking) -> ConvertResult:
+    """``arrayckpt.convert(src, dst)`` into arrayckpt, planned with ``chunking`` (the converter ``convert`` picks)."""
+    converter = {"safetensors": from_safetensors, "torch": from_torch, "dcp": from_dcp}[detect_format(src) or ""]
+    return converter(src, dst, chunking=chunking.policy)
+
+
 # -------------------------------------------------------------------------------------------- safetensors
 
 
@@ -37,7 +48,7 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path, chunking):
     weights = _tensors()
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert detect_format(tmp_path / "model.safetensors") == "safetensors"
-    result = arrayckpt.convert(tmp_path / "model.safetensors", tmp_path / "ckpt")
+    result = _into(tmp_path / "model.safetensors", tmp_path / "ckpt", chunking)
     assert result.tensors == len(weights) and detect_format(tmp_path / "ckpt") == "arrayckpt"
     opened = arrayckpt.open(tmp_path / "ckpt")
     for key, tensor in weights.items():
@@ -94,7 +105,7 @@ def test_torch_save_round_trip_keeps_nesting_and_values(tmp_path, chunking):
              "step": 12, "layers": [torch.ones(2), torch.zeros(3)], "pair": (torch.arange(3), "x")}
     torch.save(state, tmp_path / "state.pt")
     assert detect_format(tmp_path / "state.pt") == "torch"
-    arrayckpt.convert(tmp_path / "state.pt", tmp_path / "ckpt")
+    _into(tmp_path / "state.pt", tmp_path / "ckpt", chunking)
     opened = arrayckpt.open(tmp_path / "ckpt")
     assert opened.plain_values["step"] == 12 and opened.plain_values["optim.param_groups"][0]["betas"] == (0.9, 0.999)
     assert_bit_equal(opened["model.layers.0.bfloat16"].torch(), state["model"]["layers.0.bfloat16"])
@@ -143,7 +154,7 @@ def test_dcp_round_trip_is_bit_exact(tmp_path, chunking):
     state["model"].pop("empty")  # DCP cannot write empty tensors
     _dcp_save(state, tmp_path / "dcp")
     assert detect_format(tmp_path / "dcp") == "dcp"
-    arrayckpt.convert(tmp_path / "dcp", tmp_path / "ckpt")
+    _into(tmp_path / "dcp", tmp_path / "ckpt", chunking)
     opened = arrayckpt.open(tmp_path / "ckpt")
     assert opened.plain_values["step"] == 3 and opened.plain_values["optim.param_groups"] == [{"lr": 0.1,
                                                                                                "params": ["w"]}]
@@ -364,12 +375,12 @@ def _save_sharded_dcp(rank: int, world: int, path: str) -> None:
 def test_dcp_column_shards_are_read_into_place(tmp_path, monkeypatch):
     from dist_helpers import run_ranks
 
-    import arrayckpt._convert.dcp as dcp_module
+    import arrayckpt._convert.dcp_payload as dcp_payload
 
     run_ranks(2, _save_sharded_dcp, str(tmp_path / "dcp"))
     calls = _no_dcp_reader(monkeypatch)
     for buffer in (16, 64 << 20):  # a bounce buffer smaller than one row (element by element), and a big one
-        monkeypatch.setattr(dcp_module, "_READ_BUFFER", buffer)
+        monkeypatch.setattr(dcp_payload, "_READ_BUFFER", buffer)
         arrayckpt.convert(tmp_path / "dcp", tmp_path / f"ckpt-{buffer}")
         opened = arrayckpt.open(tmp_path / f"ckpt-{buffer}")
         for key, tensor in _sharded_reference().items():
@@ -403,7 +414,7 @@ def test_torch_file_written_record_by_record_is_torch_saves_format(tmp_path):
     arrayckpt.save(state, tmp_path / "ckpt")
     arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.pt")
     reference = tmp_path / "reference.pt"
-    torch.save(arrayckpt._convert.common._nested_state(arrayckpt.open(tmp_path / "ckpt"),
+    torch.save(arrayckpt._convert.common.nested_state(arrayckpt.open(tmp_path / "ckpt"),
                                                 lambda k: torch.zeros(0))[0], reference)
     import zipfile
 

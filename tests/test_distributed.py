@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from helpers import assert_bit_equal
+from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._layout.box import Box
@@ -28,9 +29,6 @@ def _save_3_ranks(rank: int, world: int, path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import arrayckpt._layout.chunking as plan
-
-    plan.INNER_CHUNK_BYTES, plan.OUTER_CHUNK_BYTES = 64, 256  # several chunks per shard
     full = _global()
     mesh = init_device_mesh("cpu", (world,))
     cols = 12 // world
@@ -46,7 +44,7 @@ def _save_3_ranks(rank: int, world: int, path: str) -> dict:
     }
     if rank == 1:
         state["model"]["stage1"] = full["stage1"]
-    arrayckpt.save(state, path, step=11)
+    small_chunks(64, 256).save(state, path, step=11)  # several chunks per shard
     return {"fsdp_local_rows": state["model"]["fsdp"].to_local().shape[0]}
 
 
@@ -145,14 +143,11 @@ def test_plan_refuses_disagreeing_global_shapes():
         plan_save(descriptions, None)
 
 
-def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas(monkeypatch):
-    import arrayckpt._layout.chunking as plan
-
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 1024)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 4096)
+def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas():
+    policy = small_chunks(1024, 4096).policy
     # 64x64 fp32 = 16 KiB replicated on 4 ranks -> 4 outer chunks of 4 KiB, one per rank
     descriptions = [_d("rep", r, (0, 0), (64, 64), (64, 64), replica=r) for r in range(4)]
-    planned = plan_save(descriptions, None)
+    planned = plan_save(descriptions, None, policy)
     assert list(planned.arrays) == ["rep"]
     assert planned.bytes_by_rank == (4096, 4096, 4096, 4096)
     boxes = sorted(task.box.offset for tasks in planned.tasks for task in tasks)
@@ -161,7 +156,7 @@ def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas(monke
     many = [LocalDescription(arrays=tuple(ArrayDescription(f"t{i}", (f"t{i}",), "tensor", "float32", (256,),
                                                            Box((0,), (256,)), r) for i in range(8)))
             for r in range(4)]
-    assert plan_save(many, None).bytes_by_rank == (2048, 2048, 2048, 2048)
+    assert plan_save(many, None, policy).bytes_by_rank == (2048, 2048, 2048, 2048)
 
 
 def test_uneven_and_2d_shard_grids_align_chunks_with_every_shard():

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bit_equal, random_tensor
+from policies import small_chunks
 
 import arrayckpt
 import arrayckpt._io.arrays as io
-import arrayckpt._layout.chunking as plan
 
 
 @pytest.fixture
@@ -42,9 +42,9 @@ def _files(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("chunking", ["whole", "sharded"], indirect=True)
 def test_fast_path_writes_the_bytes_tensorstore_writes(tmp_path, chunking, tensorstore_only):
     state = _state()
-    arrayckpt.save(state, tmp_path / "fast")
+    chunking.save(state, tmp_path / "fast")
     tensorstore_only(True)
-    arrayckpt.save(state, tmp_path / "ts")
+    chunking.save(state, tmp_path / "ts")
     fast, ts = _files(tmp_path / "fast"), _files(tmp_path / "ts")
     assert fast.keys() == ts.keys() and len(fast) > 30
     assert fast == ts
@@ -55,7 +55,7 @@ def test_fast_path_writes_the_bytes_tensorstore_writes(tmp_path, chunking, tenso
 def test_each_path_reads_what_the_other_wrote(tmp_path, chunking, writer, tensorstore_only):
     state = _state()
     tensorstore_only(writer == "tensorstore")
-    arrayckpt.save(state, tmp_path / "c")
+    chunking.save(state, tmp_path / "c")
     tensorstore_only(writer != "tensorstore")
     target = {k: torch.empty_like(v) for k, v in state.items()}
     arrayckpt.load(target, tmp_path / "c")
@@ -63,21 +63,17 @@ def test_each_path_reads_what_the_other_wrote(tmp_path, chunking, writer, tensor
         assert_bit_equal(target[key], value)
 
 
-def test_partial_row_reads_of_sharded_and_edge_chunks(ckpt, monkeypatch):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 48)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 192)
+def test_partial_row_reads_of_sharded_and_edge_chunks(ckpt):
     value = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)  # inner 4 rows, outer 16 rows, edge at 50
-    arrayckpt.save({"w": arrayckpt.Shard(value, (50, 3), (0, 0))}, ckpt)
+    small_chunks(48, 192).save({"w": arrayckpt.Shard(value, (50, 3), (0, 0))}, ckpt)
     for start, stop in [(0, 50), (3, 9), (15, 17), (44, 50), (48, 49), (16, 32)]:
         target = {"w": arrayckpt.Shard(torch.zeros(stop - start, 3), (50, 3), (start, 0))}
         arrayckpt.load(target, ckpt)
         assert torch.equal(target["w"].tensor, value[start:stop]), (start, stop)
 
 
-def test_fast_path_detects_damage_and_missing_inner_chunks(ckpt, monkeypatch):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 48)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 192)
-    arrayckpt.save({"w": torch.ones(40, 3)}, ckpt)
+def test_fast_path_detects_damage_and_missing_inner_chunks(ckpt):
+    small_chunks(48, 192).save({"w": torch.ones(40, 3)}, ckpt)
     shard = ckpt / "w" / "c.1.0"
     raw = bytearray(shard.read_bytes())
     raw[20] ^= 1  # inside inner chunk 0 of outer chunk 1

@@ -14,7 +14,7 @@ from arrayckpt._format.dtypes import DTYPES
 from arrayckpt._format.keys import _SEGMENT, array_path, parse_array_path
 from arrayckpt._format.manifest import Manifest
 from arrayckpt._format.values import NotJSONable, decode_value, encode_value
-from arrayckpt._layout.chunking import INNER_CHUNK_BYTES, OUTER_CHUNK_BYTES, choose_chunks
+from arrayckpt._layout.chunking import DEFAULT_CHUNKING, choose_chunks
 
 
 @pytest.mark.parametrize(
@@ -139,8 +139,8 @@ def test_chunk_plan_is_valid_for_the_sharding_codec(shape, itemsize):
     assert all(i <= max(1, n) for i, n in zip(inner, shape, strict=True))
     unit_row = itemsize * math.prod(inner[1:]) if inner else itemsize
     # the inner chunk stays within its target unless a single index of the last split dimension is larger
-    assert math.prod(inner) * itemsize <= max(INNER_CHUNK_BYTES, unit_row)
-    assert math.prod(outer) * itemsize <= max(OUTER_CHUNK_BYTES, math.prod(inner) * itemsize)
+    assert math.prod(inner) * itemsize <= max(DEFAULT_CHUNKING.inner_chunk_bytes, unit_row)
+    assert math.prod(outer) * itemsize <= max(DEFAULT_CHUNKING.outer_chunk_bytes, math.prod(inner) * itemsize)
 
 
 def test_chunk_plan_examples():

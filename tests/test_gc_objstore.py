@@ -19,8 +19,9 @@ from helpers import assert_bit_equal
 from s3_server import S3Server
 
 import arrayckpt
-from arrayckpt._storage.local import find_object_garbage
-from arrayckpt._storage.object import ObjectWriter, parse_object_url
+from arrayckpt._storage.object import ObjectLocation, ObjectWriter, parse_object_url
+
+find_object_garbage = ObjectLocation.leftovers  # (found, kept) right below a prefix
 
 
 class Died(Exception):

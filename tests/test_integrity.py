@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from policies import small_chunks
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 
 
 def _chunk_files(array_dir: Path) -> list[Path]:
@@ -24,10 +24,8 @@ def _state() -> dict:
 
 
 @pytest.mark.parametrize("where", ["data", "shard-index"])
-def test_flipped_byte_is_detected_by_load_and_open_naming_the_key(ckpt, monkeypatch, where):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 64)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 128)
-    arrayckpt.save(_state(), ckpt)
+def test_flipped_byte_is_detected_by_load_and_open_naming_the_key(ckpt, where):
+    small_chunks(64, 128).save(_state(), ckpt)
     victim = _chunk_files(ckpt / "model" / "w")[1]
     raw = bytearray(victim.read_bytes())
     raw[3 if where == "data" else -6] ^= 0x10
@@ -53,7 +51,7 @@ def test_flipped_byte_in_unsharded_chunk(ckpt):
 
 def test_deleted_chunk_is_an_error_not_zeros(ckpt, chunking):
     zeros = {"z": torch.zeros(16, 4)}
-    arrayckpt.save(zeros, ckpt)
+    chunking.save(zeros, ckpt)
     files = _chunk_files(ckpt / "z")
     assert files, "all-zero chunks must still be written"
     files[-1].unlink()

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bit_equal, random_tensor
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from policies import small_chunks
 from thread_ranks import run_thread_ranks
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 from arrayckpt._torch.dtypes import dtype_of_torch, torch_view
 
 
@@ -47,15 +47,12 @@ def scenarios(draw):
     return shape, ranks, saved, loaded, dtype, codec
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+SMALL = small_chunks(16, 64)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(scenarios())
-def test_any_sharding_round_trips_through_any_other(small_chunks, scenario):
+def test_any_sharding_round_trips_through_any_other(scenario):
     shape, ranks, saved, loaded, dtype, codec = scenario
     full = random_tensor(shape, dtype, seed=math.prod(shape))
     root = Path(tempfile.mkdtemp())
@@ -66,7 +63,7 @@ def test_any_sharding_round_trips_through_any_other(small_chunks, scenario):
             offset, size = saved[rank % len(saved)]  # ranks beyond the boxes hold replicas
             local = full[tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))].clone()
             piece = arrayckpt.Shard(local, shape, offset, replica_id=rank // len(saved))
-            arrayckpt.save({"t": piece, "step": 3}, path, codec=codec, process_group=group)
+            SMALL.save({"t": piece, "step": 3}, path, codec=codec, process_group=group)
 
         run_thread_ranks(ranks, save_rank)
         opened = arrayckpt.open(path)

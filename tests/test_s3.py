@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_bit_equal, bits
+from policies import small_chunks
 from s3_server import REGION, FaultProxy, S3Server, patched_environ, s3fs_storage_options
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
 
 MANY = 5_000  # tensors in the checkpoint whose open must cost O(1) requests
@@ -124,10 +124,6 @@ def _global() -> dict[str, torch.Tensor]:
             "rep": torch.arange(40, dtype=torch.int64)}  # replicated
 
 
-def _small_chunks() -> None:
-    plan.INNER_CHUNK_BYTES, plan.OUTER_CHUNK_BYTES = 64, 256  # several (sharded) chunks per rank's piece
-
-
 def _s3_writes() -> tuple[int, int]:
     """PUTs and bytes this process has written to S3 (TensorStore's own counters)."""
     import tensorstore as ts
@@ -139,13 +135,13 @@ def _s3_writes() -> tuple[int, int]:
 
 
 def _save_on_ranks(rank: int, world: int, url: str, endpoint: str) -> tuple[int, int]:
-    _small_chunks()
     full = _global()
     bf_rows = (0, 5, 9)
     state = {"w": arrayckpt.Shard(full["w"][6 * rank:6 * (rank + 1)].clone(), (12, 16), (6 * rank, 0)),
              "bf": arrayckpt.Shard(full["bf"][bf_rows[rank]:bf_rows[rank + 1]].clone(), (9, 8), (bf_rows[rank], 0)),
              "rep": full["rep"].clone(), "step": 3}
-    arrayckpt.save(state, url, storage_options={"endpoint_url": endpoint}, step=3)
+    # several (sharded) chunks per rank's piece
+    small_chunks(64, 256).save(state, url, storage_options={"endpoint_url": endpoint}, step=3)
     return _s3_writes()
 
 
@@ -216,10 +212,8 @@ def many_tensors(s3_server: S3Server) -> Iterator[tuple[str, dict]]:
     url = f"s3://{bucket}/many"
     state = {f"layers.{i // 10}.p{i % 10}": torch.full((4,), float(i)) for i in range(MANY)}
     state["big"] = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
-    with pytest.MonkeyPatch.context() as mp:  # 512-byte inner chunks, 4 KiB shards: "big" is sharded
-        mp.setattr(plan, "INNER_CHUNK_BYTES", 512)
-        mp.setattr(plan, "OUTER_CHUNK_BYTES", 4096)
-        arrayckpt.save(state, url, storage_options=_options(s3_server))
+    # 512-byte inner chunks, 4 KiB shards: "big" is sharded
+    small_chunks(512, 4096).save(state, url, storage_options=_options(s3_server))
     yield url, state
 
 

@@ -27,20 +27,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_bit_equal
+from policies import small_chunks
 from s3_server import FaultProxy, S3Server
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 from arrayckpt._storage.object import stale_keys
 
 MODES = ["before", "after", "half"]  # see FaultProxy.drop_mode
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sharded arrays of several outer chunks, so that a save is many PUTs and a read many ranged GETs."""
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 256)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 1024)
+# Every save here: sharded arrays of several outer chunks, so that a save is many PUTs and a read many ranged GETs.
+SMALL = small_chunks(256, 1024)
 
 
 def _state(seed: int) -> dict:
@@ -109,13 +104,13 @@ def _is_root(bucket: str, prefix: str, method: str):
 def test_save_load_verify_through_dropped_connections(s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str,
                                                       mode: str) -> None:
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 8}
-    arrayckpt.save(_state(1), url, storage_options=options)
+    SMALL.save(_state(1), url, storage_options=options)
     s3_proxy.drop_mode = mode
     s3_proxy.drop_fraction = {"PUT": 0.2, "GET": 0.2, "LIST": 0.3, "DELETE": 0.2}
     new = _state(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        arrayckpt.save(new, url, storage_options=options, overwrite=True)  # a replacing save: every step of it
+        SMALL.save(new, url, storage_options=options, overwrite=True)  # a replacing save: every step of it
         _same(url, new, options)
         report = arrayckpt.verify(url, storage_options=options)
     assert report.ok, report.to_dict()
@@ -136,12 +131,12 @@ def test_dropped_chunk_writes_past_the_retries_commit_nothing(s3_server: S3Serve
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
     old = _state(1)
     if previous:
-        arrayckpt.save(old, url, storage_options=options)
+        SMALL.save(old, url, storage_options=options)
     before = _objects(s3_server, s3_bucket)
     s3_proxy.drop_mode = mode  # "after": the chunk objects land, their writer never hears so
     s3_proxy.drop_when = lambda m, path, q: m == "PUT" and path.endswith(("/layer2/w/c.1.0", "/layer2/w/1.0"))
     with pytest.raises(arrayckpt.StorageError, match=r"tensor 'layer2\.w': write failed.*retry attempts failed"):
-        arrayckpt.save(_state(2), url, storage_options=options, overwrite=True)
+        SMALL.save(_state(2), url, storage_options=options, overwrite=True)
     assert s3_proxy.dropped["PUT"] >= 2
     s3_proxy.clear_faults()
     assert _objects(s3_server, s3_bucket) == before  # not one object added, changed or removed
@@ -162,11 +157,11 @@ def test_a_commit_whose_answer_is_lost_is_a_commit(s3_server: S3Server, s3_proxy
     finds its own document, and completes (it used to abort, deleting the new chunks under the new root)."""
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
     if previous:
-        arrayckpt.save(_state(1), url, storage_options=options)
+        SMALL.save(_state(1), url, storage_options=options)
     s3_proxy.drop_mode = "after"
     s3_proxy.drop_when = _is_root(s3_bucket, "ckpt", "PUT")
     new = _state(2)
-    arrayckpt.save(new, url, storage_options=options, overwrite=True)
+    SMALL.save(new, url, storage_options=options, overwrite=True)
     assert s3_proxy.dropped["PUT"] >= 2
     s3_proxy.clear_faults()
     _same(url, new, options)
@@ -180,12 +175,12 @@ def test_a_commit_that_never_arrives_commits_nothing(s3_server: S3Server, s3_pro
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
     old = _state(1)
     if previous:
-        arrayckpt.save(old, url, storage_options=options)
+        SMALL.save(old, url, storage_options=options)
     before = _objects(s3_server, s3_bucket)
     s3_proxy.drop_mode = "before"
     s3_proxy.drop_when = _is_root(s3_bucket, "ckpt", "PUT")
     with pytest.raises(arrayckpt.StorageError, match=r"writing the root zarr.json \(the commit\) failed"):
-        arrayckpt.save(_state(2), url, storage_options=options, overwrite=True)
+        SMALL.save(_state(2), url, storage_options=options, overwrite=True)
     s3_proxy.clear_faults()
     assert _objects(s3_server, s3_bucket) == before
     if previous:
@@ -201,7 +196,7 @@ def test_a_commit_of_unknown_outcome_deletes_nothing(s3_server: S3Server, s3_pro
     fails saying so, and deletes nothing. Whatever the root is then, its checkpoint is whole (here the new one,
     whose per-node documents were never written: verify names them), and the next save tidies up."""
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
-    arrayckpt.save(_state(1), url, storage_options=options)
+    SMALL.save(_state(1), url, storage_options=options)
     committing = threading.Event()
 
     def lost(method: str, path: str, query: str) -> bool:
@@ -214,13 +209,13 @@ def test_a_commit_of_unknown_outcome_deletes_nothing(s3_server: S3Server, s3_pro
     s3_proxy.drop_when = lost
     new = _state(2)
     with pytest.raises(arrayckpt.StorageError, match="may or may not have committed; nothing was deleted"):
-        arrayckpt.save(new, url, storage_options=options, overwrite=True)
+        SMALL.save(new, url, storage_options=options, overwrite=True)
     s3_proxy.clear_faults()
     assert s3_proxy.dropped["GET"] >= 2
     _same(url, new, options)  # the PUT did land, with every chunk under it
     report = arrayckpt.verify(url, storage_options=options)
     assert not report.ok and all(d.file.endswith("zarr.json") for d in report.damage), report.to_dict()
-    arrayckpt.save(_state(3), url, storage_options=options, overwrite=True)
+    SMALL.save(_state(3), url, storage_options=options, overwrite=True)
     _nothing_stale(s3_server, s3_bucket, "ckpt")
     assert arrayckpt.verify(url, storage_options=options).ok
 
@@ -233,7 +228,7 @@ def test_reads_past_the_retries_fail_clearly_and_verify_reports_no_damage(s3_pro
                                                                           mode: str) -> None:
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
     state = _state(1)
-    arrayckpt.save(state, url, storage_options=options)
+    SMALL.save(state, url, storage_options=options)
     opened = arrayckpt.open(url, storage_options=options)
     s3_proxy.drop_mode = mode  # "half": the status line, headers and half the bytes, then the connection closes
     s3_proxy.drop_when = lambda m, path, q: m == "GET" and "/layer1/w/c." in path  # its chunks
@@ -258,11 +253,11 @@ def test_reads_past_the_retries_fail_clearly_and_verify_reports_no_damage(s3_pro
 
 def test_slow_answers_are_waited_for_concurrently(s3_proxy: FaultProxy, s3_bucket: str) -> None:
     url, options = f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_proxy.endpoint, "max_retries": 1}
-    arrayckpt.save(_state(1), url, storage_options=options)
+    SMALL.save(_state(1), url, storage_options=options)
     s3_proxy.reset()
     s3_proxy.slow_fraction, s3_proxy.slow_s = 0.3, 0.25
     new = _state(2)
-    arrayckpt.save(new, url, storage_options=options, overwrite=True)
+    SMALL.save(new, url, storage_options=options, overwrite=True)
     slowed = sum(s3_proxy.slowed.values())
     assert slowed >= 5, (s3_proxy.slowed, s3_proxy.counts)
     assert s3_proxy.max_in_flight >= 2, s3_proxy.max_in_flight  # other requests went on while slow ones waited

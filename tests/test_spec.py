@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from policies import small_chunks
 
 import arrayckpt
 import arrayckpt._layout.chunking as plan
@@ -44,12 +45,13 @@ from arrayckpt._format.zarr import (
 )
 from arrayckpt._io.arrays import read_context
 from arrayckpt._layout.box import Box
-from arrayckpt._layout.delta import base_ref, plan_delta, resolve_base
+from arrayckpt._layout.delta import plan_delta
 from arrayckpt._layout.saveplan import plan_save
 from arrayckpt._storage import object as _objstore
-from arrayckpt._storage.local import LocalWriter, parse_location
+from arrayckpt._storage import parse_location
+from arrayckpt._storage.local import LocalWriter
 from arrayckpt._torch.dtypes import torch_dtype
-from arrayckpt._write.changes import find_changes, rows_jobs
+from arrayckpt._write.changes import base_ref, find_changes, rows_jobs
 from arrayckpt._write.save import Record, build_manifest, describe_local, host_view, open_delta
 
 SPEC = (Path(__file__).resolve().parent.parent / "spec" / "FORMAT.md").read_text(encoding="utf-8")
@@ -129,8 +131,8 @@ def test_sharded_chunk_grid_examples_match_the_planner_and_never_straddle_shards
         assert (got_outer, got_inner) == (tuple(json.loads(_code(outer))), tuple(json.loads(_code(inner)))), shape
         for s, o, i in zip(steps, got_outer, got_inner, strict=True):
             assert o % i == 0 and (s is None or s % o == 0), (shape, step)
-    assert plan.FRAGMENTATION_LIMIT == 16 and "`FRAGMENTATION = 16`" in SPEC
-    assert (plan.INNER_CHUNK_BYTES, plan.OUTER_CHUNK_BYTES) == (4194304, 67108864)
+    assert plan.DEFAULT_CHUNKING.fragmentation_limit == 16 and "`FRAGMENTATION = 16`" in SPEC
+    assert (plan.DEFAULT_CHUNKING.inner_chunk_bytes, plan.DEFAULT_CHUNKING.outer_chunk_bytes) == (4194304, 67108864)
 
 
 def test_value_examples_match_the_encoder():
@@ -197,22 +199,18 @@ def test_checksum_rule_of_the_reader():
             check_checksummed({"codecs": codecs}, "x")
 
 
-def test_sharded_array_example(tmp_path, monkeypatch):
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+def test_sharded_array_example(tmp_path):
     path = tmp_path / "ckpt"
-    arrayckpt.save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, path, codec="zstd")
+    small_chunks(16, 64).save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, path, codec="zstd")
     assert json.loads((path / "w" / "zarr.json").read_text()) == _json_block("sharded-array")
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     assert files == ["w/c.0.0", "w/c.1.0", "w/c.2.0", "w/zarr.json", "zarr.json"]
 
 
-def test_shard_file_layout_example(tmp_path, monkeypatch):
+def test_shard_file_layout_example(tmp_path):
     """The 108-byte shard of section 7.4: two encoded inner chunks, then the index and its crc32c."""
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 16)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
     path = tmp_path / "ckpt"
-    arrayckpt.save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, path)
+    small_chunks(16, 64).save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, path)
     assert "shard `w/c.2.0` holds rows 8–11" in SPEC and "is 108 bytes" in SPEC
     shard = (path / "w" / "c.2.0").read_bytes()
     assert len(shard) == 108
@@ -504,7 +502,7 @@ def _memory_root(url: str) -> dict:
 def test_arrayckpt_shaped_keys():
     assert "`c(\\.[0-9]+)*|[0-9]+(\\.[0-9]+)*`" in SPEC
     keys = ["a/c", "a/c.0.1", "a/0", "a/0.1", "a/zarr.json", "zarr.json", "a/c.x", "a/notes.txt", "a/c0", "a/.0"]
-    assert _objstore._ours(keys) == ["a/c", "a/c.0.1", "a/0", "a/0.1", "a/zarr.json", "zarr.json"]
+    assert _objstore.arrayckpt_keys(keys) == ["a/c", "a/c.0.1", "a/0", "a/0.1", "a/zarr.json", "zarr.json"]
 
 
 def test_object_storage_generations():
@@ -557,7 +555,7 @@ def test_base_path_examples():
         checkpoint = SimpleNamespace(location=base, manifest=SimpleNamespace(id="0" * 32, step=100))
         ref = base_ref(checkpoint, delta)  # type: ignore[arg-type]
         assert (ref.path, ref.id, ref.step) == (_code(path_cell), "0" * 32, 100), delta_cell
-        assert str(resolve_base(delta, ref)) == str(base), delta_cell
+        assert str(delta.resolve(ref.path)) == str(base), delta_cell
 
 
 @pytest.mark.parametrize(("delta", "base", "error"), [
@@ -614,21 +612,22 @@ def test_quantization_examples():
     assert packed_columns(5, 4) == 3 and packed_columns(5, 8) == 5
 
 
-def _delta_example(tmp_path: Path, monkeypatch) -> tuple[Path, Path, torch.Tensor, torch.Tensor]:
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 32)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+DELTA_EXAMPLE_CHUNKS = small_chunks(32, 64)
+
+
+def _delta_example(tmp_path: Path) -> tuple[Path, Path, torch.Tensor, torch.Tensor]:
     base, delta = tmp_path / "step-100", tmp_path / "step-200"
     emb, w, b = torch.arange(32.0).reshape(8, 4), torch.arange(32.0).reshape(8, 4), torch.zeros(3)
-    arrayckpt.save({"emb": emb, "w": w, "b": b, "lr": 0.1}, base, step=100)
+    DELTA_EXAMPLE_CHUNKS.save({"emb": emb, "w": w, "b": b, "lr": 0.1}, base, step=100)
     emb[5] = -1.0
     w[0:2] = 7.0
     w[6, 1] = 0.5
-    arrayckpt.save({"emb": emb, "w": w, "b": b, "lr": 0.05}, delta, step=200, base=base)
+    DELTA_EXAMPLE_CHUNKS.save({"emb": emb, "w": w, "b": b, "lr": 0.05}, delta, step=200, base=base)
     return base, delta, emb, w
 
 
-def test_delta_example(tmp_path, monkeypatch):
-    base, delta, emb, w = _delta_example(tmp_path, monkeypatch)
+def test_delta_example(tmp_path):
+    base, delta, emb, w = _delta_example(tmp_path)
     base_root, root = (json.loads((p / "zarr.json").read_text()) for p in (base, delta))
     manifest, expected = root["attributes"]["arrayckpt"], _json_block("delta-example")
     assert manifest["base"]["id"] == base_root["attributes"]["arrayckpt"]["id"] != manifest["id"]
@@ -660,11 +659,12 @@ def test_delta_example(tmp_path, monkeypatch):
     assert np.array_equal(opened["w"][1:7], w[1:7].numpy())
 
 
-def test_delta_base_identity_is_checked(tmp_path, monkeypatch):
-    base, delta, _, _ = _delta_example(tmp_path, monkeypatch)
+def test_delta_base_identity_is_checked(tmp_path):
+    base, delta, _, _ = _delta_example(tmp_path)
     opened = arrayckpt.open(delta)
     assert opened.plain_values["lr"] == 0.05 and [c.location.path for c in opened.chain()] == [delta, base]
-    arrayckpt.save({"emb": torch.zeros(8, 4), "w": torch.zeros(8, 4), "b": torch.zeros(3)}, base, overwrite=True)
+    DELTA_EXAMPLE_CHUNKS.save({"emb": torch.zeros(8, 4), "w": torch.zeros(8, 4), "b": torch.zeros(3)}, base,
+                              overwrite=True)
     replaced = arrayckpt.open(delta)
     assert replaced.plain_values["lr"] == 0.05  # the delta's own values need no base
     with pytest.raises(arrayckpt.CorruptCheckpointError, match="base was replaced"):

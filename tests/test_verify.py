@@ -4,25 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import policies
 import pytest
 import torch
+from policies import WHOLE, Chunking
 
 import arrayckpt
-import arrayckpt._layout.chunking as plan
 
 
 @pytest.fixture
-def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_chunks() -> Chunking:
     """Several chunk files (and sharded inner chunks) per tensor, with tiny tensors."""
-    monkeypatch.setattr(plan, "INNER_CHUNK_BYTES", 32)
-    monkeypatch.setattr(plan, "OUTER_CHUNK_BYTES", 64)
+    return policies.small_chunks(32, 64)
 
 
-def _save(path: Path) -> None:
+def _save(path: Path, chunking: Chunking = WHOLE) -> None:
     state = {"model": {"w": torch.arange(64, dtype=torch.float32).reshape(16, 4), "b": torch.ones(4)},
              "z": torch.zeros(6, 5, dtype=torch.bfloat16), "rng": arrayckpt.PerRank(torch.ones(24, dtype=torch.uint8)),
              "obj": {1, 2}, "step": 3}
-    arrayckpt.save(state, path, allow_pickle=True)
+    chunking.save(state, path, allow_pickle=True)
 
 
 def _flip(file: Path, at: int = 3) -> None:
@@ -32,16 +32,16 @@ def _flip(file: Path, at: int = 3) -> None:
 
 
 def test_a_sound_checkpoint_verifies(ckpt, chunking):
-    _save(ckpt)
+    _save(ckpt, chunking)
     report = arrayckpt.verify(ckpt)
     assert report.ok and not report.damage
     assert report.arrays == 5  # model.w, model.b, z, rng's rank-0 array, the pickled value
     assert report.bytes_checked == 64 * 4 + 4 * 4 + 30 * 2 + 24 + arrayckpt.open(ckpt).manifest.entries["obj"].nbytes
-    assert report.chunks == 5 if chunking == "whole" else report.chunks > 5
+    assert report.chunks == 5 if chunking.name == "whole" else report.chunks > 5
 
 
 def test_all_damage_is_reported_by_key_and_chunk_file(ckpt, small_chunks):
-    _save(ckpt)
+    _save(ckpt, small_chunks)
     _flip(ckpt / "model" / "w" / "c.1.0")
     (ckpt / "model" / "w" / "c.3.0").unlink()
     _flip(ckpt / "z" / "c.0.0", at=-2)  # in the checksum itself
@@ -84,7 +84,7 @@ def test_damaged_root_document_is_reported(ckpt):
 
 
 def test_compressed_arrays_are_verified_through_tensorstore(ckpt, small_chunks):
-    arrayckpt.save({"w": torch.randn(32, 4)}, ckpt, codec="zstd")
+    small_chunks.save({"w": torch.randn(32, 4)}, ckpt, codec="zstd")
     assert arrayckpt.verify(ckpt).ok
     victim = sorted((ckpt / "w").glob("c.*"))[1]
     _flip(victim, at=len(victim.read_bytes()) // 2)

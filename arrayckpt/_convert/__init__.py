@@ -1,1 +1,3 @@
-"""."""
+"""Converters between arrayckpt and torch.save files, Hugging Face safetensors and PyTorch DCP, streaming one
+tensor at a time: ``dispatch.py`` chooses, ``common.py`` holds what they share, one module per format.
+"""

@@ -1,1 +1,7 @@
-"""."""
+"""The format layer: what the bytes of a checkpoint mean, with no IO and no torch.
+
+The manifest and the root document (``manifest.py``), Zarr v3 node metadata and chunk keys (``zarr.py``), state
+keys and their array paths (``keys.py``), plain values as typed JSON (``values.py``), the dtype table
+(``dtypes.py``), codec pipelines (``codecs.py``) and quantized delta rows (``quant.py``). Everything above reads
+and writes through these definitions; ``spec/FORMAT.md`` is their normative description.
+"""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._errors import StateError
+from .._errors import FormatError, StateError
 
 __all__ = ["Codec", "CodecChoice", "CodecLike", "codec_pipeline", "resolve_codec", "sharded_pipeline"]
 
@@ -122,8 +122,6 @@ def codec_pipeline(codec: Codec, itemsize: int) -> list[dict[str, Any]]:
 
 def check_checksummed(metadata: dict[str, Any], where: str) -> None:
     """Refuse arrays whose chunks carry no crc32c: damage (or a planted file) would read back unnoticed."""
-    from .._errors import FormatError
-
     codecs = metadata.get("codecs")
     if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) \
             and codecs[0].get("name") == "sharding_indexed":

@@ -31,6 +31,7 @@ __all__ = [
     "Quantization",
     "ValueEntry",
     "encode_root_document",
+    "format_version",
     "is_arrayckpt_root",
     "parse_root_document",
     "per_rank_path",
@@ -156,6 +157,13 @@ class PerRankEntry:
             "keys": list(self.parts),
             "ranks": [None if item is None else _per_rank_item(item) for item in self.items],
         }
+
+
+def format_version(delta: bool, key_encoding: str) -> int:
+    """The format version a new checkpoint records: the lowest that describes it (spec §13). A delta
+    checkpoint, or one whose arrays use the ``v2`` chunk key encoding (object storage alternates encodings
+    between overwrites), needs version 2; anything else stays readable by arrayckpt 0.1 (version 1)."""
+    return FORMAT_VERSION if delta or key_encoding != "default" else PLAIN_VERSION
 
 
 def per_rank_path(key: str, rank: int) -> str:

@@ -1,1 +1,4 @@
-"""."""
+"""The array IO layer: moving array bytes between memory and storage through TensorStore (``arrays.py``),
+with a positional-IO fast path for uncompressed local chunks (``fastio.py``). Specs in, bytes out; it knows
+nothing of checkpoints, manifests or torch.
+"""

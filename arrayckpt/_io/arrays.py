@@ -99,12 +99,7 @@ def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
     Uncompressed row-chunked arrays on local disk take the fast path (``_fastio``); the rest, and
     anything the fast path declines, go through TensorStore at the same time.
     """
-    fast, slow = _split_fast(jobs)
-    with ThreadPoolExecutor(1) as background:
-        pending = background.submit(_transfer, slow, context, where, "write", _write_store)
-        declined = write_rows([job for _, job in fast], where)
-        pending.result()
-    _transfer([fast[i][0] for i in declined], context, where, "write", _write_store)
+    _both_paths(jobs, context, where, "write", write_rows, _write_store)
 
 
 def _write_store(store: Any, job: ArrayIO) -> Any:
@@ -117,12 +112,26 @@ def _write_store(store: Any, job: ArrayIO) -> Any:
 
 def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
     """Read every array concurrently straight into the given (writable) memory (fast path as for writes)."""
+    _both_paths(jobs, context, where, "read", read_rows, _read_store)
+
+
+def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str,
+                fast_path: Callable[[list[tuple], str], list[int]], start: Callable[[Any, ArrayIO], Any]) -> None:
+    """The fast path's jobs on this thread while TensorStore's run on one background thread — started only when
+    both have work (a thread costs about a millisecond, which single-array reads would pay every time) — then
+    whatever the fast path declined, through TensorStore."""
     fast, slow = _split_fast(jobs)
-    with ThreadPoolExecutor(1) as background:
-        pending = background.submit(_transfer, slow, context, where, "read", _read_store)
-        declined = read_rows([job for _, job in fast], where)
-        pending.result()
-    _transfer([fast[i][0] for i in declined], context, where, "read", _read_store)
+    if fast and slow:
+        with ThreadPoolExecutor(1) as background:
+            pending = background.submit(_transfer, slow, context, where, action, start)
+            declined = fast_path([job for _, job in fast], where)
+            pending.result()
+    elif fast:
+        declined = fast_path([job for _, job in fast], where)
+    else:
+        _transfer(slow, context, where, action, start)
+        return
+    _transfer([fast[i][0] for i in declined], context, where, action, start)
 
 
 def _read_store(store: Any, job: ArrayIO) -> Any:

@@ -28,6 +28,7 @@ import crc32c
 import numpy as np
 
 from .._errors import CorruptCheckpointError, StorageError
+from .._format.dtypes import DTYPES
 
 __all__ = ["STATS", "RowLayout", "read_rows", "row_layout", "write_rows"]
 
@@ -102,8 +103,6 @@ def _row_layout(metadata: dict[str, Any]) -> RowLayout | None:
         return None
     if sys.byteorder != "little" or list(chunk[1:]) != list(shape[1:]) or math.prod(shape) == 0:
         return None
-    from .._format.dtypes import DTYPES
-
     dtype = DTYPES.get(metadata.get("data_type"))
     if dtype is None:
         return None

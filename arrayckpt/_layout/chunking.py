@@ -20,23 +20,41 @@ from .._format.dtypes import DType
 from .._layout.box import Box
 
 __all__ = [
-    "INNER_CHUNK_BYTES",
-    "OUTER_CHUNK_BYTES",
+    "DEFAULT_CHUNKING",
     "ArrayPlan",
+    "ChunkPolicy",
     "array_metadata",
     "choose_chunks",
     "plan_array",
     "shard_grid",
 ]
 
-INNER_CHUNK_BYTES = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
-OUTER_CHUNK_BYTES = 64 << 20  # write unit: one file per outer chunk; several per big tensor for parallelism
 CHUNK_KEY_SEPARATOR = "."  # chunk files "c.0.1" beside zarr.json: no directory per chunk row
-MIN_INNER_CHUNK_BYTES = 256 << 10  # smaller read units cost more in index entries and calls than they save
-INNER_CHUNKS_PER_SHARD = 16  # a shard read at another sharding fetches at most ~2/16 of a shard too much
-# Chunks forced (by awkward shard steps) 16x below their target and under 32 KiB cost more than they help.
-FRAGMENTATION_LIMIT = 16
-SMALLEST_CHUNK_BYTES = 32 << 10
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """The chunk sizes a save aims at (spec/FORMAT.md §7.3: ``INNER``, ``OUTER``, ``MIN_INNER``,
+    ``FRAGMENTATION``, ``SMALLEST``; §10.4 for the row arrays of a delta). Part of the planner's input, like
+    the codec: the public ``save`` plans with :data:`DEFAULT_CHUNKING`; tests pass tiny targets so that
+    small tensors get the layout big ones get."""
+
+    inner_chunk_bytes: int = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
+    outer_chunk_bytes: int = 64 << 20  # write unit: one file per outer chunk; several per big tensor (parallelism)
+    min_inner_chunk_bytes: int = 256 << 10  # smaller read units cost more in index entries and calls than they save
+    inner_chunks_per_shard: int = 16  # a shard read at another sharding fetches at most ~2/16 of a shard too much
+    # Chunks forced (by awkward shard steps) 16x below their target and under 32 KiB cost more than they help.
+    fragmentation_limit: int = 16
+    smallest_chunk_bytes: int = 32 << 10
+    row_chunk_bytes: int = 4 << 20  # chunks of a rows delta's arrays (row indices and values)
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkPolicy.{name} must be a positive int, got {value!r}")
+
+
+DEFAULT_CHUNKING = ChunkPolicy()
 
 
 @dataclass(frozen=True)
@@ -112,47 +130,50 @@ def _fit(chunk: tuple[int, ...], steps: tuple[int | None, ...]) -> tuple[int, ..
     return tuple(c if s is None else _largest_divisor_at_most(s, c) for c, s in zip(chunk, steps, strict=True))
 
 
-def _fragmented(fitted: tuple[int, ...], wanted: tuple[int, ...], itemsize: int) -> bool:
+def _fragmented(fitted: tuple[int, ...], wanted: tuple[int, ...], itemsize: int, policy: ChunkPolicy) -> bool:
     """Whether fitting to the shard steps left chunks far smaller than wanted and absolutely small."""
     size = itemsize * math.prod(fitted)
-    return size * FRAGMENTATION_LIMIT < itemsize * math.prod(wanted) and size < SMALLEST_CHUNK_BYTES
+    return size * policy.fragmentation_limit < itemsize * math.prod(wanted) and size < policy.smallest_chunk_bytes
 
 
 def choose_chunks(
-    shape: tuple[int, ...], itemsize: int, steps: tuple[int | None, ...] | None = None
+    shape: tuple[int, ...], itemsize: int, steps: tuple[int | None, ...] | None = None,
+    policy: ChunkPolicy = DEFAULT_CHUNKING,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(outer, inner) chunk shapes; with ``steps`` (see :func:`shard_grid`) outer chunks tile every shard.
 
-    The inner chunk comes first, about :data:`INNER_CHUNK_BYTES`; the outer chunk is the largest
-    multiple of it, dimension by dimension, within :data:`OUTER_CHUNK_BYTES` and within one shard.
+    The inner chunk comes first, about ``policy.inner_chunk_bytes``; the outer chunk is the largest
+    multiple of it, dimension by dimension, within ``policy.outer_chunk_bytes`` and within one shard.
     When shard steps have no divisor near the target (a prime number of rows per rank), inner chunks
     would be tiny, so the layout falls back to unsharded chunks the size of the outer target.
     """
     steps = steps or (None,) * len(shape)
     cell = tuple(s or max(1, n) for s, n in zip(steps, shape, strict=True))
-    # Inner chunks of ~1/16 of a shard (within [MIN_INNER_CHUNK_BYTES, INNER_CHUNK_BYTES]), so that a
+    # Inner chunks of ~1/16 of a shard (within [min_inner_chunk_bytes, inner_chunk_bytes]), so that a
     # load at another sharding reads little more than it needs, even when shards are small.
     shard_bytes = itemsize * math.prod(cell)
-    inner_target = min(INNER_CHUNK_BYTES, max(MIN_INNER_CHUNK_BYTES, shard_bytes // INNER_CHUNKS_PER_SHARD))
+    inner_target = min(policy.inner_chunk_bytes,
+                       max(policy.min_inner_chunk_bytes, shard_bytes // policy.inner_chunks_per_shard))
     wanted = _split(cell, itemsize, inner_target)
     inner = _fit(wanted, steps)
-    if _fragmented(inner, wanted, itemsize):
-        wanted_outer = _split(cell, itemsize, OUTER_CHUNK_BYTES)
+    if _fragmented(inner, wanted, itemsize, policy):
+        wanted_outer = _split(cell, itemsize, policy.outer_chunk_bytes)
         outer = _fit(wanted_outer, steps)
-        if _fragmented(outer, wanted_outer, itemsize):
+        if _fragmented(outer, wanted_outer, itemsize, policy):
             outer = cell  # no useful divisor at all (a prime step): one chunk per shard, however big
         return outer, outer
     counts = [math.ceil(c / i) for c, i in zip(cell, inner, strict=True)]
-    grouped = _fit(_split(tuple(counts), itemsize * math.prod(inner), OUTER_CHUNK_BYTES),
+    grouped = _fit(_split(tuple(counts), itemsize * math.prod(inner), policy.outer_chunk_bytes),
                    tuple(None if s is None else cnt for s, cnt in zip(steps, counts, strict=True)))
     # An outer chunk may reach past the array's edge (Zarr allows partial edge chunks); it must stay a
     # whole multiple of the inner chunk for the sharding codec.
     return tuple(g * c for g, c in zip(grouped, inner, strict=True)), inner
 
 
-def plan_array(key: str, path: str, dtype: DType, shape: tuple[int, ...], codec: Codec) -> ArrayPlan:
+def plan_array(key: str, path: str, dtype: DType, shape: tuple[int, ...], codec: Codec,
+               policy: ChunkPolicy = DEFAULT_CHUNKING) -> ArrayPlan:
     """Plan one array written whole by one process."""
-    outer, inner = choose_chunks(shape, dtype.itemsize)
+    outer, inner = choose_chunks(shape, dtype.itemsize, None, policy)
     return ArrayPlan(key, path, dtype, shape, outer, inner, codec)
 
 

@@ -11,28 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import posixpath
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .._errors import StateError
 from .._format.dtypes import dtype_by_name
-from .._format.manifest import ArrayEntry, BaseRef, Delta, Quantization
+from .._format.manifest import ArrayEntry, Delta, Quantization
 from .._format.quant import packed_columns
 from .box import Box, grid_cells
-from .chunking import ArrayPlan
+from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .saveplan import LocalDescription, SavePlan, WriteTask, documents_of
-
-if TYPE_CHECKING:
-    from .._read.checkpoint import Checkpoint
-    from .._storage.local import Location
 
 __all__ = ["INDEX_BYTES", "QUANTIZABLE", "PieceChange", "QuantizeRule", "RowsTask", "plan_delta", "stored_bytes"]
 
 QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")  # dtypes whose changed rows can be quantized
-ROW_CHUNK_BYTES = 4 << 20  # chunk size of the row-delta arrays (rows and values)
 INDEX_BYTES = 8  # one int64 row index per stored row
 
 
@@ -64,46 +57,13 @@ class RowsTask:
     length: int  # padded to whole chunks of the row arrays
 
 
-def base_ref(base: Checkpoint, delta: Location) -> BaseRef:
-    """How the delta at ``delta`` names its base: a relative path when both are in the same place (so a
-    chain can be moved or copied as a whole), else the base's full location."""
-    from .._storage.local import LocalLocation
-
-    where = base.location
-    if base.manifest.id is None:
-        raise StateError(f"{where}: this checkpoint has no id (saved by an older arrayckpt) and cannot be a base; "
-                         "save a full checkpoint first")
-    if isinstance(where, LocalLocation) and isinstance(delta, LocalLocation):
-        path = os.path.relpath(where.path, delta.path)
-    elif (type(where) is type(delta) and getattr(where, "scheme", None) == getattr(delta, "scheme", None)
-          and getattr(where, "bucket", None) == getattr(delta, "bucket", None)):
-        path = posixpath.relpath("/" + where.prefix, "/" + delta.prefix)  # type: ignore[union-attr]
-    else:
-        path = str(where)
-    return BaseRef(path, base.manifest.id, base.manifest.step)
-
-
-def resolve_base(location: Location, ref: BaseRef) -> Location:
-    """The location a delta's base reference names (relative references are relative to the delta)."""
-    from .._storage.local import LocalLocation, parse_location
-
-    if "://" in ref.path or os.path.isabs(ref.path):
-        # the delta's storage options (credentials) go only to a base on the same kind of storage
-        same = "://" in ref.path and ref.path.partition("://")[0] == getattr(location, "scheme", None)
-        options = dict(getattr(location, "options", ())) if same else None
-        return parse_location(ref.path, options or None)
-    if isinstance(location, LocalLocation):
-        return LocalLocation(type(location.path)(os.path.normpath(location.path / ref.path)))
-    prefix = posixpath.normpath(posixpath.join("/" + location.prefix, ref.path)).strip("/")  # type: ignore[union-attr]
-    return dataclasses.replace(location, prefix=prefix)  # type: ignore[type-var]
-
-
 # --- on the coordinator: choose and lay out ------------------------------------------------------
 
 
 def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: list[list[PieceChange]],
-               request: QuantizeRule) -> SavePlan:
-    """Turn a full save plan into a delta plan: per key the cheapest of unchanged/chunks/rows/whole."""
+               request: QuantizeRule, policy: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
+    """Turn a full save plan into a delta plan: per key the cheapest of unchanged/chunks/rows/whole (the row
+    arrays chunked by ``policy.row_chunk_bytes``)."""
     reported: dict[str, list[tuple[int, PieceChange]]] = defaultdict(list)
     for rank, found in enumerate(findings):
         for change in found:
@@ -139,7 +99,8 @@ def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: l
         else:
             bits = request.bits(key)
             del arrays[path]
-            row_arrays, placed = _row_layout(entry, pieces, bits, codec, plan.arrays[path].key_encoding)
+            row_arrays, placed = _row_layout(entry, pieces, bits, codec, plan.arrays[path].key_encoding,
+                                             policy.row_chunk_bytes)
             arrays.update(row_arrays)
             total = sum(p.rows or 0 for _, p in pieces)
             entries[key] = dataclasses.replace(
@@ -201,7 +162,7 @@ def _choose(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], boxes: set
 
 
 def _row_layout(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: int | None, codec: Any,
-                key_encoding: str) -> tuple[dict[str, ArrayPlan], list[tuple[int, RowsTask]]]:
+                key_encoding: str, chunk_bytes: int) -> tuple[dict[str, ArrayPlan], list[tuple[int, RowsTask]]]:
     """The row arrays of a rows delta and each writer's range in them: pieces in box order, each padded to
     whole chunks of ``length`` rows, so that every chunk has exactly one writer."""
     key, path = entry.key, entry.path
@@ -214,7 +175,7 @@ def _row_layout(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: 
         value_arrays = {"values": (entry.dtype, tail)}
     row_bytes = INDEX_BYTES + sum(d.itemsize * math.prod(s) for d, s in value_arrays.values())
     largest = max((p.rows or 0) for _, p in pieces)
-    most = max(1, ROW_CHUNK_BYTES // max(row_bytes, 1))
+    most = max(1, chunk_bytes // max(row_bytes, 1))
     length = max(1, math.ceil(largest / max(1, math.ceil(largest / most))))  # balanced: no mostly-empty chunk
     placed = []
     offset = 0

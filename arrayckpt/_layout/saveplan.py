@@ -25,9 +25,8 @@ from .._format.dtypes import dtype_by_name
 from .._format.keys import Key, array_path
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, per_rank_path
 from .._format.zarr import node_documents
-from .._layout import chunking as _chunking
 from .._layout.box import Box
-from .._layout.chunking import ArrayPlan, choose_chunks, shard_grid
+from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy, choose_chunks, shard_grid
 
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
@@ -79,12 +78,13 @@ class SavePlan:
     consolidated_json: str  # the same documents as one JSON object, for the root's consolidated metadata
 
 
-def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SavePlan:
+def plan_save(descriptions: list[LocalDescription], codec: CodecChoice,
+              chunking: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
     """Validate and plan a save from every rank's description (index = rank).
 
     The array layout (validation, chunk grids, writer assignment) depends only on the ranks' array
-    metadata and the codec choice, so a repeated save with the same layout reuses the last one; plain
-    and per-rank values are taken fresh every time.
+    metadata, the codec choice and the chunk policy, so a repeated save with the same layout reuses the
+    last one; plain and per-rank values are taken fresh every time.
     """
     world = len(descriptions)
     values: dict[str, ValueEntry] = {}
@@ -96,7 +96,7 @@ def plan_save(descriptions: list[LocalDescription], codec: CodecChoice) -> SaveP
         for item in description.per_rank:
             per_rank[item.key][rank] = item
         containers.update(description.containers)
-    layout = _layout(descriptions, codec)
+    layout = _layout(descriptions, codec, chunking)
     _check_kinds(layout.holders, values, per_rank)
     entries: dict[str, Entry] = {}
     for key in sorted(set(layout.entries) | set(values) | set(per_rank), key=_first_seen(descriptions)):
@@ -127,18 +127,17 @@ class _Layout:
 _LAST_LAYOUT: list[tuple[Any, _Layout]] = []  # one entry: (layout key, layout)
 
 
-def _layout_key(descriptions: list[LocalDescription], codec: CodecChoice) -> Any:
+def _layout_key(descriptions: list[LocalDescription], codec: CodecChoice, chunking: ChunkPolicy) -> Any:
     per_rank_arrays = tuple(tuple((i.key, i.dtype.name, i.shape) for i in d.per_rank if isinstance(i, ArrayEntry))
                             for d in descriptions)
     # the codec every array resolves to (a callable codec may answer differently from one save to the next)
     names = sorted({a.key for d in descriptions for a in d.arrays} | {i.key for d in descriptions for i in d.per_rank})
     codec_key = tuple(resolve_codec(codec, name) for name in names)
-    targets = (_chunking.INNER_CHUNK_BYTES, _chunking.OUTER_CHUNK_BYTES)  # read now: tests may change them
-    return tuple(d.arrays for d in descriptions), per_rank_arrays, codec_key, targets
+    return tuple(d.arrays for d in descriptions), per_rank_arrays, codec_key, chunking
 
 
-def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout:
-    key = _layout_key(descriptions, codec)
+def _layout(descriptions: list[LocalDescription], codec: CodecChoice, chunking: ChunkPolicy) -> _Layout:
+    key = _layout_key(descriptions, codec, chunking)
     if _LAST_LAYOUT and _LAST_LAYOUT[0][0] == key:
         return _LAST_LAYOUT[0][1]
     world = len(descriptions)
@@ -154,9 +153,9 @@ def _layout(descriptions: list[LocalDescription], codec: CodecChoice) -> _Layout
     arrays: dict[str, ArrayPlan] = {}
     work: list[tuple[int, list[int], str, str, Box]] = []  # (bytes, candidate ranks, key, path, box)
     for name, holders in pieces.items():
-        entries[name] = _plan_array(name, holders, codec, arrays, work)
+        entries[name] = _plan_array(name, holders, codec, chunking, arrays, work)
     for name, items in per_rank_arrays.items():
-        _plan_per_rank_arrays(name, items, codec, arrays, work)
+        _plan_per_rank_arrays(name, items, codec, chunking, arrays, work)
     _check_paths(arrays)
     tasks, loads = _assign(work, world)
     documents, consolidated = documents_of(arrays)
@@ -228,7 +227,8 @@ def _check_kinds(holders: dict[str, list[int]], values: dict, per_rank: dict) ->
 
 
 def _plan_array(
-    key: str, holders: list[tuple[int, ArrayDescription]], codec: CodecChoice, arrays: dict, work: list
+    key: str, holders: list[tuple[int, ArrayDescription]], codec: CodecChoice, chunking: ChunkPolicy, arrays: dict,
+    work: list
 ) -> ArrayEntry | PickleEntry:
     first_rank, first = holders[0]
     for rank, piece in holders[1:]:
@@ -245,7 +245,7 @@ def _plan_array(
     _check_tiling(key, shape, replicas)
     path = array_path(key)
     steps = shard_grid(shape, replicas)
-    outer, inner = choose_chunks(shape, dtype.itemsize, steps)
+    outer, inner = choose_chunks(shape, dtype.itemsize, steps, chunking)
     chosen = resolve_codec(None if first.kind == "pickle" else codec, key)
     arrays[path] = ArrayPlan(key, path, dtype, shape, outer, inner, chosen)
     for box, ranks in replicas.items():
@@ -324,11 +324,11 @@ def _assign(work: list, world: int) -> tuple[tuple[tuple[WriteTask, ...], ...], 
     return tuple(tuple(t) for t in tasks), tuple(loads)
 
 
-def _plan_per_rank_arrays(key: str, items: dict[int, ArrayEntry], codec: CodecChoice, arrays: dict,
-                          work: list) -> None:
+def _plan_per_rank_arrays(key: str, items: dict[int, ArrayEntry], codec: CodecChoice, chunking: ChunkPolicy,
+                          arrays: dict, work: list) -> None:
     """Each rank's per-rank tensor is its own array, written by that rank."""
     for rank, item in items.items():
         path = per_rank_path(key, rank)
-        outer, inner = choose_chunks(item.shape, item.dtype.itemsize)
+        outer, inner = choose_chunks(item.shape, item.dtype.itemsize, None, chunking)
         arrays[path] = ArrayPlan(key, path, item.dtype, item.shape, outer, inner, resolve_codec(codec, key))
         work.append((item.nbytes, [rank], key, path, Box.whole(item.shape)))

@@ -9,8 +9,9 @@ For a box of a key, a layer answers:
 - ``rows`` delta: the base answers for the whole box, then this layer's changed rows that fall inside the
   box are written over it.
 
-The plain reads of one box never overlap, so they run concurrently (``_io.read_into``); overlays run
-after them. Bit-exact by construction: every byte comes from the newest layer that stored it.
+The plain reads of one box never overlap, so they run concurrently; overlays run after them. Bit-exact by
+construction: every byte comes from the newest layer that stored it. This module only plans; the reads run in
+``_read/reader.py`` (the one read path), which also runs the overlays (they read the rows they write).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import ArrayckptError, CorruptCheckpointError
+from .._errors import CorruptCheckpointError
 from .._format.manifest import ArrayEntry
+from .._format.quant import QuantizedRows, dequantize_rows
 from .._io.arrays import ArrayIO, open_array, read_into
 from .._layout.box import Box, grid_cells
 
 if TYPE_CHECKING:
     from .._read.checkpoint import Checkpoint
 
-__all__ = ["Overlay", "dense_grid", "dense_layer", "read_box", "read_plan"]
+__all__ = ["Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "delta_rows", "plan_box", "read_plan"]
 
 Overlay = Callable[[], None]
 
@@ -69,23 +71,33 @@ def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
 
 def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
     """The reads (and overlays, to run after them in order) that fill ``out`` with ``box`` of ``key``."""
+    jobs: list[ArrayIO] = []
+    overlays: list[Overlay] = []
+    plan_box(checkpoint, key, box, out, jobs, overlays)
+    return jobs, overlays
+
+
+def plan_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray, jobs: list[ArrayIO],
+             overlays: list[Overlay]) -> None:
+    """Append to ``jobs`` the plain reads, and to ``overlays`` the overlays (to run after them, in order), that
+    fill ``out`` with ``box`` of ``key``. A tensor stored whole costs one ``ArrayIO`` (``load``'s hot path)."""
     entry = _entry(checkpoint, key)
     if entry.delta is None:
-        return [ArrayIO(key, checkpoint[key].spec, out, box.slices() if box.shape else None)], []
+        jobs.append(ArrayIO(key, checkpoint[key]._read_spec, out, box.slices() if box.shape else None))
+        return
     base = checkpoint.base
     _entry(base, key, entry)
     if entry.delta.mode == "rows":
-        jobs, overlays = read_plan(base, key, box, out)
-        return jobs, [*overlays, lambda: _overlay_rows(checkpoint, entry, box, out)]
-    metadata = checkpoint[key].metadata
-    grid = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
-    present = checkpoint._present(key)
+        plan_box(base, key, box, out, jobs, overlays)
+        overlays.append(lambda: _overlay_rows(checkpoint, entry, box, out))
+        return
+    grid = tuple(checkpoint[key].metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    present = checkpoint.present_chunks(key)
     cells = grid_cells(box, grid, entry.shape) if box.size else []
     if not any(flat in present for flat, _ in cells):
-        return read_plan(base, key, box, out)
-    jobs: list[ArrayIO] = []
-    overlays: list[Overlay] = []
-    spec = checkpoint[key].spec
+        plan_box(base, key, box, out, jobs, overlays)
+        return
+    spec = checkpoint[key]._read_spec
     for flat, cell in cells:
         part = cell.intersect(box)
         if part is None:
@@ -94,47 +106,27 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
         if flat in present:
             jobs.append(ArrayIO(key, spec, view, part.slices()))
         else:
-            more, later = read_plan(base, key, part, view)
-            jobs.extend(more)
-            overlays.extend(later)
-    return jobs, overlays
+            plan_box(base, key, part, view, jobs, overlays)
 
 
-def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
-    """Fill ``out`` (shaped like ``box``) with that part of ``key``, through the chain."""
-    _read(checkpoint, key, [(box, out)])
-
-
-def read_boxes(checkpoint: Checkpoint, key: str, boxes: list[Box]) -> list[np.ndarray]:
-    """Several boxes of ``key`` into new arrays, read concurrently through the chain."""
-    entry = _entry(checkpoint, key)
-    outs = [np.empty(box.shape, entry.dtype.numpy) for box in boxes]
-    _read(checkpoint, key, list(zip(boxes, outs, strict=True)))
-    return outs
-
-
-def _read(checkpoint: Checkpoint, key: str, targets: list[tuple[Box, np.ndarray]]) -> None:
-    """All plain reads of all targets at once, then the overlays in order; a failure caused by the checkpoint
-    being replaced meanwhile says so, and a success is checked not to have been overtaken by one."""
-    jobs: list[ArrayIO] = []
-    overlays: list[Overlay] = []
-    for box, out in targets:
-        more, later = read_plan(checkpoint, key, box, out)
-        jobs.extend(more)
-        overlays.extend(later)
-    try:
-        read_into(jobs, checkpoint._context, str(checkpoint.location))
-        for overlay in overlays:
-            overlay()
-    except ArrayckptError as e:
-        checkpoint.raise_if_replaced(e)
-        raise
-    checkpoint.check_unchanged()
+def delta_rows(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:
+    """The row indices a rows delta of ``checkpoint`` stores (read once, then kept; -1 marks padding). Runs in
+    an overlay, inside the read path's checks."""
+    cache = checkpoint.__dict__.setdefault("_rows_cache", {})
+    if entry.key not in cache:
+        spec = checkpoint.rows_delta_spec(entry, "rows")
+        rows = np.empty(tuple(spec["metadata"]["shape"]), np.int64)
+        read_into([ArrayIO(entry.key, spec, rows)], checkpoint._context, str(checkpoint.location))
+        if len(rows) and (rows.max() >= entry.shape[0] or rows.min() < -1):
+            raise CorruptCheckpointError(f"{checkpoint.location}: tensor {entry.key!r}: its changed rows name rows "
+                                         f"outside 0..{entry.shape[0] - 1}")
+        cache[entry.key] = rows
+    return cache[entry.key]
 
 
 def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
     """Write this layer's changed rows that fall in ``box`` over ``out``."""
-    rows = checkpoint._delta_rows(entry.key)
+    rows = delta_rows(checkpoint, entry)
     positions = np.flatnonzero((rows >= box.offset[0]) & (rows < box.stop[0]))
     if not len(positions):
         return
@@ -144,7 +136,7 @@ def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.n
 
 
 def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
-    spec = checkpoint._delta_spec(entry, name)
+    spec = checkpoint.rows_delta_spec(entry, name)
     where = str(checkpoint.location)
     store = open_array(spec, checkpoint._context, entry.key, where)
     try:
@@ -160,8 +152,6 @@ def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray
     quantized = entry.delta.quantized
     if quantized is None:
         return _read_rows_of(checkpoint, entry, "values", positions)
-    from .._format.quant import QuantizedRows, dequantize_rows
-
     codes = _read_rows_of(checkpoint, entry, "codes", positions)
     q = QuantizedRows(codes, _read_rows_of(checkpoint, entry, "scale", positions),
                       _read_rows_of(checkpoint, entry, "offset", positions), quantized.bits,

@@ -12,152 +12,35 @@ import pickle
 import weakref
 from collections.abc import Iterator, Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
-from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, PickleNotAllowedError
+from .._errors import (
+    ArrayckptError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    PickleNotAllowedError,
+    ReplacedCheckpointError,
+)
 from .._format.codecs import check_checksummed
-from .._format.dtypes import DType
+from .._format.dtypes import DTYPES, DType, dtype_by_name
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
+from .._format.quant import packed_columns
 from .._format.values import decode_value
 from .._format.zarr import check_array_metadata, grid_counts
-from .._io.arrays import ArrayIO, array_spec, open_array, read_failure, read_into
+from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box
-from .._storage.local import Location, kvstore_at, parse_location
-
-if TYPE_CHECKING:
-    import tensorstore as ts
-    import torch
+from .._read.chain import dense_grid, dense_layer, read_plan
+from .._read.lazy import LazyArray
+from .._read.reader import ChainRead, read
+from .._storage import Location, kvstore_at, parse_location
 
 __all__ = ["Checkpoint", "LazyArray", "open_checkpoint"]
 
 MAX_CHAIN = 10_000  # a longer chain of bases is damage (or a loop), not a plan
-
-
-class LazyArray:
-    """One stored tensor: metadata now, data on slicing.
-
-    ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
-        self._checkpoint = checkpoint
-        self.entry = entry
-        self.metadata = metadata
-
-    @property
-    def key(self) -> str:
-        return self.entry.key
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.entry.shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self.entry.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The torch dtype the tensor was saved with."""
-        from .._torch.dtypes import torch_dtype  # torch only for torch's answer
-
-        return torch_dtype(self.entry.dtype)
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return self.entry.dtype.numpy
-
-    @property
-    def nbytes(self) -> int:
-        return self.entry.nbytes
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.entry.shape)
-
-    def __len__(self) -> int:
-        if not self.shape:
-            raise TypeError("len() of a 0-d array")
-        return self.shape[0]
-
-    def __repr__(self) -> str:
-        return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.entry.dtype.name})"
-
-    @cached_property
-    def _store(self) -> ts.TensorStore:
-        import tensorstore as ts
-
-        store = open_array(self.spec, self._checkpoint._context, self.key, str(self._checkpoint.location))
-        # explicit bounds: an index past the shape is an IndexError when indexing (as a negative one is), not a
-        # read that fails later and would be reported as damage
-        return store[ts.d[:].mark_bounds_implicit[False]]
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
-        has no array of the tensor's shape: read it by slicing instead."""
-        if self.entry.delta is not None and self.entry.delta.mode == "rows":
-            raise TypeError(f"{self._checkpoint.location}: tensor {self.key!r} is stored as changed rows of its base; "
-                            "it has no array of its own to open (slice it, or use .torch())")
-        return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
-        touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
-        from .._read.chain import basic_index
-
-        normal = basic_index(index, self.shape)
-        if normal is None:
-            return self.numpy()[index]
-        if self.entry.delta is not None:
-            return self._through_chain(normal)
-        try:
-            out = np.asarray(self._store[normal].read().result())
-        except (IndexError, TypeError):
-            raise
-        except Exception as e:
-            failed = read_failure(f"{self._checkpoint.location}: tensor {self.key!r}: read failed: {e}", e)
-            failed.__cause__ = e
-            self._checkpoint.raise_if_replaced(failed)
-            raise failed from e
-        self._checkpoint.check_unchanged()
-        return out
-
-    def _through_chain(self, index: Any) -> np.ndarray:
-        """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
-        from .._read.chain import bounding_box, read_box
-
-        found = bounding_box(index, self.shape)
-        assert found is not None  # a basic index (see __getitem__)
-        box, relative = found
-        out = np.empty(box.shape, self.numpy_dtype)
-        read_box(self._checkpoint, self.key, box, out)
-        return out[relative]
-
-    def numpy(self) -> np.ndarray:
-        """The whole array as numpy."""
-        return self[(slice(None),) * len(self.shape)]
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = self.numpy()
-        return out if dtype is None else out.astype(dtype)
-
-    def torch(self) -> torch.Tensor:
-        """The whole array as a new CPU torch tensor of the saved dtype."""
-        import torch
-
-        out = torch.empty(self.shape, dtype=self.dtype)
-        self.read_into(out)
-        return out
-
-    def read_into(self, tensor: torch.Tensor) -> None:
-        """Read the whole array into an existing CPU tensor of the same shape and dtype."""
-        from .._read.chain import read_box
-        from .._torch.tensors import writable_numpy  # torch only when reading into torch
-
-        read_box(self._checkpoint, self.key, Box.whole(self.shape), writable_numpy(tensor, self.entry.dtype, self.key))
 
 
 class _Values(Mapping[str, Any]):
@@ -209,13 +92,11 @@ class Checkpoint(Mapping[str, LazyArray]):
     def base(self) -> Checkpoint:
         """The checkpoint this delta checkpoint was saved against (opened on first use, and checked to be the
         very one: a base replaced since is refused)."""
-        from .._errors import CheckpointNotFoundError
-        from .._layout.delta import resolve_base
 
         ref = self.manifest.base
         if ref is None:
             raise ValueError(f"{self.location}: a full checkpoint; it has no base")
-        location = resolve_base(self.location, ref)
+        location = self.location.resolve(ref.path)
         try:
             base = Checkpoint(location, self.allow_pickle)
         except ArrayckptError as e:
@@ -239,13 +120,13 @@ class Checkpoint(Mapping[str, LazyArray]):
         return out
 
     def check_unchanged(self) -> None:
-        """After reading data: on object storage (where nothing can pin a checkpoint), make sure the checkpoint
-        and the bases read through were not replaced meanwhile, or the data read may mix two checkpoints.
-        One small read per layer; nothing to do locally (the directory is pinned)."""
+        """After reading data: where storage cannot pin a checkpoint for reading (object storage), make sure the
+        checkpoint and the bases read through were not replaced meanwhile, or the data read may mix two
+        checkpoints. One small read per such layer; nothing to do where reads are pinned (local directories)."""
         layer: Checkpoint | None = self
         while layer is not None:
-            if layer._generation is not None and layer.location.changed_since(layer._generation):
-                raise CorruptCheckpointError(
+            if not layer.location.pins_reads and layer.location.changed_since(layer._generation):
+                raise ReplacedCheckpointError(
                     f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
                     "what was read may mix two checkpoints: open it again")
             layer = layer.__dict__.get("base")
@@ -261,54 +142,37 @@ class Checkpoint(Mapping[str, LazyArray]):
             except Exception:  # noqa: BLE001 - cannot tell: the original error stands
                 replaced = False
             if replaced:
-                raise CorruptCheckpointError(
+                raise ReplacedCheckpointError(
                     f"{layer.location}: the checkpoint was replaced (or removed) while it was being read, its data "
                     "with it (the read failed; see the cause): open it again") from error
             layer = layer.__dict__.get("base")
 
     def _replaced(self) -> bool:
-        if self._generation is not None:  # object storage: the root document changed
-            return self.location.changed_since(self._generation)
-        pinned, path = self._base.get("path"), getattr(self.location, "path", None)
-        if not isinstance(pinned, str) or path is None:
-            return False
-        try:
-            held = os.stat(pinned)
-        except OSError:
-            return False
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
-            return True
-        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
+        return self.location.changed_since(self._generation)
 
-    def dense_grid(self, key: str) -> tuple[int, ...]:
-        from .._read.chain import dense_grid
+    # --- what the read path and the tools use (internal: not part of the public API) --------------------------
 
-        return dense_grid(self, key)
+    @property
+    def nodes(self) -> MappingProxyType[str, Any]:
+        """The root's consolidated metadata: every node's ``zarr.json`` document by path (read-only)."""
+        return MappingProxyType(self._nodes)
 
-    def read_box(self, key: str, box: Box, out: np.ndarray) -> None:
-        """Fill ``out`` with ``box`` of tensor ``key``, through the chain of bases for delta entries."""
-        from .._read.chain import read_box
+    def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
+        """The TensorStore spec of the array at ``path`` (of entry ``key``), its metadata checked to describe a
+        checksummed ``dtype`` array of ``shape`` (:class:`arrayckpt.FormatError` if not)."""
+        return array_spec(kvstore_at(self._base, path), self._node(path, key, dtype, shape))
 
-        read_box(self, key, box, out)
-
-    def read_plan(self, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Any]]:
-        """The reads (and row overlays to run after them, in order) that fill ``out`` with ``box`` of ``key``."""
-        from .._read.chain import read_plan
-
-        return read_plan(self, key, box, out)
-
-    def _dense_metadata(self, key: str) -> dict[str, Any]:
-        """The array metadata of ``key`` in the nearest layer storing it as an array of its shape."""
-        from .._read.chain import dense_layer
-
+    def dense_metadata(self, key: str) -> dict[str, Any]:
+        """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its
+        shape (this checkpoint, or a base for a rows delta)."""
         return dense_layer(self, key)[key].metadata
 
-    def _kvstore(self, path: str) -> dict[str, Any]:
-        return kvstore_at(self._base, path)
+    def dense_grid(self, key: str) -> tuple[int, ...]:
+        """The read-chunk shape of :meth:`dense_metadata` (the grid a delta of ``key`` compares chunks on)."""
+        return dense_grid(self, key)
 
-    def _present(self, key: str) -> frozenset[int]:
+    def present_chunks(self, key: str) -> frozenset[int]:
+        """The flat indices of the chunks a chunks delta of tensor ``key`` stores (the others are its base's)."""
         cache = self.__dict__.setdefault("_present_cache", {})
         if key not in cache:
             entry = self.manifest.entries[key]
@@ -319,24 +183,19 @@ class Checkpoint(Mapping[str, LazyArray]):
             cache[key] = frozenset(entry.delta.present)
         return cache[key]
 
-    def _delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
+    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
         """Spec of one array of a rows delta (``rows``, ``values``, ``codes``, ``scale``, ``offset``), checked."""
-        from .._format.dtypes import dtype_by_name
-
         assert entry.delta is not None
         count = self._delta_count(entry)
         tail = entry.shape[1:]
         expected = {"rows": ("int64", (count,)), "values": (entry.dtype.name, (count, *tail)),
                     "scale": ("float32", (count,)), "offset": ("float32", (count,))}
-        path = f"{entry.path}/{name}"
         if name == "codes":
-            from .._format.quant import packed_columns
-
             bits = entry.delta.quantized.bits if entry.delta.quantized is not None else 8
             dtype_name, shape = "uint8", (count, packed_columns(math.prod(tail), bits))
         else:
             dtype_name, shape = expected[name]
-        return array_spec(kvstore_at(self._base, path), self._node(path, entry.key, dtype_by_name(dtype_name), shape))
+        return self.array_spec(f"{entry.path}/{name}", entry.key, dtype_by_name(dtype_name), shape)
 
     def _delta_count(self, entry: ArrayEntry) -> int:
         metadata = self._nodes.get(f"{entry.path}/rows")
@@ -344,20 +203,6 @@ class Checkpoint(Mapping[str, LazyArray]):
         if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)):
             raise FormatError(f"{self.location}: entry {entry.key!r}: its rows delta has no valid 'rows' array")
         return shape[0]
-
-    def _delta_rows(self, key: str) -> np.ndarray:
-        """The row indices a rows delta stores (read once; -1 marks padding)."""
-        cache = self.__dict__.setdefault("_rows_cache", {})
-        if key not in cache:
-            entry = self.manifest.entries[key]
-            assert isinstance(entry, ArrayEntry)
-            rows = np.empty((self._delta_count(entry),), np.int64)
-            read_into([ArrayIO(key, self._delta_spec(entry, "rows"), rows)], self._context, str(self.location))
-            if len(rows) and (rows.max() >= entry.shape[0] or rows.min() < -1):
-                raise CorruptCheckpointError(f"{self.location}: tensor {key!r}: its changed rows name rows outside "
-                                             f"0..{entry.shape[0] - 1}")
-            cache[key] = rows
-        return cache[key]
 
     def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
         where = f"{self.location}: entry {key!r}"
@@ -371,8 +216,31 @@ class Checkpoint(Mapping[str, LazyArray]):
         item = entry.items[rank] if isinstance(entry, PerRankEntry) and 0 <= rank < len(entry.items) else None
         if not isinstance(item, ArrayEntry):
             raise KeyError(f"{self.location}: {key!r} has no per-rank array for rank {rank}")
-        path = per_rank_path(key, rank)
-        return array_spec(kvstore_at(self._base, path), self._node(path, key, item.dtype, item.shape))
+        return self.array_spec(per_rank_path(key, rank), key, item.dtype, item.shape)
+
+    def pickle_spec(self, key: str) -> dict[str, Any]:
+        """TensorStore spec of the bytes of pickled value ``key`` (a uint8 array), checked."""
+        entry = self.manifest.entries[key]
+        if not isinstance(entry, PickleEntry):
+            raise KeyError(f"{self.location}: {key!r} is not a pickled value")
+        return self.array_spec(entry.path, key, _uint8(), (entry.nbytes,))
+
+    def pickle_bytes(self, key: str) -> bytes:
+        """The stored bytes of pickled value ``key``, read (checksum checked) but never unpickled."""
+        spec = self.pickle_spec(key)
+        raw = np.empty(tuple(spec["metadata"]["shape"]), np.uint8)
+        read(self, [ArrayIO(key, spec, raw)])
+        return raw.tobytes()
+
+    def read_box(self, key: str, box: Box, out: np.ndarray) -> None:
+        """Fill ``out`` with ``box`` of tensor ``key``, through the chain of bases for delta entries."""
+        read(self, [ChainRead(key, box, out)])
+
+    def read_plan(self, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Any]]:
+        """The reads (and row overlays to run after them, in order) that fill ``out`` with ``box`` of ``key``."""
+        return read_plan(self, key, box, out)
+
+    # --- public -----------------------------------------------------------------------------------------------
 
     def per_rank(self, key: str) -> list[Any]:
         """Every rank's value of a :class:`arrayckpt.PerRank` entry (tensors read whole; ``None`` where a rank
@@ -382,12 +250,13 @@ class Checkpoint(Mapping[str, LazyArray]):
         entry = self.manifest.entries.get(key)
         if not isinstance(entry, PerRankEntry):
             raise KeyError(f"{self.location}: {key!r} is not a per-rank entry")
+        arrays = {rank: np.empty(item.shape, item.dtype.numpy) for rank, item in enumerate(entry.items)
+                  if isinstance(item, ArrayEntry)}
+        read(self, [ArrayIO(key, self.per_rank_spec(key, rank), array) for rank, array in arrays.items()])
         out: list[Any] = []
         for rank, item in enumerate(entry.items):
             if isinstance(item, ArrayEntry):
-                array = np.empty(item.shape, item.dtype.numpy)
-                read_into([ArrayIO(key, self.per_rank_spec(key, rank), array)], self._context, str(self.location))
-                out.append(array if item.kind == "ndarray" else torch_view(array, item.dtype))
+                out.append(arrays[rank] if item.kind == "ndarray" else torch_view(arrays[rank], item.dtype))
             else:
                 out.append(None if item is None else decode_value(item.value, key))
         return out
@@ -421,11 +290,7 @@ class Checkpoint(Mapping[str, LazyArray]):
                 f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
                 "needs allow_pickle=True (only for checkpoints you trust)"
             )
-        metadata = self._node(entry.path, entry.key, _uint8(), (entry.nbytes,))
-        raw = np.empty((entry.nbytes,), np.uint8)
-        read_into([ArrayIO(entry.key, array_spec(kvstore_at(self._base, entry.path), metadata), raw)],
-                  self._context, str(self.location))
-        return pickle.loads(raw.tobytes())
+        return pickle.loads(self.pickle_bytes(entry.key))
 
     def __getitem__(self, key: str) -> LazyArray:
         try:
@@ -449,8 +314,6 @@ class Checkpoint(Mapping[str, LazyArray]):
 
 
 def _uint8() -> DType:
-    from .._format.dtypes import DTYPES
-
     return DTYPES["uint8"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.reader import ChainRead, Execute, Request, read
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import torch_dtype
 from .._torch.readonce import split_reads
@@ -110,37 +111,14 @@ class _LoadPlan:
         self.where = str(checkpoint.location)
         self.rank = rank
         self.world_size = world_size
-        self.reads: list[ArrayIO] = []
-        self.overlays: list[Any] = []  # row overlays of delta checkpoints, run after the reads, in order
+        self.requests: list[Request] = []  # everything to read, in one call of the read path
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replacements: list[tuple[Leaf, Any]] = []
 
     def run(self, share_with: Group | None = None) -> None:
         """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
         arriving from other ranks), then move staged data to devices and replace plain values."""
-        if share_with is None:
-            try:
-                read_into(self.reads, self.checkpoint._context, self.where)
-            except ArrayckptError as e:
-                self.checkpoint.raise_if_replaced(e)
-                raise
-        else:
-            own, exchange = split_reads(self.reads, share_with)
-            error: BaseException | None = None
-            try:
-                read_into(own, self.checkpoint._context, self.where)
-            except ArrayckptError as e:
-                error = e
-            failures = [(r, str(e)) for r, e in enumerate(share_with.all_gather(error)) if e is not None]
-            if error is not None:
-                raise error
-            if failures:  # another rank could not read what it was to send: nobody exchanges
-                rank, message = failures[0]
-                raise CorruptCheckpointError(f"rank {rank} failed to read data this rank needs: {message}")
-            exchange()
-        for overlay in self.overlays:
-            overlay()
-        self.checkpoint.check_unchanged()
+        read(self.checkpoint, self.requests, execute=read_into if share_with is None else _read_once(share_with))
         for target, staged in self.copies:
             target.copy_(staged)
         for leaf, value in self.replacements:
@@ -195,11 +173,9 @@ class _LoadPlan:
 
     def _read(self, entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> None:
         if spec is None:
-            jobs, overlays = self.checkpoint.read_plan(entry.key, box, out)
-            self.reads.extend(jobs)
-            self.overlays.extend(overlays)
+            self.requests.append(ChainRead(entry.key, box, out))
         else:
-            self.reads.append(ArrayIO(entry.key, spec, out, box.slices() if box.shape else None))
+            self.requests.append(ArrayIO(entry.key, spec, out, box.slices() if box.shape else None))
 
     def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
         if have != want or tuple(shape) != entry.shape:
@@ -237,6 +213,28 @@ class _LoadPlan:
                 self._replace(leaf, PerRank(self._fresh(item, spec), target.rank))
         else:
             self._replace(leaf, PerRank(decode_value(item.value, key), target.rank))
+
+
+def _read_once(group: Group) -> Execute:
+    """The read path's ``execute`` for ``read_once=True`` (collective): this rank reads its share of the plain
+    reads, then the ranks exchange the rest; a rank that failed to read fails everyone, before any exchange."""
+
+    def execute(jobs: Sequence[ArrayIO], context: Any, where: str) -> None:
+        own, exchange = split_reads(list(jobs), group)
+        error: BaseException | None = None
+        try:
+            read_into(own, context, where)
+        except ArrayckptError as e:
+            error = e
+        failures = [(r, str(e)) for r, e in enumerate(group.all_gather(error)) if e is not None]
+        if error is not None:
+            raise error
+        if failures:  # another rank could not read what it was to send: nobody exchanges
+            rank, message = failures[0]
+            raise CorruptCheckpointError(f"rank {rank} failed to read data this rank needs: {message}")
+        exchange()
+
+    return execute
 
 
 def _dtype_name(dtype: object) -> str:

@@ -1,1 +1,44 @@
-"""."""
+"""Storage: where a checkpoint's bytes live, and the commit that makes them a checkpoint.
+
+One interface, :class:`Location` and :class:`Writer` (``base.py``, with the call order of a save and a read),
+implemented completely by a local directory (``local.py``) and an object-storage prefix (``object.py``);
+callers hold a ``Location`` from :func:`parse_location` and never ask which one it is. Each implementation
+registers the URL schemes it serves when imported (this package imports them all). Garbage collection
+(``gc.py``) is written once, through the interface.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    ROOT_METADATA,
+    Leftover,
+    Leftovers,
+    Location,
+    Writer,
+    finish_rank_writes,
+    kvstore_at,
+    open_writer,
+    parse_location,
+)
+from .gc import collect_garbage
+from .local import LocalLocation, LocalWriter
+from .object import OBJECT_SCHEMES, ObjectLocation, ObjectWriter, parse_object_url
+
+__all__ = [
+    "OBJECT_SCHEMES",
+    "ROOT_METADATA",
+    "Leftover",
+    "Leftovers",
+    "LocalLocation",
+    "LocalWriter",
+    "Location",
+    "ObjectLocation",
+    "ObjectWriter",
+    "Writer",
+    "collect_garbage",
+    "finish_rank_writes",
+    "kvstore_at",
+    "open_writer",
+    "parse_location",
+    "parse_object_url",
+]

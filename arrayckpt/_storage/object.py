@@ -18,12 +18,10 @@ All IO, metadata included, goes through TensorStore's kvstores, so one client co
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import os
-import re
-import shutil
-import threading
+import posixpath
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,25 +32,29 @@ import tensorstore as ts
 from .._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
     StorageError,
 )
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
+from .base import (
+    ROOT_METADATA,
+    Leftovers,
+    Location,
+    Writer,
+    arrayckpt_keys,
+    check_child_name,
+    parse_location,
+    parse_root_bytes,
+    register_scheme,
+)
+from .clients import driver_spec, object_context
+from .gc import object_leftovers
 
-__all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url"]
+__all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url",
+           "stale_keys"]
 
-# TensorStore's HTTP client has no timeout of its own: a server that stops answering mid-request would hang a
-# save forever. A transfer slower than 1 byte/s for 60 s is abandoned (and retried like any failure) unless
-# the user chose otherwise. curl reads these once per process, so this must run before the first request.
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
-
-ROOT_METADATA = "zarr.json"
 OBJECT_SCHEMES = ("s3", "gs", "memory")
-DEFAULT_RETRIES = 10
-DEFAULT_CONCURRENCY = 64
 
 # storage_options understood (s3fs's names where it has one)
 _OPTION_NAMES = frozenset({"endpoint_url", "region", "key", "secret", "token", "anon", "max_retries",
@@ -60,13 +62,15 @@ _OPTION_NAMES = frozenset({"endpoint_url", "region", "key", "secret", "token", "
 
 
 @dataclass(frozen=True)
-class ObjectLocation:
+class ObjectLocation(Location):
     """A checkpoint at ``scheme://bucket/prefix`` on object storage."""
 
     scheme: str
     bucket: str
     prefix: str  # no leading or trailing "/"; "" is the bucket's root
     options: tuple[tuple[str, Any], ...] = ()  # resolved storage options, sorted (hashable)
+
+    # pins_reads is False: nothing can pin a prefix, so readers check changed_since after reading
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
@@ -76,6 +80,10 @@ class ObjectLocation:
         return f"ObjectLocation({self.scheme!r}, {self.bucket!r}, {self.prefix!r}, options={shown!r})"
 
     @property
+    def native(self) -> str:
+        return str(self)
+
+    @property
     def option(self) -> dict[str, Any]:
         return dict(self.options)
 
@@ -83,25 +91,8 @@ class ObjectLocation:
         """TensorStore kvstore spec of a "directory" (key prefix) inside the checkpoint."""
         # the memory kvstore has no buckets: the bucket is the first path segment there
         path = "/".join(p for p in (self.bucket if self.scheme == "memory" else "", self.prefix, subpath) if p)
-        spec = dict(self._base_spec())
+        spec = driver_spec(self.scheme, self.bucket, self.option)
         spec["path"] = f"{path}/" if path else ""
-        return spec
-
-    def _base_spec(self) -> dict[str, Any]:
-        options = self.option
-        if self.scheme == "memory":
-            return {"driver": "memory"}
-        if self.scheme == "gs":
-            spec: dict[str, Any] = {"driver": "gcs", "bucket": self.bucket}
-            return spec
-        spec = {"driver": "s3", "bucket": self.bucket}
-        if options.get("endpoint_url"):
-            spec["endpoint"] = options["endpoint_url"]
-        if options.get("region"):
-            spec["aws_region"] = options["region"]
-        credentials = _aws_credentials(options)
-        if credentials is not None:
-            spec["aws_credentials"] = credentials
         return spec
 
     def context(self) -> ts.Context:
@@ -150,21 +141,11 @@ class ObjectLocation:
                     f"{self}: incomplete checkpoint (objects but no root zarr.json: its save never committed; "
                     "save again with overwrite=True to replace it)")
             raise CheckpointNotFoundError(f"{self}: no checkpoint here")
-        try:
-            return json.loads(data), result.stamp.generation
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(f"{self}: root zarr.json is damaged: {e}") from None
+        return parse_root_bytes(data, self), result.stamp.generation
 
     def node_document(self, node_path: str) -> bytes | None:
         """A node's own ``zarr.json`` (``None`` when absent)."""
         return _read(self.open_store(), f"{node_path}/{ROOT_METADATA}" if node_path else ROOT_METADATA, self)
-
-    def is_committed(self) -> bool:
-        try:
-            document = self.read_root()
-        except (StorageError, CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError):
-            return False
-        return is_arrayckpt_root(document)
 
     def fsspec_options(self) -> dict[str, Any]:
         """The same storage options for fsspec/s3fs (e.g. ``zarr.open_group(url, storage_options=...)``)."""
@@ -177,90 +158,107 @@ class ObjectLocation:
             out["client_kwargs"] = {"region_name": options["region"]}
         return out
 
+    # --- objects below the prefix (keys relative to it) -------------------------------------------
+
+    def object_keys(self) -> list[str]:
+        """Every object's key below the prefix (one LIST per 1,000 objects)."""
+        return _list(self.open_store(), self)
+
+    def object_times(self) -> list[tuple[str, float | None]]:
+        """Every object below the prefix with its modification time (epoch seconds), where the store tells: on
+        S3 through s3fs (``LastModified``); elsewhere TensorStore's listing, without times."""
+        fs = self._s3fs(skip_instance_cache=True)
+        if fs is None:
+            return [(key, None) for key in self.object_keys()]
+        base = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+        try:
+            entries = fs.find(base, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise StorageError(f"{self}: listing failed: {e}") from e
+        out = []
+        for name, info in entries.items():
+            if info.get("type") == "directory" or not name.startswith(base + "/"):
+                continue
+            modified = info.get("LastModified")
+            out.append((name[len(base) + 1:], modified.timestamp() if modified is not None else None))
+        return out
+
+    def read_objects(self, keys: list[str]) -> dict[str, bytes | None]:
+        """Objects read concurrently: key -> bytes (``None`` where there is no such object)."""
+        store = self.open_store()
+        pending = [(key, store.read(key)) for key in keys]
+        _wait(pending, self, "reading")
+        out: dict[str, bytes | None] = {}
+        for key, future in pending:
+            result = future.result()
+            out[key] = result.value if result.state == "value" else None
+        return out
+
+    def delete_objects(self, keys: list[str]) -> None:
+        """Delete these objects (one DELETE each, concurrently)."""
+        _delete(self.open_store(), keys, self)
+
+    def _s3fs(self, **options: Any) -> Any:
+        """An s3fs file system with these storage options, on S3 where s3fs is installed (else ``None``)."""
+        if self.scheme != "s3":
+            return None
+        try:
+            import s3fs
+        except ImportError:
+            return None
+        return s3fs.S3FileSystem(**options, **self.fsspec_options())
+
+    # --- the places around it --------------------------------------------------------------------
+
     def children(self) -> list[str]:
         """Names of the "directories" right below the prefix. On S3 one delimited listing through s3fs when it
         is installed (TensorStore lists every key below, recursively); elsewhere TensorStore's listing."""
-        if self.scheme == "s3":
-            try:
-                import s3fs
-            except ImportError:
-                s3fs = None
-            if s3fs is not None:
-                fs = s3fs.S3FileSystem(**self.fsspec_options())
-                path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
-                try:
-                    entries = fs.ls(path, detail=True, refresh=True)
-                except FileNotFoundError:
-                    return []
-                except Exception as e:
-                    raise StorageError(f"{self}: listing failed: {e}") from e
-                return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
-        return sorted({key.split("/", 1)[0] for key in _list(self.open_store(), self) if "/" in key})
+        fs = self._s3fs()
+        if fs is None:
+            return sorted({key.split("/", 1)[0] for key in self.object_keys() if "/" in key})
+        path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+        try:
+            entries = fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise StorageError(f"{self}: listing failed: {e}") from e
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+
+    def child(self, name: str) -> ObjectLocation:
+        check_child_name(name, self)
+        return dataclasses.replace(self, prefix=f"{self.prefix}/{name}" if self.prefix else name)
+
+    def leftovers(self, min_age_s: float) -> Leftovers:
+        """Incomplete checkpoints right below the prefix, by the rules of spec §9.3 (see
+        :func:`arrayckpt._storage.gc.object_leftovers`)."""
+        return object_leftovers(self, min_age_s)
+
+    def resolve(self, reference: str) -> Location:
+        if "://" in reference or os.path.isabs(reference):
+            # this location's storage options (credentials) go only to one on the same kind of storage
+            same = "://" in reference and reference.partition("://")[0] == self.scheme
+            return parse_location(reference, self.option if same and self.options else None)
+        prefix = posixpath.normpath(posixpath.join("/" + self.prefix, reference)).strip("/")
+        return dataclasses.replace(self, prefix=prefix)
+
+    def reference_from(self, other: Location) -> str:
+        if isinstance(other, ObjectLocation) and (other.scheme, other.bucket) == (self.scheme, self.bucket):
+            return posixpath.relpath("/" + self.prefix, "/" + other.prefix)
+        return str(self)
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def open_writer(self, overwrite: bool) -> ObjectWriter:
+        return ObjectWriter(self, overwrite)
 
     def delete(self) -> None:
         """Remove the checkpoint: the commit first (so a half-deleted one reads as incomplete), then the rest."""
         store = self.open_store()
         _delete(store, [ROOT_METADATA], self)
-        _delete(store, _ours(_list(store, self)), self)
-
-
-def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any] | None:
-    """TensorStore's ``aws_credentials`` for the given options (``None``: its default chain, which reads the
-    standard AWS environment variables and files). TensorStore takes no literal keys, so explicit ``key`` and
-    ``secret`` go through a private credentials file of this process."""
-    if options.get("anon"):
-        return {"type": "anonymous"}
-    if options.get("key") or options.get("secret"):
-        if not (options.get("key") and options.get("secret")):
-            raise ValueError("storage options 'key' and 'secret' go together; give both or neither")
-        config, credentials = _credentials_files(options["key"], options["secret"], options.get("token"))
-        return {"type": "profile", "profile": "arrayckpt", "credentials_file": credentials, "config_file": config}
-    if options.get("profile"):
-        return {"type": "profile", "profile": options["profile"]}
-    return None
-
-
-@functools.cache
-def _credentials_files(key: str, secret: str, token: str | None) -> tuple[str, str]:
-    """An AWS config and credentials file (mode 0600, removed at exit) holding one profile with these keys."""
-    import atexit
-    import tempfile
-
-    directory = tempfile.mkdtemp(prefix="arrayckpt-aws-")
-    atexit.register(shutil.rmtree, directory, True)
-    config, credentials = os.path.join(directory, "config"), os.path.join(directory, "credentials")
-    lines = ["[arrayckpt]", f"aws_access_key_id = {key}", f"aws_secret_access_key = {secret}"]
-    if token:
-        lines.append(f"aws_session_token = {token}")
-    for path, text in ((config, "[profile arrayckpt]\n"), (credentials, "\n".join(lines) + "\n")):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-    return config, credentials
-
-
-_CONTEXTS: dict[Any, ts.Context] = {}
-_CONTEXTS_LOCK = threading.Lock()
-
-
-def object_context(location: ObjectLocation) -> ts.Context:
-    """One TensorStore context per storage configuration and process: request concurrency and retries for
-    S3/GCS; for ``memory://`` the process-wide store every save and read must share."""
-    key = (location.scheme, location.options)
-    with _CONTEXTS_LOCK:
-        context = _CONTEXTS.get(key)
-        if context is None:
-            options = location.option
-            retries = {"max_retries": int(options.get("max_retries", DEFAULT_RETRIES)),
-                       "initial_delay": "50ms", "max_delay": "5s"}
-            limit = {"limit": int(options.get("request_concurrency", DEFAULT_CONCURRENCY))}
-            spec: dict[str, Any] = {}
-            if location.scheme == "s3":
-                spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}
-            elif location.scheme == "gs":
-                spec = {"gcs_request_retries": retries, "gcs_request_concurrency": limit}
-            context = _CONTEXTS[key] = ts.Context(spec)
-        return context
+        _delete(store, arrayckpt_keys(_list(store, self)), self)
 
 
 def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None) -> ObjectLocation:
@@ -285,6 +283,10 @@ def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None
     if bool(options.get("key")) != bool(options.get("secret")):  # a usage error, before any request is made
         raise ValueError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
     return ObjectLocation(scheme, bucket, prefix, tuple(sorted(options.items())))
+
+
+for _scheme in OBJECT_SCHEMES:
+    register_scheme(_scheme, parse_object_url)
 
 
 # --- kvstore helpers (each names the checkpoint in its errors) -----------------------------------
@@ -322,12 +324,6 @@ def _delete(store: Any, keys: list[str], where: object) -> None:
     _wait([(key, store.write(key, None)) for key in keys], where, "deleting")
 
 
-_CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
-
-
-def _ours(keys: list[str]) -> list[str]:
-    """Keys shaped like arrayckpt's objects (``zarr.json`` documents and chunk keys); others are left alone."""
-    return [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA or _CHUNK_NAME.fullmatch(k.rpartition("/")[2])]
 
 
 def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
@@ -335,7 +331,7 @@ def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
     node metadata is ``nodes``: chunks of another generation or of arrays it does not have, documents of
     nodes it does not have."""
     stale = []
-    for key in _ours(keys):
+    for key in arrayckpt_keys(keys):
         node, _, name = key.rpartition("/")
         if key == ROOT_METADATA:
             continue
@@ -356,7 +352,7 @@ def _encoding_of(nodes: Mapping[str, Any]) -> str:
     return "default"
 
 
-class ObjectWriter:
+class ObjectWriter(Writer):
     """One save to an object-storage prefix; the root ``zarr.json`` PUT is the commit."""
 
     def __init__(self, location: ObjectLocation, overwrite: bool) -> None:
@@ -389,7 +385,7 @@ class ObjectWriter:
                 raise CheckpointExistsError(
                     f"{location}: objects but no committed checkpoint are here (an interrupted save, or other "
                     "data); pass overwrite=True to replace them, or choose another prefix")
-            foreign = sorted(set(keys) - set(_ours(keys)))
+            foreign = sorted(set(keys) - set(arrayckpt_keys(keys)))
             if foreign:
                 raise CheckpointExistsError(f"{location}: objects that are not arrayckpt's are here (e.g. "
                                             f"{foreign[0]!r}); refusing to write among them")
@@ -398,9 +394,6 @@ class ObjectWriter:
             self._sweep = bool(keys)
         old = _encoding_of(self._old_nodes) if self._old_nodes is not None else KEY_ENCODINGS[1]
         self.key_encoding = KEY_ENCODINGS[1 - KEY_ENCODINGS.index(old)] if old in KEY_ENCODINGS else KEY_ENCODINGS[0]
-
-    def kvstore(self, subpath: str = "") -> dict[str, Any]:
-        return self.location.kvstore(subpath)
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
         """Start writing the array and group ``zarr.json`` documents; when replacing a committed checkpoint
@@ -456,8 +449,8 @@ class ObjectWriter:
             return
         try:
             keys = _list(self.store, self.location)
-            _delete(self.store, stale_keys(keys, self._old_nodes) if self._old_nodes is not None else _ours(keys),
-                    self.location)
+            ours = stale_keys(keys, self._old_nodes) if self._old_nodes is not None else arrayckpt_keys(keys)
+            _delete(self.store, ours, self.location)
         except StorageError as e:
             warnings.warn(f"{e} (while removing an aborted save's objects)", RuntimeWarning, stacklevel=2)
 

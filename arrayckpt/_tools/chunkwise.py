@@ -2,8 +2,9 @@
 
 ``verify`` and ``diff`` walk an array one outer chunk (one chunk file) at a time: that bounds memory by
 the chunk size rather than the tensor size, and lets a failure be pinned on one chunk file. Reads go
-through ``_io.read_into``, so uncompressed local chunks take the fast path (hardware crc32c) and the
-rest go through TensorStore; both verify every checksum.
+through the read path (``_read/reader.py``: uncompressed local chunks take the fast path, hardware crc32c,
+the rest go through TensorStore; both verify every checksum), which also refuses a checkpoint replaced
+while it was being read.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._format.dtypes import dtype_by_name
 from .._format.zarr import chunk_key
-from .._io.arrays import ArrayIO, read_into
+from .._io.arrays import ArrayIO
+from .._read.reader import read
+
+if TYPE_CHECKING:
+    from .._read.checkpoint import Checkpoint
 
 __all__ = ["ChunkRef", "chunk_file", "chunk_shape", "iter_chunks", "read_chunks"]
 
@@ -66,10 +71,10 @@ def iter_chunks(key: str, array_path: str, spec: dict[str, Any]) -> Iterator[Chu
         yield ChunkRef(key, array_path, file, index, spec)
 
 
-def read_chunks(chunks: list[ChunkRef], context: Any, where: str) -> list[np.ndarray]:
-    """Read whole outer chunks concurrently into new arrays (checksums verified); raises on the first failure."""
+def read_chunks(checkpoint: Checkpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:
+    """Read whole outer chunks of ``checkpoint``'s arrays concurrently into new arrays (checksums verified);
+    raises on the first failure."""
     out = [np.empty(chunk.shape, dtype_by_name(chunk.spec["metadata"]["data_type"]).numpy) for chunk in chunks]
-    read_into([ArrayIO(chunk.key, chunk.spec, data, chunk.index or None) for chunk, data in zip(chunks, out,
-                                                                                                 strict=True)],
-              context, where)
+    read(checkpoint, [ArrayIO(chunk.key, chunk.spec, data, chunk.index or None)
+                      for chunk, data in zip(chunks, out, strict=True)])
     return out

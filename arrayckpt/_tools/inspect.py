@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
-from .._io.arrays import ArrayIO, read_into
+from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.reader import read_boxes
 from .._tools.chunkwise import ChunkRef, chunk_shape, iter_chunks
 
 __all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "show"]
@@ -318,11 +319,9 @@ def _describe(entry: Entry) -> str:
 
 def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     """Compare one tensor chunk by chunk (``a``'s grid), reading both sides' boxes in bounded batches."""
-    from .._layout.box import Box
-    from .._read.chain import read_boxes
-
     # chunk by chunk on a's grid (of the array a stores, or of its base's for a delta), through both chains
-    same_grid = chunk_shape(left._dense_metadata(key)) == chunk_shape(right._dense_metadata(key))
+    dense_a = left.dense_metadata(key)
+    same_grid = chunk_shape(dense_a) == chunk_shape(right.dense_metadata(key))
     differing = nonfinite = chunks = differing_chunks = 0
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
@@ -339,7 +338,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
             max_abs, max_rel = max(max_abs, worst_abs), max(max_rel, worst_rel)
         batch.clear()
 
-    for chunk in iter_chunks(key, left[key].entry.path, {"metadata": left._dense_metadata(key)}):
+    for chunk in iter_chunks(key, left[key].entry.path, {"metadata": dense_a}):
         chunks += 1
         batch.append(chunk)
         if sum(c.nbytes for c in batch) >= BLOCK_BYTES:
@@ -389,15 +388,4 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def _same_pickle(left: Checkpoint, right: Checkpoint, key: str) -> bool:
     """Pickled values compared as stored bytes (never unpickled)."""
-    raw = []
-    for checkpoint in (left, right):
-        entry = checkpoint.manifest.entries[key]
-        assert isinstance(entry, PickleEntry)
-        from .._io.arrays import array_spec
-        from .._storage.local import kvstore_at
-
-        data = np.empty((entry.nbytes,), np.uint8)
-        read_into([ArrayIO(key, array_spec(kvstore_at(checkpoint._base, entry.path), checkpoint._nodes[entry.path]),
-                           data)], checkpoint._context, str(checkpoint.location))
-        raw.append(data.tobytes())
-    return raw[0] == raw[1]
+    return left.pickle_bytes(key) == right.pickle_bytes(key)

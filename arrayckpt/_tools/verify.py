@@ -16,12 +16,18 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, IncompleteCheckpointError, StorageError
+from .._errors import (
+    ArrayckptError,
+    CorruptCheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+    ReplacedCheckpointError,
+    StorageError,
+)
 from .._format.codecs import check_checksummed
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
-from .._io.arrays import array_spec
 from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._storage.local import ROOT_METADATA, Location, kvstore_at, parse_location
+from .._storage import ROOT_METADATA, Location, parse_location
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
 
 __all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
@@ -71,9 +77,10 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     Checks: the commit (root ``zarr.json``) exists and parses; every array's and group's own ``zarr.json``
     is present and matches the consolidated copy (other Zarr readers need it); every chunk of every
     tensor, per-rank array and pickled value is present and passes its crc32c. A missing checkpoint
-    raises :class:`arrayckpt.CheckpointNotFoundError`, and storage that cannot be read at all (its retries used
-    up, access refused) :class:`arrayckpt.StorageError`, since that says nothing about the data; everything else
-    is reported, not raised.
+    raises :class:`arrayckpt.CheckpointNotFoundError`, storage that cannot be read at all (its retries used
+    up, access refused) :class:`arrayckpt.StorageError`, and a checkpoint (or base) replaced or removed while it
+    is being verified :class:`arrayckpt.ReplacedCheckpointError`, since those say nothing about the data;
+    everything else is reported, not raised.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -116,7 +123,7 @@ def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
 def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int,
                   progress: Progress | None) -> tuple[int, int, int]:
     """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
-    location, nodes, where = checkpoint.location, checkpoint._nodes, str(checkpoint.location)
+    location, nodes = checkpoint.location, checkpoint.nodes
     chunks: list[ChunkRef] = []
     arrays = 0
     for key, array_path, spec in _arrays(checkpoint, nodes, damage):
@@ -126,7 +133,7 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
     groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
     for group_path in groups:
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
-    checked = _read_all(chunks, checkpoint._context, where, batch_bytes, damage, progress)
+    checked = _read_all(checkpoint, chunks, batch_bytes, damage, progress)
     return arrays, len(chunks), checked
 
 
@@ -136,12 +143,12 @@ def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dic
     entry = checkpoint.manifest.entries.get(key)
     if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks" \
             and array_path == entry.path:
-        present = checkpoint._present(key)
+        present = checkpoint.present_chunks(key)
         return [chunk for flat, chunk in enumerate(chunks) if flat in present]
     return chunks
 
 
-def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
+def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
             damage: list[Damage]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(key, array path, spec) of every stored array: tensors, per-rank arrays and pickled values."""
     location = checkpoint.location
@@ -150,7 +157,7 @@ def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
             names = ("rows", "values") if entry.delta.quantized is None else ("rows", "codes", "scale", "offset")
             for name in names:
                 try:
-                    yield key, f"{entry.path}/{name}", checkpoint._delta_spec(entry, name)
+                    yield key, f"{entry.path}/{name}", checkpoint.rows_delta_spec(entry, name)
                 except ArrayckptError as e:
                     damage.append(Damage(key, f"{entry.path}/{name}/{ROOT_METADATA}", _short(str(e), str(location))))
         elif isinstance(entry, ArrayEntry):
@@ -168,10 +175,15 @@ def _arrays(checkpoint: Checkpoint, nodes: dict[str, Any],
         elif isinstance(entry, PickleEntry):
             metadata = nodes.get(entry.path)
             problem = _pickle_metadata_problem(metadata, entry)
+            if problem is None:
+                try:
+                    spec = checkpoint.pickle_spec(key)
+                except ArrayckptError as e:
+                    problem = _short(str(e), str(location))
             if problem:
                 damage.append(Damage(key, f"{entry.path}/{ROOT_METADATA}", problem))
                 continue
-            yield key, entry.path, array_spec(kvstore_at(checkpoint._base, entry.path), metadata)  # type: ignore
+            yield key, entry.path, spec
 
 
 def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None:
@@ -221,20 +233,21 @@ def _batches(chunks: list[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
         yield batch
 
 
-def _read_all(chunks: list[ChunkRef], context: Any, where: str, budget: int, damage: list[Damage],
+def _read_all(checkpoint: Checkpoint, chunks: list[ChunkRef], budget: int, damage: list[Damage],
               progress: Progress | None) -> int:
     """Read every chunk (batched for speed); a failed batch is re-read chunk by chunk to name each damage."""
+    where = str(checkpoint.location)
     total = sum(c.nbytes for c in chunks)
     done = 0
     for batch in _batches(chunks, budget):
         try:
-            read_chunks(batch, context, where)
+            read_chunks(checkpoint, batch)
         except Exception:
             for chunk in batch:
                 try:
-                    read_chunks([chunk], context, where)
-                except (StorageError, MemoryError):  # unreachable store, no memory: nothing is known about the chunk
-                    raise
+                    read_chunks(checkpoint, [chunk])
+                except (StorageError, ReplacedCheckpointError, MemoryError):
+                    raise  # unreachable store, checkpoint replaced, no memory: nothing is known about the chunk
                 except Exception as e:  # every other failure is reported, whatever raised it
                     damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
         done += sum(c.nbytes for c in batch)

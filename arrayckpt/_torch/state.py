@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,16 +20,7 @@ from .._errors import StateError
 from .._format.keys import Key, dotted
 from .shards import PerRank, Shard
 
-__all__ = ["Leaf", "Stateful", "StatefulNode", "Walk", "is_array_leaf", "walk"]
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+__all__ = ["Leaf", "StatefulNode", "Walk", "is_array_leaf", "walk"]
 
 
 @dataclass

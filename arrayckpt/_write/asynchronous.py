@@ -20,21 +20,18 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .._errors import ArrayckptError
+from .._errors import CheckpointBusyError
 from .._format.codecs import CodecChoice
 from .._format.dtypes import DType
 from .._format.keys import array_path
 from .._layout.box import Box
-from .._storage.local import parse_location
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import numpy_view
-from .._write.save import _attempt, check_record, describe_local, finish_save, open_delta
+from .describe import describe_local
+from .options import SaveOptions
+from .save import SaveRequest, _attempt, check_record, finish_save, prepare
 
-__all__ = ["CheckpointBusyError", "SaveHandle", "async_save"]
-
-
-class CheckpointBusyError(ArrayckptError, RuntimeError):
-    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+__all__ = ["SaveHandle", "async_save", "async_save_with"]
 
 
 class SaveHandle:
@@ -191,17 +188,26 @@ def async_save(
     tensor([0., 0., 0., 0.])
     >>> handle.wait()
     """
-    record = check_record(step, metrics)
+    options = SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle, process_group=process_group,
+                          step=step, metrics=metrics, storage_options=storage_options, base=base,
+                          changed_rows=changed_rows, quantize=quantize)
+    return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy)
+
+
+def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptions, *,
+                    if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False) -> SaveHandle:
+    """:func:`async_save` with the options of the save as one value (which may also choose the chunk policy)."""
+    record = check_record(options.step, options.metrics)
     _wait_for_previous(if_busy)
     started = time.perf_counter()
-    group = _background_group(resolve_group(process_group))
-    location = parse_location(path, storage_options)
-    delta = open_delta(base, location, changed_rows, quantize, storage_options)
+    group = _background_group(resolve_group(options.process_group))
+    request = prepare(path, options, record)
+    delta = request.delta
     reference = _STAGER.reference(delta.base.manifest.id if delta is not None else None)
     if not keep_copy and reference is None:
         _STAGER.forget()
     _STAGER.begin()
-    local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, _STAGER.host))
+    local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, _STAGER.host))
     _STAGER.finish()
     if error is not None and group.size == 1:
         raise error  # nobody else to tell: fail now rather than on wait()
@@ -210,20 +216,19 @@ def async_save(
         for piece in local.description.arrays:
             if delta.bits(piece.key):
                 boxes.pop(array_path(piece.key), None)
-    future = _EXECUTOR.submit(_save_in_background, local, error, group, location, codec, overwrite, record, delta,
-                              reference, boxes if keep_copy else None)
-    handle = SaveHandle(future, str(location), time.perf_counter() - started)
+    future = _EXECUTOR.submit(_save_in_background, local, error, group, request, reference,
+                              boxes if keep_copy else None)
+    handle = SaveHandle(future, str(request.location), time.perf_counter() - started)
     with _LOCK:
         _IN_FLIGHT[:] = [handle]
     return handle
 
 
-def _save_in_background(local: Any, error: BaseException | None, group: Group, location: Any, codec: CodecChoice,
-                        overwrite: bool, record: Any, delta: Any, reference: Any,
+def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale)."""
     try:
-        committed = finish_save(local, error, group, location, codec, overwrite, record, delta, reference)
+        committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()
         raise

@@ -30,6 +30,7 @@ from .._layout.box import Box, grid_cells
 from .._layout.delta import PieceChange, RowsTask
 from .._layout.saveplan import SavePlan
 from .._read.checkpoint import Checkpoint
+from .._storage import Location
 
 __all__ = ["DeltaRequest", "Reference", "chunk_jobs", "find_changes", "rows_jobs"]
 
@@ -48,6 +49,16 @@ class DeltaRequest:
             if fnmatchcase(key, pattern):
                 return bits
         return None
+
+
+def base_ref(base: Checkpoint, delta: Location) -> BaseRef:
+    """How the delta at ``delta`` names its base: a relative path when both are in the same place (so a
+    chain can be moved or copied as a whole), else the base's full location."""
+    where = base.location
+    if base.manifest.id is None:
+        raise StateError(f"{where}: this checkpoint has no id (saved by an older arrayckpt) and cannot be a base; "
+                         "save a full checkpoint first")
+    return BaseRef(where.reference_from(delta), base.manifest.id, base.manifest.step)
 
 
 def _bits(data: np.ndarray) -> np.ndarray:

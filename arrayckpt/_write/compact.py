@@ -18,26 +18,19 @@ import numpy as np
 
 from .._format.codecs import Codec, CodecChoice, codec_of_metadata, resolve_codec
 from .._format.dtypes import dtype_by_name
-from .._format.manifest import (
-    FORMAT_VERSION,
-    PLAIN_VERSION,
-    ArrayEntry,
-    Entry,
-    Manifest,
-    PerRankEntry,
-    PickleEntry,
-    encode_root_document,
-    per_rank_path,
-)
-from .._io.arrays import ArrayIO, array_spec, read_into, write_all
+from .._format.manifest import ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, format_version, per_rank_path
+from .._io.arrays import ArrayIO, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan, plan_array
+from .._layout.saveplan import documents_of
 from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._storage.local import open_writer, parse_location
+from .._read.reader import ChainRead, Request, read
+from .._storage import parse_location
+from .transaction import begin_write
 
 __all__ = ["CompactResult", "compact"]
 
-BATCH_BYTES = 256 << 20
+COPY_BATCH_BYTES = 256 << 20  # array bytes read through the chain and written per batch (one array if bigger)
 
 
 @dataclass(frozen=True)
@@ -80,31 +73,21 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
     """
     checkpoint = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
     chain = checkpoint.chain()  # every base opened and checked before anything is written
-    writer = open_writer(parse_location(dst, storage_options), overwrite)
-    entries, arrays, sources = _plan(checkpoint, codec, writer.key_encoding)
-    from .._layout.saveplan import documents_of
-
-    documents, consolidated = documents_of(arrays)
-    wait = writer.write_documents(documents)
-    try:
-        written = _copy(checkpoint, arrays, sources, writer.target, progress)
-        wait()
+    with begin_write(parse_location(dst, storage_options), overwrite) as transaction:
+        entries, arrays, sources = _plan(checkpoint, codec, transaction.key_encoding)
+        documents, consolidated = documents_of(arrays)
+        transaction.write_documents(documents)
+        written = _copy(checkpoint, arrays, sources, transaction.target, progress)
         created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
-        version = FORMAT_VERSION if writer.key_encoding != "default" else PLAIN_VERSION
-        manifest = Manifest(entries, checkpoint.manifest.step, checkpoint.manifest.containers, created, version,
-                            checkpoint.manifest.metrics, uuid.uuid4().hex, None, written)
-        writer.commit(encode_root_document(manifest, consolidated))
-    except BaseException:
-        try:
-            wait()
-        finally:
-            writer.abort()
-        raise
-    return CompactResult(str(checkpoint.location), str(writer.location), tuple(str(c.location) for c in chain),
+        manifest = Manifest(entries, checkpoint.manifest.step, checkpoint.manifest.containers, created,
+                            format_version(False, transaction.key_encoding), checkpoint.manifest.metrics,
+                            uuid.uuid4().hex, None, written)
+        transaction.commit(manifest, consolidated)
+    return CompactResult(str(checkpoint.location), str(transaction.location), tuple(str(c.location) for c in chain),
                          len(arrays), written)
 
 
-Source = Callable[[np.ndarray], tuple[list[ArrayIO], list[Callable[[], None]]]]
+Source = Callable[[np.ndarray], Request]  # how to read one array of the new checkpoint from the source, into memory
 
 
 def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
@@ -123,12 +106,11 @@ def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
     for key, entry in checkpoint.manifest.entries.items():
         if isinstance(entry, ArrayEntry):
             entries[key] = dataclasses.replace(entry, delta=None)
-            kept = codec_of_metadata(checkpoint._dense_metadata(key))
-            add(key, entry.path, entry.dtype.name, entry.shape, kept, _chain_source(checkpoint, key, entry.shape))
+            kept = codec_of_metadata(checkpoint.dense_metadata(key))
+            add(key, entry.path, entry.dtype.name, entry.shape, kept, _chain_source(key, entry.shape))
         elif isinstance(entry, PickleEntry):
             entries[key] = entry
-            spec = array_spec(checkpoint._kvstore(entry.path), checkpoint._nodes[entry.path])
-            add(key, entry.path, "uint8", (entry.nbytes,), Codec(), _spec_source(key, spec))
+            add(key, entry.path, "uint8", (entry.nbytes,), Codec(), _spec_source(key, checkpoint.pickle_spec(key)))
         elif isinstance(entry, PerRankEntry):
             entries[key] = entry
             for rank, item in enumerate(entry.items):
@@ -141,18 +123,19 @@ def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
     return entries, arrays, sources
 
 
-def _chain_source(checkpoint: Checkpoint, key: str, shape: tuple[int, ...]) -> Source:
-    return lambda out: checkpoint.read_plan(key, Box.whole(shape), out)
+def _chain_source(key: str, shape: tuple[int, ...]) -> Source:
+    return lambda out: ChainRead(key, Box.whole(shape), out)
 
 
 def _spec_source(key: str, spec: dict[str, Any]) -> Source:
-    return lambda out: ([ArrayIO(key, spec, out)], [])
+    return lambda out: ArrayIO(key, spec, out)
 
 
 def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
           progress: Callable[[int, int], None] | None) -> int:
-    """Read and write every array in batches of at most ``BATCH_BYTES`` (one array if bigger)."""
-    where = str(checkpoint.location)
+    """Read and write every array in batches of at most ``COPY_BATCH_BYTES`` (one array if bigger). Each batch is
+    read through the read path, which refuses a source replaced before the batch was read: nothing is committed
+    then."""
     total = sum(a.dtype.itemsize * int(np.prod(a.shape, dtype=np.int64)) for a in arrays.values())
     done = 0
     batch: list[tuple[ArrayPlan, np.ndarray]] = []
@@ -161,14 +144,7 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
 
     def flush() -> None:
         nonlocal done, held
-        reads, overlays = [], []
-        for plan, data in batch:
-            more, later = sources[plan.path](data)
-            reads.extend(more)
-            overlays.extend(later)
-        read_into(reads, checkpoint._context, where)
-        for overlay in overlays:
-            overlay()
+        read(checkpoint, [sources[plan.path](data) for plan, data in batch])
         write_all([ArrayIO(p.key, array_spec(target.kvstore(p.path), p.metadata), d) for p, d in batch], context,
                   str(target))
         done += held
@@ -181,7 +157,7 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
         data = np.empty(plan.shape, plan.dtype.numpy)
         batch.append((plan, data))
         held += data.nbytes
-        if held >= BATCH_BYTES:
+        if held >= COPY_BATCH_BYTES:
             flush()
     if batch:
         flush()

@@ -3,13 +3,14 @@
 Call order (every rank calls ``save`` with its own state)::
 
     each rank:    walk state -> LocalDescription (metadata only)      gather ->
-    coordinator:  validate + plan (SavePlan), create temp dir, write array/group metadata
+    coordinator:  validate + plan (SavePlan), begin the write transaction (temp dir, array/group metadata)
                                                                   <- broadcast plan
     each rank:    write its WriteTasks (TensorStore, concurrently)    gather results ->
     coordinator:  commit (root zarr.json written last) or abort   <- broadcast outcome
 
 Four collectives per save whatever the number of tensors; none with one process. A failure on any
-rank, at any stage, is raised on every rank and nothing is committed.
+rank, at any stage, is raised on every rank and nothing is committed (``_write/transaction.py``). Describing
+the state is ``describe.py``; everything after it is :func:`finish_save`, shared with ``async_save``.
 """
 
 from __future__ import annotations
@@ -21,52 +22,29 @@ import pickle
 import socket
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._errors import ArrayckptError, CollectiveError, FormatError, PickleNotAllowedError, StateError, StorageError
+from .._errors import ArrayckptError, CollectiveError, FormatError, StateError
 from .._format.codecs import CodecChoice
-from .._format.dtypes import DType, dtype_of_numpy
-from .._format.keys import array_path
-from .._format.manifest import (
-    FORMAT_VERSION,
-    MAX_NDIM,
-    PLAIN_VERSION,
-    ArrayEntry,
-    Manifest,
-    ValueEntry,
-    encode_root_document,
-    parse_metrics,
-    per_rank_path,
-)
-from .._format.values import NotJSONable, encode_value
+from .._format.manifest import ArrayEntry, Manifest, format_version, parse_metrics
 from .._io.arrays import ArrayIO, array_spec, collector_paused, write_all
-from .._layout.box import Box
-from .._layout.delta import PieceChange, RowsTask, base_ref, plan_delta, stored_bytes
-from .._layout.saveplan import ArrayDescription, LocalDescription, SavePlan, plan_save, with_key_encoding
-from .._storage.local import Location, Writer, finish_rank_writes, open_writer, parse_location
+from .._layout.delta import PieceChange, RowsTask, plan_delta, stored_bytes
+from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
-from .._torch.dtypes import dtype_of_torch
-from .._torch.shards import PerRank, Shard, local_piece
-from .._torch.state import walk
-from .._torch.tensors import readable_numpy
-from .changes import DeltaRequest, Reference, chunk_jobs, find_changes, rows_jobs
+from .._version import __version__
+from .changes import DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
+from .describe import LocalState, describe_local, host_view
+from .options import SaveOptions
+from .transaction import WriteTransaction, begin_write
 
-__all__ = ["save"]
-
-PICKLE_PROTOCOL = 5
-
-
-@dataclass
-class _Local:
-    """One rank's description plus the host data behind it (which never leaves the rank)."""
-
-    description: LocalDescription
-    data: dict[str, tuple[Box, np.ndarray]]  # by array path: the box this rank holds and its host view
+__all__ = ["SaveRequest", "prepare", "save", "save_with"]
 
 
 def save(
@@ -113,13 +91,20 @@ def save(
     >>> sorted(arrayckpt.open(path))
     ['model.bias', 'model.weight']
     """
-    record = check_record(step, metrics)
-    group = resolve_group(process_group)
-    location = parse_location(path, storage_options)
-    delta = open_delta(base, location, changed_rows, quantize, storage_options)
+    save_with(state, path, SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle,
+                                       process_group=process_group, step=step, metrics=metrics,
+                                       storage_options=storage_options, base=base, changed_rows=changed_rows,
+                                       quantize=quantize))
+
+
+def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions) -> None:
+    """:func:`save` with its options as one value (which may also choose the chunk policy)."""
+    record = check_record(options.step, options.metrics)
+    group = resolve_group(options.process_group)
+    request = prepare(path, options, record)
     with collector_paused():
-        local, error = _attempt(lambda: describe_local(state, group.rank, allow_pickle, host_view))
-        finish_save(local, error, group, location, codec, overwrite, record, delta)
+        local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host_view))
+        finish_save(local, error, group, request)
 
 
 @dataclass(frozen=True)
@@ -139,56 +124,68 @@ def check_record(step: object, metrics: object) -> Record:
         raise StateError(str(e)) from None
 
 
-def host_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
-    """How a synchronous save reaches array data: the memory itself (a copy only off the CPU)."""
-    return readable_numpy(value, dt, key) if isinstance(value, torch.Tensor) else value
+@dataclass(frozen=True)
+class SaveRequest:
+    """A save's options, checked against its destination before anything is described or written."""
+
+    location: Location
+    options: SaveOptions
+    record: Record  # options.step and options.metrics, checked
+    delta: DeltaRequest | None  # options.base, .changed_rows and .quantize, checked (None: a full save)
 
 
-def finish_save(local: _Local | None, error: BaseException | None, group: Group, location: Any,
-                codec: CodecChoice, overwrite: bool, record: Record, delta: DeltaRequest | None = None,
+def prepare(path: str | os.PathLike[str], options: SaveOptions, record: Record) -> SaveRequest:
+    """Where the save goes and, for an incremental save, its base opened and checked (``record`` is
+    :func:`check_record` of the options, checked first by the caller so that a bad step fails before anything
+    else is done)."""
+    location = parse_location(path, options.storage_options)
+    delta = open_delta(options.base, location, options.changed_rows, options.quantize, options.storage_options)
+    return SaveRequest(location, options, record, delta)
+
+
+def finish_save(local: LocalState | None, error: BaseException | None, group: Group, request: SaveRequest,
                 reference: Reference | None = None) -> str:
     """Everything after describing the local state: the collectives, the writes, the commit. Returns the
     committed checkpoint's id. ``reference(path, box)`` may give the bytes the base holds for a piece (a
     host copy kept from the save that wrote the base), spared from reading them back."""
-    where = str(location)
+    where, delta = str(request.location), request.delta
     changes: Any = ([], {})
     if delta is not None and local is not None and error is None:
         found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
         changes = found or changes
     agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
     gathered = group.gather((None if local is None else local.description, error, changes[0], agreement))
-    coordination: _Coordination | None = None
+    transaction: WriteTransaction | None = None  # the coordinator's, from planning to the commit
     message: Any = None
     if group.is_coordinator:
-        message, coordination = _coordinate(gathered, codec, location, overwrite, delta)
-    message = group.broadcast(message)
-    if isinstance(message, BaseException):
-        raise message
-    plan, target = message
-    assert local is not None  # a failed description was broadcast as an error above
+        message, transaction = _coordinate(gathered, request)
+    try:
+        message = group.broadcast(message)
+        if isinstance(message, BaseException):
+            raise message
+        plan, target = message
+        assert local is not None  # a failed description was broadcast as an error above
 
-    written, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where, changes, delta))
-    try:
+        written, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where, changes, delta))
         results = group.gather((error, written or {}))
-    except CollectiveError:
-        if coordination is not None:  # a rank died mid-save: nothing to commit, remove what was written
-            coordination.wait_for_metadata = lambda: None
-            coordination.writer.abort()
+        outcome: BaseException | str | None = None
+        if transaction is not None:
+            assert results is not None
+            outcome = _commit_or_abort(transaction, plan, results, request, group.size)
+        try:
+            outcome = group.broadcast(outcome)
+        except CollectiveError as e:
+            if isinstance(outcome, str):  # the coordinator committed: the checkpoint is whole, only the news is lost
+                warnings.warn(f"{where}: committed, but telling the other ranks failed ({e.__cause__ or e})",
+                              RuntimeWarning, stacklevel=2)
+                return outcome
+            raise CollectiveError(f"{where}: rank {group.rank} could not learn whether the save committed (the "
+                                  f"coordinator died or lost contact at the commit); open the checkpoint to find out "
+                                  f"({e.__cause__ or e})") from e
+    except BaseException:
+        if transaction is not None:  # e.g. a rank died mid-save: remove what was written (nothing once committed)
+            transaction.abort()
         raise
-    outcome: BaseException | str | None = None
-    if group.is_coordinator:
-        assert coordination is not None and results is not None
-        outcome = _commit_or_abort(coordination, plan, results, record, group, delta)
-    try:
-        outcome = group.broadcast(outcome)
-    except CollectiveError as e:
-        if isinstance(outcome, str):  # the coordinator committed: the checkpoint is whole, only the news is lost
-            warnings.warn(f"{where}: committed, but telling the other ranks failed ({e.__cause__ or e})",
-                          RuntimeWarning, stacklevel=2)
-            return outcome
-        raise CollectiveError(f"{where}: rank {group.rank} could not learn whether the save committed (the "
-                              f"coordinator died or lost contact at the commit); open the checkpoint to find out "
-                              f"({e.__cause__ or e})") from e
     if isinstance(outcome, BaseException):
         raise outcome
     return str(outcome)
@@ -215,39 +212,36 @@ def _first_error(errors: list[BaseException | None]) -> BaseException | None:
     return None
 
 
-@dataclass
-class _Coordination:
-    """What only the coordinator holds during a save."""
-
-    writer: Writer
-    wait_for_metadata: Any  # waits for the array/group zarr.json documents written in the background
-
-
-def _coordinate(gathered: list | None, codec: CodecChoice, location: Any,
-                overwrite: bool, delta: DeltaRequest | None) -> tuple[Any, _Coordination | None]:
-    """Plan the save and prepare storage, or return the error every rank must raise."""
+def _coordinate(gathered: list | None, request: SaveRequest) -> tuple[Any, WriteTransaction | None]:
+    """Plan the save and begin its transaction, or return the error every rank must raise."""
     assert gathered is not None
     error = _first_error([e for _, e, _, _ in gathered])
     if error is not None:
         return error, None
     agreements = {repr(a) for _, _, _, a in gathered}
     if len(agreements) > 1:
-        return StateError(f"{location}: the ranks disagree on the incremental save (base checkpoint id and quantize, "
-                          f"by rank: {[a for _, _, _, a in gathered]}); every rank must pass the same base= and "
-                          "quantize="), None
+        return StateError(f"{request.location}: the ranks disagree on the incremental save (base checkpoint id and "
+                          f"quantize, by rank: {[a for _, _, _, a in gathered]}); every rank must pass the same base= "
+                          "and quantize="), None
+    options = request.options
     try:
         descriptions = [d for d, _, _, _ in gathered]
-        plan = plan_save(descriptions, codec)
-        if delta is not None:
-            plan = plan_delta(plan, descriptions, [f for _, _, f, _ in gathered], delta)
-        writer = open_writer(location, overwrite)
-        plan = with_key_encoding(plan, writer.key_encoding)
+        plan = plan_save(descriptions, options.codec, options.chunking)
+        if request.delta is not None:
+            plan = plan_delta(plan, descriptions, [f for _, _, f, _ in gathered], request.delta, options.chunking)
+        transaction = begin_write(request.location, options.overwrite)
     except ArrayckptError as e:
         return e, None
-    return (plan, writer.target), _Coordination(writer, writer.write_documents(plan.documents))
+    try:
+        plan = with_key_encoding(plan, transaction.key_encoding)
+        transaction.write_documents(plan.documents)
+    except BaseException:
+        transaction.abort()
+        raise
+    return (plan, transaction.target), transaction
 
 
-def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, where: str,
+def _write_tasks(plan: SavePlan, rank: int, local: LocalState, target: Location, where: str,
                  changes: tuple[list[PieceChange], dict[str, np.ndarray]],
                  delta: DeltaRequest | None) -> dict[str, float]:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
@@ -272,111 +266,30 @@ def _write_tasks(plan: SavePlan, rank: int, local: _Local, target: Location, whe
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
     write_all(jobs, target.write_context(), where)
     if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
-        finish_rank_writes(target)
+        target.finish_rank_writes()
     return errors
 
 
-def _commit_or_abort(coordination: _Coordination, plan: SavePlan, results: list, record: Record,
-                     group: Group, delta: DeltaRequest | None) -> BaseException | str:
+def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: list, request: SaveRequest,
+                     world_size: int) -> BaseException | str:
     """Commit (returning the new checkpoint's id) or abort (returning the error every rank raises)."""
-    writer = coordination.writer
     error = _first_error([e for e, _ in results])
-    try:
-        coordination.wait_for_metadata()  # even on failure: nothing may still be writing when we abort
-    except StorageError as e:
-        error = error or e
     if error is None:
         try:
-            manifest = build_manifest(plan, record, group.size, delta, [q for _, q in results], writer.key_encoding)
-            writer.commit(encode_root_document(manifest, plan.consolidated_json))
+            manifest = build_manifest(plan, request.record, world_size, request.delta, [q for _, q in results],
+                                      transaction.key_encoding)
+            transaction.commit(manifest, plan.consolidated_json)
             return str(manifest.id)
-        except (OSError, ArrayckptError) as e:
-            error = e if isinstance(e, ArrayckptError) else StorageError(f"{writer.location}: commit failed: {e}")
-    writer.abort()
+        except ArrayckptError as e:
+            error = e
+    transaction.abort()
     return error
-
-
-HostView = Callable[[str, str, "torch.Tensor | np.ndarray", DType], np.ndarray]
-
-
-def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host: HostView) -> _Local:
-    """Walk the state into metadata for the coordinator and host memory of this rank's data.
-
-    ``host(key, array path, tensor or array, dtype)`` gives the memory to write from: the data itself
-    for a synchronous save (:func:`host_view`), a staged copy for an asynchronous one.
-    """
-    walked = walk(state)
-    arrays: list[ArrayDescription] = []
-    values: list[ValueEntry] = []
-    per_rank: list[ValueEntry | ArrayEntry] = []
-    data: dict[str, tuple[Box, np.ndarray]] = {}
-    for key, leaf in walked.leaves.items():
-        value = leaf.value
-        if isinstance(value, PerRank):
-            per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data, host))
-        elif isinstance(value, (torch.Tensor, Shard)):
-            piece = local_piece(value, key, rank)
-            _check_ndim(key, piece.global_shape)
-            dt = dtype_of_torch(piece.tensor.dtype, key)
-            arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
-                                           piece.replica_id))
-            data[array_path(key)] = (piece.box, host(key, array_path(key), piece.tensor, dt))
-        elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
-            _check_ndim(key, value.shape)
-            arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
-                                           rank))
-            data[array_path(key)] = (Box.whole(value.shape), host(key, array_path(key), value, dt))
-        else:
-            encoded = _encode(key, value, allow_pickle)
-            if isinstance(encoded, np.ndarray):
-                shape = encoded.shape
-                arrays.append(ArrayDescription(key, leaf.parts, "pickle", "uint8", shape, Box.whole(shape), rank))
-                data[array_path(key)] = (Box.whole(shape), encoded)
-            else:
-                values.append(ValueEntry(key, leaf.parts, encoded))
-    return _Local(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers), data)
-
-
-def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,
-                       host: HostView) -> ValueEntry | ArrayEntry:
-    """A per-rank tensor is written by its rank as its own array; other per-rank values must be JSON."""
-    if isinstance(value, torch.Tensor):
-        _check_ndim(key, tuple(value.shape))
-        dt = dtype_of_torch(value.dtype, key)
-        path = per_rank_path(key, rank)
-        data[path] = (Box.whole(tuple(value.shape)), host(key, path, value, dt))
-        return ArrayEntry(key, parts, dt, tuple(value.shape), "tensor")
-    try:
-        return ValueEntry(key, parts, encode_value(value))
-    except NotJSONable as e:
-        raise StateError(f"per-rank value {key!r} of type {e} must be a tensor or a JSON-able plain value "
-                         "(per-rank values are never pickled)") from None
-
-
-def _check_ndim(key: str, shape: tuple[int, ...]) -> None:
-    if len(shape) > MAX_NDIM:
-        raise StateError(f"tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} can be stored")
-
-
-def _encode(key: str, value: Any, allow_pickle: bool) -> Any:
-    """Typed JSON for a plain value, or (with consent) its pickle as a uint8 array."""
-    try:
-        return encode_value(value)
-    except NotJSONable as e:
-        if not allow_pickle:
-            raise PickleNotAllowedError(
-                f"value {key!r} of type {e} cannot be stored as JSON; convert it to plain types, or pass "
-                "allow_pickle=True to pickle it (loading will then need allow_pickle=True too)"
-            ) from None
-    return np.frombuffer(pickle.dumps(value, protocol=PICKLE_PROTOCOL), np.uint8)
 
 
 def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | None,
                quantize: Mapping[str, int] | None, storage_options: Mapping[str, Any] | None) -> DeltaRequest | None:
     """The delta request of a save against ``base`` (``None`` for a full save), checked before anything is
     written."""
-    from .._read.checkpoint import Checkpoint, open_checkpoint
-
     if base is None:
         if changed_rows or quantize:
             raise StateError("changed_rows and quantize apply to incremental saves only; pass base=...")
@@ -418,15 +331,13 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
         if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
             quantized = dataclasses.replace(entry.delta.quantized, max_abs_error=value)
             entries[key] = dataclasses.replace(entry, delta=dataclasses.replace(entry.delta, quantized=quantized))
-    version = FORMAT_VERSION if delta is not None or key_encoding != "default" else PLAIN_VERSION
+    version = format_version(delta is not None, key_encoding)
     return Manifest(entries, record.step, plan.containers, created or created_info(world_size), version, record.metrics,
                     uuid.uuid4().hex, delta.ref if delta is not None else None, stored_bytes(plan))
 
 
 def created_info(world_size: int) -> dict[str, Any]:
     """Provenance recorded in the manifest (informational)."""
-    from .. import __version__
-
     return {
         "library": f"arrayckpt {__version__}",
         "torch": torch.__version__,

@@ -4,9 +4,9 @@
 anyway, wrong for a converter reading a 500 GiB file. Here the state's *structure* comes first, with
 meta-device tensors standing for the data (so keys, containers and the layout are exactly what ``save``
 would produce for the real state); the data is then fetched key by key, written, and dropped. The
-save protocol is the same as ``save``'s with one process: plan, write array metadata, write chunks,
-commit the root ``zarr.json`` last (or remove everything on failure). Memory stays at about one batch of
-tensors (``batch_bytes``, or the largest tensor if bigger).
+save protocol is the same as ``save``'s with one process, one write transaction (``transaction.py``): plan,
+write array metadata, write chunks, commit the root ``zarr.json`` last (or remove everything on failure).
+Memory stays at about one batch of tensors (``batch_bytes``, or the largest tensor if bigger).
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ import numpy as np
 import torch
 
 from .._errors import StateError
-from .._format.codecs import CodecChoice
 from .._format.dtypes import DType, dtype_of_numpy
-from .._format.manifest import encode_root_document
 from .._io.arrays import ArrayIO, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
-from .._storage.local import Writer, open_writer, parse_location
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
-from .._write.save import Record, build_manifest, created_info, describe_local, host_view
+from .describe import describe_local, host_view
+from .options import SaveOptions
+from .save import build_manifest, check_record, created_info, prepare
+from .transaction import WriteTransaction, begin_write
 
-__all__ = ["BATCH_BYTES", "write_streaming"]
+__all__ = ["FETCH_BATCH_BYTES", "write_streaming"]
 
-BATCH_BYTES = 128 << 20  # tensors fetched before writing them together (concurrency for small tensors)
+FETCH_BATCH_BYTES = 128 << 20  # tensor bytes fetched before writing them together (concurrency for small tensors)
 
 Fetch = Callable[[str], "torch.Tensor | np.ndarray"]
 _LATER = np.empty(0)  # stands for the data of a meta-tensor leaf until it is fetched
@@ -43,48 +43,44 @@ def write_streaming(
     skeleton: Mapping[str, Any],
     fetch: Fetch,
     path: str | os.PathLike[str],
+    options: SaveOptions,
     *,
-    codec: CodecChoice = None,
-    overwrite: bool = False,
-    allow_pickle: bool = False,
-    step: int | None = None,
     source: str | None = None,
-    batch_bytes: int = BATCH_BYTES,
+    batch_bytes: int = FETCH_BATCH_BYTES,
     progress: Callable[[int, int], None] | None = None,
     release: Callable[[str], None] | None = None,
 ) -> None:
     """Save ``skeleton`` as a checkpoint, fetching each meta-tensor leaf's data with ``fetch(key)`` when written.
 
     The skeleton is described exactly as ``save`` describes a state (same keys, containers, values and
-    layout); leaves that are real tensors or numpy arrays are written as they are. ``release(key)``, if
-    given, is called once a fetched tensor has been written (e.g. to drop the pages of a memory-mapped
-    source). ``source`` is recorded in the manifest's ``created`` provenance (``converted_from``).
+    layout); leaves that are real tensors or numpy arrays are written as they are. ``options`` are those of
+    ``save`` for one process writing a full checkpoint (``process_group`` and the incremental options are
+    refused). ``release(key)``, if given, is called once a fetched tensor has been written (e.g. to drop the
+    pages of a memory-mapped source). ``source`` is recorded in the manifest's ``created`` provenance
+    (``converted_from``).
     """
     def host(key: str, array_path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             return _LATER
         return host_view(key, array_path, value, dt)
 
-    local = describe_local(dict(skeleton), 0, allow_pickle, host)
-    plan = plan_save([local.description], codec)
-    writer = open_writer(parse_location(path), overwrite)
-    plan = with_key_encoding(plan, writer.key_encoding)
-    wait = writer.write_documents(plan.documents)
-    try:
-        _write_arrays(plan, local.data, fetch, writer, batch_bytes, progress, release)
-        wait()
+    if options.process_group is not None or options.base is not None:
+        raise StateError("a streaming write is one process writing a full checkpoint: process_group and base "
+                         "do not apply")
+    record = check_record(options.step, options.metrics)
+    request = prepare(path, options, record)
+    local = describe_local(dict(skeleton), 0, options.allow_pickle, host)
+    plan = plan_save([local.description], options.codec, options.chunking)
+    with begin_write(request.location, options.overwrite) as transaction:
+        plan = with_key_encoding(plan, transaction.key_encoding)
+        transaction.write_documents(plan.documents)
+        _write_arrays(plan, local.data, fetch, transaction, batch_bytes, progress, release)
         created = created_info(1) | ({"converted_from": source} if source is not None else {})
-        manifest = build_manifest(plan, Record(step), 1, None, [], writer.key_encoding, created)
-        writer.commit(encode_root_document(manifest, plan.consolidated_json))
-    except BaseException:
-        try:
-            wait()  # nothing may still be writing into the directory we remove
-        finally:
-            writer.abort()
-        raise
+        manifest = build_manifest(plan, record, 1, None, [], transaction.key_encoding, created)
+        transaction.commit(manifest, plan.consolidated_json)
 
 
-def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, writer: Writer,
+def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, transaction: WriteTransaction,
                   batch_bytes: int, progress: Callable[[int, int], None] | None,
                   release: Callable[[str], None] | None) -> None:
     """Fetch, write and drop the arrays in batches of at most ``batch_bytes`` (one tensor if bigger).
@@ -92,8 +88,8 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
     Only ``jobs`` holds fetched data, so a batch is freed as soon as it is written: no reference to the
     previous tensor may survive into the next fetch, or two big tensors would be in memory at once.
     """
-    context = writer.target.write_context()
-    where = str(writer.location)
+    context = transaction.target.write_context()
+    where = str(transaction.location)
     tasks = plan.tasks[0]
     total = sum(plan.arrays[t.path].dtype.itemsize * t.box.size for t in tasks)
     done = held = 0
@@ -105,7 +101,7 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
         if host is _LATER:
             host = _fetched_view(task.key, fetch(task.key), array)
             fetched.append(task.key)
-        spec = array_spec(writer.target.kvstore(task.path), array.metadata)
+        spec = array_spec(transaction.target.kvstore(task.path), array.metadata)
         jobs.append(ArrayIO(task.key, spec, host, task.box.slices()))
         held += host.nbytes
         del host

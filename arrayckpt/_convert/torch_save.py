@@ -1,0 +1,222 @@
+"""torch.save files to and from arrayckpt, one tensor at a time (memory-mapped in, streamed out)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import StateError
+from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
+from .._read.checkpoint import Checkpoint
+from .._torch.state import walk
+from .._write.options import SaveOptions
+from .._write.stream import write_streaming
+from .common import (
+    LEGACY_STORAGE_NAMES,
+    ConvertResult,
+    Progress,
+    into_result,
+    nested_state,
+    refuse_existing,
+    replaced_atomically,
+)
+
+__all__ = ["from_torch", "to_torch"]
+
+
+def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
+               allow_pickle: bool = False, progress: Progress | None = None,
+               chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+    """A ``torch.save`` file (a dict, nested) into arrayckpt, loaded with ``weights_only=True``.
+
+    The file is memory-mapped; each tensor is written straight from the mapping and its pages released
+    before the next, so resident memory stays near one tensor (legacy non-zip files cannot be mapped and
+    load whole).
+    """
+    try:
+        state = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "zip" not in str(e).lower():
+            raise
+        state = torch.load(src, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise StateError(f"{src}: holds a {type(state).__name__}, not a dict; load it and save "
+                         "{'name': obj} with arrayckpt.save instead")
+    skeleton, real = _meta_skeleton(state)
+    leaves = walk(skeleton).leaves
+
+    def fetch(key: str) -> torch.Tensor:
+        return real[id(leaves[key].value)]
+
+    def release(key: str) -> None:
+        _release_pages(real[id(leaves[key].value)])
+
+    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
+    write_streaming(skeleton, fetch, dst, options,
+                    source=f"torch.save: {Path(src).name}", progress=progress, release=release)
+    return into_result("torch", dst, leaves)
+
+
+def _meta_skeleton(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+    """A copy of nested dicts/lists/tuples with every tensor replaced by a meta tensor (and a map back)."""
+    real: dict[int, torch.Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            real[id(meta)] = value
+            return meta
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(copy(v) for v in value)
+        return value
+
+    return copy(obj), real
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4
+
+
+def _release_pages(tensor: torch.Tensor) -> None:
+    """Drop a memory-mapped tensor's resident pages (they are re-read from the file if touched again).
+
+    Without this, every page of a mapped file stays counted in the process's memory once read, and
+    converting a big file would look (and, under memory limits, be charged) like loading it whole.
+    """
+    if sys.platform != "linux" or not tensor.is_contiguous() or tensor.nbytes < _PAGE:
+        return
+    start = tensor.data_ptr()
+    first = (start + _PAGE - 1) // _PAGE * _PAGE  # whole pages inside the tensor only
+    last = (start + tensor.nbytes) // _PAGE * _PAGE
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def to_torch(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
+             progress: Progress | None = None) -> ConvertResult:
+    """An arrayckpt checkpoint into one ``torch.save`` file (nested as saved), one tensor at a time.
+
+    The file is written as ``torch.save`` writes it (a zip of ``data.pkl`` and one record per tensor, see
+    :func:`_write_torch_file`), but each tensor is read from arrayckpt only when its record is written, so
+    memory stays near the largest tensor. Pickled values holding tensors of other kinds (parameters,
+    subclasses, sparse) fall back to ``torch.save`` of the whole state, in memory at once.
+    """
+    target = Path(dst)
+    refuse_existing(target, overwrite)
+    state, skipped = nested_state(checkpoint, lambda key: _Deferred(checkpoint, key))
+    with replaced_atomically(target) as temp:
+        try:
+            _write_torch_file(state, temp, progress)
+        except _NotStreamable:
+            temp.unlink(missing_ok=True)
+            torch.save(nested_state(checkpoint, lambda key: checkpoint[key].torch())[0], temp)
+    return ConvertResult("arrayckpt", "torch", len(checkpoint), checkpoint.nbytes, (str(target),), skipped)
+
+
+class _Deferred:
+    """Stands for an arrayckpt tensor in the state being pickled; its bytes are read when its record is written."""
+
+    def __init__(self, checkpoint: Checkpoint, key: str) -> None:
+        array = checkpoint[key]
+        self.dtype, self.shape, self.nbytes = array.dtype, tuple(array.shape), array.nbytes
+        self.read: Callable[[], torch.Tensor] = array.torch
+
+
+class _NotStreamable(Exception):
+    """The state holds something :func:`_write_torch_file` does not write the way ``torch.save`` would."""
+
+
+class _StorageStub:
+    def __init__(self, tensor: _Deferred) -> None:
+        self.tensor = tensor
+
+
+def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None:
+    """``torch.save(state, path)`` where the tensors are :class:`_Deferred`, reading one at a time.
+
+    ``torch.save`` pickles the whole object first, storages by reference (a persistent id naming the
+    record ``data/<key>``), then writes each storage as a record: the same is done here, with each
+    tensor pickled as torch pickles a contiguous CPU tensor (``_rebuild_tensor_v2`` of a typed storage, or
+    ``_rebuild_tensor_v3`` of an untyped storage for dtypes without a legacy storage class) and its
+    record written from the tensor read just then. The zip container is torch's own writer
+    (alignment, crc32, ``byteorder``), so ``torch.load`` (``weights_only``, ``mmap``) reads the file as
+    any other. Plain tensors in pickled values are written the same way.
+    """
+    import collections
+    import io
+    import pickle
+
+    from torch._utils import _rebuild_tensor_v2, _rebuild_tensor_v3
+    from torch.serialization import _open_zipfile_writer
+
+    storage_alignment = getattr(torch.serialization, "_get_storage_alignment", None)
+    if storage_alignment is None:  # a torch older than this writer's model of torch.save
+        raise _NotStreamable("torch.serialization has no _get_storage_alignment")
+    records: list[tuple[str, Callable[[], torch.Tensor], int]] = []
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _Deferred):
+                deferred = obj
+            elif type(obj) is torch.Tensor:
+                if obj.layout != torch.strided or obj.is_quantized or obj.requires_grad or obj.is_conj() or \
+                        obj.is_neg() or obj.device.type == "meta":
+                    raise _NotStreamable(f"a {obj.layout} tensor on {obj.device}")
+                deferred = _Deferred.__new__(_Deferred)
+                deferred.dtype, deferred.shape, deferred.nbytes = obj.dtype, tuple(obj.shape), obj.nbytes
+                deferred.read = lambda tensor=obj: tensor  # type: ignore[misc]
+            elif isinstance(obj, (torch.Tensor, torch.storage.TypedStorage)) or torch.is_storage(obj):
+                raise _NotStreamable(f"a {type(obj).__name__}")
+            else:
+                return NotImplemented
+            stride = tuple(math.prod(deferred.shape[d + 1:]) for d in range(len(deferred.shape)))
+            args = (_StorageStub(deferred), 0, deferred.shape, stride, False, collections.OrderedDict())
+            if deferred.dtype in LEGACY_STORAGE_NAMES:
+                return _rebuild_tensor_v2, args
+            return _rebuild_tensor_v3, (*args, deferred.dtype)
+
+        def persistent_id(self, obj: Any) -> Any:
+            if not isinstance(obj, _StorageStub):
+                return None
+            tensor, key = obj.tensor, str(len(records))
+            records.append((key, tensor.read, tensor.nbytes))
+            name = LEGACY_STORAGE_NAMES.get(tensor.dtype)
+            if name is not None:
+                itemsize = torch.empty((), dtype=tensor.dtype).element_size()
+                return ("storage", getattr(torch, name), key, "cpu", tensor.nbytes // itemsize)
+            return ("storage", torch.UntypedStorage, key, "cpu", tensor.nbytes)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(state)  # torch.save's default protocol
+    data = buffer.getvalue()
+    total = sum(n for _, _, n in records)
+    done = 0
+    with open(path, "wb") as file, _open_zipfile_writer(file) as archive:  # a file object: archive name "archive"
+        archive.write_record("data.pkl", data, len(data))
+        archive.write_record(".format_version", "1", 1)
+        alignment = str(storage_alignment())
+        archive.write_record(".storage_alignment", alignment, len(alignment))
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, read, nbytes in records:
+            tensor = read().detach().cpu()
+            if not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            if tensor.nbytes != nbytes:
+                raise StateError(f"a tensor read back has {tensor.nbytes} bytes where {nbytes} were expected")
+            archive.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
+            del tensor
+            done += nbytes
+            if progress is not None:
+                progress(done, total)

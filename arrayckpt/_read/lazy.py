@@ -1,0 +1,140 @@
+"""One stored tensor of an opened checkpoint: metadata at once, data when sliced (``_read/reader.py`` reads it)."""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._format.manifest import ArrayEntry
+from .._io.arrays import ArrayIO, array_spec
+from .._layout.box import Box
+from .._read.chain import basic_index, bounding_box
+from .._read.reader import ArraySlices, ChainRead, read
+from .._storage import kvstore_at
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._read.checkpoint import Checkpoint
+
+__all__ = ["LazyArray"]
+
+
+class LazyArray:
+    """One stored tensor: metadata now, data on slicing.
+
+    ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
+        self._checkpoint = checkpoint
+        self.entry = entry
+        self.metadata = metadata
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype the tensor was saved with."""
+        from .._torch.dtypes import torch_dtype  # torch only for torch's answer
+
+        return torch_dtype(self.entry.dtype)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return self.entry.dtype.numpy
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.entry.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.entry.dtype.name})"
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
+        has no array of the tensor's shape: read it by slicing instead."""
+        if self.entry.delta is not None and self.entry.delta.mode == "rows":
+            raise TypeError(f"{self._checkpoint.location}: tensor {self.key!r} is stored as changed rows of its base; "
+                            "it has no array of its own to open (slice it, or use .torch())")
+        return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
+
+    @cached_property
+    def _read_spec(self) -> dict[str, Any]:
+        """:attr:`spec`, built once for the read path (which never changes it)."""
+        return self.spec
+
+    @cached_property
+    def _slices(self) -> ArraySlices:
+        """How slices of this array are read (the array opened once)."""
+        return ArraySlices(self._read_spec)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
+        touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
+        normal = basic_index(index, self.shape)
+        if normal is None:
+            return self.numpy()[index]
+        if self.entry.delta is not None:
+            return self._through_chain(normal)
+        # the selection itself (strides included) is read, an integer as a length-1 slice dropped afterwards
+        shape = [1 if isinstance(part, int) else len(range(part.start, part.stop, part.step)) for part in normal]
+        out = np.empty(shape, self.numpy_dtype)
+        selection = tuple(slice(part, part + 1) if isinstance(part, int) else part for part in normal)
+        read(self._checkpoint, [ArrayIO(self.key, self._read_spec, out, selection or None)], execute=self._slices)
+        return out.reshape([n for n, part in zip(shape, normal, strict=True) if not isinstance(part, int)])
+
+    def _through_chain(self, index: Any) -> np.ndarray:
+        """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
+        found = bounding_box(index, self.shape)
+        assert found is not None  # a basic index (see __getitem__)
+        box, relative = found
+        out = np.empty(box.shape, self.numpy_dtype)
+        read(self._checkpoint, [ChainRead(self.key, box, out)])
+        return out[relative]
+
+    def numpy(self) -> np.ndarray:
+        """The whole array as numpy."""
+        return self[(slice(None),) * len(self.shape)]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def torch(self) -> torch.Tensor:
+        """The whole array as a new CPU torch tensor of the saved dtype."""
+        import torch
+
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+    def read_into(self, tensor: torch.Tensor) -> None:
+        """Read the whole array into an existing CPU tensor of the same shape and dtype."""
+        from .._torch.tensors import writable_numpy  # torch only when reading into torch
+
+        out = writable_numpy(tensor, self.entry.dtype, self.key)
+        read(self._checkpoint, [ChainRead(self.key, Box.whole(self.shape), out)])

@@ -1,0 +1,293 @@
+"""The storage interface: where a checkpoint's bytes live, and the commit that makes them a checkpoint.
+
+Every storage (a local directory: ``_storage.local``; an object-storage prefix: ``_storage.object``)
+implements all of it, so no caller needs to know which one it holds (cf. zarr-python's ``abc/store.py``:
+a small interface, capability flags, optional operations with default bodies). What differs between
+storages is stated here as a promise or a flag, not left to ``isinstance``.
+
+Call order of a save (DCP ``storage.py`` style: who calls what, in which order)::
+
+    # coordinator
+    writer = location.open_writer(overwrite)       # refuses to replace a committed checkpoint without overwrite
+    wait = writer.write_documents({path: doc})     # array/group zarr.json documents, written in the background
+    # every rank, with the plan (``writer.target``, ``writer.key_encoding``) broadcast by the coordinator
+    writer.target.kvstore(path)                    # TensorStore kvstore spec for array data (writer.target
+                                                   #   .write_context() for its context)
+    writer.target.finish_rank_writes()             # non-coordinator ranks: flush their chunks before reporting
+    # coordinator, once every rank reported success
+    wait()                                         # all metadata written
+    writer.commit(root_document)                   # last: the root zarr.json; after it the checkpoint is whole
+    writer.abort()                                 # instead, on any failure before the commit: removes the save
+
+Until the commit the checkpoint at the location (if any) is whole and readable; after it, the new one is.
+A location without a root document but with data is an *incomplete* checkpoint, which every reader refuses.
+
+Call order of a read::
+
+    document, kvstore, release, token = location.open_committed()
+    ... read chunks through ``kvstore`` (with ``location.read_context()``) ...
+    if not location.pins_reads and location.changed_since(token): ...   # what was read may mix two checkpoints
+    release()
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+from .._errors import ArrayckptError, CorruptCheckpointError
+from .._format.manifest import is_arrayckpt_root
+from .._format.zarr import ROOT_METADATA
+
+__all__ = ["ROOT_METADATA", "TEMP_MARKER", "Leftover", "Leftovers", "Location", "Writer", "arrayckpt_keys",
+           "check_child_name", "finish_rank_writes", "kvstore_at", "open_writer", "parse_location", "parse_root_bytes",
+           "register_scheme"]
+
+TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
+
+
+class Location(abc.ABC):
+    """Where one checkpoint lives, whether or not one is there yet. Immutable and hashable; ``str()`` is the
+    path or URL that :func:`arrayckpt._storage.parse_location` turns back into an equal location."""
+
+    #: Whether :meth:`open_committed`'s kvstore keeps reading the checkpoint that was opened, whatever replaces
+    #: it at the location meanwhile (local: the directory is pinned). Where ``False`` (object storage) a read
+    #: racing an overwrite can return chunks of two checkpoints, so readers must call :meth:`changed_since`
+    #: after reading. Either way, a replaced checkpoint's data may be gone: reads of it then fail.
+    pins_reads: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def __str__(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def native(self) -> Path | str:
+        """The location as arrayckpt's public API shows it: a ``Path`` locally, the URL on object storage."""
+
+    # --- data ------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec of the "directory" ``subpath`` inside the checkpoint (ends in ``/``)."""
+
+    @abc.abstractmethod
+    def read_context(self) -> Any:
+        """The TensorStore context to read this storage with."""
+
+    @abc.abstractmethod
+    def write_context(self) -> Any:
+        """The TensorStore context to write this storage with (array data of a save)."""
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read_root(self) -> dict[str, Any]:
+        """The parsed root ``zarr.json`` of a committed checkpoint. Raises ``CheckpointNotFoundError`` when
+        nothing is there, ``IncompleteCheckpointError`` when data but no root document is (a save that never
+        committed), ``CorruptCheckpointError`` when the root document is not JSON, ``StorageError`` when
+        the storage fails."""
+
+    @abc.abstractmethod
+    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+        """Open the committed checkpoint for reading: its root document, the kvstore spec to read its data
+        through, a function that releases what the open holds (call it once, when done), and a token for
+        :meth:`changed_since`. Errors as :meth:`read_root`."""
+
+    @abc.abstractmethod
+    def changed_since(self, token: Any) -> bool:
+        """Whether the checkpoint opened as ``token`` (from :meth:`open_committed`) is no longer the one at the
+        location: replaced by an overwrite, or removed. Cheap (one small request or ``stat``)."""
+
+    @abc.abstractmethod
+    def node_document(self, node_path: str) -> bytes | None:
+        """The ``zarr.json`` of the node at ``node_path`` inside the checkpoint (``""``: the root) as stored,
+        or ``None`` when there is none."""
+
+    def is_committed(self) -> bool:
+        """Whether an arrayckpt checkpoint is committed here (a foreign Zarr hierarchy does not count).
+        Never raises for what :meth:`read_root` reports as an error."""
+        try:
+            document = self.read_root()
+        except ArrayckptError:
+            return False
+        return is_arrayckpt_root(document)
+
+    # --- the places around it --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def children(self) -> list[str]:
+        """Sorted names of what is right below this location (local: directories; object storage: prefixes),
+        committed checkpoints or not. Saves in progress locally (hidden temporary directories) are not
+        children: they are :meth:`leftovers` once abandoned."""
+
+    @abc.abstractmethod
+    def child(self, name: str) -> Location:
+        """The location ``name`` right below this one, on the same storage with the same options."""
+
+    @abc.abstractmethod
+    def leftovers(self, min_age_s: float) -> Leftovers:
+        """What interrupted saves left right below this location and nobody has touched for ``min_age_s``
+        seconds (``found``), and what looked like it but stays, each with why (``kept``). Committed
+        checkpoints and data that is not arrayckpt's are never found. Removing is up to the caller
+        (:meth:`Leftover.remove`). Raises ``CheckpointNotFoundError`` or ``StateError`` when this location
+        cannot hold checkpoints (not a directory; inside a checkpoint or another Zarr hierarchy)."""
+
+    @abc.abstractmethod
+    def resolve(self, reference: str) -> Location:
+        """The location that ``reference``, written in a checkpoint at this location, names: a path relative
+        to this location, or an absolute path or URL (which gets this location's storage options when it is
+        on the same kind of storage)."""
+
+    @abc.abstractmethod
+    def reference_from(self, other: Location) -> str:
+        """How a checkpoint at ``other`` names this location, so that ``other.resolve(...)`` gives it back: a
+        relative path when both are on the same storage (a chain of checkpoints can be moved as a whole),
+        else this location's absolute path or URL."""
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def open_writer(self, overwrite: bool) -> Writer:
+        """Start one save to this location. Raises ``CheckpointExistsError`` when a committed checkpoint is
+        here and ``overwrite`` is false, or when something that is not arrayckpt's is in the way."""
+
+    def make_directory(self) -> None:
+        """Create this location as a place below which checkpoints can be saved and listed, where the storage
+        has directories (locally, with its parents). Nothing by default: object-storage prefixes need no
+        creating."""
+        return None
+
+    def finish_rank_writes(self) -> None:
+        """What a rank does after writing its chunks to this location (a writer's ``target``), before it
+        reports success to the coordinator: make them durable. Nothing by default (object stores have nothing
+        to flush)."""
+        return None
+
+    @abc.abstractmethod
+    def delete(self) -> None:
+        """Remove the checkpoint here: the commit (root document) first, so that a deletion cut short leaves
+        an incomplete checkpoint, never a damaged committed one. Nothing here is not an error."""
+
+
+class Writer(abc.ABC):
+    """One save to one location (see the module docstring for the call order)."""
+
+    location: Location  # where the checkpoint appears at the commit
+    target: Location  # where the ranks write the data (may differ from ``location``: a temporary directory)
+    key_encoding: str  # the Zarr chunk key encoding the save's arrays must use ("default" or "v2")
+
+    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec of ``subpath`` inside the checkpoint being written."""
+        return self.target.kvstore(subpath)
+
+    @abc.abstractmethod
+    def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
+        """Start writing serialised node ``zarr.json`` documents (node path -> bytes); the returned function
+        waits for them and raises ``StorageError`` naming the first failure. (A storage may defer them until
+        the commit, where describing the new arrays earlier would mislead readers of the old checkpoint.)"""
+
+    @abc.abstractmethod
+    def commit(self, root_document: bytes) -> None:
+        """Write the root document after everything else and make the checkpoint visible and durable: the
+        commit. Once it returns, the new checkpoint is the one at the location."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Remove what this save wrote (called instead of :meth:`commit`); a committed checkpoint it was
+        going to replace stays whole. Never raises for a failed clean-up (it warns)."""
+
+
+class Leftover(abc.ABC):
+    """Something an interrupted save left: a temporary directory, or an incomplete checkpoint's prefix."""
+
+    location: Location  # where it is
+    age_s: float | None  # seconds since it was last written to (None: the storage gives no times)
+
+    @property
+    def url(self) -> str:
+        return str(self.location)
+
+    @abc.abstractmethod
+    def remove(self) -> bool:
+        """Remove it, unless it turned out to be a committed checkpoint after all (then ``False``)."""
+
+
+class Leftovers(NamedTuple):
+    """What :meth:`Location.leftovers` finds: removable leftovers, and ``(url, why it stays)`` for the rest."""
+
+    found: list[Leftover]
+    kept: list[tuple[str, str]]
+
+
+def check_child_name(name: str, where: object) -> None:
+    """Refuse a child name that is not one plain path segment."""
+    if not name or name in (".", "..") or "/" in name:
+        raise ValueError(f"{where}: {name!r} is not the name of a location right below it")
+
+
+def kvstore_at(base: dict[str, Any], subpath: str) -> dict[str, Any]:
+    """The kvstore spec of ``subpath`` inside the checkpoint whose (directory) kvstore spec is ``base``."""
+    if not subpath:
+        return base
+    return {**base, "path": f"{base['path']}{subpath}/"}
+
+
+def parse_root_bytes(data: bytes, where: object) -> dict[str, Any]:
+    """A root ``zarr.json``'s bytes parsed, or ``CorruptCheckpointError``."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {e}") from None
+
+
+_CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
+
+
+def arrayckpt_keys(keys: list[str]) -> list[str]:
+    """Keys shaped like arrayckpt's objects (``zarr.json`` documents and chunk keys); others are left alone."""
+    return [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA or _CHUNK_NAME.fullmatch(k.rpartition("/")[2])]
+
+
+# --- from what the user passed to a location ----------------------------------------------------------------
+
+Parser = Callable[[str, Mapping[str, Any] | None], Location]
+_PARSERS: dict[str, Parser] = {}  # URL scheme -> parser; "file" also takes plain paths (without "file://")
+
+
+def register_scheme(scheme: str, parser: Parser) -> None:
+    """Make :func:`parse_location` hand ``scheme://...`` URLs (and their storage options) to ``parser``; each
+    storage registers its schemes when its module is imported (``arrayckpt._storage`` imports them all)."""
+    _PARSERS[scheme] = parser
+
+
+def parse_location(path: str | os.PathLike[str] | Location,
+                   storage_options: Mapping[str, Any] | None = None) -> Location:
+    """Turn what the user passed into a location: a local path or ``file://`` URL, or an object-storage URL
+    (``s3://``, ``gs://``, ``memory://``) with its storage options. A location is returned as it is."""
+    if isinstance(path, Location):
+        return path
+    text = os.fspath(path)
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        scheme, rest = "file", text
+    parser = _PARSERS.get(scheme)
+    if parser is None:
+        others = ", ".join(s + "://" for s in _PARSERS if s != "file")
+        raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
+                         f"or one of {others}")
+    return parser(rest if scheme == "file" else text, storage_options)
+
+
+def open_writer(location: Location, overwrite: bool) -> Writer:
+    """The writer for one save to ``location`` (refuses to replace a committed checkpoint without ``overwrite``)."""
+    return location.open_writer(overwrite)
+
+
+def finish_rank_writes(target: Location) -> None:
+    """What a non-coordinator rank does after writing its chunks to ``target`` (see :class:`Location`)."""
+    target.finish_rank_writes()

@@ -1,0 +1,169 @@
+"""Garbage collection: removing what interrupted saves left, on any storage, through :class:`Location`.
+
+:func:`collect_garbage` asks a location for its :meth:`~Location.leftovers` and removes them. Locally those
+are the temporary directories of saves that never committed (``_storage/local.py``); on object storage,
+incomplete checkpoints, found by the rules of spec §9.3 in :func:`object_leftovers` below (written against
+``ObjectLocation``'s public methods only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._errors import StateError
+from .._format.manifest import is_arrayckpt_root
+from .base import ROOT_METADATA, Leftover, Leftovers, arrayckpt_keys, parse_location
+
+if TYPE_CHECKING:
+    from .object import ObjectLocation
+
+__all__ = ["ObjectLeftover", "collect_garbage", "object_leftovers"]
+
+
+def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False,
+                    storage_options: Mapping[str, Any] | None = None) -> list[Path] | list[str]:
+    """Remove what interrupted saves left under ``root``, returning it (``dry_run``: only find it).
+
+    In a local directory: the temporary directories of interrupted saves (paths). Under an object-storage
+    prefix (``s3://bucket/run``, ``memory://...``): the incomplete checkpoints right below it (URLs), see
+    :func:`object_leftovers`. Only leftovers untouched for ``min_age_s`` seconds are removed, so a
+    save still running next to them is not disturbed. Committed checkpoints are never touched, nor any
+    object that is not arrayckpt's.
+
+    >>> import arrayckpt, tempfile
+    >>> arrayckpt.gc(tempfile.mkdtemp())
+    []
+    """
+    found, _ = parse_location(root, storage_options).leftovers(min_age_s)
+    return [leftover.location.native for leftover in found if dry_run or leftover.remove()]  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ObjectLeftover(Leftover):
+    """An incomplete checkpoint on object storage: a prefix with arrayckpt's objects and no root document."""
+
+    location: ObjectLocation
+    keys: tuple[str, ...]  # every object under the prefix (relative to it), all arrayckpt-shaped
+    age_s: float | None  # seconds since its newest object was written (None: the store gives no times)
+
+    def remove(self) -> bool:
+        """Delete the objects found, unless a root document has appeared meanwhile (a save committed after all:
+        then nothing is deleted and ``False`` is returned)."""
+        if self.location.node_document("") is not None:
+            return False
+        self.location.delete_objects(list(self.keys))
+        return True
+
+
+def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
+    """The incomplete checkpoints right below ``location``'s prefix that are safe to remove, and the other
+    non-committed prefixes there, each with why it is kept.
+
+    A prefix ``P`` below the root is removed only when all of these hold (spec §9.3):
+
+    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched);
+    - every object under ``P`` is arrayckpt-shaped (a ``zarr.json`` or a chunk name), and its ``zarr.json``
+      documents are Zarr v3 groups or arrays, at least one of them an array that arrayckpt wrote
+      (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,
+      numbered objects or a Zarr store of someone else's;
+    - its newest object is at least ``min_age_s`` old. On S3 the objects' ``LastModified`` (through s3fs,
+      one listing per 1,000 objects) is compared with this machine's clock. Where the store gives no times
+      (``memory://``, TensorStore's in-process store; ``gs://``; S3 without s3fs) objects count as just
+      written, so only ``min_age_s=0`` removes anything there: the caller then vouches that no save to
+      those prefixes is running (on ``memory://`` such a save could only be one of this very process).
+
+    The root itself must not be, or lie inside, a checkpoint or another Zarr hierarchy (its groups would
+    look like incomplete checkpoints): that is refused.
+    """
+    _refuse_inside_hierarchy(location)
+    found: list[Leftover] = []
+    kept: list[tuple[str, str]] = []
+    for child in location.children():  # one delimited listing on S3, not one of every checkpoint's objects
+        try:
+            where = location.child(child)
+        except ValueError:
+            kept.append((f"{location}/{child}", "not a name a checkpoint can have: not arrayckpt's data"))
+            continue
+        document = where.node_document("")
+        if document is not None:
+            try:
+                committed = is_arrayckpt_root(json.loads(document))
+            except ValueError:
+                committed = False
+            if not committed:
+                kept.append((str(where), "its zarr.json is not an arrayckpt checkpoint's: not arrayckpt's data"))
+            continue
+        entries = where.object_times()
+        if not entries:
+            continue  # removed meanwhile
+        keys = [k for k, _ in entries]
+        foreign = sorted(set(keys) - set(arrayckpt_keys(keys)))
+        if foreign:
+            kept.append((str(where), f"holds objects that are not arrayckpt's (e.g. {foreign[0]!r})"))
+            continue
+        problem = _not_arrayckpt_documents(where, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA])
+        if problem:
+            kept.append((str(where), problem))
+            continue
+        times = [t for _, t in entries]
+        now = time.time()  # after the listing: its objects are not younger than now
+        age = None if any(t is None for t in times) else max(0.0, now - max(times))  # type: ignore[type-var]
+        if min_age_s > 0 and (age is None or age < min_age_s):
+            reason = (f"newest object written {age:.0f} s ago, under the minimum age of {min_age_s:g} s"
+                      if age is not None else f"{location.scheme}:// gives no modification times here, so its "
+                      f"objects count as just written (min_age_s=0 removes it)")
+            kept.append((str(where), f"incomplete checkpoint, maybe still being saved: {reason}"))
+            continue
+        found.append(ObjectLeftover(where, tuple(sorted(keys)), age))
+    return Leftovers(found, kept)
+
+
+def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
+    """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
+    parts = location.prefix.split("/") if location.prefix else []
+    for depth in range(len(parts) + 1):
+        here = dataclasses.replace(location, prefix="/".join(parts[:depth]))
+        document = here.node_document("")
+        if document is None:
+            continue
+        try:
+            ours = is_arrayckpt_root(json.loads(document))
+        except ValueError:
+            ours = False
+        what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
+        if depth == len(parts):
+            raise StateError(f"{location}: is {what}, not a prefix holding checkpoints; gc takes the prefix above it")
+        raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
+
+
+def _not_arrayckpt_documents(where: ObjectLocation, documents: list[str]) -> str | None:
+    """Why the ``zarr.json`` documents ``documents`` below ``where`` do not show an interrupted arrayckpt save
+    (``None``: they do)."""
+    if not documents:
+        return "no zarr.json of an arrayckpt array under it (only chunk-named objects): not known to be arrayckpt's"
+    arrays = 0
+    for name, data in where.read_objects(documents).items():
+        if data is None:
+            continue  # deleted meanwhile
+        try:
+            document = json.loads(data)
+        except ValueError:
+            return f"{name} is not JSON: not known to be arrayckpt's"
+        node = document.get("node_type") if isinstance(document, dict) else None
+        if not isinstance(document, dict) or document.get("zarr_format") != 3 or node not in ("group", "array"):
+            return f"{name} is not a Zarr v3 group or array document: not arrayckpt's"
+        if node == "array":
+            attributes = document.get("attributes")
+            if not (isinstance(attributes, dict) and isinstance(attributes.get("arrayckpt"), dict)):
+                return f"{name} describes an array arrayckpt did not write: not arrayckpt's"
+            arrays += 1
+    if not arrays:
+        return "no zarr.json of an arrayckpt array under it: not known to be arrayckpt's"
+    return None

@@ -1,0 +1,48 @@
+"""Saving with chunk targets other than the default, so that small tensors get the layout big ones get.
+
+The public ``save`` and ``async_save`` always plan with the default chunk policy; tests pass another one through
+the write layer's internal entry points (``save_with``, ``async_save_with``), which take a ``SaveOptions``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
+from arrayckpt._write.asynchronous import SaveHandle, async_save_with
+from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.save import save_with
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """A chunk policy for a test's saves, with a name for conditions on it (``"whole"``, ``"sharded"``)."""
+
+    name: str
+    policy: ChunkPolicy
+
+    def options(self, **options: Any) -> SaveOptions:
+        """``SaveOptions`` with this policy and ``options`` (the keywords of ``arrayckpt.save``)."""
+        return SaveOptions(chunking=self.policy, **options)
+
+    def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], **options: Any) -> None:
+        """``arrayckpt.save(state, path, **options)``, planned with this policy."""
+        save_with(state, path, self.options(**options))
+
+    def async_save(self, state: Any, path: str | os.PathLike[str], *, if_busy: Any = "wait", keep_copy: bool = False,
+                   **options: Any) -> SaveHandle:
+        """``arrayckpt.async_save(state, path, **options)``, planned with this policy."""
+        return async_save_with(state, path, self.options(**options), if_busy=if_busy, keep_copy=keep_copy)
+
+
+def small_chunks(inner: int, outer: int) -> Chunking:
+    """Inner chunks of about ``inner`` bytes in outer chunks of about ``outer`` bytes (the other limits of the
+    default policy stay)."""
+    return Chunking(f"{inner}/{outer}", ChunkPolicy(inner_chunk_bytes=inner, outer_chunk_bytes=outer))
+
+
+WHOLE = Chunking("whole", DEFAULT_CHUNKING)  # small tensors are one chunk each
+SHARDED = Chunking("sharded", small_chunks(16, 64).policy)  # every non-trivial tensor split, and sharded

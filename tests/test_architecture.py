@@ -1,0 +1,262 @@
+"""Guards that keep the package's structure as the README describes it ("How the code is organised").
+
+- imports go one way, down the layers, and no module imports a private name (``_x``) of another subpackage;
+- there are no import cycles between modules;
+- the public API is one table: ``__all__``, the lazy table and the TYPE_CHECKING imports agree, and every name
+  resolves;
+- the format and read layers need no torch: a process where ``import torch`` fails opens, slices, verifies,
+  shows and inspects a checkpoint;
+- no module is longer than ~500 lines unless its docstring says why.
+
+Imports are read with ``ast`` (function-level imports count: they run too); imports under ``if TYPE_CHECKING:``
+are for type checkers only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import arrayckpt
+
+PACKAGE = Path(arrayckpt.__file__).parent
+
+# Lowest first: a module may import from its own layer and the layers before it, never from a later one.
+LAYERS = [
+    ("_errors", "_version", "_zarr_dtypes"),
+    ("_format",),
+    ("_layout",),
+    ("_io",),
+    ("_storage",),
+    ("_torch",),
+    ("_read",),
+    ("_write",),
+    ("_tools",),
+    ("_convert",),
+    ("_manager",),
+    ("cli",),
+    ("__init__",),
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Subpackages whose modules must import without torch (the format layer and everything ``arrayckpt.open`` needs).
+TORCH_FREE = ("_errors", "_version", "_zarr_dtypes", "_format", "_layout", "_io", "_storage")
+MAX_LINES = 500
+LONG_REASON = "Longer than 500 lines:"  # what a module's docstring says when it is longer, followed by why
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name relative to it (``_read.chain``, ``cli``, ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts)] = path
+    return out
+
+
+def _top(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage, or itself for a top-level module."""
+    return module.split(".")[0]
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` blocks."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                for sub in ast.walk(inner):
+                    found.add(id(sub))
+    return found
+
+
+def _resolve(module: str, level: int, target: str | None) -> str:
+    """The package-relative dotted name a relative import in ``module`` names."""
+    base = module.split(".")
+    is_package = base[-1] == "__init__"
+    base = base[:-1]  # the package holding the module (for __init__: the package itself)
+    if is_package and base == []:
+        base = []
+    for _ in range(level - 1):
+        base = base[:-1]
+    return ".".join([*base, *(target.split(".") if target else [])])
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported package module, names imported from it, line) for every runtime import of the package."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    modules = _modules()
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = _resolve(module, node.level, node.module)
+            elif node.module and (node.module == "arrayckpt" or node.module.startswith("arrayckpt.")):
+                target = node.module.removeprefix("arrayckpt").lstrip(".")
+            else:
+                continue
+            names = [a.name for a in node.names]
+            if target == "" or target in {m.rsplit(".__init__", 1)[0] for m in modules if m.endswith("__init__")}:
+                # "from . import x" / "from .._write import save": the names are modules (or package attributes)
+                prefix = f"{target}." if target else ""
+                for name in names:
+                    child = f"{prefix}{name}"
+                    out.append((child if child in modules else (f"{target}.__init__" if target else "__init__"),
+                                [] if child in modules else [name], node.lineno))
+            else:
+                out.append((target, names, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("arrayckpt."):
+                    out.append((alias.name.removeprefix("arrayckpt."), [], node.lineno))
+    return out
+
+
+def _graph() -> dict[str, list[tuple[str, list[str], int]]]:
+    return {module: _imports(module, path) for module, path in _modules().items()}
+
+
+def test_imports_go_down_the_layers_and_no_private_name_crosses_a_subpackage():
+    problems = []
+    for module, imports in _graph().items():
+        here = _top(module)
+        assert here in LAYER_OF, f"{module}: its part of the package is not in LAYERS; add it"
+        for target, names, line in imports:
+            there = _top(target)
+            if LAYER_OF[there] > LAYER_OF[here]:
+                problems.append(f"{module}:{line} imports {target} (layer {there!r} is above {here!r})")
+            if there != here:
+                private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+                if private:
+                    problems.append(f"{module}:{line} imports private {private} from {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles():
+    graph = {module: sorted({t for t, _, _ in imports if t != module}) for module, imports in _graph().items()}
+    modules = _modules()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if nxt not in modules:
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_graph_check_sees_what_it_should():
+    """The checks above would catch a violation: the parser finds relative imports, names and layers."""
+    imports = _imports("_read.checkpoint", _modules()["_read.checkpoint"])
+    targets = {t for t, _, _ in imports}
+    assert "_format.manifest" in targets and "_io.arrays" in targets
+    assert _resolve("_read.chain", 2, "_io.arrays") == "_io.arrays"
+    assert _resolve("_read.chain", 1, "checkpoint") == "_read.checkpoint"
+    assert _resolve("__init__", 1, "_errors") == "_errors"
+    assert LAYER_OF["_read"] > LAYER_OF["_storage"] > LAYER_OF["_format"]
+
+
+def _type_checking_names() -> dict[str, str]:
+    """Public name -> ``module[:attribute]`` as the TYPE_CHECKING imports of ``__init__.py`` state it."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                assert isinstance(inner, ast.ImportFrom)
+                for alias in inner.names:
+                    public = alias.asname or alias.name
+                    module = "." * inner.level + (inner.module or "")
+                    out[public] = module if alias.asname in (None, alias.name) else f"{module}:{alias.name}"
+    return out
+
+
+def test_public_api_is_one_table():
+    lazy = arrayckpt._LAZY
+    assert arrayckpt.__all__ == sorted([*lazy, "__version__"])
+    assert _type_checking_names() == lazy
+    for name in lazy:
+        value = getattr(arrayckpt, name)
+        assert value is not None
+        module = lazy[name].partition(":")[0]
+        assert getattr(value, "__module__", "").endswith(module.lstrip(".")) or not callable(value), name
+    assert set(arrayckpt.__all__) <= set(dir(arrayckpt))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        arrayckpt.nonexistent  # noqa: B018
+
+
+def test_errors_keep_their_builtin_bases():
+    assert issubclass(arrayckpt.CheckpointBusyError, RuntimeError)
+    assert issubclass(arrayckpt.ReplacedCheckpointError, arrayckpt.CorruptCheckpointError)
+    assert issubclass(arrayckpt.CorruptCheckpointError, OSError)
+    assert issubclass(arrayckpt.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(arrayckpt.KeyMismatchError, KeyError) and issubclass(arrayckpt.KeyMismatchError, ValueError)
+
+
+def test_modules_are_short_or_say_why():
+    long = []
+    for module, path in _modules().items():
+        lines = path.read_text().count("\n")
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > MAX_LINES and LONG_REASON not in docstring:
+            long.append(f"{module}: {lines} lines")
+    assert not long, "\n".join(long)
+
+
+_NO_TORCH = """
+import json, sys
+sys.modules["torch"] = None  # import torch fails from here on
+import arrayckpt
+from arrayckpt import cli
+import importlib
+for name in {modules!r}:
+    importlib.import_module("arrayckpt." + name)
+path = sys.argv[1]
+checkpoint = arrayckpt.open(path)
+out = {{
+    "keys": sorted(checkpoint),
+    "row": checkpoint["model.w"][1].tolist(),
+    "bf16": str(checkpoint["model.b"].numpy_dtype),
+    "step": checkpoint.plain_values["step"],
+    "verify": arrayckpt.verify(path).ok,
+    "show": arrayckpt.show(path, "model.w", "0:2").max,
+    "info": cli.main(["info", path]),
+    "torch_loaded": sys.modules.get("torch") is not None,
+}}
+print(json.dumps(out))
+"""
+
+
+def test_format_and_read_layers_need_no_torch(tmp_path):
+    path = tmp_path / "ckpt"
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    arrayckpt.save({"model": {"w": w, "b": torch.ones(2, dtype=torch.bfloat16)}, "step": 3}, path)
+    modules = sorted(m for m in _modules() if _top(m) in TORCH_FREE and not m.endswith("__init__"))
+    assert "_format.manifest" in modules and "_storage.local" in modules
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH.format(modules=modules), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"keys": ["model.b", "model.w"], "row": [4.0, 5.0, 6.0, 7.0], "bf16": "bfloat16", "step": 3,
+                      "verify": True, "show": 7.0, "info": 0, "torch_loaded": False}

@@ -1,0 +1,123 @@
+"""The one write transaction every writer uses, the format-version rule, and the chunk policy as an input."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from policies import small_chunks
+
+import arrayckpt
+from arrayckpt._errors import StorageError
+from arrayckpt._format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest, format_version
+from arrayckpt._layout.box import Box
+from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
+from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
+from arrayckpt._storage import parse_location
+from arrayckpt._write.transaction import WriteTransaction, begin_write
+
+
+class FakeWriter:
+    """A storage writer that records what is done to it; its documents finish only when ``release`` is set."""
+
+    def __init__(self, commit_error: BaseException | None = None) -> None:
+        self.location = self.target = "fake://ckpt"
+        self.key_encoding = "default"
+        self.calls: list[str] = []
+        self.release = threading.Event()
+        self.commit_error = commit_error
+
+    def write_documents(self, documents: dict) -> object:
+        self.calls.append("documents")
+
+        def wait() -> None:
+            assert self.release.wait(5)
+            self.calls.append("documents written")
+
+        return wait
+
+    def commit(self, root_document: bytes) -> None:
+        self.calls.append("commit")
+        if self.commit_error is not None:
+            raise self.commit_error
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+def _manifest() -> Manifest:
+    return Manifest({})
+
+
+def test_a_failing_body_aborts_after_the_documents_are_written() -> None:
+    writer = FakeWriter()
+    threading.Timer(0.05, writer.release.set).start()
+    with pytest.raises(ValueError, match="boom"), WriteTransaction(writer) as transaction:  # type: ignore[arg-type]
+        transaction.write_documents({"w": b"{}"})
+        raise ValueError("boom")
+    assert writer.calls == ["documents", "documents written", "abort"]
+    transaction.abort()  # once is enough
+    assert writer.calls.count("abort") == 1
+
+
+def test_a_body_that_does_not_commit_is_undone_and_a_committed_one_is_not() -> None:
+    forgot = FakeWriter()
+    with WriteTransaction(forgot):  # type: ignore[arg-type]
+        pass
+    assert forgot.calls == ["abort"]
+    done = FakeWriter()
+    done.release.set()
+    with WriteTransaction(done) as transaction:  # type: ignore[arg-type]
+        transaction.write_documents({})
+        transaction.commit(_manifest(), "{}")
+    transaction.abort()
+    assert done.calls == ["documents", "documents written", "commit"]
+
+
+def test_a_failed_commit_is_a_storage_error_and_is_undone() -> None:
+    writer = FakeWriter(commit_error=PermissionError("read-only"))
+    writer.release.set()
+    with pytest.raises(StorageError, match="fake://ckpt: commit failed: read-only"):
+        with WriteTransaction(writer) as transaction:  # type: ignore[arg-type]
+            transaction.write_documents({})
+            transaction.commit(_manifest(), "{}")
+    assert writer.calls == ["documents", "documents written", "commit", "abort"]
+
+
+def test_an_interrupted_commit_removes_nothing() -> None:
+    """Whether an interrupted commit took effect is unknown: removing the save could damage a committed one."""
+    writer = FakeWriter(commit_error=KeyboardInterrupt())
+    writer.release.set()
+    with pytest.raises(KeyboardInterrupt), WriteTransaction(writer) as transaction:  # type: ignore[arg-type]
+        transaction.commit(_manifest(), "{}")
+    assert writer.calls == ["commit"]
+
+
+def test_begin_write_refuses_a_committed_checkpoint_and_leaves_nothing(tmp_path: Path) -> None:
+    arrayckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="overwrite=True"):
+        begin_write(parse_location(tmp_path / "ckpt"), False)
+    with begin_write(parse_location(tmp_path / "ckpt"), True) as transaction:
+        assert transaction.target != transaction.location  # a temporary directory beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # not committed: removed
+    assert torch.equal(arrayckpt.open(tmp_path / "ckpt")["w"].torch(), torch.ones(2))
+
+
+def test_the_format_version_is_the_lowest_that_describes_the_checkpoint() -> None:
+    assert format_version(False, "default") == PLAIN_VERSION == 1
+    assert format_version(True, "default") == format_version(False, "v2") == FORMAT_VERSION == 2
+
+
+def test_a_chunk_policy_is_checked_and_part_of_the_plan() -> None:
+    with pytest.raises(ValueError, match="inner_chunk_bytes must be a positive int, got 0"):
+        ChunkPolicy(inner_chunk_bytes=0)
+    described = [LocalDescription(arrays=(ArrayDescription("w", ("w",), "tensor", "float32", (64, 16),
+                                                           Box((0, 0), (64, 16)), 0),))]
+    default = plan_save(described, None)
+    assert plan_save(described, None, DEFAULT_CHUNKING).arrays is default.arrays  # the same input: reused
+    small = plan_save(described, None, small_chunks(256, 1024).policy)
+    assert (small.arrays["w"].outer_chunk, small.arrays["w"].inner_chunk) == ((16, 16), (4, 16))
+    assert default.arrays["w"].outer_chunk == (64, 16)
+    assert plan_save(described, None).arrays is not default.arrays  # the policy changed in between: planned anew
