@@ -9,11 +9,14 @@ never removes a base that a kept delta checkpoint reads through.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +25,7 @@ from ._errors import ArrayckptError, CheckpointNotFoundError, IncompleteCheckpoi
 from ._read.checkpoint import open_checkpoint
 from ._read.load import load
 from ._storage import Location, parse_location
+from ._storage.gc import incomplete_leftovers
 from ._tools.interval import optimal_interval
 from ._torch.dist import resolve_group
 from ._write.asynchronous import async_save_with
@@ -144,6 +148,12 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._blocking_seconds: float | None = None
+        self._on_signal: Callable[[], tuple[int, Mapping[str, Any]]] | None = None  # save_on_sigterm's callback
+        self._signalled: int | None = None  # the signal being handled (save_on_sigterm)
+        self._deferring = 0  # save()/wait() calls in progress on the main thread: a signal waits for them
+        self._terminating = False
+        #: What the last :meth:`clean_up` left in place although it looked like a leftover: ``(path, why)``.
+        self.kept: list[tuple[str, str]] = []
         self._location.make_directory()
 
     # --- where checkpoints are --------------------------------------------------------------------
@@ -165,13 +175,23 @@ class CheckpointManager:
         return [s for s in self._listed_steps() if self._step_location(s).is_committed()]
 
     def clean_up(self, min_age_s: float = 3600.0) -> list[str]:
-        """Remove what interrupted saves left: incomplete step checkpoints older than the newest committed
-        one (a later save is never still running), and the other leftovers of interrupted saves untouched for
-        ``min_age_s`` (see :func:`arrayckpt.gc`). Returns what was removed. Coordinator only."""
+        """Remove what interrupted saves and deletions left, and only that; returns what was removed.
+
+        - An incomplete step checkpoint (no root document) older than the newest committed one, when it holds
+          only what arrayckpt writes (its ``zarr.json`` documents, one of an array it wrote, and chunk files; or
+          only empty directories) and nothing in it was touched for ``min_age_s``: the rule of
+          :func:`arrayckpt.gc` for object storage. A directory holding anything else is kept.
+        - A committed delta checkpoint whose base, a step of this manager, is gone (a deletion cut short): it
+          can never be read again.
+        - The other leftovers of interrupted saves untouched for ``min_age_s`` (see :func:`arrayckpt.gc`).
+
+        What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory kept
+        because it is not arrayckpt's is also named in a warning. Coordinator only."""
+        self.kept = []
         if not self._is_coordinator():
             return []
+        removed = self._remove_orphaned_deltas()
         committed = self.steps()
-        removed: list[str] = []
         if committed:
             for step in self._listed_steps():
                 if step < committed[-1] and step not in committed:
@@ -180,13 +200,64 @@ class CheckpointManager:
                         location.read_root()
                         continue  # readable after all (a transient failure hid it): never delete
                     except IncompleteCheckpointError:  # positively no root document: an interrupted save
-                        location.delete()
-                        removed.append(str(location))
+                        pass
                     except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
                         continue
-        found, _ = self._location.leftovers(min_age_s)
+                    found, kept = incomplete_leftovers(location, min_age_s)
+                    removed.extend(leftover.url for leftover in found if leftover.remove())
+                    self.kept.extend(kept)
+        found, kept = self._location.leftovers(min_age_s)
         removed.extend(leftover.url for leftover in found if leftover.remove())
+        self.kept.extend(k for k in kept if k not in self.kept)
+        foreign = [f"{path} ({why})" for path, why in self.kept if "maybe still being saved" not in why]
+        if foreign:
+            warnings.warn(f"{self.root}: clean_up left {len(foreign)} thing(s) that are not known to be arrayckpt's "
+                          f"leftovers; look at them and remove them yourself if they are not needed: "
+                          + "; ".join(foreign), RuntimeWarning, stacklevel=2)
         return removed
+
+    def _remove_orphaned_deltas(self) -> list[str]:
+        """Delete committed delta checkpoints whose base, a step of this manager, is positively gone (no
+        checkpoint, or an incomplete one, at its path): a deletion of that base was cut short before its deltas
+        were removed. A base that cannot be read for another reason (a storage error) keeps its deltas."""
+        removed: list[str] = []
+        gone: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for step in self.steps():
+                try:
+                    base = self._base_step(step)
+                except ArrayckptError:
+                    continue
+                if base is None:
+                    continue
+                if base not in gone:
+                    try:
+                        self._step_location(base).read_root()
+                        continue
+                    except (CheckpointNotFoundError, IncompleteCheckpointError):
+                        pass
+                    except ArrayckptError:
+                        continue
+                location = self._step_location(step)
+                location.delete()
+                removed.append(str(location))
+                gone.add(step)
+                changed = True
+        return removed
+
+    def _base_step(self, step: int) -> int | None:
+        """The step of this manager that step ``step``'s checkpoint is a delta against (``None``: a full checkpoint,
+        or a base elsewhere). Raises what opening the checkpoint raises."""
+        ref = open_checkpoint(self.path(step), storage_options=self.storage_options).manifest.base
+        if ref is None:
+            return None
+        base = str(self._step_location(step).resolve(ref.path))
+        match = _STEP_DIR.fullmatch(base.rstrip("/").rpartition("/")[2])
+        if match is None or str(self._step_location(int(match.group(1)))) != base:
+            return None
+        return int(match.group(1))
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -214,6 +285,11 @@ class CheckpointManager:
         a save was started. Asynchronous managers return once the data is staged. With ``incremental``,
         ``changed_rows`` (key -> row indices changed since the previous save) spares reading the base back
         for those keys."""
+        with self._signals_deferred():
+            return self._save(step, state, force, metrics, changed_rows)
+
+    def _save(self, step: int, state: Mapping[str, Any], force: bool, metrics: Mapping[str, float] | None,
+              changed_rows: Mapping[str, Any] | None) -> bool:
         if not (force or self.should_save(step)):
             return False
         if self._last_step is not None and step <= self._last_step:
@@ -251,12 +327,16 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (raising its error), then apply retention."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.wait()
-            self._apply_retention()
+        with self._signals_deferred():
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                pending.wait()
+                self._apply_retention()
 
     def _apply_retention(self) -> None:
+        """Delete the committed steps the policy does not keep, and that no kept delta reads through, in an order
+        where every state a crash can leave is consistent: a delta before the base it reads through (newest
+        first), and each checkpoint's root document first (see :meth:`Location.delete`)."""
         if not self._is_coordinator():
             return
         steps = self.steps()
@@ -265,25 +345,22 @@ class CheckpointManager:
             metrics = {s: dict(open_checkpoint(self.path(s), storage_options=self.storage_options).metrics)
                        for s in steps}
         kept = self.retention.keep(steps, metrics)
-        kept |= self._bases_of(kept, set(steps))
-        for step in set(steps) - kept:
-            self._step_location(step).delete()
-
-    def _bases_of(self, kept: set[int], steps: set[int]) -> set[int]:
-        """Steps that kept delta checkpoints read through (transitively): deleting them would break those."""
-        by_location = {str(self._step_location(s)): s for s in steps}
-        needed: set[int] = set()
+        bases: dict[int, int | None] = {}
+        for step in steps:
+            try:
+                bases[step] = self._base_step(step)
+            except ArrayckptError:
+                if step in kept:
+                    raise  # what it reads through is unknown: deleting anything could break it
+                bases[step] = None
         todo = sorted(kept)
-        while todo:
-            step = todo.pop()
-            ref = open_checkpoint(self.path(step), storage_options=self.storage_options).manifest.base
-            if ref is None:
-                continue
-            found = by_location.get(str(self._step_location(step).resolve(ref.path)))
-            if found is not None and found not in needed and found not in kept:
-                needed.add(found)
-                todo.append(found)
-        return needed
+        while todo:  # the bases kept checkpoints read through, transitively
+            base = bases.get(todo.pop())
+            if base is not None and base not in kept:
+                kept.add(base)
+                todo.append(base)
+        for step in _deletion_order(set(steps) - kept, bases):
+            self._step_location(step).delete()
 
     def _is_coordinator(self) -> bool:
         return resolve_group(self.process_group).is_coordinator
@@ -308,8 +385,27 @@ class CheckpointManager:
 
     def save_on_sigterm(self, state_and_step: Callable[[], tuple[int, Mapping[str, Any]]]) -> None:
         """On SIGTERM (preemption), finish any save in flight, save ``state_and_step()`` synchronously,
-        then exit with the signal's default status. Opt-in; call once, from the main thread."""
+        then exit with the signal's default status. Opt-in; call once, from the main thread.
+
+        The handler runs once: a second SIGTERM while it runs (a launcher forwarding the scheduler's) is
+        ignored. A signal that arrives while the main thread is inside :meth:`save` or :meth:`wait` is handled
+        when that call returns (never a save inside a save). If the saving fails, the error propagates and a
+        later SIGTERM is handled again."""
         def handler(signum: int, frame: Any) -> None:
+            if self._signalled is not None:
+                return  # a second signal while the first is handled (or about to be): ignored
+            self._signalled = signum
+            if self._deferring:
+                return  # inside save() or wait(): they finish first, then call _terminate
+            self._terminate(signum, state_and_step)
+
+        self._on_signal = state_and_step
+        signal.signal(signal.SIGTERM, handler)
+
+    def _terminate(self, signum: int, state_and_step: Callable[[], tuple[int, Mapping[str, Any]]]) -> None:
+        """The SIGTERM handler's work: finish the save in flight, save the newest state, exit with ``signum``."""
+        self._terminating = True
+        try:
             self.wait()
             step, state = state_and_step()
             if self._last_step is None or step > self._last_step:
@@ -318,10 +414,28 @@ class CheckpointManager:
                     self.save(step, state, force=True)
                 finally:
                     self.asynchronous = asynchronous
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        except BaseException:
+            self._signalled, self._terminating = None, False
+            raise
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
-        signal.signal(signal.SIGTERM, handler)
+    @contextlib.contextmanager
+    def _signals_deferred(self) -> Iterator[None]:
+        """Around :meth:`save` and :meth:`wait` on the main thread: a SIGTERM that arrives meanwhile is handled
+        when the outermost of them returns (or fails), so the handler never runs a save inside a save nor
+        misses the save in flight that :meth:`wait` has taken over."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            signum = self._signalled
+            if not self._deferring and signum is not None and not self._terminating and self._on_signal is not None:
+                self._terminate(signum, self._on_signal)
 
     def close(self) -> None:
         self.wait()
@@ -332,3 +446,14 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _deletion_order(doomed: set[int], bases: Mapping[int, int | None]) -> list[int]:
+    """``doomed`` ordered so that a delta comes before every base it reads through, newest first otherwise."""
+    order: list[int] = []
+    remaining = set(doomed)
+    while remaining:
+        read_through = {bases.get(s) for s in remaining}
+        ready = [s for s in remaining if s not in read_through] or list(remaining)  # (a loop of bases: any order)
+        order.append(max(ready))
+        remaining.discard(order[-1])
+    return order

@@ -526,6 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyError, IndexError) as e:  # a key or slice the checkpoint does not have (messages name both)
         print(f"arrayckpt: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as e:  # unreadable or malformed input (a file, a slice, a JSON document)
+        print(f"arrayckpt: error: {e}", file=sys.stderr)
+        return 2
+    except RecursionError:  # input nested too deeply for Python
+        print("arrayckpt: error: the input is nested too deeply to be read (damaged or crafted?)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

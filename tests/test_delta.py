@@ -354,6 +354,7 @@ def test_crafted_chains_are_refused(tmp_path: Path) -> None:
     document = json.loads(original)
     document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = [3, 4]
     document["consolidated_metadata"]["metadata"]["w"]["shape"] = [3, 4]
+    document["consolidated_metadata"]["metadata"]["w"]["chunk_grid"]["configuration"]["chunk_shape"] = [3, 4]
     root.write_text(json.dumps(document))
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"float32\[3, 4\] here but float32\[6, 2\]"):
         arrayckpt.open(tmp_path / "b")["w"].torch()

@@ -122,7 +122,8 @@ def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
     leftover = tmp_path / ".step-00000004.arrayckpt-tmp-0123456789ab"
     leftover.mkdir()
     old = time.time() - 7200
-    os.utime(leftover, (old, old))
+    for path in (leftover, tmp_path / "step-00000002" / "w", tmp_path / "step-00000002"):
+        os.utime(path, (old, old))  # untouched for long enough (younger ones are kept: a save may be running)
     assert manager.steps() == [1, 3]
     removed = manager.clean_up()
     assert sorted(removed) == sorted([str(tmp_path / "step-00000002"), str(leftover)])

@@ -279,7 +279,7 @@ class TestStorage:
 
         with monkeypatch.context() as patch:  # the removal of the data fails, after the commit's
             if storage.kind == "local":
-                patch.setattr(local_storage.shutil, "rmtree", fail)
+                patch.setattr(local_storage, "remove_arrayckpt_files", fail)
             else:
                 delete = object_storage._delete
                 patch.setattr(object_storage, "_delete",

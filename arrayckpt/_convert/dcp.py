@@ -20,13 +20,15 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import FormatError, PickleNotAllowedError
+from .._errors import ArrayckptError, FormatError, PickleNotAllowedError
 from .._format.manifest import ArrayEntry, PickleEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
@@ -225,12 +227,49 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
                 progress(done[0], total)
             return tensor
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        writer = _writer(target, overwrite)
-        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            writer = _writer(temporary, False)
+            dcp.save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+        _move_into_place(temporary, target)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: nothing partial is left either way
+        shutil.rmtree(temporary, ignore_errors=True)
+        cause = _dcp_cause(e)
+        if cause is e:
+            raise
+        raise cause from None
     files = tuple(sorted(str(p) for p in target.iterdir()))
     return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped)
+
+
+def _move_into_place(temporary: Path, target: Path) -> None:
+    """A complete DCP checkpoint written to ``temporary`` to ``target``: renamed there in one step when nothing
+    (or an empty directory) is there, else (``overwrite=True``) its files moved in one by one, DCP's
+    ``.metadata`` (what makes a DCP checkpoint) removed first and put back last; the other files there are
+    left alone."""
+    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+        os.replace(temporary, target)
+        return
+    (target / METADATA_FILE).unlink(missing_ok=True)
+    for item in sorted(temporary.iterdir(), key=lambda p: p.name == METADATA_FILE):
+        os.replace(item, target / item.name)
+    temporary.rmdir()
+
+
+def _dcp_cause(error: BaseException) -> BaseException:
+    """The error that made DCP fail: DCP raises a ``CheckpointException`` (a ``BaseException``, missed by
+    ``except Exception``) carrying each rank's failure as ``(exception, traceback)``; an arrayckpt error among
+    them (e.g. a damaged chunk, naming the key) is the one to raise, else the first one. Any other error is
+    itself."""
+    failures = getattr(error, "failures", None)
+    if type(error).__name__ != "CheckpointException" or not isinstance(failures, dict) or not failures:
+        return error
+    causes = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    causes = [c for c in causes if isinstance(c, BaseException)]
+    ours = [c for c in causes if isinstance(c, ArrayckptError)]
+    return ours[0] if ours else causes[0] if causes else error
 
 
 

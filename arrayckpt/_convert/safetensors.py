@@ -61,8 +61,8 @@ def read_safetensors_header(file: Path) -> list[_StTensor]:
             raise FormatError(f"{file}: safetensors header length {length} is impossible for a {size}-byte file")
         try:
             header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{file}: safetensors header is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # not JSON, nested too deep, integers of too many digits
+            raise FormatError(f"{file}: safetensors header is not usable JSON: {_brief(e)}") from None
     if not isinstance(header, dict):
         raise FormatError(f"{file}: safetensors header must be a JSON object")
     base = 8 + length
@@ -71,7 +71,22 @@ def read_safetensors_header(file: Path) -> list[_StTensor]:
         if name == "__metadata__":
             continue
         out.append(_parse_st_tensor(file, name, info, base, size))
+    _check_disjoint(file, out)
     return out
+
+
+def _brief(error: BaseException) -> str:
+    return str(error) if isinstance(error, ValueError) else "nested too deeply"
+
+
+def _check_disjoint(file: Path, tensors: list[_StTensor]) -> None:
+    """Every tensor's bytes must be its own: two tensors whose byte ranges overlap would read each other's data."""
+    previous: _StTensor | None = None
+    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.start):
+        if previous is not None and t.start < previous.start + previous.nbytes:
+            raise FormatError(f"{file}: tensors {previous.name!r} and {t.name!r} have overlapping data_offsets; "
+                              "the safetensors file is damaged or was not written by a safetensors writer")
+        previous = t
 
 
 def _parse_st_tensor(file: Path, name: str, info: object, base: int, size: int) -> _StTensor:
@@ -80,8 +95,8 @@ def _parse_st_tensor(file: Path, name: str, info: object, base: int, size: int) 
         raise FormatError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: {', '.join(ST_DTYPES)}")
     dtype = ST_DTYPES[info["dtype"]]
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
-            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (isinstance(shape, list) and all(_count(n) for n in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
         raise FormatError(f"{file}: tensor {name!r} has a malformed shape {shape!r} or data_offsets {offsets!r}")
     begin, end = offsets
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -89,6 +104,10 @@ def _parse_st_tensor(file: Path, name: str, info: object, base: int, size: int) 
         raise FormatError(f"{file}: tensor {name!r} data_offsets {offsets} do not fit its {info['dtype']}{shape} "
                           f"or the file's {size} bytes")
     return _StTensor(name, file, dtype, tuple(shape), base + begin, nbytes)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _safetensors_files(src: Path) -> list[Path]:
@@ -108,7 +127,7 @@ def _safetensors_files(src: Path) -> list[Path]:
             index = json.loads(src.read_text())
             weight_map = index["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise FormatError(f"{src}: not a safetensors index (needs a 'weight_map' object): {e}") from None
         if not all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in names):
             raise FormatError(f"{src}: weight_map names files outside its directory: {names!r}")

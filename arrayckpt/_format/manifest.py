@@ -41,6 +41,7 @@ FORMAT_VERSION = 2  # the newest this code reads; a checkpoint records the lowes
 PLAIN_VERSION = 1  # full checkpoints with the default chunk key encoding: readable by arrayckpt 0.1 too
 MANIFEST_ATTRIBUTE = "arrayckpt"
 MAX_NDIM = 32  # TensorStore's limit
+QUANTIZED_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the dtypes quantized rows are defined for
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,7 @@ class Manifest:
         if not isinstance(created, dict):
             raise FormatError("manifest 'created' must be a JSON object")
         parsed = {key: parse_entry(key, value) for key, value in entries.items()}
+        _check_structure(parsed, containers)
         identity = data.get("id")
         if identity is not None and not isinstance(identity, str):
             raise FormatError(f"manifest 'id' must be a string, got {identity!r}")
@@ -311,6 +313,9 @@ def parse_entry(key: object, data: object) -> Entry:
             raise FormatError(f"entry {key!r}: {e}") from None
         shape = _parse_shape(data.get("shape"), key)
         delta = _parse_delta(data["delta"], key, shape) if data.get("delta") is not None else None
+        if delta is not None and delta.quantized is not None and dtype.name not in QUANTIZED_DTYPES:
+            raise FormatError(f"entry {key!r}: a quantized rows delta of a {dtype.name} tensor (quantized rows are "
+                              f"defined for {', '.join(QUANTIZED_DTYPES)} only)")
         return ArrayEntry(key, parts, dtype, shape, kind, delta)
     if kind == "value":
         if "value" not in data:
@@ -343,16 +348,21 @@ def _parse_delta(data: object, key: str, shape: tuple[int, ...]) -> Delta:
         present = data.get("present")
         if not isinstance(present, list) or not all(_nonneg_int(i) for i in present):
             raise FormatError(f"entry {key!r}: delta 'present' must be a list of chunk indices")
+        if any(a >= b for a, b in zip(present, present[1:], strict=False)):
+            raise FormatError(f"entry {key!r}: delta 'present' must list each chunk index once, in ascending order "
+                              "(as every writer does); it was damaged or crafted")
         return Delta("chunks", tuple(present))
     rows = data.get("rows")
     if not shape or not _nonneg_int(rows):
         raise FormatError(f"entry {key!r}: a rows delta needs an array of at least 1 dimension and a row count")
     quantized = data.get("quantized")
     if quantized is not None:
-        if not (isinstance(quantized, dict) and quantized.get("bits") in (4, 8)
-                and isinstance(quantized.get("max_abs_error"), (int, float))
-                and not isinstance(quantized.get("max_abs_error"), bool)):
-            raise FormatError(f"entry {key!r}: delta 'quantized' must be {{bits: 4|8, max_abs_error}}")
+        error = quantized.get("max_abs_error") if isinstance(quantized, dict) else None
+        if not (isinstance(quantized, dict) and quantized.get("bits") in (4, 8) and type(quantized["bits"]) is int
+                and isinstance(error, (int, float)) and not isinstance(error, bool)
+                and math.isfinite(error) and error >= 0):
+            raise FormatError(f"entry {key!r}: delta 'quantized' must be {{bits: 4|8, max_abs_error: a finite "
+                              f"number >= 0}}, got {quantized!r}")
         return Delta("rows", rows=rows, quantized=Quantization(quantized["bits"], float(quantized["max_abs_error"])))
     return Delta("rows", rows=rows)
 
@@ -372,6 +382,31 @@ def _parse_per_rank_item(key: str, parts: Key, item: object) -> ValueEntry | Arr
     except FormatError as e:
         raise FormatError(f"entry {key!r}: {e}") from None
     return ArrayEntry(key, parts, dtype, _parse_shape(item.get("shape"), key), kind)
+
+
+def _check_structure(entries: Mapping[str, Entry], containers: Mapping[str, str]) -> None:
+    """What writers guarantee across entries (spec §3.3, §4.3): every per-rank entry has one item per rank of
+    the same saving group; every container prefix holds entries; no array node lies inside another."""
+    counts = {len(e.items) for e in entries.values() if isinstance(e, PerRankEntry)}
+    if len(counts) > 1:
+        raise FormatError(f"per-rank entries disagree on the number of ranks that saved ({sorted(counts)}); every "
+                          "writer writes one item per rank")
+    prefixes = {name[:i] for name in entries for i, c in enumerate(name) if c == "."}
+    for prefix, kind in containers.items():
+        if prefix not in prefixes:
+            raise FormatError(f"manifest 'containers' names a {kind} at {prefix!r}, but no entry lies below it")
+    nodes: dict[str, str] = {}  # array node path -> entry name
+    for name, entry in entries.items():
+        if isinstance(entry, (ArrayEntry, PickleEntry)):
+            nodes[entry.path] = name
+        elif isinstance(entry, PerRankEntry):
+            nodes.update((per_rank_path(name, r), name) for r, item in enumerate(entry.items)
+                         if isinstance(item, ArrayEntry))
+    for path, name in nodes.items():
+        for i, c in enumerate(path):
+            if c == "/" and path[:i] in nodes:
+                raise FormatError(f"entry {name!r} is stored inside the array of entry {nodes[path[:i]]!r} "
+                                  f"({path!r} below {path[:i]!r}); a Zarr array cannot have children")
 
 
 def is_arrayckpt_root(document: object) -> bool:

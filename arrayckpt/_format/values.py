@@ -16,6 +16,9 @@ from .._errors import FormatError
 __all__ = ["NotJSONable", "decode_value", "encode_value"]
 
 _MARKERS = ("$tuple", "$float", "$bytes", "$dict")
+# Nesting deeper than this is refused both ways (a value nested 500 deep would otherwise exhaust Python's
+# recursion limit): encoding it raises NotJSONable (pickle, with consent, stores it), decoding a FormatError.
+MAX_DEPTH = 200
 
 
 class NotJSONable(TypeError):
@@ -24,49 +27,69 @@ class NotJSONable(TypeError):
 
 def encode_value(value: object) -> Any:
     """Encode a plain value as typed JSON, or raise :class:`NotJSONable`."""
+    return _encode(value, 0)
+
+
+def _encode(value: object, depth: int) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)  # IntEnum and friends become plain ints
+    if isinstance(value, float) and math.isfinite(value):
+        return float(value)
+    if depth >= MAX_DEPTH:  # what follows is a JSON array or object, as deep as decoding accepts
+        raise NotJSONable(f"{type(value).__name__} nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, float):
-        return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
+        return {"$float": repr(float(value))}
     if isinstance(value, list):
-        return [encode_value(v) for v in value]
+        return [_encode(v, depth + 1) for v in value]
     if isinstance(value, tuple):
         if hasattr(value, "_fields"):  # a namedtuple would come back as a plain tuple
             raise NotJSONable(type(value).__name__)
-        return {"$tuple": [encode_value(v) for v in value]}
+        return {"$tuple": [_encode(v, depth + 1) for v in value]}
     if isinstance(value, bytes):
         return {"$bytes": base64.b64encode(value).decode("ascii")}
     if isinstance(value, dict):  # OrderedDict and friends come back as plain (ordered) dicts
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: encode_value(v) for k, v in value.items()}
-        return {"$dict": [[encode_value(k), encode_value(v)] for k, v in value.items()]}
+            return {k: _encode(v, depth + 1) for k, v in value.items()}
+        return {"$dict": [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in value.items()]}
     raise NotJSONable(type(value).__name__)
 
 
 def decode_value(data: Any, key: str = "") -> Any:
     """Invert :func:`encode_value`; malformed input raises :class:`FormatError` naming ``key``."""
+    return _decode(data, key, 0)
+
+
+def _decode(data: Any, key: str, depth: int) -> Any:
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
+    if depth >= MAX_DEPTH:
+        raise FormatError(f"value {key!r} is nested more than {MAX_DEPTH} levels deep; arrayckpt never writes "
+                          "such a value: the checkpoint is damaged or was crafted")
     if isinstance(data, list):
-        return [decode_value(v, key) for v in data]
+        return [_decode(v, key, depth + 1) for v in data]
     if isinstance(data, dict):
         if len(data) == 1 and next(iter(data)) in _MARKERS:
             ((marker, inner),) = data.items()
             try:
-                return _decode_marker(marker, inner, key)
+                return _decode_marker(marker, inner, key, depth)
             except (TypeError, ValueError) as e:
-                raise FormatError(f"value {key!r}: malformed {marker} value {inner!r}") from e
-        return {k: decode_value(v, key) for k, v in data.items()}
-    raise FormatError(f"value {key!r}: {data!r} is not a valid encoded value")
+                raise FormatError(f"value {key!r}: malformed {marker} value {_brief(inner)}") from e
+        return {k: _decode(v, key, depth + 1) for k, v in data.items()}
+    raise FormatError(f"value {key!r}: {_brief(data)} is not a valid encoded value")
 
 
-def _decode_marker(marker: str, inner: Any, key: str) -> Any:
+def _brief(data: Any) -> str:
+    text = repr(data)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _decode_marker(marker: str, inner: Any, key: str, depth: int) -> Any:
     if marker == "$tuple":
         if not isinstance(inner, list):
             raise TypeError(inner)
-        return tuple(decode_value(v, key) for v in inner)
+        return tuple(_decode(v, key, depth + 1) for v in inner)
     if marker == "$float":
         if inner not in ("nan", "inf", "-inf"):
             raise ValueError(inner)
@@ -75,4 +98,4 @@ def _decode_marker(marker: str, inner: Any, key: str) -> Any:
         return base64.b64decode(inner, validate=True)
     if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
         raise TypeError(inner)
-    return {decode_value(k, key): decode_value(v, key) for k, v in inner}
+    return {_decode(k, key, depth + 1): _decode(v, key, depth + 1) for k, v in inner}

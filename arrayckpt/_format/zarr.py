@@ -7,10 +7,12 @@ consolidated metadata holds a copy of each. Readers validate an array's metadata
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import FormatError
+from .dtypes import dtype_by_name
 
 __all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "ROOT_METADATA", "check_array_metadata", "chunk_key", "grid_counts",
            "node_documents", "parse_chunk_key"]
@@ -72,7 +74,35 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
                 and all(o % i == 0 for o, i in zip(grid["configuration"]["chunk_shape"], config["chunk_shape"],
                                                    strict=True))):
             raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
+        _check_chunk_sizes(grid["configuration"]["chunk_shape"], config["chunk_shape"], shape, data_type, bad)
+    else:
+        _check_chunk_sizes(grid["configuration"]["chunk_shape"], None, shape, data_type, bad)
     return metadata
+
+
+MAX_CHUNK_BYTES = 2**34  # a decoded chunk (what TensorStore allocates at once to read any of it) at most this big
+
+
+def _check_chunk_sizes(outer: list[int], inner: list[int] | None, shape: tuple[int, ...], data_type: str,
+                       bad: Callable[[str], FormatError]) -> None:
+    """Refuse chunks no writer makes, before TensorStore allocates one (a lying chunk shape aborted the process
+    with ``std::bad_alloc``): a chunk exceeds the array by less than one (inner) chunk per dimension (arrayckpt's
+    chunks never exceed ``max(extent, 1)``; its outer chunks are whole multiples of inner ones that may reach
+    past the edge), and a decoded chunk is at most ``MAX_CHUNK_BYTES``."""
+    unit = inner or outer
+    for o, i, n in zip(outer, unit, shape, strict=True):
+        if i > max(n, 1) or o >= max(n, 1) + i:
+            raise bad(f"chunk shape {outer}" + (f" (inner chunks {inner})" if inner else "") +
+                      f" is larger than the array's shape {list(shape)} allows (each chunk extent at most the "
+                      "array's, an outer chunk less than one inner chunk beyond it); the metadata is damaged")
+    try:
+        itemsize = dtype_by_name(data_type).itemsize
+    except FormatError:  # an unknown data type is refused by the reader, naming it
+        itemsize = 1
+    chunks_per_outer = math.prod(o // i for o, i in zip(outer, unit, strict=True))
+    if math.prod(unit) * itemsize > MAX_CHUNK_BYTES or chunks_per_outer * 16 > MAX_CHUNK_BYTES:
+        raise bad(f"chunk shape {unit} of {data_type} exceeds the limit of {MAX_CHUNK_BYTES} bytes per decoded chunk "
+                  "(no arrayckpt save writes one); the metadata is damaged")
 
 
 # Zarr v3's chunk key encodings. arrayckpt writes "default" with "." ("c.0.1"); on object storage a save

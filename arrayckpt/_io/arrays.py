@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,10 +23,11 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
-from .._io.fastio import RowLayout, read_rows, row_layout, write_rows
+from .._format.zarr import chunk_key
+from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
 
-__all__ = ["ArrayIO", "array_spec", "collector_paused", "open_array", "read_context", "read_into", "write_all",
-           "write_context"]
+__all__ = ["ArrayIO", "array_spec", "check_chunk_files", "collector_paused", "open_array", "read_context", "read_into",
+           "write_all", "write_context"]
 
 FILE_IO_CONCURRENCY = 32
 
@@ -67,8 +71,66 @@ def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, A
 
 
 def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: str = "") -> ts.TensorStore:
-    """Open one array without touching storage (metadata is assumed from the spec)."""
+    """Open one array for reading slices of it (metadata is assumed from the spec); in a local directory, first
+    refuse a chunk file that is not a regular file (one ``scandir``, see :func:`check_chunk_files`)."""
+    _check_array_directory(spec, key, where)
     return _result(_start_open(spec, context, key, where), key, where, "open")
+
+
+def check_chunk_files(job: ArrayIO, where: str) -> None:
+    """Refuse, before TensorStore reads them, chunk files of a local array that are not regular files: TensorStore's
+    ``file`` kvstore would block forever opening a FIFO. One ``stat`` per chunk file the read touches (missing
+    ones are left to TensorStore to report)."""
+    kvstore = job.spec.get("kvstore", {})
+    if kvstore.get("driver") != "file":
+        return
+    metadata = job.spec["metadata"]
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    index = job.index or ()
+    ranges = []
+    for d, (n, c) in enumerate(zip(metadata["shape"], chunks, strict=True)):
+        part = index[d] if d < len(index) else slice(None)
+        start, stop = (part, part + 1) if isinstance(part, int) else slice(part.start, part.stop).indices(n)[:2]
+        if stop <= start:
+            return
+        ranges.append(range(start // c, -(-stop // c)))
+    for grid_index in itertools.product(*ranges):
+        path = kvstore["path"] + chunk_key(metadata, grid_index)
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, job.key, where)
+
+
+def _check_array_directory(spec: dict[str, Any], key: str, where: str) -> None:
+    """Refuse a local array whose directory holds something that is neither a file nor a directory (a FIFO in a
+    chunk's place): d_type from one ``scandir``, descending only into chunk-key directories (``c/0/...``)."""
+    kvstore = spec.get("kvstore", {})
+    if kvstore.get("driver") != "file":
+        return
+    pending = [kvstore["path"]]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:  # no directory (nothing stored): TensorStore reports the missing chunks
+            continue
+        for entry in entries:
+            try:
+                is_dir, is_file = entry.is_dir(), entry.is_file()
+            except OSError:  # gone meanwhile, or a link that cannot be followed: TensorStore reports it
+                continue
+            if is_dir and (entry.name == "c" or entry.name.isdigit()):
+                pending.append(entry.path)
+            elif not (is_dir or is_file or entry.is_symlink()):  # a dangling link is a missing chunk
+                raise _not_regular(entry.path, key, where)
+
+
+def _not_regular(path: str, key: str, where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(user_paths(f"{where}: tensor {key!r}: chunk file {path} is not a regular file "
+                                             "(a pipe or device in its place); the checkpoint is damaged: restore "
+                                             "the file from a copy"))
 
 
 def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:
@@ -169,6 +231,9 @@ def _transfer(
     jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, ArrayIO], Any]
 ) -> None:
     """Open all arrays, start every transfer, then wait for all of them (none is left running)."""
+    if action == "read":
+        for job in jobs:
+            check_chunk_files(job, where)
     opened = [_start_open(job.spec, context, job.key, where) for job in jobs]
     pending = []
     try:
@@ -199,7 +264,7 @@ def _wait_all(pending: list[tuple[ArrayIO, Any]], where: str, action: str) -> No
 
 
 def _wrap(error: BaseException, key: str, where: str, action: str) -> Exception:
-    message = f"{where}: tensor {key!r}: {action} failed: {_describe(error)}"
+    message = user_paths(f"{where}: tensor {key!r}: {action} failed: {_describe(error)}")
     wrapped: Exception = StorageError(message) if action == "write" else read_failure(message, error)
     wrapped.__cause__ = error
     return wrapped
@@ -213,5 +278,7 @@ _UNREACHABLE = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIE
 
 def read_failure(message: str, error: BaseException) -> Exception:
     """The error for a failed read: a :class:`StorageError` when the storage could not be reached (nothing says
-    the data is bad), else a :class:`CorruptCheckpointError`."""
-    return (StorageError if _describe(error).startswith(_UNREACHABLE) else CorruptCheckpointError)(message)
+    the data is bad), else a :class:`CorruptCheckpointError`. A pinned directory in the message is replaced by the
+    path it was opened as (``fastio.user_paths``)."""
+    kind = StorageError if _describe(error).startswith(_UNREACHABLE) else CorruptCheckpointError
+    return kind(user_paths(message))

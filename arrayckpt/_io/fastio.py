@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import stat
 import struct
 import sys
 import threading
@@ -30,7 +32,8 @@ import numpy as np
 from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
 
-__all__ = ["STATS", "RowLayout", "read_rows", "row_layout", "write_rows"]
+__all__ = ["STATS", "RowLayout", "forget_pin", "read_regular_file", "read_rows", "remember_pin", "row_layout",
+           "user_paths", "write_rows"]
 
 MISSING = 2**64 - 1  # index entry of an inner chunk that is not stored
 # Bytes this process moved through the fast path (benchmarks and tests read them).
@@ -41,6 +44,46 @@ _STATS_LOCK = threading.Lock()
 def _count(name: str, nbytes: int) -> None:
     with _STATS_LOCK:
         STATS[name] += nbytes
+
+
+# Directories readers pinned (``_storage/local.py::pin_directory``: ``/proc/self/fd/N``) and the paths they were
+# opened as, so that error messages name the user's path instead of the pin.
+_PINS: dict[str, str] = {}
+_PIN = re.compile(r"/proc/self/fd/\d+(?!\d)")
+
+
+def remember_pin(pinned: str, path: str) -> None:
+    """Record that ``pinned`` (``/proc/self/fd/N``) stands for ``path`` until :func:`forget_pin`."""
+    _PINS[pinned] = path
+
+
+def forget_pin(pinned: str) -> None:
+    """Forget a pin (call it before closing the descriptor, whose number another pin may take next)."""
+    _PINS.pop(pinned, None)
+
+
+def read_regular_file(path: str | os.PathLike[str], name: str) -> bytes:
+    """The bytes of a (metadata) file, refusing anything but a regular file: a FIFO in a hostile checkpoint would
+    block a plain read forever. Opened without blocking, checked with ``fstat``; ``name`` names it in the error."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # reading a directory raises IsADirectoryError below
+            raise CorruptCheckpointError(f"{name} is not a regular file (a pipe or device in its place); the "
+                                         "checkpoint is damaged: remove it, or restore the file")
+        with open(fd, "rb", closefd=False) as file:
+            return file.read()
+    finally:
+        os.close(fd)
+
+
+def user_paths(text: str) -> str:
+    """``text`` (an error message) with every pinned directory replaced by the path it was opened as."""
+    if "/proc/self/fd/" not in text:
+        return text
+    return _PIN.sub(lambda m: _PINS.get(m.group(0), m.group(0)), text)
+
+
 IO_THREADS = min(8, max(2, os.cpu_count() or 2))  # more threads than cores only adds contention (measured)
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
@@ -251,10 +294,13 @@ def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: st
 def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], target: memoryview) -> None:
     """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks: a FIFO in a chunk's place is refused below
     except FileNotFoundError:
         raise _missing(path) from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"chunk file {path} is not a regular file (a pipe or device in its place); "
+                                         "the checkpoint is damaged: restore the file from a copy")
         if not layout.sharded:
             _read_piece(fd, 0, layout, layout.outer_rows, rows, target, path)
             return
@@ -338,10 +384,10 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
     if failures:
         key, error = failures[0]
         if isinstance(error, CorruptCheckpointError):
-            raise CorruptCheckpointError(f"{where}: tensor {key!r}: {error}") from error
+            raise CorruptCheckpointError(user_paths(f"{where}: tensor {key!r}: {error}")) from error
         if isinstance(error, OSError):
             kind = StorageError if action == "write" else CorruptCheckpointError
-            raise kind(f"{where}: tensor {key!r}: {action} failed: {error}") from error
+            raise kind(user_paths(f"{where}: tensor {key!r}: {action} failed: {error}")) from error
         raise error
 
 

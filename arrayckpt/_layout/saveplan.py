@@ -24,7 +24,7 @@ from .._format.codecs import CodecChoice, resolve_codec
 from .._format.dtypes import dtype_by_name
 from .._format.keys import Key, array_path
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry, per_rank_path
-from .._format.zarr import node_documents
+from .._format.zarr import MAX_CHUNK_BYTES, node_documents
 from .._layout.box import Box
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy, choose_chunks, shard_grid
 
@@ -246,6 +246,10 @@ def _plan_array(
     path = array_path(key)
     steps = shard_grid(shape, replicas)
     outer, inner = choose_chunks(shape, dtype.itemsize, steps, chunking)
+    if math.prod(inner) * dtype.itemsize > MAX_CHUNK_BYTES:  # readers refuse such chunks: never write one
+        raise StateError(f"tensor {key!r}: its shards (boundaries every {list(steps)} along each dimension) leave no "
+                         f"chunk grid under {MAX_CHUNK_BYTES} bytes per chunk (one chunk would be {list(inner)}); "
+                         "shard it so that rank boundaries have a common divisor, e.g. torch.chunk-style even splits")
     chosen = resolve_codec(None if first.kind == "pickle" else codec, key)
     arrays[path] = ArrayPlan(key, path, dtype, shape, outer, inner, chosen)
     for box, ranks in replicas.items():

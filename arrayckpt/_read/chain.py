@@ -24,7 +24,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError
 from .._format.manifest import ArrayEntry
 from .._format.quant import QuantizedRows, dequantize_rows
-from .._io.arrays import ArrayIO, open_array, read_into
+from .._io.arrays import ArrayIO, open_array, read_failure, read_into
 from .._layout.box import Box, grid_cells
 
 if TYPE_CHECKING:
@@ -117,9 +117,7 @@ def delta_rows(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:
         spec = checkpoint.rows_delta_spec(entry, "rows")
         rows = np.empty(tuple(spec["metadata"]["shape"]), np.int64)
         read_into([ArrayIO(entry.key, spec, rows)], checkpoint._context, str(checkpoint.location))
-        if len(rows) and (rows.max() >= entry.shape[0] or rows.min() < -1):
-            raise CorruptCheckpointError(f"{checkpoint.location}: tensor {entry.key!r}: its changed rows name rows "
-                                         f"outside 0..{entry.shape[0] - 1}")
+        checkpoint.check_delta_rows(entry, rows)
         cache[entry.key] = rows
     return cache[entry.key]
 
@@ -141,9 +139,8 @@ def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, position
     store = open_array(spec, checkpoint._context, entry.key, where)
     try:
         return np.asarray(store[positions].read().result())
-    except Exception as e:
-        raise CorruptCheckpointError(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: "
-                                     f"{e}") from e
+    except Exception as e:  # damaged, or unreachable storage (then a StorageError), named with the user's path
+        raise read_failure(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: {e}", e) from e
 
 
 def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:

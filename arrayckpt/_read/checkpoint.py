@@ -84,6 +84,8 @@ class Checkpoint(Mapping[str, LazyArray]):
             if isinstance(entry, ArrayEntry):
                 rows = entry.delta is not None and entry.delta.mode == "rows"
                 metadata = {} if rows else self._node(entry.path, key, entry.dtype, entry.shape)
+                if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
+                    self._check_present(key, entry.delta.present[-1], metadata)
                 self._arrays[key] = LazyArray(self, entry, metadata)
 
     # --- delta checkpoints ------------------------------------------------------------------------
@@ -177,11 +179,16 @@ class Checkpoint(Mapping[str, LazyArray]):
         if key not in cache:
             entry = self.manifest.entries[key]
             assert isinstance(entry, ArrayEntry) and entry.delta is not None
-            count = math.prod(grid_counts(self[key].metadata))
-            if any(i >= count for i in entry.delta.present):
-                raise FormatError(f"{self.location}: entry {key!r}: delta names chunks beyond its {count}-chunk grid")
+            if entry.delta.present:
+                self._check_present(key, max(entry.delta.present), self[key].metadata)
             cache[key] = frozenset(entry.delta.present)
         return cache[key]
+
+    def _check_present(self, key: str, largest: int, metadata: dict[str, Any]) -> None:
+        count = math.prod(grid_counts(metadata))
+        if largest >= count:
+            raise FormatError(f"{self.location}: entry {key!r}: its delta names chunk {largest}, beyond its "
+                              f"{count}-chunk grid: the manifest is damaged or crafted")
 
     def rows_delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
         """Spec of one array of a rows delta (``rows``, ``values``, ``codes``, ``scale``, ``offset``), checked."""
@@ -202,7 +209,24 @@ class Checkpoint(Mapping[str, LazyArray]):
         shape = metadata.get("shape") if isinstance(metadata, dict) else None
         if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)):
             raise FormatError(f"{self.location}: entry {entry.key!r}: its rows delta has no valid 'rows' array")
+        if entry.delta is not None and entry.delta.rows > shape[0]:
+            raise FormatError(f"{self.location}: entry {entry.key!r}: its rows delta records {entry.delta.rows} "
+                              f"changed rows but stores {shape[0]}: the manifest is damaged or crafted")
         return shape[0]
+
+    def check_delta_rows(self, entry: ArrayEntry, rows: np.ndarray) -> None:
+        """The row indices a rows delta of ``entry`` stores, as read, against what its writer guarantees: each
+        ``-1`` (padding) or a row of the tensor, no row twice, and as many changed rows as the manifest records."""
+        assert entry.delta is not None
+        changed = rows[rows != -1]
+        where = f"{self.location}: tensor {entry.key!r}: its changed rows"
+        if len(changed) and (changed.max() >= entry.shape[0] or changed.min() < 0):
+            raise CorruptCheckpointError(f"{where} name rows outside 0..{entry.shape[0] - 1}")
+        if len(np.unique(changed)) != len(changed):
+            raise CorruptCheckpointError(f"{where} name a row twice: the checkpoint is damaged or crafted")
+        if len(changed) != entry.delta.rows:
+            raise CorruptCheckpointError(f"{where} are {len(changed)}, but the manifest records {entry.delta.rows}: "
+                                         "the checkpoint is damaged or crafted")
 
     def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
         where = f"{self.location}: entry {key!r}"

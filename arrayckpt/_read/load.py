@@ -25,7 +25,7 @@ from .._torch.dtypes import torch_dtype
 from .._torch.readonce import split_reads
 from .._torch.shards import PerRank, Shard, to_local_box
 from .._torch.state import Leaf, StatefulNode, Walk, walk
-from .._torch.tensors import writable_numpy
+from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 
 __all__ = ["LoadResult", "load"]
 
@@ -47,6 +47,7 @@ def load(
     process_group: Any = None,
     read_once: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    atomic: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -56,8 +57,12 @@ def load(
     checkpoint (a fresh optimizer has no per-parameter state yet). Shapes and dtypes must match
     exactly. With ``strict=True`` keys of ``state`` missing from the checkpoint raise
     :class:`KeyMismatchError`; either way the result lists missing and unexpected keys. Everything
-    is checked before the first byte is read, so a mismatch leaves ``state`` untouched (damage found
-    while reading can leave some tensors loaded and others not).
+    is checked before the first byte is read, so a mismatch leaves ``state`` untouched. Damage found
+    while reading (a failed checksum) is found after the bytes were read: CPU tensors, read in place, may
+    then hold some of the new bytes; the error lists their keys (in its message and as
+    ``error.overwritten_keys``). With ``atomic=True`` every read goes to fresh host buffers and the state
+    is touched only once every read and check has passed, so a failed load leaves ``state`` exactly as it
+    was (at the cost of a host copy of the data read and one more copy into the tensors).
 
     With several ranks, every rank calls ``load`` with its own targets and reads only the slices they
     hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
@@ -89,7 +94,7 @@ def load(
             + ". Pass strict=False to load the rest"
         )
     with collector_paused():
-        plan = _LoadPlan(checkpoint, group.rank, group.size)
+        plan = _LoadPlan(checkpoint, group.rank, group.size, atomic)
         for key, leaf in walked.leaves.items():
             if key in entries:
                 plan.add(entries[key], leaf)
@@ -106,21 +111,31 @@ def _few(keys: list[str], limit: int = 10) -> str:
 class _LoadPlan:
     """How every entry reaches its leaf; built (and validated) before any array data is read."""
 
-    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int) -> None:
+    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int, atomic: bool = False) -> None:
         self.checkpoint = checkpoint
         self.where = str(checkpoint.location)
         self.rank = rank
         self.world_size = world_size
+        self.atomic = atomic  # stage every read in fresh host buffers, even where the target could take it
         self.requests: list[Request] = []  # everything to read, in one call of the read path
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.in_place: list[str] = []  # keys read straight into the state's memory (not staged)
+        self.copies: list[tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] = []  # (target, staged)
         self.replacements: list[tuple[Leaf, Any]] = []
 
     def run(self, share_with: Group | None = None) -> None:
         """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
-        arriving from other ranks), then move staged data to devices and replace plain values."""
-        read(self.checkpoint, self.requests, execute=read_into if share_with is None else _read_once(share_with))
+        arriving from other ranks), then copy staged data into its targets and replace plain values (only
+        once every read has passed its checks)."""
+        try:
+            read(self.checkpoint, self.requests, execute=read_into if share_with is None else _read_once(share_with))
+        except ArrayckptError as e:
+            _note_overwritten(e, sorted(set(self.in_place)))
+            raise
         for target, staged in self.copies:
-            target.copy_(staged)
+            if isinstance(target, np.ndarray):
+                np.copyto(target, staged)
+            else:
+                target.copy_(staged)
         for leaf, value in self.replacements:
             leaf.parent[leaf.slot] = value
 
@@ -158,14 +173,28 @@ class _LoadPlan:
             self._check(entry, dtype_of_numpy(target.dtype), entry.dtype, target.shape)
             if not target.flags.writeable:
                 raise StateError(f"{self.where}: numpy array {key!r} in the state is read-only")
-            self._read(entry, spec, Box.whole(entry.shape), target)
+            if overlaps_itself(target.shape, target.strides, target.itemsize):
+                raise StateError(f"{self.where}: numpy array {key!r} in the state has elements sharing memory (an "
+                                 "overlapping view); load into an array with its own memory: .copy() it first")
+            if self.atomic:
+                staged_array = np.empty(target.shape, target.dtype)
+                self._read(entry, spec, Box.whole(entry.shape), staged_array)
+                self.copies.append((target, staged_array))
+            else:
+                self._read(entry, spec, Box.whole(entry.shape), target)
+                self.in_place.append(key)
             return
         global_shape, box, local = to_local_box(target, key)
         self._check(entry, local.dtype, torch_dtype(entry.dtype), global_shape)
+        try:
+            check_loadable(local, key)
+        except StateError as e:
+            raise StateError(f"{self.where}: {e}") from None
         if box.size == 0 and math.prod(entry.shape) != 0:
             return  # this rank holds no part of the tensor
-        if local.device.type == "cpu":
+        if local.device.type == "cpu" and not self.atomic:
             self._read(entry, spec, box, writable_numpy(local, entry.dtype, key))
+            self.in_place.append(key)
         else:
             staged = torch.empty(box.shape, dtype=torch_dtype(entry.dtype))
             self._read(entry, spec, box, writable_numpy(staged, entry.dtype, key))
@@ -235,6 +264,17 @@ def _read_once(group: Group) -> Execute:
         exchange()
 
     return execute
+
+
+def _note_overwritten(error: ArrayckptError, keys: list[str]) -> None:
+    """Make ``error`` (a read that failed, e.g. a bad checksum) say which keys of the state were read in place and
+    may hold some of the new bytes: in its message and as ``error.overwritten_keys``."""
+    error.overwritten_keys = keys  # type: ignore[attr-defined]
+    if keys:
+        note = (f"; the state was not loaded as a whole: {len(keys)} tensor(s) read in place may hold some of the "
+                f"checkpoint's bytes: {_few(keys)}; load them again from an intact checkpoint (atomic=True leaves "
+                "the state untouched when a load fails)")
+        error.args = (f"{error.args[0] if error.args else error}{note}", *error.args[1:])
 
 
 def _dtype_name(dtype: object) -> str:

@@ -241,8 +241,9 @@ def parse_root_bytes(data: bytes, where: object) -> dict[str, Any]:
     """A root ``zarr.json``'s bytes parsed, or ``CorruptCheckpointError``."""
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {e}") from None
+    except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an integer of too many digits
+        problem = e if isinstance(e, ValueError) else "JSON nested too deeply"
+        raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {problem}") from None
 
 
 _CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")

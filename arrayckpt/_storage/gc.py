@@ -12,19 +12,22 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
-from .base import ROOT_METADATA, Leftover, Leftovers, arrayckpt_keys, parse_location
+from .base import ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
+from .files import directory_files, remove_arrayckpt_files
+from .local import LocalLocation
 
 if TYPE_CHECKING:
     from .object import ObjectLocation
 
-__all__ = ["ObjectLeftover", "collect_garbage", "object_leftovers"]
+__all__ = ["LocalIncomplete", "ObjectLeftover", "collect_garbage", "incomplete_leftovers", "judge_incomplete",
+           "object_leftovers"]
 
 
 def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False,
@@ -91,38 +94,58 @@ def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
         except ValueError:
             kept.append((f"{location}/{child}", "not a name a checkpoint can have: not arrayckpt's data"))
             continue
-        document = where.node_document("")
-        if document is not None:
-            try:
-                committed = is_arrayckpt_root(json.loads(document))
-            except ValueError:
-                committed = False
-            if not committed:
-                kept.append((str(where), "its zarr.json is not an arrayckpt checkpoint's: not arrayckpt's data"))
-            continue
-        entries = where.object_times()
-        if not entries:
-            continue  # removed meanwhile
-        keys = [k for k, _ in entries]
-        foreign = sorted(set(keys) - set(arrayckpt_keys(keys)))
-        if foreign:
-            kept.append((str(where), f"holds objects that are not arrayckpt's (e.g. {foreign[0]!r})"))
-            continue
-        problem = _not_arrayckpt_documents(where, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA])
-        if problem:
-            kept.append((str(where), problem))
-            continue
-        times = [t for _, t in entries]
-        now = time.time()  # after the listing: its objects are not younger than now
-        age = None if any(t is None for t in times) else max(0.0, now - max(times))  # type: ignore[type-var]
-        if min_age_s > 0 and (age is None or age < min_age_s):
-            reason = (f"newest object written {age:.0f} s ago, under the minimum age of {min_age_s:g} s"
-                      if age is not None else f"{location.scheme}:// gives no modification times here, so its "
-                      f"objects count as just written (min_age_s=0 removes it)")
-            kept.append((str(where), f"incomplete checkpoint, maybe still being saved: {reason}"))
-            continue
-        found.append(ObjectLeftover(where, tuple(sorted(keys)), age))
+        one = _prefix_leftovers(where, min_age_s)
+        found.extend(one.found)
+        kept.extend(one.kept)
     return Leftovers(found, kept)
+
+
+def _prefix_leftovers(where: ObjectLocation, min_age_s: float) -> Leftovers:
+    """The prefix ``where`` as a removable leftover, or kept with why, or neither (committed, or nothing there)."""
+    document = where.node_document("")
+    if document is not None:
+        try:
+            committed = is_arrayckpt_root(json.loads(document))
+        except (ValueError, RecursionError):
+            committed = False
+        if not committed:
+            return Leftovers([], [(str(where), "its zarr.json is not an arrayckpt checkpoint's: not arrayckpt's data")])
+        return Leftovers([], [])
+    entries = where.object_times()
+    if not entries:
+        return Leftovers([], [])  # removed meanwhile
+    keys = [k for k, _ in entries]
+    times = [t for _, t in entries]
+    newest = None if any(t is None for t in times) else max(times)  # type: ignore[type-var]
+    no_times = (f"{where.scheme}:// gives no modification times here, so its objects count as just "
+                "written (min_age_s=0 removes it)")
+    problem, age = judge_incomplete(keys, newest, where.read_objects, min_age_s, no_times)
+    if problem:
+        return Leftovers([], [(str(where), problem)])
+    return Leftovers([ObjectLeftover(where, tuple(sorted(keys)), age)], [])
+
+
+Reader = Callable[[list[str]], Mapping[str, bytes | None]]  # keys -> their bytes (None: no such file or object)
+
+
+def judge_incomplete(keys: list[str], newest: float | None, read_documents: Reader, min_age_s: float,
+                     no_times: str = "") -> tuple[str | None, float | None]:
+    """Whether an incomplete checkpoint (no root document) holding the files or objects ``keys`` (relative to
+    it, the newest written at epoch ``newest``; ``None``: unknown) may be removed, by the rule of spec §9.3
+    (see :func:`object_leftovers`): ``(None, age)`` when it may, else ``(why it is kept, age)``."""
+    foreign = sorted(set(keys) - set(arrayckpt_keys(keys)))
+    if foreign:
+        return f"holds objects that are not arrayckpt's (e.g. {foreign[0]!r})", None
+    problem = _not_arrayckpt_documents(read_documents, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA])
+    if problem:
+        return problem, None
+    now = time.time()  # after the listing: its objects are not younger than now
+    age = None if newest is None else max(0.0, now - newest)
+    if min_age_s > 0 and (age is None or age < min_age_s):
+        reason = (f"newest object written {age:.0f} s ago, under the minimum age of {min_age_s:g} s"
+                  if age is not None else no_times)
+        return f"incomplete checkpoint, maybe still being saved: {reason}", age
+    return None, age
 
 
 def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
@@ -135,7 +158,7 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
             continue
         try:
             ours = is_arrayckpt_root(json.loads(document))
-        except ValueError:
+        except (ValueError, RecursionError):
             ours = False
         what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
         if depth == len(parts):
@@ -143,18 +166,18 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
         raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
 
 
-def _not_arrayckpt_documents(where: ObjectLocation, documents: list[str]) -> str | None:
-    """Why the ``zarr.json`` documents ``documents`` below ``where`` do not show an interrupted arrayckpt save
-    (``None``: they do)."""
+def _not_arrayckpt_documents(read_documents: Reader, documents: list[str]) -> str | None:
+    """Why the ``zarr.json`` documents ``documents`` (read through ``read_documents``) do not show an
+    interrupted arrayckpt save (``None``: they do)."""
     if not documents:
         return "no zarr.json of an arrayckpt array under it (only chunk-named objects): not known to be arrayckpt's"
     arrays = 0
-    for name, data in where.read_objects(documents).items():
+    for name, data in read_documents(documents).items():
         if data is None:
             continue  # deleted meanwhile
         try:
             document = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return f"{name} is not JSON: not known to be arrayckpt's"
         node = document.get("node_type") if isinstance(document, dict) else None
         if not isinstance(document, dict) or document.get("zarr_format") != 3 or node not in ("group", "array"):
@@ -167,3 +190,65 @@ def _not_arrayckpt_documents(where: ObjectLocation, documents: list[str]) -> str
     if not arrays:
         return "no zarr.json of an arrayckpt array under it: not known to be arrayckpt's"
     return None
+
+
+@dataclass(frozen=True)
+class LocalIncomplete(Leftover):
+    """An incomplete checkpoint in a local directory (no root document; only arrayckpt's files, see
+    :func:`incomplete_leftovers`): what an interrupted deletion, or a save on a filesystem without atomic
+    renames, leaves."""
+
+    location: LocalLocation
+    age_s: float | None
+
+    def remove(self) -> bool:
+        """Remove arrayckpt's files and the directories left empty, unless a root document has appeared
+        meanwhile (then nothing is touched and ``False`` is returned). ``False`` too when something that is not
+        arrayckpt's appeared meanwhile and stays."""
+        if os.path.lexists(self.location.path / ROOT_METADATA):
+            return False
+        return remove_arrayckpt_files(self.location.path)
+
+
+def incomplete_leftovers(location: Location, min_age_s: float) -> Leftovers:
+    """The checkpoint at ``location`` as a leftover when it is incomplete (no root document) and holds only what
+    an interrupted arrayckpt save or deletion leaves, untouched for ``min_age_s``: the rule of
+    :func:`object_leftovers` (positive evidence: arrayckpt's file names, and a ``zarr.json`` of an array arrayckpt
+    wrote; locally a tree of empty directories too). Otherwise nothing is found and, unless nothing or a
+    committed checkpoint is there, it is kept with why. Locally, a link or special file is never followed: kept."""
+    if isinstance(location, LocalLocation):
+        return _local_incomplete(location, min_age_s)
+    return _prefix_leftovers(location, min_age_s)  # type: ignore[arg-type]
+
+
+def _local_incomplete(location: LocalLocation, min_age_s: float) -> Leftovers:
+    path = location.path
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        return Leftovers([], [(str(location), "a link or a file, not a directory arrayckpt wrote: left alone")])
+    if not path.is_dir() or os.path.lexists(path / ROOT_METADATA):
+        return Leftovers([], [])  # nothing there, or committed (or another Zarr hierarchy's): not a leftover
+    try:
+        keys, newest, odd = directory_files(path)
+    except FileNotFoundError:
+        return Leftovers([], [])  # removed meanwhile
+    if odd is not None:
+        return Leftovers([], [(str(location), f"holds {odd!r}, a link or special file: not arrayckpt's")])
+
+    def read(names: list[str]) -> dict[str, bytes | None]:
+        out: dict[str, bytes | None] = {}
+        for name in names:
+            try:
+                out[name] = (path / name).read_bytes()
+            except FileNotFoundError:
+                out[name] = None
+        return out
+
+    if keys:
+        problem, age = judge_incomplete(keys, newest, read, min_age_s)
+    else:  # only empty directories: removing them removes nothing of anyone's
+        age = max(0.0, time.time() - newest)
+        problem = None if age >= min_age_s else (f"incomplete checkpoint, maybe still being saved: newest entry "
+                                                 f"written {age:.0f} s ago, under the minimum age of {min_age_s:g} s")
+    if problem:
+        return Leftovers([], [(str(location), problem)])
+    return Leftovers([LocalIncomplete(location, age)], [])

@@ -33,6 +33,7 @@ from .._errors import (
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
+from .._io.fastio import forget_pin, read_regular_file, remember_pin
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -45,6 +46,7 @@ from .base import (
     parse_root_bytes,
     register_scheme,
 )
+from .files import remove_arrayckpt_files
 
 __all__ = [
     "LocalLeftover",
@@ -122,15 +124,15 @@ class LocalLocation(Location):
     def node_document(self, node_path: str) -> bytes | None:
         """A node's own ``zarr.json`` (``None`` when absent)."""
         try:
-            return (self.path / node_path / ROOT_METADATA).read_bytes()
+            return read_regular_file(self.path / node_path / ROOT_METADATA, f"{self}: {node_path}/{ROOT_METADATA}")
         except (FileNotFoundError, NotADirectoryError):
             return None
 
     def is_committed(self) -> bool:
         """Whether an arrayckpt root document is here (one file read; a foreign Zarr store does not count)."""
         try:
-            document = json.loads((self.path / ROOT_METADATA).read_bytes())
-        except (OSError, ValueError):
+            document = json.loads(read_regular_file(self.path / ROOT_METADATA, f"{self}: {ROOT_METADATA}"))
+        except (OSError, ValueError, RecursionError, CorruptCheckpointError):
             return False
         return is_arrayckpt_root(document)
 
@@ -193,12 +195,16 @@ class LocalLocation(Location):
         make_durable(self.path)
 
     def delete(self) -> None:
-        """Remove the checkpoint: the commit first (so a half-removed one reads as incomplete), then the rest."""
+        """Remove the checkpoint: the commit first (so a half-removed one reads as incomplete), then arrayckpt's
+        other files (anything else stays). A link at the path is removed as a link, never followed."""
+        if self.path.is_symlink():
+            self.path.unlink(missing_ok=True)
+            return
         try:
             (self.path / ROOT_METADATA).unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
-        shutil.rmtree(self.path, ignore_errors=True)
+        remove_arrayckpt_files(self.path)
 
     def _temporary_siblings(self) -> list[Path]:
         """Temporary directories of (possibly interrupted) saves to this path."""
@@ -267,7 +273,13 @@ def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
     if not os.path.isdir(pinned):
         os.close(fd)
         return str(path), lambda: None
-    return pinned, lambda: os.close(fd)
+    remember_pin(pinned, str(path))  # error messages name ``path``, not the pin
+
+    def release() -> None:
+        forget_pin(pinned)
+        os.close(fd)
+
+    return pinned, release
 
 
 _OPEN_ATTEMPTS = 100  # opens overtaken by an overwrite (each one a new committed checkpoint) before giving up
@@ -287,7 +299,7 @@ def read_root_json(location: LocalLocation, directory: str | None = None) -> dic
     one), or a clear error saying what is there instead."""
     root = Path(directory or location.path) / ROOT_METADATA
     try:
-        data = root.read_bytes()
+        data = read_regular_file(root, f"{location}: {ROOT_METADATA}")
     except FileNotFoundError:
         if location.path.is_dir():
             raise IncompleteCheckpointError(

@@ -367,7 +367,7 @@ class ObjectWriter(Writer):
         if root is not None:
             try:
                 document = json.loads(root)
-            except ValueError:
+            except (ValueError, RecursionError):
                 document = None
             if not is_arrayckpt_root(document):
                 raise CheckpointExistsError(f"{location}: a zarr.json that is not an arrayckpt checkpoint is here; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,18 +57,32 @@ def chunk_file(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
     return chunk_key(metadata, grid_index)
 
 
-def iter_chunks(key: str, array_path: str, spec: dict[str, Any]) -> Iterator[ChunkRef]:
-    """Every outer chunk of an array, in C order (none for an array with no elements)."""
+def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
+                flat: Iterable[int] | None = None) -> Iterator[ChunkRef]:
+    """Every outer chunk of an array in C order, or those at the C-order positions ``flat`` (none for an array with
+    no elements). Lazy: memory does not grow with the number of chunks."""
     metadata = spec["metadata"]
     shape = tuple(metadata["shape"])
     if math.prod(shape) == 0:
         return
     chunk = chunk_shape(metadata)
     counts = [math.ceil(n / c) for n, c in zip(shape, chunk, strict=True)]
-    for grid_index in itertools.product(*(range(n) for n in counts)):
+    grid: Iterable[tuple[int, ...]] = itertools.product(*(range(n) for n in counts))
+    if flat is not None:
+        grid = (_unravel(i, counts) for i in flat)
+    for grid_index in grid:
         index = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, chunk, shape, strict=True))
         file = f"{array_path}/{chunk_file(metadata, grid_index)}"
         yield ChunkRef(key, array_path, file, index, spec)
+
+
+def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
+    """The grid index at C-order position ``flat`` of a grid of ``counts`` chunks per dimension."""
+    index = []
+    for n in reversed(counts):
+        flat, i = divmod(flat, n)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def read_chunks(checkpoint: Checkpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:

@@ -10,9 +10,11 @@ read in batches of at most ``batch_bytes`` (a single chunk larger than that is r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,9 @@ from .._errors import (
     StorageError,
 )
 from .._format.codecs import check_checksummed
+from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from .._format.zarr import check_array_metadata
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import ROOT_METADATA, Location, parse_location
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
@@ -33,6 +37,7 @@ from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
 __all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
 
 BATCH_BYTES = 256 << 20  # chunks read at once: enough for concurrency, small enough for any host
+BATCH_CHUNKS = 4096  # and at most this many (tiny chunks: the batch's own bookkeeping stays small)
 
 Progress = Callable[[int, int], None]  # (bytes checked so far, bytes to check)
 
@@ -124,28 +129,43 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
                   progress: Progress | None) -> tuple[int, int, int]:
     """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
     location, nodes = checkpoint.location, checkpoint.nodes
-    chunks: list[ChunkRef] = []
-    arrays = 0
+    stored: list[tuple[str, str, dict[str, Any]]] = []  # one item per array (the manifest's size), never per chunk
     for key, array_path, spec in _arrays(checkpoint, nodes, damage):
-        arrays += 1
+        stored.append((key, array_path, spec))
         damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
-        chunks.extend(_present_chunks(checkpoint, key, array_path, spec))
     groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
     for group_path in groups:
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
-    checked = _read_all(checkpoint, chunks, batch_bytes, damage, progress)
-    return arrays, len(chunks), checked
+    total = sum(_stored_bytes(checkpoint, *array) for array in stored)
+    chunks = itertools.chain.from_iterable(_present_chunks(checkpoint, *array) for array in stored)
+    count, checked = _read_all(checkpoint, chunks, total, batch_bytes, damage, progress)
+    return len(stored), count, checked
 
 
-def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> list[ChunkRef]:
-    """The chunks an array stores: all of them, except in a chunks delta (only the changed ones)."""
-    chunks = list(iter_chunks(key, array_path, spec))
+def _delta_present(checkpoint: Checkpoint, key: str, array_path: str) -> frozenset[int] | None:
+    """The flat indices of the chunks a chunks delta stores for this array (``None``: it stores all of them)."""
     entry = checkpoint.manifest.entries.get(key)
     if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks" \
             and array_path == entry.path:
-        present = checkpoint.present_chunks(key)
-        return [chunk for flat, chunk in enumerate(chunks) if flat in present]
-    return chunks
+        return checkpoint.present_chunks(key)
+    return None
+
+
+def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> Iterator[ChunkRef]:
+    """The chunks an array stores, lazily: all of them, except in a chunks delta (only the changed ones)."""
+    present = _delta_present(checkpoint, key, array_path)
+    if present is None:
+        return iter_chunks(key, array_path, spec)
+    return iter_chunks(key, array_path, spec, sorted(present))
+
+
+def _stored_bytes(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> int:
+    """The bytes :func:`_present_chunks` yields, computed without listing the chunks of a full array."""
+    present = _delta_present(checkpoint, key, array_path)
+    if present is None:
+        metadata = spec["metadata"]
+        return math.prod(metadata["shape"]) * dtype_by_name(metadata["data_type"]).itemsize
+    return sum(chunk.nbytes for chunk in _present_chunks(checkpoint, key, array_path, spec))
 
 
 def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
@@ -187,13 +207,9 @@ def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
 
 
 def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None:
-    """Why a pickle entry's array metadata is unusable (``None`` when it is fine)."""
-    if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
-        return "no array metadata for this pickled value in the root's consolidated metadata"
-    if metadata.get("data_type") != "uint8" or metadata.get("shape") != [entry.nbytes]:
-        return (f"array metadata says {metadata.get('data_type')}{metadata.get('shape')}, the manifest "
-                f"uint8[{entry.nbytes}]")
+    """Why a pickle entry's array metadata is unusable (``None`` when it is fine): checked like every array's."""
     try:
+        check_array_metadata(metadata, (entry.nbytes,), "uint8", f"pickled value {entry.key!r}")
         check_checksummed(metadata, entry.key)
     except FormatError as e:
         return str(e)
@@ -212,19 +228,20 @@ def _check_node_file(location: Location, key: str | None, node_path: str,
         stored = json.loads(data)
     except StorageError:  # the store cannot be reached: nothing is known about the file
         raise
-    except (OSError, ValueError, ArrayckptError) as e:
+    except (OSError, ValueError, RecursionError, ArrayckptError) as e:
         return [Damage(key, file, f"node metadata file is unreadable: {e}")]
     if stored != document:
         return [Damage(key, file, "node metadata file differs from the root's consolidated metadata")]
     return []
 
 
-def _batches(chunks: list[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
-    """Consecutive runs of chunks of at most ``budget`` bytes (a bigger chunk is a batch of its own)."""
+def _batches(chunks: Iterable[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
+    """Consecutive runs of at most ``BATCH_CHUNKS`` chunks and ``budget`` bytes (a bigger chunk is a batch of its
+    own)."""
     batch: list[ChunkRef] = []
     size = 0
     for chunk in chunks:
-        if batch and size + chunk.nbytes > budget:
+        if batch and (size + chunk.nbytes > budget or len(batch) >= BATCH_CHUNKS):
             yield batch
             batch, size = [], 0
         batch.append(chunk)
@@ -233,13 +250,14 @@ def _batches(chunks: list[ChunkRef], budget: int) -> Iterator[list[ChunkRef]]:
         yield batch
 
 
-def _read_all(checkpoint: Checkpoint, chunks: list[ChunkRef], budget: int, damage: list[Damage],
-              progress: Progress | None) -> int:
-    """Read every chunk (batched for speed); a failed batch is re-read chunk by chunk to name each damage."""
+def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, budget: int, damage: list[Damage],
+              progress: Progress | None) -> tuple[int, int]:
+    """Read every chunk (batched for speed, taken lazily: memory is bounded by the batch, whatever the number of
+    chunks); a failed batch is re-read chunk by chunk to name each damage. Returns (chunks, bytes) read."""
     where = str(checkpoint.location)
-    total = sum(c.nbytes for c in chunks)
-    done = 0
+    done = count = 0
     for batch in _batches(chunks, budget):
+        count += len(batch)
         try:
             read_chunks(checkpoint, batch)
         except Exception:
@@ -253,7 +271,7 @@ def _read_all(checkpoint: Checkpoint, chunks: list[ChunkRef], budget: int, damag
         done += sum(c.nbytes for c in batch)
         if progress is not None:
             progress(done, total)
-    return done
+    return count, done
 
 
 def _short(message: str, where: str, key: str | None = None) -> str:

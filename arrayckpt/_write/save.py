@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ArrayckptError, CollectiveError, FormatError, StateError
+from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedCheckpointError, StateError
 from .._format.codecs import CodecChoice
-from .._format.manifest import ArrayEntry, Manifest, format_version, parse_metrics
+from .._format.manifest import ArrayEntry, Manifest, format_version, parse_metrics, parse_root_document
 from .._io.arrays import ArrayIO, array_spec, collector_paused, write_all
 from .._layout.delta import PieceChange, RowsTask, plan_delta, stored_bytes
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
@@ -278,12 +278,32 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
         try:
             manifest = build_manifest(plan, request.record, world_size, request.delta, [q for _, q in results],
                                       transaction.key_encoding)
+            if request.delta is not None:
+                check_bases_unchanged(request.delta, request.location)
             transaction.commit(manifest, plan.consolidated_json)
             return str(manifest.id)
         except ArrayckptError as e:
             error = e
     transaction.abort()
     return error
+
+
+def check_bases_unchanged(delta: DeltaRequest, location: Location) -> None:
+    """Right before a delta commits: every checkpoint of its chain of bases must still be the one opened (a
+    base replaced or removed since would make the delta unreadable, and no base data may have been read to
+    notice: ``changed_rows``, a kept copy). One root-document read per layer."""
+    for layer in delta.base.chain():
+        expected = layer.manifest.id
+        try:
+            now: Any = parse_root_document(layer.location.read_root(), str(layer.location))[0].id
+        except ArrayckptError as e:
+            now = f"unreadable: {e}"
+        if now != expected:
+            what = "its base" if layer is delta.base else "a checkpoint in its chain of bases"
+            raise ReplacedCheckpointError(
+                f"{location}: the delta was not committed: {what} {layer.location} was replaced or removed after it "
+                f"was opened (the delta was saved against id {expected}, the id there now is {now}), so the delta "
+                "could never be read; save again against the checkpoint there now, or as a full checkpoint")
 
 
 def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | None,

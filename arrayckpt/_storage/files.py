@@ -1,0 +1,62 @@
+"""arrayckpt's own files in a local directory: finding them without following links, removing only them.
+
+Used where a directory's contents must be judged or removed file by file (``LocalLocation.delete``, and the
+incomplete step checkpoints that :func:`arrayckpt._storage.gc.incomplete_leftovers` finds), so that nothing
+that is not arrayckpt's, nor anything a link points to, is ever removed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from .base import ROOT_METADATA, arrayckpt_keys
+
+__all__ = ["directory_files", "remove_arrayckpt_files"]
+
+
+def directory_files(path: Path) -> tuple[list[str], float, str | None]:
+    """What is below the directory ``path``, never following links: the regular files (relative POSIX paths),
+    the newest modification time (of them and the directories), and the first entry that is neither a regular
+    file nor a directory (a link, a FIFO, ...; ``None`` if there is none)."""
+    keys: list[str] = []
+    newest = path.lstat().st_mtime
+    odd: str | None = None
+    for directory, dirnames, files in os.walk(path):
+        for name in (*dirnames, *files):
+            full = os.path.join(directory, name)
+            try:
+                info = os.lstat(full)
+            except FileNotFoundError:
+                continue
+            relative = os.path.relpath(full, path).replace(os.sep, "/")
+            newest = max(newest, info.st_mtime)
+            if stat.S_ISREG(info.st_mode):
+                keys.append(relative)
+            elif not stat.S_ISDIR(info.st_mode) and odd is None:
+                odd = relative
+    return sorted(keys), newest, odd
+
+
+def remove_arrayckpt_files(path: Path) -> bool:
+    """Remove arrayckpt's files below the directory ``path`` (``arrayckpt_keys``: chunks first, then the
+    ``zarr.json`` documents, deepest first, so a removal cut short still shows whose files are left), then every
+    directory left empty, ``path`` included. Anything else stays. Returns whether ``path`` is gone."""
+    if path.is_symlink() or not path.is_dir():
+        return not os.path.lexists(path)
+    keys, _, _ = directory_files(path)
+    ours = arrayckpt_keys(keys)
+    chunks = [k for k in ours if k.rpartition("/")[2] != ROOT_METADATA]
+    documents = sorted((k for k in ours if k.rpartition("/")[2] == ROOT_METADATA), key=lambda k: -k.count("/"))
+    for key in (*chunks, *documents):
+        try:
+            os.unlink(path / key)
+        except FileNotFoundError:
+            pass
+    for directory, _, _ in sorted(os.walk(path), key=lambda entry: -entry[0].count(os.sep)):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty: something that is not arrayckpt's is in it
+            pass
+    return not os.path.lexists(path)

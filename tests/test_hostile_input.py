@@ -1,0 +1,256 @@
+"""Hostile input (issue 13, items 4, 8, 9, 14): manifests that break what writers guarantee, JSON nested too
+deeply or with integers too long for Python, damaged pickle metadata and lying safetensors headers are refused
+with an arrayckpt error naming the file and the key, reported by ``verify``, and never a traceback in the CLI."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from policies import small_chunks
+
+import arrayckpt
+from arrayckpt._format.values import NotJSONable, decode_value, encode_value
+from arrayckpt.cli import main
+
+
+def _edit_root(path: Path, change) -> None:
+    document = json.loads((path / "zarr.json").read_text())
+    change(document)
+    (path / "zarr.json").write_text(json.dumps(document))
+
+
+def _entries(document: dict[str, Any]) -> dict[str, Any]:
+    return document["attributes"]["arrayckpt"]["entries"]
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def _assert_one_line_error(code: int, err: str, match: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("arrayckpt: error: "), err
+    assert match in lines[0], err
+
+
+# --- item 4: structural invariants of the manifest -------------------------------------------------------------
+
+
+@pytest.fixture
+def chunks_delta(tmp_path) -> Path:
+    w = torch.arange(1024.0).reshape(32, 32)
+    chunking = small_chunks(64, 256)
+    chunking.save({"w": w}, tmp_path / "a")
+    w[:, :2] += 1  # every row changes: a chunks delta
+    chunking.save({"w": w}, tmp_path / "b", base=tmp_path / "a")
+    entry = _entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["w"]
+    assert entry["delta"]["mode"] == "chunks" and len(entry["delta"]["present"]) >= 2
+    return tmp_path / "b"
+
+
+def test_duplicate_present_chunk_is_refused_and_verify_reports_it(chunks_delta, capsys):
+    def duplicate(document):  # one flipped bit: the last chunk's index becomes the first's
+        present = _entries(document)["w"]["delta"]["present"]
+        present[-1] = present[0]
+    _edit_root(chunks_delta, duplicate)
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'w': delta 'present' must list each chunk index once"):
+        arrayckpt.open(chunks_delta)
+    report = arrayckpt.verify(chunks_delta)
+    assert not report.ok and "each chunk index once" in report.damage[0].problem
+    code, _ = _cli(capsys, "verify", str(chunks_delta))
+    assert code == 1
+
+
+def test_present_chunk_beyond_the_grid_is_refused_at_open(chunks_delta):
+    _edit_root(chunks_delta, lambda d: _entries(d)["w"]["delta"].update(present=[0, 10_000]))
+    with pytest.raises(arrayckpt.FormatError, match=r"b: entry 'w': its delta names chunk 10000, beyond its"):
+        arrayckpt.open(chunks_delta)
+    assert not arrayckpt.verify(chunks_delta).ok
+
+
+@pytest.fixture
+def rows_delta(tmp_path) -> Path:
+    arrayckpt.save({"e": torch.zeros(10, 2)}, tmp_path / "a")
+    e = torch.zeros(10, 2)
+    e[[2, 5]] = 1.0
+    arrayckpt.save({"e": e}, tmp_path / "b", base=tmp_path / "a", changed_rows={"e": [2, 5]})
+    assert _entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["e"]["delta"]["rows"] == 2
+    return tmp_path / "b"
+
+
+def test_rows_delta_row_count_must_match_the_stored_rows(rows_delta):
+    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(rows=1))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"tensor 'e': its changed rows are 2, but the "
+                                                               r"manifest records 1"):
+        arrayckpt.open(rows_delta)["e"].numpy()
+    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(rows=3))
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': its rows delta records 3 changed rows but stores 2"):
+        arrayckpt.open(rows_delta)["e"].numpy()
+    assert not arrayckpt.verify(rows_delta).ok
+
+
+def test_rows_stored_twice_are_refused(rows_delta):
+    checkpoint = arrayckpt.open(rows_delta)
+    entry = checkpoint.manifest.entries["e"]
+    checkpoint.check_delta_rows(entry, np.array([2, 5, -1]))  # padding is fine
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"tensor 'e': its changed rows name a row twice"):
+        checkpoint.check_delta_rows(entry, np.array([2, 2]))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"name rows outside 0..9"):
+        checkpoint.check_delta_rows(entry, np.array([2, -3]))
+
+
+def test_quantized_delta_of_an_integer_tensor_is_refused(rows_delta):
+    def quantize_ints(document):
+        _entries(document)["e"]["dtype"] = "int32"
+        _entries(document)["e"]["delta"]["quantized"] = {"bits": 8, "max_abs_error": 0.0}
+    _edit_root(rows_delta, quantize_ints)
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': a quantized rows delta of a int32 tensor"):
+        arrayckpt.open(rows_delta)
+
+
+@pytest.mark.parametrize("error", [float("nan"), -1.0])
+def test_quantized_max_abs_error_must_be_finite_and_non_negative(rows_delta, error):
+    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(quantized={"bits": 8, "max_abs_error": error}))
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': delta 'quantized' must be"):
+        arrayckpt.open(rows_delta)
+
+
+def test_per_rank_entries_must_agree_on_the_number_of_ranks(ckpt):
+    arrayckpt.save({"r": arrayckpt.PerRank(torch.zeros(2)), "s": arrayckpt.PerRank(3)}, ckpt)
+    _edit_root(ckpt, lambda d: _entries(d)["s"]["ranks"].append({"value": 4}))
+    with pytest.raises(arrayckpt.FormatError, match=r"per-rank entries disagree on the number of ranks that saved "
+                                                    r"\(\[1, 2\]\)"):
+        arrayckpt.open(ckpt)
+
+
+def test_containers_must_hold_entries(ckpt):
+    arrayckpt.save({"layers": [torch.ones(2), torch.zeros(1)]}, ckpt)
+    arrayckpt.open(ckpt)
+    _edit_root(ckpt, lambda d: d["attributes"]["arrayckpt"]["containers"].update({"layer": "list"}))
+    with pytest.raises(arrayckpt.FormatError, match=r"'containers' names a list at 'layer', but no entry lies below"):
+        arrayckpt.open(ckpt)
+
+
+def test_an_array_inside_another_array_is_refused(ckpt):
+    arrayckpt.save({"w": torch.ones(2), "v": torch.zeros(2)}, ckpt)
+
+    def nest(document):
+        entry = _entries(document).pop("v")
+        _entries(document)["w.v"] = {**entry, "keys": ["w", "v"], "path": "w/v"}
+    _edit_root(ckpt, nest)
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'w.v' is stored inside the array of entry 'w'"):
+        arrayckpt.open(ckpt)
+
+
+# --- item 8: hostile JSON --------------------------------------------------------------------------------------
+
+
+def test_deeply_nested_root_document_is_a_corrupt_checkpoint(ckpt, capsys):
+    arrayckpt.save({"w": torch.ones(2)}, ckpt)
+    (ckpt / "zarr.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"root zarr.json is damaged: JSON nested too deeply"):
+        arrayckpt.open(ckpt)
+    assert not arrayckpt.verify(ckpt).ok
+    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="nested too deeply")
+
+
+def test_integer_of_too_many_digits_is_a_corrupt_checkpoint(ckpt, capsys):
+    arrayckpt.save({"w": torch.ones(2), "n": 1}, ckpt)
+    text = (ckpt / "zarr.json").read_text().replace('"value": 1', '"value": ' + "7" * 5000)
+    (ckpt / "zarr.json").write_text(text)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"root zarr.json is damaged: .*digits"):
+        arrayckpt.open(ckpt)
+    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="digits")
+
+
+def test_deeply_nested_plain_value_is_a_format_error(ckpt, capsys):
+    arrayckpt.save({"w": torch.ones(2), "cfg": 1}, ckpt)
+    _edit_root(ckpt, lambda d: _entries(d)["cfg"].update(value=json.loads("[" * 500 + "]" * 500)))
+    with pytest.raises(arrayckpt.FormatError, match=r"value 'cfg' is nested more than 200 levels deep"):
+        arrayckpt.open(ckpt).plain_values["cfg"]
+    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="nested more than 200 levels")
+
+
+def test_values_nest_as_deep_as_decoding_accepts():
+    for leaf in (0, b"x", float("inf"), [], (), {"a": 1}):
+        value: Any = leaf
+        encoded = 0
+        for _ in range(210):  # whatever encodes decodes back, and nothing nested 210 deep encodes
+            try:
+                assert decode_value(encode_value(value)) == value
+                encoded += 1
+            except NotJSONable as e:
+                assert "nested more than 200 levels deep" in str(e)
+            value = [value]
+        assert 199 <= encoded <= 201
+
+
+# --- item 9: pickle metadata -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["drop", "string"])
+def test_damaged_pickle_metadata_is_reported_as_damage(ckpt, capsys, damage):
+    arrayckpt.save({"w": torch.ones(2), "obj": {1, 2}}, ckpt, allow_pickle=True)
+
+    def hurt(document):
+        node = document["consolidated_metadata"]["metadata"]["obj"]
+        if damage == "drop":
+            del node["chunk_grid"]
+        else:
+            node["chunk_grid"] = "regular"
+    _edit_root(ckpt, hurt)
+    report = arrayckpt.verify(ckpt)
+    assert [(d.key, d.file) for d in report.damage] == [("obj", "obj/zarr.json")]
+    assert "chunk_grid" in report.damage[0].problem
+    code, _ = _cli(capsys, "verify", str(ckpt))
+    assert code == 1
+
+
+# --- items 8 and 14: safetensors headers -----------------------------------------------------------------------
+
+
+def _safetensors(path: Path, header: bytes | dict[str, Any], data: bytes) -> Path:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_overlapping_safetensors_offsets_are_refused(tmp_path, capsys):
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    src = _safetensors(tmp_path / "m.safetensors", header, bytes(12))
+    with pytest.raises(arrayckpt.FormatError, match=r"m.safetensors: tensors 'a' and 'b' have overlapping "
+                                                    r"data_offsets"):
+        arrayckpt.convert(src, tmp_path / "out")
+    _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match="overlapping")
+    assert not (tmp_path / "out").exists()
+
+
+def test_disjoint_and_empty_safetensors_tensors_convert(tmp_path):
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "z": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+              "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}
+    src = _safetensors(tmp_path / "m.safetensors", header, np.arange(3, dtype=np.float32).tobytes())
+    arrayckpt.convert(src, tmp_path / "out")
+    assert arrayckpt.open(tmp_path / "out")["b"].numpy().tolist() == [2.0]
+
+
+@pytest.mark.parametrize(("header", "match"), [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', "digits"),
+    (json.dumps({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}).encode(), "malformed shape"),
+], ids=["deep", "huge-integer", "boolean-shape"])
+def test_lying_safetensors_headers_are_format_errors(tmp_path, capsys, header, match):
+    src = _safetensors(tmp_path / "m.safetensors", header, bytes(4))
+    with pytest.raises(arrayckpt.FormatError, match=match):
+        arrayckpt.convert(src, tmp_path / "out")
+    _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match=match)
