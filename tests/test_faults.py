@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -62,3 +63,46 @@ def test_two_writers_racing_for_one_path_one_wins_cleanly(tmp_path):
     winner = 1.0 if outputs[0] == "won" else 2.0
     assert torch.equal(arrayckpt.open(path)["w"].torch(), torch.full((256, 256), winner))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # the loser cleaned up after itself
+
+
+def test_overwrite_through_a_symlinked_path_replaces_the_target_and_leaves_nothing(tmp_path: Path) -> None:
+    """Issue 13 item 14: a checkpoint path that is a link to a checkpoint directory. ``overwrite=True`` replaces
+    the directory the link points to (the link stays, naming the new checkpoint); nothing is left beside either
+    (before: the link itself was swapped away under the temporary name, a leftover ``gc`` could not remove)."""
+    real = tmp_path / "store" / "real"
+    arrayckpt.save({"w": torch.zeros(4)}, real)
+    link = tmp_path / "ckpt"
+    link.symlink_to(real)
+    arrayckpt.save({"w": torch.ones(4)}, link, overwrite=True)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    for where in (link, real):
+        assert torch.equal(arrayckpt.open(where)["w"].torch(), torch.ones(4))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "store"] and os.listdir(real.parent) == ["real"]
+    assert arrayckpt.gc(tmp_path, min_age_s=0) == [] and arrayckpt.gc(real.parent, min_age_s=0) == []
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="a committed checkpoint is already here"):
+        arrayckpt.save({"w": torch.ones(4)}, link)
+
+
+def test_gc_removes_a_linked_leftover_as_a_link_and_reports_only_what_it_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary name that is a link (what the old overwrite through a link left) is removed as a link, its
+    target intact; a leftover that cannot be removed is not reported as removed."""
+    from arrayckpt._storage.local import LocalLeftover, LocalLocation
+
+    target = tmp_path / "elsewhere"
+    arrayckpt.save({"w": torch.ones(4)}, target)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    leftover = runs / ".ckpt.arrayckpt-tmp-0123456789ab"
+    leftover.symlink_to(target)
+    assert arrayckpt.gc(runs, min_age_s=0) == [leftover]
+    assert not os.path.lexists(leftover)
+    assert torch.equal(arrayckpt.open(target)["w"].torch(), torch.ones(4))
+
+    stuck = runs / ".other.arrayckpt-tmp-0123456789ab"
+    (stuck / "w").mkdir(parents=True)
+    (stuck / "w" / "c.0").write_bytes(b"x")
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: None)  # a removal that fails silently
+    assert LocalLeftover(LocalLocation(stuck), 0.0).remove() is False
+    assert arrayckpt.gc(runs, min_age_s=0) == [], "gc must not report as removed what is still there"
+    assert (stuck / "w" / "c.0").exists()

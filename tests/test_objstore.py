@@ -217,3 +217,58 @@ def test_reader_overtaken_by_two_replacements_fails_instead_of_mixing() -> None:
     with pytest.raises(arrayckpt.CorruptCheckpointError, match="replaced"):
         first["model.w"].numpy()
     _same(url, _state(3))  # opened afresh: the third, whole
+
+
+def _copy_checkpoint(source: str, destination: str, options: dict | None = None) -> None:
+    """Copy every object of ``source`` to ``destination`` (object by object, bypassing the writer's checks)."""
+    src, dst = parse_object_url(source, options), parse_object_url(destination, options)
+    objects = src.read_objects(src.object_keys())
+    store = dst.open_store()
+    for key, data in objects.items():
+        store.write(key, data).result()
+
+
+def check_checkpoints_never_nest(outer: str, options: dict | None = None) -> None:
+    """Issue 13 item 14: a checkpoint inside another's prefix is refused both ways, and an outer save over a
+    prefix holding an inner checkpoint (however it got there) never deletes it."""
+    kw = {"storage_options": options} if options else {}
+    arrayckpt.save(_state(1), outer, **kw)
+    before = sorted(parse_object_url(outer, options).object_keys())
+    for overwrite in (False, True):
+        with pytest.raises(arrayckpt.CheckpointExistsError,
+                           match=f"{outer}/in/ner: lies inside the committed checkpoint at {outer};"):
+            arrayckpt.save(_state(2), f"{outer}/in/ner", overwrite=overwrite, **kw)
+    assert sorted(parse_object_url(outer, options).object_keys()) == before, "a refused save must not write"
+
+    # an inner checkpoint under a committed outer one (saved there by an older version): replacing the outer one
+    # is refused and deletes nothing
+    arrayckpt.save(_state(3), f"{outer}-src", **kw)
+    _copy_checkpoint(f"{outer}-src", f"{outer}/inner", options)
+    keys = sorted(parse_object_url(outer, options).object_keys())
+    with pytest.raises(arrayckpt.CheckpointExistsError,
+                       match=f"{outer}: the committed checkpoint at {outer}/inner lies inside it"):
+        arrayckpt.save(_state(4), outer, overwrite=True, **kw)
+    assert sorted(parse_object_url(outer, options).object_keys()) == keys
+    _same_with(f"{outer}/inner", _state(3), options)
+    _same_with(outer, _state(1), options)
+
+    # an inner checkpoint saved first: an outer save over it (an incomplete-looking prefix) is refused too
+    lone = f"{outer}-lone"
+    arrayckpt.save(_state(5), f"{lone}/inner", **kw)
+    keys = sorted(parse_object_url(lone, options).object_keys())
+    with pytest.raises(arrayckpt.CheckpointExistsError,
+                       match=f"{lone}: the committed checkpoint at {lone}/inner lies inside it"):
+        arrayckpt.save(_state(6), lone, overwrite=True, **kw)
+    assert sorted(parse_object_url(lone, options).object_keys()) == keys
+    _same_with(f"{lone}/inner", _state(5), options)
+
+
+def _same_with(url: str, state: dict, options: dict | None) -> None:
+    ckpt = arrayckpt.open(url, storage_options=options)
+    assert torch.equal(ckpt["model.w"].torch(), state["model"]["w"])
+    assert ckpt.plain_values["step"] == state["step"]
+    assert arrayckpt.verify(url, storage_options=options).ok
+
+
+def test_checkpoints_never_nest_on_object_storage() -> None:
+    check_checkpoints_never_nest(_url())

@@ -83,13 +83,14 @@ def test_save_open_load_and_zarr_python_read(s3_server: S3Server, s3_proxy: Faul
     url, options = f"s3://{s3_bucket}/run/step-1", _options(s3_proxy)
     state = _state(1)
     arrayckpt.save(state, url, storage_options=options, step=1)
-    # a fresh prefix: probe the root, list the prefix, then one PUT per chunk and per document, the root last;
-    # nothing is listed or deleted after the commit (there was nothing to replace)
+    # a fresh prefix: probe the root of each prefix above (the bucket's, run/: no checkpoint to lie inside) and
+    # its own, list the prefix, then one PUT per chunk and per document, the root last; nothing is listed or
+    # deleted after the commit (there was nothing to replace)
     keys = sorted(s3_server.list_keys(s3_bucket))
     arrays = {"model/w", "model/b", "bf", "count"}
     assert {k.rpartition("/")[0] for k in keys} == {"run/step-1"} | {f"run/step-1/{a}" for a in arrays} | {
         "run/step-1/model"}
-    assert s3_proxy.counts == {"GET": 2, "PUT": len(keys)}, s3_proxy.counts
+    assert s3_proxy.counts == {"GET": 4, "PUT": len(keys)}, s3_proxy.counts
     assert s3_proxy.log[-1][:2] == ("PUT", f"/{s3_bucket}/run/step-1/zarr.json"), "the root must be written last"
     assert s3_proxy.count("GET", lists=True) == 1
 
@@ -495,3 +496,12 @@ def test_incremental_manager_on_s3(s3_server: S3Server, s3_proxy: FaultProxy, s3
     restored = {"emb": torch.zeros(1000, 4)}
     assert arrayckpt.CheckpointManager(root, storage_options=options).restore(restored) == 5
     assert torch.equal(restored["emb"], emb)
+
+
+def test_checkpoints_never_nest(s3_server: S3Server, s3_bucket: str) -> None:
+    """Issue 13 item 14 on S3 (the checks of ``test_objstore.check_checkpoints_never_nest``): a save inside a
+    committed checkpoint's prefix is refused; a save over a prefix holding another checkpoint below is refused
+    and leaves it intact."""
+    from test_objstore import check_checkpoints_never_nest
+
+    check_checkpoints_never_nest(f"s3://{s3_bucket}/run/outer", _options(s3_server))

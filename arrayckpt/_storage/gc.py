@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +26,8 @@ from .local import LocalLocation
 if TYPE_CHECKING:
     from .object import ObjectLocation
 
-__all__ = ["LocalIncomplete", "ObjectLeftover", "collect_garbage", "incomplete_leftovers", "judge_incomplete",
-           "object_leftovers"]
+__all__ = ["LocalIncomplete", "ObjectLeftover", "collect_garbage", "hierarchies_above", "incomplete_leftovers",
+           "judge_incomplete", "object_leftovers"]
 
 
 def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False,
@@ -148,10 +148,11 @@ def judge_incomplete(keys: list[str], newest: float | None, read_documents: Read
     return None, age
 
 
-def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
-    """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
+def hierarchies_above(location: ObjectLocation, itself: bool = True) -> Iterator[tuple[ObjectLocation, bool]]:
+    """Each prefix from the bucket's root down to ``location``'s own (``itself``: included) holding a ``zarr.json``,
+    with whether it is an arrayckpt checkpoint's root document: one GET per prefix, taken lazily."""
     parts = location.prefix.split("/") if location.prefix else []
-    for depth in range(len(parts) + 1):
+    for depth in range(len(parts) + int(itself)):
         here = dataclasses.replace(location, prefix="/".join(parts[:depth]))
         document = here.node_document("")
         if document is None:
@@ -160,8 +161,14 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
             ours = is_arrayckpt_root(json.loads(document))
         except (ValueError, RecursionError):
             ours = False
+        yield here, ours
+
+
+def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
+    """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
+    for here, ours in hierarchies_above(location):
         what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
-        if depth == len(parts):
+        if here.prefix == location.prefix:
             raise StateError(f"{location}: is {what}, not a prefix holding checkpoints; gc takes the prefix above it")
         raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
 

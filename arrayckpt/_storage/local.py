@@ -222,9 +222,14 @@ class LocalLeftover(Leftover):
     age_s: float
 
     def remove(self) -> bool:
-        """Delete the directory (a save that committed meanwhile renamed it away: nothing of it is touched)."""
-        shutil.rmtree(self.location.path, ignore_errors=True)
-        return True
+        """Delete the directory (a save that committed meanwhile renamed it away: nothing of it is touched); a link
+        is removed as a link, never followed. Whether nothing is left at its path now."""
+        path = self.location.path
+        if path.is_symlink():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        return not os.path.lexists(path)
 
 
 def _parse_path(text: str, storage_options: Mapping[str, Any] | None) -> LocalLocation:
@@ -320,6 +325,8 @@ class LocalWriter(Writer):
     """One save to a local directory: a temporary sibling directory, committed by rename."""
 
     def __init__(self, location: LocalLocation, overwrite: bool) -> None:
+        if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
+            location = LocalLocation(Path(os.path.realpath(location.path)))
         self.location = location
         self.overwrite = overwrite
         _check_replaceable(location, overwrite)

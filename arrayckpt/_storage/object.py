@@ -49,7 +49,7 @@ from .base import (
     register_scheme,
 )
 from .clients import driver_spec, object_context
-from .gc import object_leftovers
+from .gc import hierarchies_above, object_leftovers
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url",
            "stale_keys"]
@@ -363,6 +363,11 @@ class ObjectWriter(Writer):
         self._deferred: Mapping[str, bytes] = {}
         self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
         self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
+        for here, ours in hierarchies_above(location, itself=False):  # one GET per prefix above
+            if ours:  # its overwrite or deletion would delete this checkpoint's objects as its own stale ones
+                raise CheckpointExistsError(
+                    f"{location}: lies inside the committed checkpoint at {here}; refusing to save a checkpoint "
+                    f"there (replacing or deleting {here} would delete it); choose a prefix outside it")
         root = _read(self.store, ROOT_METADATA, location)
         if root is not None:
             try:
@@ -379,6 +384,7 @@ class ObjectWriter(Writer):
             metadata = document["consolidated_metadata"]["metadata"] if isinstance(
                 document.get("consolidated_metadata"), dict) else {}
             self._old_nodes = metadata if isinstance(metadata, dict) else {}
+            self._refuse_nested(_list(self.store, location))
         else:
             keys = _list(self.store, location)
             if keys and not overwrite:
@@ -389,11 +395,32 @@ class ObjectWriter(Writer):
             if foreign:
                 raise CheckpointExistsError(f"{location}: objects that are not arrayckpt's are here (e.g. "
                                             f"{foreign[0]!r}); refusing to write among them")
+            self._refuse_nested(keys)
             # Nothing was here: after the commit there is nothing stale to find, and listing a large
             # checkpoint costs a LIST per 1,000 objects (anything else found would be another writer's).
             self._sweep = bool(keys)
         old = _encoding_of(self._old_nodes) if self._old_nodes is not None else KEY_ENCODINGS[1]
         self.key_encoding = KEY_ENCODINGS[1 - KEY_ENCODINGS.index(old)] if old in KEY_ENCODINGS else KEY_ENCODINGS[0]
+
+    def _refuse_nested(self, keys: list[str]) -> None:
+        """Refuse to save over a prefix holding another committed checkpoint below it (its root document among
+        ``keys``, at a path that is no node of the checkpoint being replaced): the sweep after the commit would
+        delete its objects as stale. Only the ``zarr.json`` documents of nodes without chunks are read (groups;
+        an arrayckpt root is one), concurrently; when replacing, only those of nodes the old one lacks."""
+        chunked = {key.rpartition("/")[0] for key in arrayckpt_keys(keys) if key.rpartition("/")[2] != ROOT_METADATA}
+        candidates = [key for key in keys if key.endswith(f"/{ROOT_METADATA}")
+                      and (node := key[:-len(ROOT_METADATA) - 1]) not in chunked
+                      and (self._old_nodes is None or node not in self._old_nodes)]
+        for key, data in sorted(self.location.read_objects(candidates).items()) if candidates else ():
+            try:
+                nested = data is not None and is_arrayckpt_root(json.loads(data))
+            except (ValueError, RecursionError):
+                nested = False
+            if nested:
+                inner = f"{self.location}/{key[:-len(ROOT_METADATA) - 1]}"
+                raise CheckpointExistsError(
+                    f"{self.location}: the committed checkpoint at {inner} lies inside it; refusing to save here "
+                    f"(the save would delete {inner}'s objects as stale); move or delete it, or choose another prefix")
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
         """Start writing the array and group ``zarr.json`` documents; when replacing a committed checkpoint

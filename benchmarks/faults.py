@@ -1,0 +1,303 @@
+"""Fault campaign: flip one bit in every byte of every file of small checkpoints and classify what reading does.
+
+For each kind of checkpoint (full, sharded, zstd, delta, per-rank, pickled) the script saves a small state into a
+temp dir, then for every byte (every ``--stride``-th) of every file of that checkpoint (the root ``zarr.json``
+included) xors one bit (``--bit``, default 0x01), runs ``arrayckpt.verify`` and a full read (``arrayckpt.open`` with
+``allow_pickle=True``, every tensor's ``.numpy()``, every per-rank item, every plain value), restores the byte and
+classifies the trial:
+
+* detected: ``verify`` reports damage or raises an ``ArrayckptError``, or the read raises one;
+* harmless: nothing reported and the read gives back exactly the original values (e.g. a flip inside a JSON
+  string that is never used, or one that still parses to the same document);
+* silent: nothing reported but the values read back differ (a bug);
+* crash: some other exception (a bug; the first few are printed);
+* hang: verify + read did not finish within ``--timeout`` seconds (run in a worker thread).
+
+A kill sweep (``--kills N``) then starts a subprocess that saves, with ``overwrite=True``, to one path in a loop
+(every element of every tensor equal to the iteration number) and SIGKILLs it after a random delay; the path must
+then be absent or one whole saved state ("damaged" otherwise).
+
+    python benchmarks/faults.py                          # all kinds, defaults (zarr.json files: every 4th byte)
+    python benchmarks/faults.py --kinds full,delta --json-stride 1 --kills 0 --json faults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import fractions
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import arrayckpt
+from arrayckpt._format.manifest import PerRankEntry
+from arrayckpt._layout.chunking import ChunkPolicy
+from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.save import save_with
+
+KINDS = ("full", "sharded", "zstd", "delta-chunk", "delta-row", "delta-quant", "per-rank", "pickled")
+
+
+def _base_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(8, 16, generator=g),  # 512 bytes
+        "emb": torch.randn(32, 4, generator=g),  # 512 bytes, rows for the deltas
+        "h": torch.randn(10, 10, generator=g).to(torch.bfloat16),  # 200 bytes
+        "n": torch.arange(12, dtype=torch.int64),
+        "step": 7,
+        "opt": {"lr": 0.125, "name": "adam"},
+    }
+
+
+def build(kind: str, root: Path) -> Path:
+    """Save the checkpoint of ``kind`` under ``root``; return the path whose files are flipped."""
+    state = _base_state()
+    path = root / kind
+    if kind == "full":
+        arrayckpt.save(state, path)
+    elif kind == "sharded":
+        save_with(state, path, SaveOptions(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
+    elif kind == "zstd":
+        arrayckpt.save(state, path, codec="zstd")
+    elif kind.startswith("delta"):
+        base = root / f"{kind}.base"
+        save_with(state, base, SaveOptions(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
+        state["w"][0, :4] += 1.0  # one chunk of "w" changes
+        rows = torch.tensor([3, 17])
+        state["emb"][rows] -= 0.5
+        state["step"] = 8
+        options: dict[str, Any] = {}
+        if kind in ("delta-row", "delta-quant"):
+            options["changed_rows"] = {"emb": rows}
+        if kind == "delta-quant":
+            options["quantize"] = {"emb": 8}
+        save_with(state, path, SaveOptions(base=base, chunking=ChunkPolicy(inner_chunk_bytes=64,
+                                                                           outer_chunk_bytes=256), **options))
+    elif kind == "per-rank":
+        state["rng"] = arrayckpt.PerRank(torch.arange(16, dtype=torch.uint8))
+        state["cursor"] = arrayckpt.PerRank({"epoch": 2, "offset": 100})
+        arrayckpt.save(state, path)
+    elif kind == "pickled":
+        state["frac"] = fractions.Fraction(3, 7)
+        state["tags"] = {"a", "b", "c"}
+        arrayckpt.save(state, path, allow_pickle=True)
+    else:
+        raise ValueError(kind)
+    return path
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.numpy() if value.dtype != torch.bfloat16 else value.view(torch.int16).numpy()
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_norm(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _norm(v)) for k, v in value.items())))
+    return ("value", repr(value))
+
+
+def read_all(path: Path) -> dict[str, Any]:
+    """Everything the checkpoint holds, normalised for comparison."""
+    ckpt = arrayckpt.open(path, allow_pickle=True)
+    out: dict[str, Any] = {}
+    for key in ckpt:
+        a = ckpt[key].numpy()
+        out[key] = _norm(a)
+    for key, value in ckpt.plain_values.items():
+        out["value:" + key] = _norm(value)
+    for key, entry in ckpt.manifest.entries.items():
+        if isinstance(entry, PerRankEntry):
+            out["per_rank:" + key] = _norm(ckpt.per_rank(key))
+    out["step"] = ckpt.step
+    return out
+
+
+def trial(path: Path, expected: dict[str, Any]) -> tuple[str, str | None]:
+    """(outcome, detail) of verify + full read; "crash" comes back as a raised exception."""
+    detected = None
+    try:
+        report = arrayckpt.verify(path)
+        if not report.ok:
+            detected = "verify: " + str(report.damage[0]) if getattr(report, "damage", None) else "verify"
+    except arrayckpt.ArrayckptError as e:
+        detected = f"verify raised {type(e).__name__}"
+    try:
+        got = read_all(path)
+    except arrayckpt.ArrayckptError as e:
+        return "detected", detected or f"read raised {type(e).__name__}"
+    if detected:
+        return "detected", detected
+    if got == expected:
+        return "harmless", None
+    diff = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+    return "silent", "differs: " + ", ".join(diff)
+
+
+def campaign(kind: str, path: Path, stride: int, json_stride: int, bit: int, timeout: float,
+             findings: list[dict[str, Any]], max_print: int) -> dict[str, int]:
+    expected = read_all(path)
+    assert arrayckpt.verify(path).ok, kind
+    counts = dict.fromkeys(("trials", "detected", "harmless", "silent", "crash", "hang"), 0)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        data = bytearray(file.read_bytes())
+        step = json_stride if file.name == "zarr.json" else stride
+        for offset in range(0, len(data), step):
+            original = data[offset]
+            data[offset] = original ^ bit
+            file.write_bytes(data)
+            try:
+                outcome, detail = pool.submit(trial, path, expected).result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                outcome, detail = "hang", f"no result in {timeout} s"
+                pool.shutdown(wait=False)  # the stuck thread is abandoned
+                pool = concurrent.futures.ThreadPoolExecutor(1)
+            except Exception as e:  # noqa: BLE001 - everything that is not an ArrayckptError is a finding
+                outcome = "crash"
+                detail = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                tb = traceback.extract_tb(e.__traceback__)
+                if tb:
+                    detail += f"  [at {tb[-1].filename}:{tb[-1].lineno} {tb[-1].name}]"
+            finally:
+                data[offset] = original
+                file.write_bytes(data)
+            counts["trials"] += 1
+            counts[outcome] += 1
+            if outcome in ("silent", "crash", "hang"):
+                rel = str(file.relative_to(path))
+                findings.append({"kind": kind, "file": rel, "byte": offset, "outcome": outcome, "detail": detail})
+                if sum(f["outcome"] == outcome for f in findings) <= max_print:
+                    print(f"  {outcome}: {kind} {rel} byte {offset}: {detail}", flush=True)
+    pool.shutdown(wait=False)
+    return counts
+
+
+_SAVER = textwrap.dedent("""
+    import sys, torch, arrayckpt
+    path = sys.argv[1]
+    i = 0
+    while True:
+        i += 1
+        state = {"a": torch.full((64,), i, dtype=torch.int64), "b": torch.full((8, 8), float(i)),
+                 "c": torch.full((5,), i, dtype=torch.int32), "i": i}
+        arrayckpt.save(state, path, overwrite=True)
+        print(i, flush=True)
+""")
+
+
+def _whole(path: Path) -> bool:
+    ckpt = arrayckpt.open(path)
+    i = ckpt.plain_values["i"]
+    if sorted(ckpt) != ["a", "b", "c"]:
+        return False
+    return all(bool((ckpt[k].numpy() == i).all()) for k in ckpt) and arrayckpt.verify(path).ok
+
+
+def kill_sweep(kills: int, root: Path, seed: int, findings: list[dict[str, Any]]) -> dict[str, int]:
+    rng = random.Random(seed)
+    counts = {"kills": 0, "whole": 0, "absent": 0, "damaged": 0}
+    for n in range(kills):
+        path = root / f"kill{n}" / "ckpt"
+        path.parent.mkdir()
+        child = subprocess.Popen([sys.executable, "-c", _SAVER, str(path)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        child.stdout.readline()  # one save done: torch is imported, the loop is running
+        time.sleep(rng.uniform(0.0, 0.3))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        counts["kills"] += 1
+        if not path.exists():
+            counts["absent"] += 1
+            continue
+        try:
+            ok = _whole(path)
+            detail = "mixed iterations or verify failed"
+        except Exception as e:  # noqa: BLE001
+            ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if ok:
+            counts["whole"] += 1
+        else:
+            counts["damaged"] += 1
+            findings.append({"kind": "kill", "file": str(path), "byte": None, "outcome": "damaged", "detail": detail})
+            print(f"  damaged after kill {n}: {detail}", flush=True)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--stride", type=int, default=1, help="flip every Nth byte of chunk/data files (default 1)")
+    p.add_argument("--json-stride", type=int, default=4,
+                   help="flip every Nth byte of zarr.json files (default 4: they are ~85%% of the bytes; 1 for all)")
+    p.add_argument("--bit", type=lambda s: int(s, 0), default=0x01, help="xor mask (default 0x01)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-trial seconds before a hang is counted")
+    p.add_argument("--kills", type=int, default=20, help="random-kill sweep size (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-print", type=int, default=5, help="findings of each outcome printed")
+    p.add_argument("--dir", default=None, help="where the temp dir goes")
+    p.add_argument("--json", default=None, help="write results and findings as JSON here")
+    args = p.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    for k in kinds:
+        if k not in KINDS:
+            p.error(f"unknown kind {k!r}")
+    json_stride = args.json_stride
+    print(f"stride {args.stride} (zarr.json files: {json_stride}), bit mask {args.bit:#04x}, "
+          f"timeout {args.timeout} s, kills {args.kills}", flush=True)
+    findings: list[dict[str, Any]] = []
+    results: dict[str, dict[str, int]] = {}
+    root = Path(tempfile.mkdtemp(prefix="arrayckpt-faults-", dir=args.dir))
+    t0 = time.perf_counter()
+    try:
+        for kind in kinds:
+            start = time.perf_counter()
+            path = build(kind, root)
+            results[kind] = campaign(kind, path, args.stride, json_stride, args.bit, args.timeout, findings,
+                                     args.max_print)
+            print(f"{kind}: {results[kind]} ({time.perf_counter() - start:.1f} s)", flush=True)
+        sweep = kill_sweep(args.kills, root, args.seed, findings) if args.kills else None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cols = ("trials", "detected", "harmless", "silent", "crash", "hang")
+    print()
+    print("| kind | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for kind, c in results.items():
+        print(f"| {kind} | " + " | ".join(str(c[x]) for x in cols) + " |")
+    total = {x: sum(c[x] for c in results.values()) for x in cols}
+    print("| **total** | " + " | ".join(str(total[x]) for x in cols) + " |")
+    if sweep is not None:
+        print()
+        print("| kill sweep | kills | whole | absent | damaged |")
+        print("|---|---|---|---|---|")
+        print(f"| save loop, SIGKILL | {sweep['kills']} | {sweep['whole']} | {sweep['absent']} | {sweep['damaged']} |")
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "results": results, "total": total, "kill_sweep": sweep, "findings": findings,
+        }, indent=2, default=str))
+    bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
