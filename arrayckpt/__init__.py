@@ -8,15 +8,37 @@
 
 Importing the package is cheap and does not import torch: the public names are loaded on first use
 (PEP 562), so zarr-python can load ``arrayckpt._zarr_dtypes`` through its entry points without torch.
+torch is optional (``pip install 'arrayckpt[torch]'``): without it, opening, slicing into numpy, ``verify``,
+``show``, ``diff`` and ``compact`` work, and each torch-only name (``save``, ``load``, ``Shard``...) raises
+:class:`TorchNotInstalledError` when called.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
-from . import _zarr_dtypes as _zarr_dtypes  # registers bfloat16/float8 with zarr-python
 from ._version import __version__
+
+
+def _register_zarr_types() -> None:
+    """bfloat16/float8 for zarr-python, without importing zarr or ml_dtypes now (about a second of start-up that
+    ``arrayckpt --help`` would pay): register at once when zarr is already imported, else arm the start-up hook's
+    finder (``_arrayckpt_zarr_hook``), which registers them when zarr finishes importing. Where the hook module
+    is missing (a source tree not on ``sys.path``) or disabled, register now as before."""
+    if "zarr" not in sys.modules:
+        try:
+            import _arrayckpt_zarr_hook as hook
+        except ImportError:
+            hook = None
+        if hook is not None and hook.os.environ.get(hook.DISABLE_ENV, "") in ("", "0"):
+            hook.install()
+            return
+    importlib.import_module("._zarr_dtypes", __name__)
+
+
+_register_zarr_types()
 
 if TYPE_CHECKING:
     from ._convert.common import ConvertResult
@@ -26,6 +48,7 @@ if TYPE_CHECKING:
         CheckpointBusyError,
         CheckpointExistsError,
         CheckpointNotFoundError,
+        ClosedCheckpointError,
         CollectiveError,
         CorruptCheckpointError,
         FormatError,
@@ -35,6 +58,7 @@ if TYPE_CHECKING:
         ReplacedCheckpointError,
         StateError,
         StorageError,
+        TorchNotInstalledError,
     )
     from ._format.codecs import Codec
     from ._manager import CheckpointManager, Incremental, Interval, Retention
@@ -43,9 +67,12 @@ if TYPE_CHECKING:
     from ._read.lazy import LazyArray
     from ._read.load import LoadResult, load
     from ._storage.gc import collect_garbage as gc
+    from ._tiers import Remote
+    from ._tools.copy import CopyResult, copy
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._tools.interval import OptimalInterval, optimal_interval
+    from ._tools.report import report
     from ._tools.verify import Damage, VerifyReport, verify
     from ._torch.shards import PerRank, Shard
     from ._write.asynchronous import SaveHandle, async_save
@@ -62,10 +89,12 @@ _LAZY: dict[str, str] = {
     "CheckpointExistsError": "._errors",
     "CheckpointManager": "._manager",
     "CheckpointNotFoundError": "._errors",
+    "ClosedCheckpointError": "._errors",
     "Codec": "._format.codecs",
     "CollectiveError": "._errors",
     "CompactResult": "._write.compact",
     "ConvertResult": "._convert.common",
+    "CopyResult": "._tools.copy",
     "CorruptCheckpointError": "._errors",
     "Damage": "._tools.verify",
     "DiffReport": "._tools.inspect",
@@ -79,6 +108,7 @@ _LAZY: dict[str, str] = {
     "OptimalInterval": "._tools.interval",
     "PerRank": "._torch.shards",
     "PickleNotAllowedError": "._errors",
+    "Remote": "._tiers",
     "ReplacedCheckpointError": "._errors",
     "Retention": "._manager",
     "SaveHandle": "._write.asynchronous",
@@ -88,16 +118,19 @@ _LAZY: dict[str, str] = {
     "StateError": "._errors",
     "StorageError": "._errors",
     "TensorDiff": "._tools.inspect",
+    "TorchNotInstalledError": "._errors",
     "VerifyReport": "._tools.verify",
     "async_save": "._write.asynchronous",
     "compact": "._write.compact",
     "convert": "._convert.dispatch",
+    "copy": "._tools.copy",
     "diff": "._tools.inspect",
     "estimate_size": "._tools.estimate",
     "gc": "._storage.gc:collect_garbage",
     "load": "._read.load",
     "open": "._read.checkpoint:open_checkpoint",
     "optimal_interval": "._tools.interval",
+    "report": "._tools.report",
     "save": "._write.save",
     "show": "._tools.inspect",
     "verify": "._tools.verify",
@@ -111,7 +144,16 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'arrayckpt' has no attribute {name!r}")
     module_name, _, attribute = target.partition(":")
-    value = getattr(importlib.import_module(module_name, __name__), attribute or name)
+    try:
+        module = importlib.import_module(module_name, __name__)
+    except ModuleNotFoundError as e:  # torch is not installed: a stand-in that says so when called
+        from ._torch import is_missing_torch, torch_missing
+
+        if not is_missing_torch(e):
+            raise
+        value = torch_missing(f"arrayckpt.{name}")
+    else:
+        value = getattr(module, attribute or name)
     globals()[name] = value
     return value
 

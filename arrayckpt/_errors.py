@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ClosedCheckpointError",
     "CollectiveError",
     "CorruptCheckpointError",
     "FormatError",
@@ -21,7 +22,10 @@ __all__ = [
     "ReplacedCheckpointError",
     "StateError",
     "StorageError",
+    "TorchNotInstalledError",
 ]
+
+TORCH_EXTRA = "pip install 'arrayckpt[torch]'"
 
 
 class ArrayckptError(Exception):
@@ -81,3 +85,21 @@ class StorageError(ArrayckptError, OSError):
 
 class CheckpointBusyError(ArrayckptError, RuntimeError):
     """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+
+
+class ClosedCheckpointError(ArrayckptError, ValueError):
+    """A checkpoint's data was read after :meth:`Checkpoint.close` (or its ``with`` block) released it: open it
+    again. (A ``ValueError``, as for I/O on a closed Python file.)"""
+
+
+class TorchNotInstalledError(ArrayckptError, ModuleNotFoundError):
+    """A function that needs PyTorch was called where torch is not installed: ``pip install 'arrayckpt[torch]'``.
+
+    A :class:`ModuleNotFoundError` (so ``except ImportError`` catches it, as for any missing optional dependency)
+    with ``name == "torch"``, and an :class:`arrayckpt.ArrayckptError` like every error arrayckpt raises.
+    """
+
+    @classmethod
+    def needed_by(cls, what: str) -> TorchNotInstalledError:
+        """The error for ``what`` (``arrayckpt.save``, ``converting torch to arrayckpt``)."""
+        return cls(f"{what} requires PyTorch: {TORCH_EXTRA}", name="torch")

@@ -5,13 +5,16 @@ committed checkpoints count: an interrupted save leaves a temporary directory (l
 prefix (object storage) that is never listed and is removed by :meth:`CheckpointManager.clean_up`.
 Retention runs on the coordinator after each save has committed, never removes the newest checkpoint, and
 never removes a base that a kept delta checkpoint reads through.
+
+With a :class:`Remote`, the manager has two tiers: every save commits to the (fast, local) root first, then a
+background uploader copies it to the remote root (``_tiers.py``); ``restore`` takes the newest step from whichever
+tier holds it whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import threading
 import time
@@ -21,11 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._errors import ArrayckptError, CheckpointNotFoundError, IncompleteCheckpointError, StateError
-from ._read.checkpoint import open_checkpoint
+from ._errors import (
+    ArrayckptError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+    StateError,
+    StorageError,
+)
+from ._read.checkpoint import Checkpoint
 from ._read.load import load
 from ._storage import Location, parse_location
-from ._storage.gc import incomplete_leftovers
+from ._tiers import Remote, StepTree, Uploader
 from ._tools.interval import optimal_interval
 from ._torch.dist import resolve_group
 from ._write.asynchronous import async_save_with
@@ -34,15 +45,16 @@ from ._write.save import save_with
 
 __all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
 
-_STEP_DIR = re.compile(r"step-(\d{8,})")
-
 
 @dataclass(frozen=True)
 class Interval:
     """When :meth:`CheckpointManager.save` actually saves (any rule that fires is enough).
 
-    ``every_steps`` / ``every_seconds``: fixed intervals. ``mtbf_hours``: Daly's optimum from the
-    measured blocking time of the previous save and the given mean time between failures.
+    ``every_steps``: at every step that is a multiple of it (as Orbax's ``save_interval_steps``), or at the first
+    step called after one was passed by (when ``save`` is not called at every step); an off-interval save (e.g.
+    ``force=True`` at step 17) does not shift the grid: with ``every_steps=5`` the next is 20, not 22.
+    ``every_seconds``: that long after the previous save. ``mtbf_hours``: Daly's optimum from the measured
+    blocking time of the previous save and the given mean time between failures.
     """
 
     every_steps: int | None = None
@@ -111,6 +123,11 @@ class Incremental:
 class CheckpointManager:
     """Save every so often, keep what the retention policy says, resume from the newest committed step.
 
+    With ``remote`` (a URL, or a :class:`Remote`), every save commits to ``root`` (fast local storage) first, then a
+    background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
+    :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
+    :meth:`tiers` says which tiers hold each step, and each tier has its own retention.
+
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
     >>> w = torch.zeros(2)
@@ -118,6 +135,11 @@ class CheckpointManager:
     [False, True, False, True]
     >>> manager.latest_step(), manager.restore({"w": w})
     (4, 4)
+    >>> two = arrayckpt.CheckpointManager(tempfile.mkdtemp(), remote=tempfile.mkdtemp())  # e.g. "s3://bucket/run"
+    >>> two.save(1, {"w": w}); two.wait_for_uploads(); two.tiers()
+    True
+    {1: ('local', 'remote')}
+    >>> two.close()
     """
 
     def __init__(
@@ -131,8 +153,10 @@ class CheckpointManager:
         process_group: Any = None,
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        remote: str | os.PathLike[str] | Remote | None = None,
     ) -> None:
         self._location = parse_location(root, storage_options)
+        self._local = StepTree(self._location)
         self.storage_options = storage_options
         #: The root: a local directory (``Path``) or an object-storage URL (``str``).
         self.root: Path | str = self._location.native
@@ -155,24 +179,45 @@ class CheckpointManager:
         #: What the last :meth:`clean_up` left in place although it looked like a leftover: ``(path, why)``.
         self.kept: list[tuple[str, str]] = []
         self._location.make_directory()
+        #: The remote tier (``None``: a one-tier manager).
+        self.remote: Remote | None = Remote(remote) if isinstance(remote, (str, os.PathLike)) else remote
+        self._remote: StepTree | None = None
+        self._uploader: Uploader | None = None
+        if self.remote is not None:
+            location = parse_location(self.remote.url, self.remote.storage_options)
+            if str(location) == str(self._location):
+                raise ValueError(f"{location}: the remote tier must be another root than the local one")
+            self._remote = StepTree(location)
+            if self._is_coordinator():
+                location.make_directory()
+                self._uploader = Uploader(self._local, self._remote, self.remote.retention or Retention(),
+                                          self.remote.max_bytes_per_second)
 
     # --- where checkpoints are --------------------------------------------------------------------
 
     def path(self, step: int) -> Path | str:
-        """Where step ``step``'s checkpoint is (a path, or a URL on object storage)."""
+        """Where step ``step``'s checkpoint is (a path, or a URL on object storage); in the local tier."""
         return self._step_location(step).native
 
-    def _step_location(self, step: int) -> Location:
-        return self._location.child(f"step-{step:08d}")
+    def remote_path(self, step: int) -> str | Path:
+        """Where step ``step``'s checkpoint is in the remote tier."""
+        if self._remote is None:
+            raise StateError("this manager has no remote tier (CheckpointManager(..., remote=...))")
+        return self._remote.step_location(step).native
 
-    def _listed_steps(self) -> list[int]:
-        """Steps with something at their path, committed or not."""
-        names = self._location.children()
-        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
+    def _step_location(self, step: int) -> Location:
+        return self._local.step_location(step)
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending (incomplete ones are ignored)."""
-        return [s for s in self._listed_steps() if self._step_location(s).is_committed()]
+        """Steps with a committed checkpoint, ascending, in either tier (incomplete ones are ignored)."""
+        return sorted(self.tiers())
+
+    def tiers(self) -> dict[int, tuple[str, ...]]:
+        """Which tiers hold a committed checkpoint of each step: ``{step: ("local", "remote")}``, ascending."""
+        local = set(self._local.steps())
+        remote = set(self._remote.steps()) if self._remote is not None else set()
+        return {step: tuple(name for name, there in (("local", step in local), ("remote", step in remote)) if there)
+                for step in sorted(local | remote)}
 
     def clean_up(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove what interrupted saves and deletions left, and only that; returns what was removed.
@@ -185,30 +230,22 @@ class CheckpointManager:
           can never be read again.
         - The other leftovers of interrupted saves untouched for ``min_age_s`` (see :func:`arrayckpt.gc`).
 
-        What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory kept
-        because it is not arrayckpt's is also named in a warning. Coordinator only."""
+        In the remote tier too (uploads cut short), except at the steps the local tier holds (the uploader may be
+        copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
+        kept because it is not arrayckpt's is also named in a warning. Coordinator only."""
         self.kept = []
         if not self._is_coordinator():
             return []
-        removed = self._remove_orphaned_deltas()
-        committed = self.steps()
-        if committed:
-            for step in self._listed_steps():
-                if step < committed[-1] and step not in committed:
-                    location = self._step_location(step)
-                    try:
-                        location.read_root()
-                        continue  # readable after all (a transient failure hid it): never delete
-                    except IncompleteCheckpointError:  # positively no root document: an interrupted save
-                        pass
-                    except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
-                        continue
-                    found, kept = incomplete_leftovers(location, min_age_s)
-                    removed.extend(leftover.url for leftover in found if leftover.remove())
-                    self.kept.extend(kept)
-        found, kept = self._location.leftovers(min_age_s)
-        removed.extend(leftover.url for leftover in found if leftover.remove())
-        self.kept.extend(k for k in kept if k not in self.kept)
+        removed, self.kept = self._local.clean_up(min_age_s)
+        if self._remote is not None:
+            try:
+                more, kept = self._remote.clean_up(min_age_s, skip=set(self._local.listed_steps()))
+            except ArrayckptError as e:
+                warnings.warn(f"{self._remote.location}: the remote tier could not be cleaned up: {e}", RuntimeWarning,
+                              stacklevel=2)
+            else:
+                removed += more
+                self.kept += kept
         foreign = [f"{path} ({why})" for path, why in self.kept if "maybe still being saved" not in why]
         if foreign:
             warnings.warn(f"{self.root}: clean_up left {len(foreign)} thing(s) that are not known to be arrayckpt's "
@@ -216,50 +253,12 @@ class CheckpointManager:
                           + "; ".join(foreign), RuntimeWarning, stacklevel=2)
         return removed
 
-    def _remove_orphaned_deltas(self) -> list[str]:
-        """Delete committed delta checkpoints whose base, a step of this manager, is positively gone (no
-        checkpoint, or an incomplete one, at its path): a deletion of that base was cut short before its deltas
-        were removed. A base that cannot be read for another reason (a storage error) keeps its deltas."""
-        removed: list[str] = []
-        gone: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for step in self.steps():
-                try:
-                    base = self._base_step(step)
-                except ArrayckptError:
-                    continue
-                if base is None:
-                    continue
-                if base not in gone:
-                    try:
-                        self._step_location(base).read_root()
-                        continue
-                    except (CheckpointNotFoundError, IncompleteCheckpointError):
-                        pass
-                    except ArrayckptError:
-                        continue
-                location = self._step_location(step)
-                location.delete()
-                removed.append(str(location))
-                gone.add(step)
-                changed = True
-        return removed
-
-    def _base_step(self, step: int) -> int | None:
-        """The step of this manager that step ``step``'s checkpoint is a delta against (``None``: a full checkpoint,
-        or a base elsewhere). Raises what opening the checkpoint raises."""
-        ref = open_checkpoint(self.path(step), storage_options=self.storage_options).manifest.base
-        if ref is None:
-            return None
-        base = str(self._step_location(step).resolve(ref.path))
-        match = _STEP_DIR.fullmatch(base.rstrip("/").rpartition("/")[2])
-        if match is None or str(self._step_location(int(match.group(1)))) != base:
-            return None
-        return int(match.group(1))
+    def _open(self, step: int) -> Checkpoint:
+        """Step ``step``'s local checkpoint, opened: use it in a ``with`` block, which closes it."""
+        return self._local.open(step)
 
     def latest_step(self) -> int | None:
+        """The newest step committed in either tier."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -270,8 +269,8 @@ class CheckpointManager:
         rule = self.interval
         if self._last_step is None:
             return bool(rule.every_steps and step % rule.every_steps == 0) or rule.every_steps is None
-        if rule.every_steps and step - self._last_step >= rule.every_steps:
-            return True
+        if rule.every_steps and step // rule.every_steps > self._last_step // rule.every_steps:
+            return True  # a multiple of every_steps reached (or passed) since the previous save
         elapsed = time.monotonic() - (self._last_time or 0.0)
         if rule.every_seconds and elapsed >= rule.every_seconds:
             return True
@@ -284,9 +283,13 @@ class CheckpointManager:
         """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so; returns whether
         a save was started. Asynchronous managers return once the data is staged. With ``incremental``,
         ``changed_rows`` (key -> row indices changed since the previous save) spares reading the base back
-        for those keys."""
+        for those keys. With a remote tier, the save is queued for upload, and an upload that failed since the
+        last call is raised here (``StorageError``; once per failure, after this save was made)."""
         with self._signals_deferred():
-            return self._save(step, state, force, metrics, changed_rows)
+            saved = self._save(step, state, force, metrics, changed_rows)
+            if saved:
+                self._raise_upload_errors(new_only=True)
+            return saved
 
     def _save(self, step: int, state: Mapping[str, Any], force: bool, metrics: Mapping[str, float] | None,
               changed_rows: Mapping[str, Any] | None) -> bool:
@@ -303,27 +306,31 @@ class CheckpointManager:
             keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save_with(state, self.path(step), options, keep_copy=keep)
             self._blocking_seconds = self._pending.blocking_seconds
+            if self._uploader is not None:
+                self._uploader.add(step, self._pending)
         else:
             save_with(state, self.path(step), options)
             self._blocking_seconds = time.perf_counter() - started
+            if self._uploader is not None:
+                self._uploader.add(step)
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
         return True
 
     def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The next save's incremental options (``SaveOptions`` fields): a delta against the newest checkpoint,
+        """The next save's incremental options (``SaveOptions`` fields): a delta against the newest local checkpoint,
         or none (a full save)."""
         if self.incremental is None:
             if changed_rows:
                 raise StateError("changed_rows needs an incremental manager (incremental=arrayckpt.Incremental())")
             return {}
-        latest = self.latest_step()
-        if latest is None:
+        steps = self._local.steps()
+        if not steps:
             return {}
-        base = open_checkpoint(self.path(latest), storage_options=self.storage_options)
-        if self.incremental.wants_full(base):
-            return {}
-        return {"base": base, "changed_rows": changed_rows, "quantize": self.incremental.quantize}
+        with self._open(steps[-1]) as base:  # closed here: the save opens its base again, and closes it when over
+            if self.incremental.wants_full(base):
+                return {}
+        return {"base": self.path(steps[-1]), "changed_rows": changed_rows, "quantize": self.incremental.quantize}
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (raising its error), then apply retention."""
@@ -333,34 +340,47 @@ class CheckpointManager:
                 pending.wait()
                 self._apply_retention()
 
+    def wait_for_uploads(self, timeout: float | None = None) -> None:
+        """Wait for the local save in flight and until every local step is uploaded (steps whose upload failed are
+        tried once more), then apply the local retention. Raises ``StorageError`` when an upload failed (the steps
+        stay local: a later save or call tries them again) and ``TimeoutError`` after ``timeout`` seconds."""
+        self.wait()
+        if self._uploader is None:
+            return
+        self._uploader.retry_failed()
+        if not self._uploader.wait(timeout):
+            raise TimeoutError(f"{self._remote_root()}: uploads still running after {timeout} s")
+        self._apply_retention()
+        self._uploader.take_unreported()
+        self._raise_upload_errors(new_only=False)
+
+    def upload_errors(self) -> list[tuple[int, BaseException]]:
+        """``(step, error)`` for every step whose last upload failed and that has not been uploaded since."""
+        return self._uploader.errors() if self._uploader is not None else []
+
+    def _raise_upload_errors(self, new_only: bool) -> None:
+        if self._uploader is None:
+            return
+        failed = self._uploader.take_unreported() if new_only else self._uploader.errors()
+        if failed:
+            steps = ", ".join(str(step) for step, _ in failed)
+            raise StorageError(f"{self._remote_root()}: uploading step(s) {steps} to the remote tier failed (they stay "
+                               f"in {self.root}, and are tried again with the next save): {failed[-1][1]}") \
+                from failed[-1][1]
+
+    def _remote_root(self) -> str:
+        return str(self._remote.location) if self._remote is not None else str(self.root)
+
     def _apply_retention(self) -> None:
-        """Delete the committed steps the policy does not keep, and that no kept delta reads through, in an order
-        where every state a crash can leave is consistent: a delta before the base it reads through (newest
-        first), and each checkpoint's root document first (see :meth:`Location.delete`)."""
+        """Delete the local steps the retention does not keep, nor any kept delta reads through, nor (with a remote
+        tier, unless ``keep_until_uploaded`` is false) any whose upload has not committed; see
+        :meth:`StepTree.apply_retention`."""
         if not self._is_coordinator():
             return
-        steps = self.steps()
-        metrics = {}
-        if self.retention.keep_best and self.retention.metric:
-            metrics = {s: dict(open_checkpoint(self.path(s), storage_options=self.storage_options).metrics)
-                       for s in steps}
-        kept = self.retention.keep(steps, metrics)
-        bases: dict[int, int | None] = {}
-        for step in steps:
-            try:
-                bases[step] = self._base_step(step)
-            except ArrayckptError:
-                if step in kept:
-                    raise  # what it reads through is unknown: deleting anything could break it
-                bases[step] = None
-        todo = sorted(kept)
-        while todo:  # the bases kept checkpoints read through, transitively
-            base = bases.get(todo.pop())
-            if base is not None and base not in kept:
-                kept.add(base)
-                todo.append(base)
-        for step in _deletion_order(set(steps) - kept, bases):
-            self._step_location(step).delete()
+        protect: set[int] | None = set()
+        if self._uploader is not None and self.remote is not None and self.remote.keep_until_uploaded:
+            protect = self._uploader.pending()
+        self._local.apply_retention(self.retention, protect)
 
     def _is_coordinator(self) -> bool:
         return resolve_group(self.process_group).is_coordinator
@@ -369,17 +389,42 @@ class CheckpointManager:
 
     def restore(self, state: Mapping[str, Any], step: int | None = None, **load_options: Any) -> int | None:
         """Load the newest committed checkpoint (or ``step``) into ``state``; returns its step, or
-        ``None`` when there is nothing to resume from (a fresh start)."""
+        ``None`` when there is nothing to resume from (a fresh start). With a remote tier: the newest step of either
+        tier, from the local copy when there is one and it reads back whole, else from the remote copy (a damaged
+        local copy is named in a warning)."""
+        tiers = self._restore_tiers()
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            if not tiers:
                 return None
-        elif step not in self.steps():
+            step = max(tiers)
+        elif step not in tiers:
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
-        load(state, self.path(step), process_group=self.process_group, storage_options=self.storage_options,
-             **load_options)
+        places = [self.path(step)] if "local" in tiers[step] else []
+        if "remote" in tiers[step]:
+            places.append(self.remote_path(step))
+        for place in places:
+            options = self.storage_options if place == self.path(step) else self.remote.storage_options  # type: ignore
+            try:
+                load(state, place, process_group=self.process_group, storage_options=options, **load_options)
+                break
+            except (CorruptCheckpointError, FormatError, CheckpointNotFoundError, IncompleteCheckpointError) as e:
+                if place == places[-1]:
+                    raise
+                warnings.warn(f"{place}: cannot be restored ({e}); restoring step {step} from the remote tier "
+                              "instead", RuntimeWarning, stacklevel=2)
         self._last_step, self._last_time = step, time.monotonic()
         return step
+
+    def _restore_tiers(self) -> dict[int, tuple[str, ...]]:
+        """:meth:`tiers`, or only the local one with a warning when the remote tier cannot be listed."""
+        try:
+            return self.tiers()
+        except StorageError as e:
+            if self._remote is None:
+                raise
+            warnings.warn(f"{self._remote.location}: the remote tier cannot be listed ({e}); restoring from the "
+                          "local tier", RuntimeWarning, stacklevel=2)
+            return {step: ("local",) for step in self._local.steps()}
 
     # --- preemption -------------------------------------------------------------------------------
 
@@ -411,7 +456,7 @@ class CheckpointManager:
             if self._last_step is None or step > self._last_step:
                 asynchronous, self.asynchronous = self.asynchronous, False
                 try:
-                    self.save(step, state, force=True)
+                    self._save(step, state, True, None, None)  # (an upload failure is not raised here)
                 finally:
                     self.asynchronous = asynchronous
         except BaseException:
@@ -438,7 +483,14 @@ class CheckpointManager:
                 self._terminate(signum, self._on_signal)
 
     def close(self) -> None:
-        self.wait()
+        """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then stop the
+        uploader."""
+        try:
+            self.wait()
+            self.wait_for_uploads()
+        finally:
+            if self._uploader is not None:
+                self._uploader.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -446,14 +498,3 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _deletion_order(doomed: set[int], bases: Mapping[int, int | None]) -> list[int]:
-    """``doomed`` ordered so that a delta comes before every base it reads through, newest first otherwise."""
-    order: list[int] = []
-    remaining = set(doomed)
-    while remaining:
-        read_through = {bases.get(s) for s in remaining}
-        ready = [s for s in remaining if s not in read_through] or list(remaining)  # (a loop of bases: any order)
-        order.append(max(ready))
-        remaining.discard(order[-1])
-    return order

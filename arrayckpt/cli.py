@@ -17,11 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._cli_commands import info_header, ranks_text
 from ._errors import ArrayckptError
+from ._tools.report_cli import add_report_parser, report_command
+from ._tools.sync_cli import add_sync_parser, sync_command
+from ._torch import TORCH_EXTRA, is_missing_torch
 
 if TYPE_CHECKING:  # imported when used: `estimate` and `interval` need neither torch nor TensorStore
     from ._read.checkpoint import Checkpoint, LazyArray
@@ -60,10 +65,13 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
     for key in checkpoint.plain_values:
         entry = checkpoint.manifest.entries[key]
         values[key] = {"pickled": entry.nbytes} if isinstance(entry, PickleEntry) else checkpoint.value(key)
+    from ._cli_commands import per_rank_info
+
     return {
         "path": str(checkpoint.location),
         "format_version": checkpoint.manifest.format_version,
         "step": checkpoint.step,
+        "per_rank": per_rank_info(checkpoint),
         "created": dict(checkpoint.manifest.created),
         "tensors": {
             key: {
@@ -113,8 +121,6 @@ def stored_as(array: LazyArray) -> str:
 
 def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
     """The checkpoint and its bases, newest first; an unreadable base ends the list with its error."""
-    from ._errors import ArrayckptError
-
     out = []
     layer: Checkpoint | None = checkpoint
     while layer is not None:
@@ -131,7 +137,7 @@ def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    print(f"checkpoint {info['path']}  (format v{info['format_version']}, step {info['step']})")
+    print(info_header(info))
     created = info["created"]
     if created:
         print("created   " + ", ".join(f"{k}={v}" for k, v in created.items()))
@@ -145,7 +151,8 @@ def _print_info(info: dict[str, Any]) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
         print("  ".join(c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    print(f"\n{len(rows)} tensors, {human_bytes(info['total_bytes'])}")
+    print(f"\n{len(rows)} tensor{'' if len(rows) == 1 else 's'}, {human_bytes(info['total_bytes'])}")
+    _print_zarr_hint(t["dtype"] for t in info["tensors"].values())
     if delta:
         print(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest first):")
         for layer in info["chain"]:
@@ -155,6 +162,10 @@ def _print_info(info: dict[str, Any]) -> None:
                 kind = "delta" if layer["delta"] else "full"
                 stored = human_bytes(layer["stored_bytes"]) if layer["stored_bytes"] is not None else "?"
                 print(f"  {layer['path']}  step {layer['step']}  {kind}, {stored}")
+    if info["per_rank"]:
+        print("\nper-rank entries (`arrayckpt show PATH KEY`: each rank's)")
+        for key, ranks in info["per_rank"].items():
+            print(f"  {key}  {ranks_text(ranks)}")
     if info["values"]:
         print("\nvalues")
         for key, value in info["values"].items():
@@ -165,7 +176,8 @@ def _print_info(info: dict[str, Any]) -> None:
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
 
-    info = info_dict(open_checkpoint(args.path))
+    with open_checkpoint(args.path) as checkpoint:  # closing it closes the bases `chain_info` opened
+        info = info_dict(checkpoint)
     if args.json:
         _print_json(info)
     elif args.tree:
@@ -177,10 +189,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _print_tree(info: dict[str, Any]) -> None:
     """The keys as a tree of their dotted parts: containers once, leaves with what they hold."""
-    print(f"checkpoint {info['path']}  (format v{info['format_version']}, step {info['step']})")
+    print(info_header(info))
     leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
                     f"{t['codec']}") for key, t in info["tensors"].items()}
     leaves.update({key: f"= {value!r}"[:100] for key, value in info["values"].items()})
+    leaves.update({key: ranks_text(ranks) for key, ranks in info["per_rank"].items()})
     shown: set[str] = set()
     for key, text in leaves.items():
         parts = key.split(".")
@@ -193,24 +206,9 @@ def _print_tree(info: dict[str, Any]) -> None:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._storage import parse_location
+    from ._cli_commands import cmd_gc
 
-    # what interrupted saves left right below the root; what looks like it but stays is reported with why
-    found, kept = parse_location(args.root).leftovers(args.min_age)
-    removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
-    verb = "would remove" if args.dry_run else "removed"
-    if args.json:
-        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
-        if kept:
-            report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
-        print(json.dumps(report))
-        return 0
-    for path in removed:
-        print(f"{verb} {path}")
-    for path, reason in kept:
-        print(f"kept {path}: {reason}")
-    print(f"{len(removed)} leftover(s) {verb}")
-    return 0
+    return cmd_gc(args)
 
 
 class _Counter:
@@ -239,6 +237,14 @@ def _print_json(data: Any) -> None:
 MAX_DAMAGE_LINES = 50
 
 
+def _print_zarr_hint(dtypes: Iterable[str]) -> None:
+    """One line for bfloat16/float8 arrays, which plain zarr-python cannot read ("No Zarr data type found")."""
+    special = sorted({name for name in dtypes if name == "bfloat16" or name.startswith("float8")})
+    if special:
+        print(f"note: zarr-python reads the {', '.join(special)} arrays only with arrayckpt's data types: install "
+              "arrayckpt (it registers them on `import zarr`) or `import arrayckpt` first")
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ._tools.verify import verify
 
@@ -255,8 +261,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if len(report.damage) > MAX_DAMAGE_LINES:
         print(f"... and {len(report.damage) - MAX_DAMAGE_LINES} more (--json lists all)")
     checked = f"{report.arrays} arrays, {report.chunks} chunks, {human_bytes(report.bytes_checked)} checked"
+    for what in report.unprotected:
+        print(f"unprotected: {what}")
     if report.ok:
         print(f"OK {report.path}: {checked}")
+        from ._read.checkpoint import open_checkpoint
+
+        with open_checkpoint(args.path) as checkpoint:
+            _print_zarr_hint(array.entry.dtype.name for array in checkpoint.values())
         return 0
     print(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
           f"{'y' if len(report.damaged_keys) == 1 else 'ies'} ({checked})")
@@ -279,18 +291,24 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
     from ._tools.inspect import show
 
-    checkpoint = open_checkpoint(args.path)
-    entry = checkpoint.manifest.entries.get(args.key)
-    if entry is not None and args.key not in checkpoint:  # a plain value: show it as it is
-        if isinstance(entry, PickleEntry):
-            value: Any = f"<pickled value, {entry.nbytes} bytes; not unpickled>"
-        elif isinstance(entry, PerRankEntry):
-            value = [item if item is None else item.to_dict() for item in entry.items]
-        else:
-            value = checkpoint.value(args.key)
-        _print_json({"key": args.key, "value": value}) if args.json else print(f"{args.key} = {value!r}")
-        return 0
-    summary = show(checkpoint, args.key, args.slice, max_values=args.max_values)
+    with open_checkpoint(args.path) as checkpoint:
+        entry = checkpoint.manifest.entries.get(args.key)
+        if entry is not None and args.key not in checkpoint:  # a plain value: show it as it is
+            if isinstance(entry, PickleEntry):
+                value: Any = f"<pickled value, {entry.nbytes} bytes; not unpickled>"
+            elif isinstance(entry, PerRankEntry):
+                from ._cli_commands import per_rank_values
+
+                value = per_rank_values(checkpoint, args.key)
+                if not args.json:
+                    print(f"{args.key}: per rank ({len(value)} rank{'' if len(value) == 1 else 's'})")
+                    print("\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(value)))
+                    return 0
+            else:
+                value = checkpoint.value(args.key)
+            _print_json({"key": args.key, "value": value}) if args.json else print(f"{args.key} = {value!r}")
+            return 0
+        summary = show(checkpoint, args.key, args.slice, max_values=args.max_values)
     if args.json:
         _print_json(summary.to_dict())
         return 0
@@ -327,7 +345,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         if t.differing_elements:
             chunks = "" if t.differing_chunks is None else f", {t.differing_chunks}/{t.chunks} chunks"
             extra = f", {t.nonfinite} NaN/inf" if t.nonfinite else ""
-            print(f"differs:   {t.key}: {t.differing_elements} elements{chunks}, max abs {t.max_abs:.6g}, "
+            elements = f"{t.differing_elements} element{'' if t.differing_elements == 1 else 's'}"
+            print(f"differs:   {t.key}: {elements}{chunks}, max abs {t.max_abs:.6g}, "
                   f"max rel {t.max_rel:.6g}{extra}")
     for key, (a, b) in report.values.items():
         print(f"value:     {key}: {a!r} -> {b!r}")
@@ -398,24 +417,9 @@ def _size(text: str) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ._convert.dispatch import convert
+    from ._cli_commands import cmd_convert
 
-    counter = _Counter("convert")
-    try:
-        result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
-                         overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                         max_shard_bytes=args.max_shard_size, progress=counter)
-    finally:
-        counter.close()
-    if args.json:
-        _print_json(result.to_dict())
-        return 0
-    print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
-          f"tensors, {human_bytes(result.bytes)}")
-    if result.skipped:
-        shown = ", ".join(result.skipped[:10]) + (" ..." if len(result.skipped) > 10 else "")
-        print(f"not converted ({result.target_format} cannot hold them): {shown}", file=sys.stderr)
-    return 0
+    return cmd_convert(args, _Counter("convert"), human_bytes)
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
@@ -491,11 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
     interval.add_argument("--json", action="store_true", help="print JSON")
     interval.set_defaults(func=_cmd_interval)
 
-    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors and PyTorch DCP")
-    convert.add_argument("src", help="source: arrayckpt or DCP directory, .pt file, .safetensors file/index/dir")
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP; from "
+                                  "DeepSpeed ZeRO and Megatron torch_dist")
+    convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
+                         "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
     formats = ["arrayckpt", "dcp", "safetensors", "torch"]
-    convert.add_argument("--from", dest="from_format", choices=formats, help="source format (default: detected)")
+    convert.add_argument("--from", dest="from_format", choices=[*formats, "deepspeed", "megatron"],
+                         help="source format (default: detected)")
     convert.add_argument("--to", dest="to_format", choices=formats,
                          help="target format (default: arrayckpt, or from the target's suffix)")
     convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
@@ -513,25 +520,53 @@ def build_parser() -> argparse.ArgumentParser:
     compact.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at dst")
     compact.add_argument("--json", action="store_true", help="print JSON")
     compact.set_defaults(func=_cmd_compact)
+    for add_parser, command in EXTRA_COMMANDS:
+        add_parser(commands).set_defaults(func=command)
     return parser
 
 
+# Commands that other modules add: ``(add_parser, command)`` pairs; ``add_parser(subparsers)`` adds the command's
+# parser and ``command(args) -> int`` runs it (``set_defaults(func=...)`` is done here).
+EXTRA_COMMANDS: list[tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = [
+    (add_report_parser, report_command),
+    (add_sync_parser, sync_command),
+]
+# The commands that read an arrayckpt checkpoint, and the arguments that name it.
+READ_COMMANDS = {"info": ("path",), "verify": ("path",), "show": ("path",), "diff": ("a", "b"), "compact": ("src",),
+                 "report": ("path",)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; a bad input ends in one line on stderr and exit status 2 (1: damage or a difference),
+    never a traceback; a closed output pipe (``| head``) ends quietly with status 141, as a Unix tool has."""
+    from ._cli_commands import cli_message, explain_path
+
     args = build_parser().parse_args(argv)
     try:
+        for name in READ_COMMANDS.get(args.command, ()):
+            explained = explain_path(getattr(args, name))
+            if explained is not None:
+                print(f"arrayckpt: error: {explained}", file=sys.stderr)
+                return 2
         return args.func(args)
+    except BrokenPipeError:  # `arrayckpt info ... | head`: stop writing, quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: let that go nowhere
+        return 141
     except ArrayckptError as e:
-        print(f"arrayckpt: error: {e}", file=sys.stderr)
-        return 2
-    except (KeyError, IndexError) as e:  # a key or slice the checkpoint does not have (messages name both)
-        print(f"arrayckpt: error: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:  # unreadable or malformed input (a file, a slice, a JSON document)
-        print(f"arrayckpt: error: {e}", file=sys.stderr)
-        return 2
+        message = cli_message(e)
+    except ModuleNotFoundError as e:  # a part that needs torch (a per-rank tensor, ...) where torch is not installed
+        if not is_missing_torch(e):
+            raise
+        message = f"this needs PyTorch ({e}): {TORCH_EXTRA}"
+    except (KeyError, IndexError, OSError, ValueError) as e:  # a missing key or slice; unreadable/malformed input
+        message = cli_message(e)
     except RecursionError:  # input nested too deeply for Python
-        print("arrayckpt: error: the input is nested too deeply to be read (damaged or crafted?)", file=sys.stderr)
-        return 2
+        message = "the input is nested too deeply to be read (damaged or crafted?)"
+    except MemoryError:
+        message = "the input asks for more memory than there is (damaged or crafted?)"
+    print(f"arrayckpt: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ per repeat (A B A B ...); each measurement set first saves and loads a tiny stat
 (imports, thread pools, gloo connections).
 
 1. ``compare``, one process group per world size of ``--ranks``: per repeat, for arrayckpt
-   (``arrayckpt.save`` / ``arrayckpt.load`` in place, uncompressed) and DCP
-   (``torch.distributed.checkpoint.save`` / ``.load``, default planner and ``FileSystemWriter``), a save
-   of the state then a load into zeroed targets of the same sharding; the checkpoint is deleted after.
+   (``arrayckpt.save`` / ``arrayckpt.load`` in place, uncompressed), DCP
+   (``torch.distributed.checkpoint.save`` / ``.load``, default planner and ``FileSystemWriter`` /
+   ``FileSystemReader``) and ``dcp[arrayckpt]`` (the same DCP calls with arrayckpt's storage,
+   ``arrayckpt.dcp.ArrayckptWriter`` / ``ArrayckptReader``: DCP plans, arrayckpt stores), a save of the
+   state then a load into zeroed targets of the same sharding; the checkpoint is deleted after.
 2. ``reshard``, one 4-rank process group: the state is saved once by each system with ``Shard(0)`` on
    a 4-rank mesh; then, per repeat, loads into targets on the same 4-rank mesh (4 -> 4) and into DTensor
    targets ``Shard(0)`` on a 3-rank mesh over ranks 0-2 (4 -> 3, a subgroup; rank 3 waits). Reported:
@@ -38,7 +40,8 @@ per repeat (A B A B ...); each measurement set first saves and loads a tiny stat
    several ranks need is read by one and sent over the process group. Reported: bytes read from storage
    summed over ranks, and time, with vs without.
 
-Bytes read from storage: the change of ``arrayckpt._io.fastio.STATS["bytes_read"]`` over the op on each rank
+Bytes read from storage (arrayckpt and ``dcp[arrayckpt]``): the change of
+``arrayckpt._io.fastio.STATS["bytes_read"]`` over the op on each rank
 (arrayckpt's local fast path, which serves uncompressed local arrays: every array here), summed over the
 ranks; it includes each chunk's 4-byte checksum and shard indexes. DCP's reads are not counted.
 
@@ -287,6 +290,33 @@ def dcp_load(state: State, path: str, group: Any) -> None:
     dcp.load(state, checkpoint_id=path, process_group=group)
 
 
+def dcp_arrayckpt_save(state: State, path: str, group: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from arrayckpt.dcp import ArrayckptWriter
+
+    dcp.save(state, storage_writer=ArrayckptWriter(path), process_group=group)
+
+
+def dcp_arrayckpt_load(state: State, path: str, group: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from arrayckpt.dcp import ArrayckptReader
+
+    dcp.load(state, storage_reader=ArrayckptReader(path), process_group=group)
+
+
+def dcp_storage_available() -> bool:
+    try:
+        import arrayckpt.dcp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+DCP_ARRAYCKPT = "dcp[arrayckpt]"  # DCP's save/load with arrayckpt's StorageWriter/StorageReader
+
+
 @dataclass(frozen=True)
 class System:
     name: str
@@ -294,7 +324,8 @@ class System:
     load: Callable[[State, str, Any], None]
 
 
-SYSTEMS = (System("arrayckpt", arrayckpt_save, arrayckpt_load), System("dcp", dcp_save, dcp_load))
+SYSTEMS = (System("arrayckpt", arrayckpt_save, arrayckpt_load), System("dcp", dcp_save, dcp_load),
+           *([System(DCP_ARRAYCKPT, dcp_arrayckpt_save, dcp_arrayckpt_load)] if dcp_storage_available() else []))
 
 
 @dataclass(frozen=True)
@@ -594,7 +625,7 @@ def summarise(samples: list[dict[str, Any]], total: int) -> list[Row]:
         reads = [s["bytes_read"] for s in group]
         median = statistics.median(seconds)
         rows.append(Row(set_, system, op, saved, loaded, read_once, median, min(seconds), total / GB / median,
-                        _median_bytes(reads) if op == "load" and system.startswith("arrayckpt") else None,
+                        _median_bytes(reads) if op == "load" and "arrayckpt" in system else None,
                         group[0]["bytes_needed"], total, statistics.median(s["cpu_s"] for s in group), seconds))
     for row in rows:
         dcp = _baseline(rows, row, "dcp", row.ranks)

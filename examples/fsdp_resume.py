@@ -392,6 +392,11 @@ def run(workdir: Path, n: int) -> int:
     return 0
 
 
+def _launched() -> bool:
+    """Whether a launcher (torchrun, torch.distributed.launch, SLURM's srun through them) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temp dir)")
@@ -399,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if _launched():  # under torchrun every rank would spawn its own ranks and wait on the same port: a silent hang
+        if os.environ.get("RANK", "0") == "0":
+            print("fsdp_resume.py starts its own ranks (it saves on one world size and resumes on another); run it "
+                  "as `python examples/fsdp_resume.py`, not under torchrun or another launcher", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)

@@ -39,13 +39,17 @@ LAYERS = [
     ("_write",),
     ("_tools",),
     ("_convert",),
-    ("_manager",),
-    ("cli",),
+    ("_manager", "_tiers"),
+    ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
+    ("cli", "_cli_commands", "dcp", "deepspeed", "lightning"),
     ("__init__",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Subpackages whose modules must import without torch (the format layer and everything ``arrayckpt.open`` needs).
 TORCH_FREE = ("_errors", "_version", "_zarr_dtypes", "_format", "_layout", "_io", "_storage")
+# Modules of the layers that use torch which import without it: the torch guards, and `convert` (whose
+# arrayckpt -> safetensors export needs no torch; the other converters are imported when used).
+TORCH_FREE_MODULES = ("_torch", "_convert.dispatch")
 MAX_LINES = 500
 LONG_REASON = "Longer than 500 lines:"  # what a module's docstring says when it is longer, followed by why
 
@@ -244,6 +248,10 @@ out = {{
     "info": cli.main(["info", path]),
     "torch_loaded": sys.modules.get("torch") is not None,
 }}
+try:
+    arrayckpt.save({{}}, path + "-again")
+except arrayckpt.TorchNotInstalledError as e:  # at the call, not at import; an ImportError too
+    out["save"] = [str(e), isinstance(e, ImportError)]
 print(json.dumps(out))
 """
 
@@ -253,10 +261,12 @@ def test_format_and_read_layers_need_no_torch(tmp_path):
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     arrayckpt.save({"model": {"w": w, "b": torch.ones(2, dtype=torch.bfloat16)}, "step": 3}, path)
     modules = sorted(m for m in _modules() if _top(m) in TORCH_FREE and not m.endswith("__init__"))
+    modules += TORCH_FREE_MODULES
     assert "_format.manifest" in modules and "_storage.local" in modules
     done = subprocess.run([sys.executable, "-c", _NO_TORCH.format(modules=modules), str(path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"keys": ["model.b", "model.w"], "row": [4.0, 5.0, 6.0, 7.0], "bf16": "bfloat16", "step": 3,
-                      "verify": True, "show": 7.0, "info": 0, "torch_loaded": False}
+                      "verify": True, "show": 7.0, "info": 0, "torch_loaded": False,
+                      "save": ["arrayckpt.save requires PyTorch: pip install 'arrayckpt[torch]'", True]}

@@ -40,12 +40,21 @@ def test_info_json_is_machine_readable(saved):
     done = _run("info", "--json", str(saved))
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
-    assert info["step"] == 7 and info["format_version"] == 1
+    assert info["step"] == 7 and info["format_version"] == 3
     assert info["tensors"]["model.w"] == {"dtype": "bfloat16", "shape": [64, 32], "nbytes": 4096, "codec": "zstd(3)",
                                           "kind": "tensor", "stored": "whole", "chunks": [1, 1]}
     assert [layer["step"] for layer in info["chain"]] == [7] and info["stored_bytes"] == info["total_bytes"]
     assert info["values"] == {"step": 7, "name": "run-1"}
     assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
+
+
+def test_info_and_verify_say_what_zarr_python_needs_for_bfloat16(saved, tmp_path):
+    note = "note: zarr-python reads the bfloat16 arrays only with arrayckpt's data types"
+    for command in ("info", "verify"):
+        done = _run(command, str(saved))
+        assert done.returncode == 0 and done.stdout.count(note) == 1, done.stdout + done.stderr
+    arrayckpt.save({"w": torch.ones(2)}, tmp_path / "plain")
+    assert "note:" not in _run("info", str(tmp_path / "plain")).stdout + _run("verify", str(tmp_path / "plain")).stdout
 
 
 def test_info_on_missing_or_incomplete_checkpoint_fails_clearly(tmp_path):
@@ -62,13 +71,14 @@ def test_gc_removes_leftovers_of_interrupted_saves_only(tmp_path):
     (leftover / "w").mkdir(parents=True)
     (leftover / "w" / "c.0").write_bytes(b"partial")
     done = _run("gc", str(tmp_path), "--min-age", "3600")
-    assert done.returncode == 0 and "0 leftover(s) removed" in done.stdout  # too recent: maybe still running
+    assert done.returncode == 0 and "removed 0 leftovers; kept 1" in done.stdout  # too recent: maybe still running
+    assert "under the minimum age of 3600 s" in done.stdout
     done = _run("gc", str(tmp_path), "--min-age", "0", "--dry-run")
     assert "would remove" in done.stdout and leftover.exists()
     done = _run("gc", str(tmp_path), "--min-age", "0", "--dry-run", "--json")
     assert json.loads(done.stdout) == {"would_remove": [str(leftover)]}
     done = _run("gc", str(tmp_path), "--min-age", "0")
-    assert done.returncode == 0 and "1 leftover(s) removed" in done.stdout
+    assert done.returncode == 0 and "removed 1 leftover\n" in done.stdout
     assert not leftover.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
     assert "w" in arrayckpt.open(tmp_path / "kept")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import run_ranks
-from helpers import bits
+from helpers import bits, write_root
 from policies import Chunking
 
 import arrayckpt
@@ -82,7 +82,7 @@ def test_chain_of_five_deltas_reads_bit_exact(tmp_path: Path) -> None:
         assert 0 < entries["emb"].delta.rows <= 30
         assert entries["dense"].delta is not None
         assert ckpt.manifest.stored_bytes < full / 4
-        assert ckpt.manifest.format_version == 2 and ckpt.manifest.base.step == step - 1
+        assert ckpt.manifest.format_version == 3 and ckpt.manifest.base.step == step - 1
         if step == 3:
             assert entries["new"].delta is None and entries["bias"].delta is None
     # slices of the newest checkpoint read through all five layers
@@ -212,7 +212,7 @@ def test_compaction_equals_the_chain(tmp_path: Path) -> None:
     result = arrayckpt.compact(tmp_path / "s3", tmp_path / "full")
     assert result.chain == tuple(str(tmp_path / f"s{i}") for i in (3, 2, 1, 0))
     full, chain = arrayckpt.open(tmp_path / "full"), arrayckpt.open(tmp_path / "s3")
-    assert full.manifest.base is None and full.manifest.format_version == 1 and full.step == 3
+    assert full.manifest.base is None and full.manifest.format_version == 3 and full.step == 3
     assert sorted(full) == sorted(chain)
     for key in chain:
         assert _bits_equal(full[key].torch(), chain[key].torch()), key
@@ -346,7 +346,7 @@ def test_crafted_chains_are_refused(tmp_path: Path) -> None:
     b_id = arrayckpt.open(tmp_path / "b").manifest.id
     document["attributes"]["arrayckpt"]["base"] = {"path": "../b", "id": b_id, "step": None}
     document["attributes"]["arrayckpt"]["entries"]["w"]["delta"] = {"mode": "chunks", "present": []}
-    root.write_text(json.dumps(document))
+    write_root(root.parent, document)
     with pytest.raises(arrayckpt.CorruptCheckpointError, match="loops back"):
         arrayckpt.open(tmp_path / "b").chain()
     with pytest.raises(arrayckpt.CorruptCheckpointError, match="loops back"):
@@ -355,7 +355,7 @@ def test_crafted_chains_are_refused(tmp_path: Path) -> None:
     document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = [3, 4]
     document["consolidated_metadata"]["metadata"]["w"]["shape"] = [3, 4]
     document["consolidated_metadata"]["metadata"]["w"]["chunk_grid"]["configuration"]["chunk_shape"] = [3, 4]
-    root.write_text(json.dumps(document))
+    write_root(root.parent, document)
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"float32\[3, 4\] here but float32\[6, 2\]"):
         arrayckpt.open(tmp_path / "b")["w"].torch()
 

@@ -286,12 +286,12 @@ def _die_or_save(rank: int, port: int, path: str, victim: int, point: str, resul
             broadcast = dist_module.Group.broadcast
             calls = []
 
-            def second_broadcast_dies(self, obj):  # the plan, then the outcome of the commit
+            def first_broadcast_dies(self, obj):  # the plan is scattered: the one broadcast is the commit's outcome
                 calls.append(obj)
-                if len(calls) == 2:
+                if len(calls) == 1:
                     os._exit(9)
                 return broadcast(self, obj)
-            dist_module.Group.broadcast = second_broadcast_dies
+            dist_module.Group.broadcast = first_broadcast_dies
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -335,3 +335,72 @@ def test_a_rank_dying_mid_save_fails_the_others_fast_and_commits_nothing(tmp_pat
     arrayckpt.gc(tmp_path, min_age_s=0)  # a dead coordinator cannot remove its temporary directory
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert arrayckpt.verify(previous).ok
+
+
+MANY = 16  # ranks of the many-rank run: as many as 2 cores start and run within ~1 minute
+MESH = (4, 4)  # data parallel x tensor parallel
+
+
+def _many_global() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"emb": torch.randn(50, 8, generator=g),  # 50 rows: uneven over 3 DP groups, then 4 TP ranks
+            "mlp": torch.randn(12, 20, generator=g).bfloat16(),  # TP on columns, FSDP on rows
+            "norm": torch.randn(20, generator=g)}  # replicated over TP, FSDP on rows
+
+
+def _split(n: int, parts: int, i: int) -> slice:
+    step = -(-n // parts)
+    return slice(min(i * step, n), min((i + 1) * step, n))
+
+
+def _many_pieces(rank: int) -> dict[str, arrayckpt.Shard]:
+    """Megatron-style pieces on a DP x TP mesh (torch.chunk-style splits, replicas over TP for the norm)."""
+    full = _many_global()
+    dp, tp = divmod(rank, MESH[1])
+    rows = _split(50, MESH[0] * MESH[1], rank)
+    cols, mlp_rows, norm_rows = _split(20, MESH[1], tp), _split(12, MESH[0], dp), _split(20, MESH[0], dp)
+    return {"emb": arrayckpt.Shard(full["emb"][rows].clone(), (50, 8), (rows.start, 0)),
+            "mlp": arrayckpt.Shard(full["mlp"][mlp_rows, cols].clone(), (12, 20), (mlp_rows.start, cols.start)),
+            "norm": arrayckpt.Shard(full["norm"][norm_rows].clone(), (20,), (norm_rows.start,), replica_id=tp)}
+
+
+def _many_ranks(rank: int, world: int, path: str) -> dict:
+    import arrayckpt._write.save as save_module
+
+    planned = []
+    plan_layout = save_module.plan_layout
+    save_module.plan_layout = lambda *a, **k: planned.append(1) or plan_layout(*a, **k)
+    for step in (1, 2):  # the second save reuses the plan: fingerprints only, every rank keeps its part
+        model = _many_pieces(rank)
+        for piece in model.values():
+            piece.tensor.add_(step - 1)
+        state = {"model": model, "step": step, "rng": arrayckpt.PerRank(torch.full((2,), rank, dtype=torch.uint8))}
+        small_chunks(64, 256).save(state, f"{path}-{step}", step=step)
+    # reshard: the same ranks, other pieces (columns of emb, rows of mlp over every rank, the norm whole everywhere)
+    full = _many_global()
+    cols, rows = _split(8, world, rank), _split(12, world, rank)
+    target = {"model": {"emb": arrayckpt.Shard(torch.zeros(50, cols.stop - cols.start), (50, 8), (0, cols.start)),
+                        "mlp": arrayckpt.Shard(torch.zeros(rows.stop - rows.start, 20, dtype=torch.bfloat16), (12, 20),
+                                               (rows.start, 0)),
+                        "norm": torch.zeros(20)}, "step": 0}
+    arrayckpt.load(target, f"{path}-2", strict=False)
+    model = target["model"]
+    assert_bit_equal(model["emb"].tensor, full["emb"][:, cols] + 1)
+    assert_bit_equal(model["mlp"].tensor, full["mlp"][rows] + 1)
+    assert_bit_equal(model["norm"], full["norm"] + 1) and target["step"] == 2
+    return {"planned": len(planned)}
+
+
+def test_save_twice_and_reshard_on_many_ranks(tmp_path: Path):
+    """Collectives and plans beyond a handful of ranks: 16 gloo processes save a DP x TP sharded state twice (the
+    second save reusing the plan) and load it back resharded; one process then reads it whole."""
+    out = run_ranks(MANY, _many_ranks, str(tmp_path / "ckpt"))
+    assert [o["planned"] for o in out] == [1] + [0] * (MANY - 1)  # only the coordinator plans, and once
+    full = _many_global()
+    for step in (1, 2):
+        with arrayckpt.open(tmp_path / f"ckpt-{step}") as ckpt:
+            for key, value in full.items():
+                assert_bit_equal(ckpt[f"model.{key}"].torch(), value + (step - 1))
+            assert [t.tolist() for t in ckpt.per_rank("rng")] == [[r, r] for r in range(MANY)]
+            assert ckpt.manifest.created["world_size"] == MANY
+        assert arrayckpt.verify(tmp_path / f"ckpt-{step}").ok

@@ -1,4 +1,4 @@
-"""Runs examples/train_resume.py end to end: save mid-training, load into fresh objects, resume."""
+"""Runs the examples end to end: save mid-training, load into fresh objects (or a fresh process), resume."""
 
 from helpers import run_example
 
@@ -7,3 +7,15 @@ def test_train_resume_example_is_bit_exact(tmp_path):
     out = run_example("train_resume.py", "--dir", str(tmp_path), "--steps", "10")
     assert "OK: resumed run matches the uninterrupted run exactly" in out, out
     assert any(tmp_path.iterdir()), "the example wrote no checkpoint into --dir"
+
+
+def test_lightning_resume_example_is_bit_exact(tmp_path):
+    out = run_example("lightning_resume.py", "--dir", str(tmp_path), "--epochs", "1", "--async")
+    assert "OK: resumed Lightning run matches the uninterrupted run exactly" in out, out
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
+
+
+def test_two_tier_resume_example_resumes_from_s3_bit_exact(tmp_path):
+    out = run_example("two_tier_resume.py", "--dir", str(tmp_path), "--steps", "8", "--every", "4")
+    assert "OK: resumed from S3 after losing the local tier, bit for bit" in out, out
+    assert "restored from ('remote',)" in out, out

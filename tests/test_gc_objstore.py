@@ -196,7 +196,7 @@ def test_s3_cli_gc(s3_server: S3Server, s3_bucket: str, monkeypatch):
                                        "kept": [{"path": f"{root}/logs", "reason": report["kept"][0]["reason"]}]}
     done = run("--min-age", "0")
     assert done.returncode == 0, done.stderr
-    assert f"removed {root}/step-2" in done.stdout and "1 leftover(s) removed" in done.stdout
+    assert f"removed {root}/step-2" in done.stdout and "removed 1 leftover;" in done.stdout
     assert f"kept {root}/logs: holds objects that are not arrayckpt's" in done.stdout
     assert not [k for k in s3_server.list_keys(s3_bucket) if k.startswith("run/step-2/")]
     done = subprocess.run([exe, "gc", f"{root}/step-1", "--min-age", "0"], capture_output=True, text=True, env=env)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import write_root
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,7 +69,7 @@ def test_mutated_root_documents_fail_clearly(pristine, data):
     try:
         target = root / "ckpt"
         shutil.copytree(pristine, target)
-        (target / "zarr.json").write_text(json.dumps(mutated))
+        write_root(target, mutated)
         before = sorted(root.rglob("*"))
         try:
             opened = arrayckpt.open(target)

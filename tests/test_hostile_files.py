@@ -15,8 +15,10 @@ import textwrap
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from helpers import write_root
 
 import arrayckpt
 from arrayckpt._tools import verify as verify_module
@@ -107,7 +109,7 @@ def _edit_metadata(path: Path, **changes: object) -> None:
         document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
     if "chunk_shape" in changes:
         metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
-    (path / "zarr.json").write_text(json.dumps(document))
+    write_root(path, document)
 
 
 def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Path) -> None:
@@ -152,7 +154,11 @@ def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: py
     arrayckpt.save({"w": torch.zeros([2] * ndim, dtype=torch.uint8)}, path)
     _edit_metadata(path, chunk_shape=[1] * ndim)
     batches: list[int] = []
-    monkeypatch.setattr(verify_module, "read_chunks", lambda checkpoint, batch: batches.append(len(batch)))
+    def read_chunks(checkpoint: object, batch: list) -> list[np.ndarray]:
+        batches.append(len(batch))
+        return [np.zeros(chunk.shape, np.uint8) for chunk in batch]
+
+    monkeypatch.setattr(verify_module, "read_chunks", read_chunks)
     tracemalloc.start()
     try:
         report = arrayckpt.verify(path)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import write_root
 from policies import small_chunks
 
 import arrayckpt
@@ -22,7 +23,7 @@ from arrayckpt.cli import main
 def _edit_root(path: Path, change) -> None:
     document = json.loads((path / "zarr.json").read_text())
     change(document)
-    (path / "zarr.json").write_text(json.dumps(document))
+    write_root(path, document)
 
 
 def _entries(document: dict[str, Any]) -> dict[str, Any]:

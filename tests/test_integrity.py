@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import write_root
 from policies import small_chunks
 
 import arrayckpt
@@ -165,7 +166,7 @@ def test_unknown_format_version_is_refused(ckpt):
     arrayckpt.save(_state(), ckpt)
     root = json.loads((ckpt / "zarr.json").read_text())
     root["attributes"]["arrayckpt"]["format_version"] = 99
-    (ckpt / "zarr.json").write_text(json.dumps(root))
+    write_root(ckpt, root)
     with pytest.raises(arrayckpt.FormatError, match="format version 99 is not supported"):
         arrayckpt.open(ckpt)
 
@@ -173,7 +174,7 @@ def test_unknown_format_version_is_refused(ckpt):
 def _edit_root(ckpt: Path, edit) -> None:
     root = json.loads((ckpt / "zarr.json").read_text())
     edit(root)
-    (ckpt / "zarr.json").write_text(json.dumps(root))
+    write_root(ckpt, root)
 
 
 def test_manifest_shape_must_match_array_metadata(ckpt):

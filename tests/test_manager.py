@@ -128,3 +128,13 @@ def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
     removed = manager.clean_up()
     assert sorted(removed) == sorted([str(tmp_path / "step-00000002"), str(leftover)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000000", "step-00000001", "step-00000003"]
+
+
+def test_interval_steps_stay_aligned_after_an_off_interval_save(tmp_path):
+    """Orbax's rule: saves at multiples of every_steps; a forced save at 17 does not move the next one to 22."""
+    manager = arrayckpt.CheckpointManager(tmp_path, interval=arrayckpt.Interval(every_steps=5))
+    state = {"w": torch.zeros(2)}
+    saved = [step for step in range(1, 31) if manager.save(step, state, force=step == 17)]
+    assert saved == [5, 10, 15, 17, 20, 25, 30]
+    skipping = arrayckpt.CheckpointManager(tmp_path / "sparse", interval=arrayckpt.Interval(every_steps=5))
+    assert [s for s in (3, 5, 8, 12, 14, 16) if skipping.save(s, state)] == [5, 12, 16]  # 10 and 15 passed by

@@ -32,7 +32,7 @@ from arrayckpt._errors import FormatError
 from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
 from arrayckpt._format.dtypes import DTYPES
 from arrayckpt._format.keys import array_path, parse_array_path
-from arrayckpt._format.manifest import FORMAT_VERSION, MAX_NDIM, PLAIN_VERSION, Manifest, per_rank_path
+from arrayckpt._format.manifest import FORMAT_VERSION, INTEGRITY_VERSION, MAX_NDIM, Manifest, per_rank_path
 from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
 from arrayckpt._format.values import decode_value, encode_value
 from arrayckpt._format.zarr import (
@@ -46,6 +46,7 @@ from arrayckpt._format.zarr import (
 from arrayckpt._io.arrays import read_context
 from arrayckpt._layout.box import Box
 from arrayckpt._layout.delta import plan_delta
+from arrayckpt._layout.digests import stored_chunks
 from arrayckpt._layout.saveplan import plan_save
 from arrayckpt._storage import object as _objstore
 from arrayckpt._storage import parse_location
@@ -88,11 +89,13 @@ def _json_block(marker: str) -> object:
 
 
 def _without_created(manifest: dict) -> dict:
-    """A manifest without what differs from save to save: its provenance and its random ``id`` (checked to be
-    32 lower-case hex digits wherever it is present)."""
+    """A manifest without what differs from save to save: its provenance, its random ``id`` (checked to be
+    32 lower-case hex digits wherever it is present) and the digests (checked to be digests)."""
     if "id" in manifest:
         assert re.fullmatch(r"[0-9a-f]{32}", manifest["id"]), manifest["id"]
-    return {k: v for k, v in manifest.items() if k not in ("created", "id")}
+    digests = [manifest.get("integrity", "sha256:" + "0" * 64), *manifest.get("chunk_digests", {}).values()]
+    assert all(re.fullmatch(r"sha256:([0-9a-f]{64}|[0-9a-f]{4}…)", d) for d in digests), digests  # (…: the spec's)
+    return {k: v for k, v in manifest.items() if k not in ("created", "id", "integrity", "chunk_digests")}
 
 
 def _text_block(marker: str) -> str:
@@ -202,7 +205,8 @@ def test_checksum_rule_of_the_reader():
 def test_sharded_array_example(tmp_path):
     path = tmp_path / "ckpt"
     small_chunks(16, 64).save({"w": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, path, codec="zstd")
-    assert json.loads((path / "w" / "zarr.json").read_text()) == _json_block("sharded-array")
+    names = {"dimension_names": ["w.dim_0", "w.dim_1"]}  # written since version 3 (§7.2)
+    assert json.loads((path / "w" / "zarr.json").read_text()) == _json_block("sharded-array") | names
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     assert files == ["w/c.0.0", "w/c.1.0", "w/c.2.0", "w/zarr.json", "zarr.json"]
 
@@ -354,7 +358,8 @@ def test_per_rank_example():
     """The two-rank example of section 4.3, planned as the coordinator plans it (no processes needed)."""
     states = _per_rank_example_states()
     planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
-    manifest = build_manifest(planned, Record(), len(states), None, [{}] * len(states), "default").to_dict()
+    reported = {a.path: dict.fromkeys(stored_chunks(a, planned.entries), 0) for a in planned.arrays.values()}
+    manifest = build_manifest(planned, Record(), len(states), None, [({}, reported)], "P").to_dict()
     expected = _json_block("per-rank-example")
     assert _without_created(manifest) == _without_created(expected)
     assert list(manifest["entries"]) == list(expected["entries"])  # the order the spec describes
@@ -456,13 +461,16 @@ def test_reading_without_arrayckpt_examples(tmp_path):
 
 
 def test_format_versions():
-    assert (FORMAT_VERSION, PLAIN_VERSION) == (2, 1)
-    assert SPEC.startswith("# arrayckpt on-disk format, version 2\n")
-    assert "`format_version` **2**" in SPEC and "(arrayckpt: `N = 2`)" in SPEC
+    assert (FORMAT_VERSION, INTEGRITY_VERSION) == (3, 3)
+    assert SPEC.startswith("# arrayckpt on-disk format, version 3\n")
+    assert "`format_version` **3**" in SPEC and "(arrayckpt: `N = 3`)" in SPEC
     entry = {"kind": "tensor", "keys": ["t"], "path": "t", "dtype": "float32", "shape": [2]}
     for version in (1, 2):
         assert Manifest.from_dict({"format_version": version, "entries": {"t": entry}}).format_version == version
-    for version in (0, 3, True):
+    assert Manifest.from_dict({"format_version": 3, "entries": {"t": entry}, "chunk_digests": {}}).format_version == 3
+    with pytest.raises(FormatError, match="requires"):  # version 3 without its chunk digests
+        Manifest.from_dict({"format_version": 3, "entries": {"t": entry}})
+    for version in (0, 4, True):
         with pytest.raises(FormatError, match="format_version|not supported"):
             Manifest.from_dict({"format_version": version, "entries": {}})
 
@@ -634,12 +642,13 @@ def test_delta_example(tmp_path):
     expected["base"]["id"] = manifest["base"]["id"]  # the example's ids are made up
     assert _without_created(manifest) == _without_created(expected)
     assert list(manifest["entries"]) == list(expected["entries"])
-    assert base_root["attributes"]["arrayckpt"]["format_version"] == 1
+    assert base_root["attributes"]["arrayckpt"]["format_version"] == 3
     base_w = base_root["consolidated_metadata"]["metadata"]["w"]  # the text's description of the base
     assert base_w["chunk_grid"]["configuration"]["chunk_shape"] == [4, 4]
     assert base_w["codecs"][0]["configuration"]["chunk_shape"] == [2, 4]
     nodes = root["consolidated_metadata"]["metadata"]
-    assert nodes["w"] == _json_block("delta-array") and nodes["emb"] == GROUP_METADATA
+    names = {"dimension_names": ["w.dim_0", "w.dim_1"]}  # written since version 3 (§7.2)
+    assert nodes["w"] == _json_block("delta-array") | names and nodes["emb"] == GROUP_METADATA
     for name, data_type, shape in (("rows", "int64", [1]), ("values", "float32", [1, 4])):
         document = nodes[f"emb/{name}"]
         assert (document["data_type"], document["shape"], document["chunk_grid"]["configuration"]["chunk_shape"],

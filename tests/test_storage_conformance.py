@@ -236,6 +236,19 @@ class TestStorage:
         assert storage.root.children() == ["step-1"]
         assert sibling.is_committed() and _value(storage, sibling) == 1.0
 
+    def test_overwrite_replaces_what_an_interrupted_first_save_left(self, storage: Storage) -> None:
+        """A save killed after its documents but before some array's chunks (what a killed upload of a two-tier
+        manager leaves) is replaced by a save with ``overwrite=True``: an array's ``zarr.json``, whose attributes
+        carry ``arrayckpt`` too, is not mistaken for a committed checkpoint lying inside."""
+        location = storage.at("step-1")
+        writer = location.open_writer(overwrite=False)
+        other = {**_array_document(writer.key_encoding), "attributes": {"arrayckpt": {"key": "v"}}}
+        writer.write_documents({"v": json.dumps(other).encode()})()
+        _write_data(writer)  # "w" with its chunk; "v" without: then the process dies (no commit, no abort)
+        _save(storage, location, 4.0, overwrite=True)
+        assert _value(storage, location) == 4.0
+        assert arrayckpt.verify(location.native, storage_options=storage.options).ok
+
     def test_children_and_child(self, storage: Storage) -> None:
         root = storage.root
         assert root.children() == []

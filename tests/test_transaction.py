@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._errors import StorageError
-from arrayckpt._format.manifest import FORMAT_VERSION, PLAIN_VERSION, Manifest, format_version
+from arrayckpt._format.manifest import FORMAT_VERSION, Manifest
 from arrayckpt._layout.box import Box
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
@@ -105,9 +106,18 @@ def test_begin_write_refuses_a_committed_checkpoint_and_leaves_nothing(tmp_path:
     assert torch.equal(arrayckpt.open(tmp_path / "ckpt")["w"].torch(), torch.ones(2))
 
 
-def test_the_format_version_is_the_lowest_that_describes_the_checkpoint() -> None:
-    assert format_version(False, "default") == PLAIN_VERSION == 1
-    assert format_version(True, "default") == format_version(False, "v2") == FORMAT_VERSION == 2
+def test_every_new_checkpoint_records_the_version_that_requires_its_checksums(tmp_path) -> None:
+    """Version 3 makes the root checksum and the chunk digests required, so their removal is itself damage: every
+    save, full or delta, local or on object storage, records it."""
+    arrayckpt.save({"w": torch.ones(3)}, tmp_path / "a")
+    arrayckpt.save({"w": torch.zeros(3)}, tmp_path / "b", base=tmp_path / "a")
+    url = f"memory://tx/{uuid.uuid4().hex}"
+    arrayckpt.save({"w": torch.ones(3)}, url)
+    arrayckpt.save({"w": torch.ones(3)}, url, overwrite=True)  # the v2 chunk key encoding
+    for where in (tmp_path / "a", tmp_path / "b", url):
+        manifest = arrayckpt.open(where).manifest
+        assert manifest.format_version == FORMAT_VERSION == 3 and manifest.integrity is not None
+        assert set(manifest.chunk_digests) == {"w"}
 
 
 def test_a_chunk_policy_is_checked_and_part_of_the_plan() -> None:

@@ -1,32 +1,30 @@
 """What every converter shares: the result type, refusing to overwrite, replacing a file atomically and
-durably, torch's legacy storage classes, and the nested state of a checkpoint.
+durably, and the nested state of a checkpoint. No torch here (``to_safetensors`` runs without it).
 
 Every converter streams: the source's index (safetensors header, DCP ``.metadata``, the pickle of a
 torch.save file) gives the structure first, then tensors are read one at a time and written by
 ``_write/stream.py::write_streaming`` (into arrayckpt) or appended to the target file (out of it). Bit
 patterns are kept exactly (bfloat16 and float8 included); nothing is cast. ``dispatch.py`` chooses the
-converter; ``torch_save.py``, ``safetensors.py`` and ``dcp.py`` are the formats.
+converter; ``torch_save.py``, ``safetensors.py`` and ``dcp.py`` are the formats, ``deepspeed.py`` (with
+``deepspeed_files.py``) and ``megatron.py`` (over ``dcp.py``) the read-only ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._errors import CheckpointExistsError
 from .._format.manifest import ArrayEntry, PerRankEntry
 from .._read.checkpoint import Checkpoint
 
-__all__ = ["LEGACY_STORAGES", "LEGACY_STORAGE_NAMES", "ConvertResult", "Progress", "into_result", "nested_state",
-           "refuse_existing", "replaced_atomically"]
+__all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically"]
 
 Progress = Callable[[int, int], None]
 
@@ -44,6 +42,21 @@ class ConvertResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped)}
+
+
+def refusal_reason(error: BaseException) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in one line (``Unsupported global: GLOBAL fractions.Fraction``)
+    instead of its paragraph of advice."""
+    text = str(error)
+    match = re.search(r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. Please|\n|$)", text)
+    if match and match.group(1).strip():
+        return match.group(1).strip()
+    match = re.search(r"unsupported GLOBAL (\S+)", text)
+    if match:
+        return f"Unsupported global: GLOBAL {match.group(1)}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()
+             and not line.startswith(("Weights only load failed", "Check the documentation", "Re-running"))]
+    return lines[0] if lines else type(error).__name__
 
 
 def refuse_existing(path: Path, overwrite: bool) -> None:
@@ -64,17 +77,6 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
-
-
-# torch.save's legacy storage classes (``torch.FloatStorage``...) by dtype; newer dtypes are saved as an
-# ``UntypedStorage`` with the dtype given to ``_rebuild_tensor_v3``.
-LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.int64: "LongStorage", torch.int32: "IntStorage", torch.int16: "ShortStorage", torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage", torch.bool: "BoolStorage", torch.bfloat16: "BFloat16Storage",
-    torch.complex128: "ComplexDoubleStorage", torch.complex64: "ComplexFloatStorage",
-}
-LEGACY_STORAGES: dict[str, torch.dtype] = {name: dtype for dtype, name in LEGACY_STORAGE_NAMES.items()}
 
 
 def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -107,11 +109,4 @@ def restore_containers(node: Any, parts: tuple, containers: Mapping[str, str]) -
         return out
     items = [out[i] for i in sorted(out)]
     return items if kind == "list" else tuple(items)
-
-
-def into_result(source: str, dst: str | os.PathLike[str], leaves: Mapping[str, Any]) -> ConvertResult:
-    tensors = [leaf.value for leaf in leaves.values() if isinstance(leaf.value, torch.Tensor)]
-    return ConvertResult(source, "arrayckpt", len(tensors),
-                         sum(math.prod(t.shape) * t.element_size() for t in tensors), (str(dst),))
-
 

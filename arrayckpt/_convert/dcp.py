@@ -34,7 +34,7 @@ from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
-from .common import ConvertResult, Progress, nested_state, refuse_existing
+from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing
 from .dcp_payload import check_chunks, read_in_place, storage_index
 
 __all__ = ["MetadataUnpickler", "from_dcp", "read_dcp_metadata", "to_dcp"]
@@ -46,6 +46,10 @@ ALLOWED_GLOBALS = frozenset({
     (f"{_DCP}.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    (f"{_DCP}.planner", name) for name in (  # Megatron-Core stores its save plans too (``all_local_plans``)
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
     )
 } | {
     (f"{_DCP}.filesystem", "_StorageInfo"),
@@ -107,24 +111,35 @@ def _reader(path: str | os.PathLike[str], metadata: Any) -> Any:
     return SafeReader(os.fspath(path))
 
 
-def _planner() -> Any:
-    """A load planner for flat ``{fqn: target}`` dicts that loads non-tensor values with ``weights_only=True``."""
+def _planner(trusted: bool = False) -> Any:
+    """A load planner for flat ``{fqn: target}`` dicts that loads non-tensor values with ``weights_only=True``
+    (``trusted``: with full unpickling, for a source the caller trusts)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             # into the caller's dict: with flatten_state_dict=False, self.state_dict may be a copy of it
-            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+            self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=not trusted)
 
     return SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
 
 
-def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any) -> None:
+def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any, trusted: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=_reader(path, metadata), planner=_planner(), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=_reader(path, metadata), planner=_planner(trusted), no_dist=True)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            cause = _dcp_cause(e)
+            if isinstance(cause, pickle.UnpicklingError):
+                raise PickleNotAllowedError(f"{path}: a saved value holds pickled content that weights_only loading "
+                                            f"refuses ({refusal_reason(cause)}); it needs allow_pickle=True "
+                                            "(--allow-pickle), only for checkpoints you trust") from None
+            if cause is e:
+                raise
+            raise cause from None
 
 
 def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
@@ -147,11 +162,15 @@ def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
 
 def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
              allow_pickle: bool = False, progress: Progress | None = None,
-             chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+             chunking: ChunkPolicy = DEFAULT_CHUNKING, extra: dict[str, Any] | None = None,
+             label: str = "dcp", trusted_values: bool = False) -> ConvertResult:
     """A DCP checkpoint (saved by any number of ranks) into arrayckpt, one whole tensor at a time.
 
     The nesting of the saved state dict is rebuilt from DCP's planner data, so keys, lists and plain values
     come out as ``arrayckpt.save`` would have written the original state (``{"model": ..., "optim": ...}``).
+    For formats built on DCP (Megatron's ``torch_dist``): ``extra`` top-level values are added (a key DCP has
+    too is an error), ``label`` names the source format, and ``trusted_values`` unpickles DCP's non-tensor
+    values fully instead of with ``weights_only=True``.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -160,7 +179,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
     storage = storage_index(metadata)
     values: dict[str, Any] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
     if values:
-        _dcp_load(values, src, metadata)  # small: the plain values, with weights_only=True
+        _dcp_load(values, src, metadata, trusted_values)  # small: the plain values, with weights_only=True
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     skeleton: dict[Any, Any] = {}
     tensors: dict[str, Any] = {}
@@ -172,6 +191,10 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
             _set_path(skeleton, path, torch.empty(tuple(item.size), dtype=item.properties.dtype, device="meta"))
         else:
             _set_path(skeleton, path, values[fqn])
+    for key, value in (extra or {}).items():
+        if key in skeleton:
+            raise FormatError(f"{src}: {key!r} is both a DCP entry and a {label} value; cannot convert both")
+        skeleton[key] = value
 
     def fetch(key: str) -> torch.Tensor:
         fqn, item = tensors[key]
@@ -184,9 +207,9 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
 
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
     write_streaming(skeleton, fetch, dst, options,
-                    source=f"dcp: {Path(src).name}", progress=progress)
+                    source=f"{label}: {Path(src).name}", progress=progress)
     nbytes = sum(torch.empty((), dtype=i.properties.dtype).element_size() * i.size.numel() for _, i in tensors.values())
-    return ConvertResult("dcp", "arrayckpt", len(tensors), nbytes, (str(dst),))
+    return ConvertResult(label, "arrayckpt", len(tensors), nbytes, (str(dst),))
 
 
 def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,

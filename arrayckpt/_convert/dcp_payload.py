@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .._errors import FormatError
-from .common import LEGACY_STORAGES
+from .torch_save import LEGACY_STORAGES
 
 __all__ = ["check_chunks", "read_in_place", "storage_index"]
 

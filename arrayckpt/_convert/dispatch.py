@@ -1,23 +1,31 @@
 """``convert``: detect the formats and hand over to the converter of each (``torch_save``, ``safetensors``,
-``dcp``); one side is always arrayckpt."""
+``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
+DeepSpeed and Megatron are read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
+``arrayckpt.deepspeed.load``). Only
+arrayckpt -> safetensors runs without torch; the other converters are imported when used, after checking that
+torch is there."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .._errors import CheckpointNotFoundError, FormatError
+from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
 from .._format.zarr import ROOT_METADATA
 from .._read.checkpoint import open_checkpoint
+from .._torch import require_torch
 from .common import ConvertResult, Progress
-from .dcp import from_dcp, to_dcp
-from .safetensors import from_safetensors, to_safetensors
-from .torch_save import from_torch, to_torch
+from .safetensors import to_safetensors
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "safetensors", "torch")
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "megatron", "safetensors", "torch")
+READ_ONLY = ("deepspeed", "megatron")  # formats converted into arrayckpt, never written
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -26,8 +34,12 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     if p.is_dir():
         if (p / ROOT_METADATA).is_file():
             return "arrayckpt"
+        if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
+            return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
         if (p / ".metadata").is_file():
             return "dcp"
+        if (p / "latest").is_file() or list(p.glob("*_model_states.pt")):
+            return "deepspeed"  # a DeepSpeed checkpoint directory ('latest' names the tag) or a tag directory
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
             return "safetensors"
         return None
@@ -41,54 +53,112 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+SUFFIXES = {"safetensors": (".safetensors",), "torch": (".pt", ".pth", ".bin", ".ckpt")}
+
+
 def _target_format(path: str | os.PathLike[str]) -> str | None:
-    """The format a target path's name implies (``None``: ambiguous, say it with ``to=``)."""
+    """The format a target path's name implies (``None``: no known suffix, a directory)."""
     name = Path(path).name
-    if name.endswith(".safetensors"):
-        return "safetensors"
-    if name.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return "torch"
-    return None
+    return next((fmt for fmt, suffixes in SUFFIXES.items() if name.endswith(suffixes)), None)
+
+
+def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int | None) -> None:
+    """Refuse a target whose name says another format than the one to write (``out.safetensors`` for DCP)."""
+    implied = _target_format(dst)
+    if implied is not None and implied != target:
+        raise FormatError(f"{dst}: its name says {implied} but the target format is {target}; name the target "
+                          f"for what it holds{' (a directory)' if target in ('arrayckpt', 'dcp') else ''}")
+    if target == "torch" and implied is None:
+        raise FormatError(f"{dst}: a torch.save target is a file named .pt, .pth or .bin")
+    if target == "safetensors" and implied is None and max_shard_bytes is None and not Path(dst).is_dir():
+        raise FormatError(f"{dst}: a safetensors target is a file named .safetensors (or a directory for shards: "
+                          "--max-shard-size)")
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_format: str | None = None,
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
             max_shard_bytes: int | None = None, progress: Progress | None = None) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into ``dst``; one side is arrayckpt, the other torch, safetensors or dcp.
+    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
+    and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
+    Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
+    ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
-    Formats are detected from ``src`` (and from ``dst``'s suffix: ``.safetensors``, ``.pt``) unless given.
-    ``max_shard_bytes`` splits safetensors output into shards with a ``model.safetensors.index.json``.
+    The source format is detected unless given; the target format is ``to_format``, or what ``dst``'s suffix says
+    (``.safetensors``; ``.pt``, ``.pth``, ``.bin``: torch), or arrayckpt (a directory). A suffix that contradicts
+    ``to_format`` is refused before anything is written. ``max_shard_bytes`` splits safetensors output into shards
+    with a ``model.safetensors.index.json``.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
     >>> torch.save({"w": torch.ones(2, 3), "step": 4}, os.path.join(d, "model.pt"))
     >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "ckpt")).tensors
     1
-    >>> arrayckpt.open(os.path.join(d, "ckpt")).plain_values["step"]
+    >>> with arrayckpt.open(os.path.join(d, "ckpt")) as ckpt: ckpt.plain_values["step"]
     4
+    >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")).target_format
+    'safetensors'
     """
     source = from_format or detect_format(src)
     if source is None:
         if not os.path.exists(src):
             raise CheckpointNotFoundError(f"{src}: nothing here to convert")
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
-    target = to_format or ("arrayckpt" if source != "arrayckpt" else _target_format(dst))
+    target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
         raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    if (source == "arrayckpt") == (target == "arrayckpt"):
-        raise FormatError(f"converting {source} to {target}: one side must be arrayckpt (convert in two steps)")
+    if target in READ_ONLY:
+        resume = "; resume DeepSpeed with arrayckpt.deepspeed.load(engine, path)" if target == "deepspeed" else ""
+        raise FormatError(f"converting to {target} is not supported: {target} checkpoints are read only{resume}")
+    _check_target(dst, target, max_shard_bytes)
+    if source == "arrayckpt" and target == "arrayckpt":
+        raise FormatError(f"{src} is already an arrayckpt checkpoint (to change its chunking or codec: "
+                          "`arrayckpt compact`)")
     if target == "arrayckpt":
-        return _INTO[source](src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
-    checkpoint = open_checkpoint(src, allow_pickle=allow_pickle)
+        into = _converter(_INTO[source], f"converting {source} to arrayckpt")
+        return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
+    if source == "arrayckpt":
+        return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
+                       max_shard_bytes=max_shard_bytes, progress=progress)
+    into = _converter(_INTO[source], f"converting {source} to {target}")
+    if os.path.exists(dst) and not overwrite:  # refused before the (long) first half
+        raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
+    parent = Path(dst).absolute().parent
+    if not parent.is_dir():
+        raise CheckpointNotFoundError(f"{parent}: no such directory to write {Path(dst).name} into")
+    temp = tempfile.mkdtemp(prefix=f".{Path(dst).name}.arrayckpt-", dir=parent)
+    try:
+        first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
+        result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
+                         max_shard_bytes=max_shard_bytes, progress=progress)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return dataclasses.replace(result, source_format=first.source_format,
+                               skipped=tuple(dict.fromkeys(first.skipped + result.skipped)))
+
+
+def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
+            allow_pickle: bool, max_shard_bytes: int | None, progress: Progress | None) -> ConvertResult:
+    """An arrayckpt checkpoint into ``target``."""
     if target == "safetensors":
-        return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                              progress=progress)
-    return _OUT_OF[target](checkpoint, dst, overwrite=overwrite, progress=progress)
+        with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
+            return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                                  progress=progress)
+    out_of = _converter(_OUT_OF[target], f"converting arrayckpt to {target}")
+    with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
+        return out_of(checkpoint, dst, overwrite=overwrite, progress=progress)
 
 
-_INTO: dict[str, Callable[..., ConvertResult]] = {"torch": from_torch, "safetensors": from_safetensors,
-                                                   "dcp": from_dcp}
-_OUT_OF: dict[str, Callable[..., ConvertResult]] = {"torch": to_torch, "dcp": to_dcp}
+# The converters that need torch, by format: module and function, imported when used.
+_INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
+         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
+_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp"}
+
+
+def _converter(target: str, what: str) -> Callable[..., ConvertResult]:
+    """The converter ``module:function`` of this package, once torch is known to be there."""
+    require_torch(what)
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(f".{module}", __package__), name)

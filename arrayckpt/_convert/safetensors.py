@@ -1,7 +1,8 @@
 """Hugging Face safetensors files (one file, or shards with an index JSON) to and from arrayckpt.
 
 safetensors holds tensors only, so plain values are left out (and listed in the result); tensors that share
-storage (tied weights) are stored separately.
+storage (tied weights) are stored separately. Writing safetensors needs no torch (arrays are read as numpy);
+reading it into arrayckpt does (the streaming writer describes the state with meta tensors).
 """
 
 from __future__ import annotations
@@ -14,27 +15,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from .._errors import FormatError, StateError
+from .._format.dtypes import DTYPES, DType
 from .._format.manifest import ArrayEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
-from .._write.options import SaveOptions
-from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
 
 __all__ = ["ST_DTYPES", "ST_NAMES", "from_safetensors", "read_safetensors_header", "to_safetensors"]
 
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # the safetensors library's own limit on the JSON header
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
-    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-}
-ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
+ST_DTYPES: dict[str, DType] = {st: DTYPES[name] for st, name in {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}.items()}
+ST_NAMES = {dtype.name: st for st, dtype in ST_DTYPES.items()}  # arrayckpt dtype name -> safetensors dtype
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class _StTensor:
 
     name: str
     file: Path
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     start: int  # absolute file offset
     nbytes: int
@@ -99,7 +98,7 @@ def _parse_st_tensor(file: Path, name: str, info: object, base: int, size: int) 
             and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
         raise FormatError(f"{file}: tensor {name!r} has a malformed shape {shape!r} or data_offsets {offsets!r}")
     begin, end = offsets
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not 0 <= begin <= end or end - begin != nbytes or base + end > size:
         raise FormatError(f"{file}: tensor {name!r} data_offsets {offsets} do not fit its {info['dtype']}{shape} "
                           f"or the file's {size} bytes")
@@ -135,10 +134,10 @@ def _safetensors_files(src: Path) -> list[Path]:
     return [src]
 
 
-def _read_st_tensor(t: _StTensor) -> torch.Tensor:
-    """Read one tensor's bytes straight into a new tensor (no mapping of the file)."""
-    out = torch.empty(t.shape, dtype=t.dtype)
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+def _read_st_tensor(t: _StTensor) -> np.ndarray:
+    """Read one tensor's bytes straight into a new array (no mapping of the file)."""
+    out = np.empty(t.shape, dtype=t.dtype.numpy)
+    view = memoryview(out.reshape(-1).view(np.uint8))
     with open(t.file, "rb") as f:
         f.seek(t.start)
         got = f.readinto(view) if t.nbytes else 0
@@ -152,8 +151,14 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
                      chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
     """One safetensors file, or a sharded set with its index JSON, into arrayckpt (keys are the tensor names).
 
-    Tensors are read one at a time with positioned reads, so memory stays near one tensor.
+    Tensors are read one at a time with positioned reads, so memory stays near one tensor. Needs torch.
     """
+    import torch  # the skeleton is meta tensors (dispatch.py checks that torch is there)
+
+    from .._torch.dtypes import torch_dtype
+    from .._write.options import SaveOptions
+    from .._write.stream import write_streaming
+
     del allow_pickle  # safetensors holds no values
     tensors: dict[str, _StTensor] = {}
     for file in _safetensors_files(Path(src)):
@@ -161,7 +166,7 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
             if t.name in tensors:
                 raise FormatError(f"{src}: tensor {t.name!r} is in both {tensors[t.name].file.name} and {file.name}")
             tensors[t.name] = t
-    skeleton = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
+    skeleton = {name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for name, t in tensors.items()}
     write_streaming(skeleton, lambda key: _read_st_tensor(tensors[key]), dst,
                     SaveOptions(overwrite=overwrite, chunking=chunking), source=f"safetensors: {Path(src).name}",
                     progress=progress)
@@ -174,12 +179,13 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
     """The checkpoint's tensors into one safetensors file, or shards plus ``model.safetensors.index.json``.
 
     ``dst`` is the file (``model.safetensors``); with shards (``max_shard_bytes`` exceeded) it is a directory.
-    Tensors are written one at a time. Plain values have no place in safetensors and are skipped.
+    Tensors are written one at a time, read as numpy (no torch needed). Plain values have no place in
+    safetensors and are skipped.
     """
     keys = [k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry) and e.kind == "tensor"]
     skipped = tuple(k for k in checkpoint.manifest.entries if k not in keys)
     for key in keys:
-        if checkpoint[key].dtype not in ST_NAMES:
+        if checkpoint[key].entry.dtype.name not in ST_NAMES:
             raise StateError(f"{checkpoint.location}: tensor {key!r} is {checkpoint[key].entry.dtype.name}, which "
                              f"safetensors cannot store ({', '.join(ST_DTYPES)})")
     shards = _shard(keys, checkpoint, max_shard_bytes)
@@ -229,7 +235,7 @@ def _write_safetensors(checkpoint: Checkpoint, keys: list[str], file: Path, done
     offset = 0
     for key in keys:
         array = checkpoint[key]
-        header[key] = {"dtype": ST_NAMES[array.dtype], "shape": list(array.shape),
+        header[key] = {"dtype": ST_NAMES[array.entry.dtype.name], "shape": list(array.shape),
                        "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -237,9 +243,9 @@ def _write_safetensors(checkpoint: Checkpoint, keys: list[str], file: Path, done
     with replaced_atomically(file) as temp, open(temp, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for key in keys:
-            tensor = checkpoint[key].torch()
-            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
-            done[0] += tensor.nbytes
-            del tensor
+            data = np.ascontiguousarray(checkpoint[key].numpy())
+            f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+            done[0] += data.nbytes
+            del data
             if progress is not None:
                 progress(done[0], total)

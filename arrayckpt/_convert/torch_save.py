@@ -5,30 +5,34 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import pickle
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import StateError
+from .._errors import FormatError, PickleNotAllowedError, StateError
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._torch.state import walk
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
-from .common import (
-    LEGACY_STORAGE_NAMES,
-    ConvertResult,
-    Progress,
-    into_result,
-    nested_state,
-    refuse_existing,
-    replaced_atomically,
-)
+from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, replaced_atomically
 
-__all__ = ["from_torch", "to_torch"]
+__all__ = ["LEGACY_STORAGES", "LEGACY_STORAGE_NAMES", "from_torch", "to_torch"]
+
+# torch.save's legacy storage classes (``torch.FloatStorage``...) by dtype; newer dtypes are saved as an
+# ``UntypedStorage`` with the dtype given to ``_rebuild_tensor_v3``. (DCP's payloads use them too.)
+LEGACY_STORAGE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+    torch.int64: "LongStorage", torch.int32: "IntStorage", torch.int16: "ShortStorage", torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage", torch.bool: "BoolStorage", torch.bfloat16: "BFloat16Storage",
+    torch.complex128: "ComplexDoubleStorage", torch.complex64: "ComplexFloatStorage",
+}
+LEGACY_STORAGES: dict[str, torch.dtype] = {name: dtype for dtype, name in LEGACY_STORAGE_NAMES.items()}
 
 
 def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
@@ -40,12 +44,7 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     before the next, so resident memory stays near one tensor (legacy non-zip files cannot be mapped and
     load whole).
     """
-    try:
-        state = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "zip" not in str(e).lower():
-            raise
-        state = torch.load(src, map_location="cpu", weights_only=True)
+    state = _load_weights_only(src)
     if not isinstance(state, dict):
         raise StateError(f"{src}: holds a {type(state).__name__}, not a dict; load it and save "
                          "{'name': obj} with arrayckpt.save instead")
@@ -61,7 +60,37 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
     write_streaming(skeleton, fetch, dst, options,
                     source=f"torch.save: {Path(src).name}", progress=progress, release=release)
-    return into_result("torch", dst, leaves)
+    tensors = [leaf.value for leaf in leaves.values() if isinstance(leaf.value, torch.Tensor)]
+    return ConvertResult("torch", "arrayckpt", len(tensors), sum(_nbytes(t) for t in tensors), (str(dst),))
+
+
+def _load_weights_only(src: str | os.PathLike[str]) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped where the file allows; a refused pickle (a global that is not
+    plain data: code the file would run) or a damaged file is one line naming the file, never torch's paragraph."""
+    try:
+        with warnings.catch_warnings():  # a damaged file's "pickle protocol 242" warning says nothing more
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "zip" not in str(e).lower():
+                    raise
+                return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = refusal_reason(e)
+        if "global" not in reason.lower():
+            raise FormatError(f"{src}: not a readable torch.save file: {reason}") from None
+        raise PickleNotAllowedError(f"{src}: refused to unpickle it ({reason}): a torch.save file is read "
+                                    "as plain data only (weights_only=True); re-save it with tensors and plain values "
+                                    "only, from a process that can load it") from None
+    except (OSError, MemoryError):
+        raise
+    except Exception as e:  # whatever torch's unpickler trips over in a damaged file (struct, value, index errors)
+        raise FormatError(f"{src}: not a readable torch.save file: {refusal_reason(e)}") from None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape) * tensor.element_size()
 
 
 def _meta_skeleton(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:

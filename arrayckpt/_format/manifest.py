@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .._errors import FormatError
 from .dtypes import DType, dtype_by_name
+from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
 from .keys import Key, array_path, parse_array_path, parse_key_parts
 
 __all__ = [
@@ -31,14 +32,13 @@ __all__ = [
     "Quantization",
     "ValueEntry",
     "encode_root_document",
-    "format_version",
     "is_arrayckpt_root",
     "parse_root_document",
     "per_rank_path",
 ]
 
-FORMAT_VERSION = 2  # the newest this code reads; a checkpoint records the lowest that describes it
-PLAIN_VERSION = 1  # full checkpoints with the default chunk key encoding: readable by arrayckpt 0.1 too
+FORMAT_VERSION = 3  # the version this code writes, and the newest it reads (it reads 1 and 2 too)
+INTEGRITY_VERSION = 3  # from this version on, the root checksum and the chunk digests are required
 MANIFEST_ATTRIBUTE = "arrayckpt"
 MAX_NDIM = 32  # TensorStore's limit
 QUANTIZED_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the dtypes quantized rows are defined for
@@ -160,13 +160,6 @@ class PerRankEntry:
         }
 
 
-def format_version(delta: bool, key_encoding: str) -> int:
-    """The format version a new checkpoint records: the lowest that describes it (spec §13). A delta
-    checkpoint, or one whose arrays use the ``v2`` chunk key encoding (object storage alternates encodings
-    between overwrites), needs version 2; anything else stays readable by arrayckpt 0.1 (version 1)."""
-    return FORMAT_VERSION if delta or key_encoding != "default" else PLAIN_VERSION
-
-
 def per_rank_path(key: str, rank: int) -> str:
     """Where rank ``rank``'s array of a per-rank entry is stored."""
     return f"{array_path(key)}/%r{rank}"
@@ -213,12 +206,17 @@ class Manifest:
     # Containers that are not dicts, by dotted prefix ("list" or "tuple"), to rebuild nested state.
     containers: Mapping[str, str] = field(default_factory=dict)
     created: Mapping[str, Any] = field(default_factory=dict)
-    format_version: int = PLAIN_VERSION
+    format_version: int = FORMAT_VERSION
     # Training metrics the caller attached (e.g. validation loss), for choosing which checkpoints to keep.
     metrics: Mapping[str, float] = field(default_factory=dict)
     id: str | None = None  # unique per save; deltas name their base by it
     base: BaseRef | None = None  # set for delta checkpoints
     stored_bytes: int | None = None  # array bytes this checkpoint stores itself (before compression)
+    # Per array node it stores: the digest of its chunks' crc32c values in order (``_format/integrity.py``).
+    chunk_digests: Mapping[str, str] = field(default_factory=dict)
+    # The root document's checksum as read (``None``: an older checkpoint without one). Never written from here:
+    # :func:`encode_root_document` computes it over the serialised document.
+    integrity: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -236,6 +234,8 @@ class Manifest:
             out["base"] = self.base.to_dict()
         if self.stored_bytes is not None:
             out["stored_bytes"] = self.stored_bytes
+        if self.format_version >= INTEGRITY_VERSION or self.chunk_digests:
+            out["chunk_digests"] = dict(self.chunk_digests)
         return out
 
     @classmethod
@@ -273,8 +273,14 @@ class Manifest:
         stored = data.get("stored_bytes")
         if stored is not None and (not isinstance(stored, int) or isinstance(stored, bool) or stored < 0):
             raise FormatError(f"manifest 'stored_bytes' must be a non-negative integer, got {stored!r}")
+        digests = data.get("chunk_digests")
+        if digests is None and version >= INTEGRITY_VERSION:
+            raise FormatError(f"manifest has no 'chunk_digests', which format version {version} requires")
+        integrity = data.get(INTEGRITY_MEMBER)
+        if integrity is not None and not valid_digest(integrity):
+            raise FormatError(f"manifest '{INTEGRITY_MEMBER}' must be 'sha256:<64 hex digits>', got {integrity!r}")
         return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})), identity,
-                   base, stored)
+                   base, stored, parse_chunk_digests(digests if digests is not None else {}), integrity)
 
 
 def parse_metrics(metrics: object) -> dict[str, float]:
@@ -416,14 +422,15 @@ def is_arrayckpt_root(document: object) -> bool:
 
 
 def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:
-    """:func:`root_document` serialised, reusing the JSON text of the consolidated node metadata (which a
-    repeated save with the same layout does not need to encode again)."""
-    return (
+    """The root ``zarr.json``, reusing the JSON text of the consolidated node metadata (which a repeated save
+    with the same layout does not need to encode again), sealed with its checksum (spec §11)."""
+    fields = {**manifest.to_dict(), INTEGRITY_MEMBER: PLACEHOLDER}
+    return seal((
         '{"zarr_format": 3, "node_type": "group", "attributes": {"' + MANIFEST_ATTRIBUTE + '": '
-        + json.dumps(manifest.to_dict())
+        + json.dumps(fields)
         + '}, "consolidated_metadata": {"kind": "inline", "must_understand": false, "metadata": '
         + consolidated_json + "}}"
-    ).encode()
+    ).encode())
 
 
 def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, dict[str, Any]]]:
@@ -441,4 +448,19 @@ def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[st
     metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
+    _check_digested(manifest, metadata, where)
     return manifest, metadata
+
+
+def _check_digested(manifest: Manifest, nodes: dict[str, Any], where: str) -> None:
+    """Chunk digests name stored arrays only, and (from the version that requires them) every stored array has
+    one: an array without a digest would go unchecked by ``verify``."""
+    arrays = {path for path, node in nodes.items() if isinstance(node, dict) and node.get("node_type") == "array"}
+    stray = sorted(set(manifest.chunk_digests) - arrays)
+    if stray:
+        raise FormatError(f"{where}: manifest 'chunk_digests' names {stray[0]!r}, which is not an array of the "
+                          "checkpoint")
+    if manifest.format_version >= INTEGRITY_VERSION:
+        missing = sorted(arrays - set(manifest.chunk_digests))
+        if missing:
+            raise FormatError(f"{where}: array {missing[0]!r} has no entry in the manifest's 'chunk_digests'")

@@ -1,8 +1,9 @@
 """Zarr v3 metadata as arrayckpt writes and checks it: node documents, chunk grids, chunk keys.
 
 Every array and intermediate group has its own ``zarr.json`` (Zarr v3 has no implicit groups), and the root's
-consolidated metadata holds a copy of each. Readers validate an array's metadata before acting on it
-(:func:`check_array_metadata`); chunk keys follow Zarr's ``default`` or ``v2`` encodings.
+consolidated metadata holds a copy of each, listed in the order zarr-python needs (:func:`node_documents`).
+Every array names its dimensions (:func:`dimension_names`). Readers validate an array's metadata before acting
+on it (:func:`check_array_metadata`); chunk keys follow Zarr's ``default`` or ``v2`` encodings.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 from .._errors import FormatError
 from .dtypes import dtype_by_name
 
-__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "ROOT_METADATA", "check_array_metadata", "chunk_key", "grid_counts",
-           "node_documents", "parse_chunk_key"]
+__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "ROOT_METADATA", "check_array_metadata", "chunk_key", "dimension_names",
+           "grid_counts", "node_documents", "parse_chunk_key"]
 
 ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
 
@@ -32,11 +33,27 @@ def _group_paths(array_paths: list[str]) -> list[str]:
 GROUP_METADATA: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
 
+def _node_order(path: str) -> tuple[int, str]:
+    return path.count("/"), path
+
+
 def node_documents(arrays: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``zarr.json`` documents for every array and every intermediate group, by path."""
+    """``zarr.json`` documents for every array and every intermediate group, by path, in the order of the root's
+    consolidated metadata (spec §8): by depth, then by path. zarr-python 3 (``ConsolidatedMetadata._flat_to_nested``)
+    sorts the nodes by depth, keeping their order within a depth, and takes each run of consecutive nodes with
+    the same parent as that parent's *only* members: the members of one group must be listed together, which
+    sorting by path within a depth ensures (every path below ``g/`` sorts between ``g/`` and the next group)."""
     nodes: dict[str, dict[str, Any]] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
     nodes.update(arrays)
-    return nodes
+    return {path: nodes[path] for path in sorted(nodes, key=_node_order)}
+
+
+def dimension_names(path: str, ndim: int) -> list[str]:
+    """The ``dimension_names`` arrayckpt writes for the array at ``path`` (spec §7.2): ``<dotted path>.dim_<i>``,
+    unique in the whole checkpoint, so that xarray opens any group, and the whole tree, without two arrays ever
+    sharing a dimension of different lengths (``model/w`` -> ``["model.w.dim_0", "model.w.dim_1"]``)."""
+    prefix = path.replace("/", ".")
+    return [f"{prefix}.dim_{i}" for i in range(ndim)]
 
 
 def _positive_ints(value: object, length: int) -> bool:
@@ -65,6 +82,7 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
             and isinstance(encoding.get("configuration", {}), dict)
             and _separator(encoding) in ("/", ".")):
         raise bad(f"chunk_key_encoding {encoding!r} is not the 'default' or 'v2' encoding with '/' or '.'")
+    _check_dimension_names(metadata, len(shape), bad)
     codecs = metadata.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
         raise bad(f"codecs {codecs!r} are not a list of codec objects")
@@ -78,6 +96,19 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
     else:
         _check_chunk_sizes(grid["configuration"]["chunk_shape"], None, shape, data_type, bad)
     return metadata
+
+
+def _check_dimension_names(metadata: dict[str, Any], ndim: int, bad: Callable[[str], FormatError]) -> None:
+    """``dimension_names`` is optional (format versions 1 and 2 lack it); when present it is a list of one string
+    or null per dimension, no non-empty name twice (TensorStore cannot open an array whose names repeat)."""
+    if "dimension_names" not in metadata:
+        return
+    names = metadata["dimension_names"]
+    if not (isinstance(names, list) and len(names) == ndim and all(n is None or isinstance(n, str) for n in names)):
+        raise bad(f"dimension_names {names!r} are not a list of {ndim} strings or nulls, one per dimension")
+    labels = [n for n in names if n]
+    if len(set(labels)) != len(labels):
+        raise bad(f"dimension_names {names!r} name a dimension twice")
 
 
 MAX_CHUNK_BYTES = 2**34  # a decoded chunk (what TensorStore allocates at once to read any of it) at most this big

@@ -23,11 +23,13 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
+from .._format.integrity import chunk_crc
 from .._format.zarr import chunk_key
 from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
+from .._layout.box import Box, grid_cells
 
-__all__ = ["ArrayIO", "array_spec", "check_chunk_files", "collector_paused", "open_array", "read_context", "read_into",
-           "write_all", "write_context"]
+__all__ = ["ArrayIO", "Checksums", "array_spec", "check_chunk_files", "chunk_checksums", "collector_paused",
+           "open_array", "read_context", "read_into", "write_all", "write_context"]
 
 FILE_IO_CONCURRENCY = 32
 
@@ -149,19 +151,54 @@ class ArrayIO:
     spec: dict[str, Any]
     data: np.ndarray
     index: tuple[slice, ...] | None = None  # the part of the array ``data`` covers (None: all of it)
+    node: str | None = None  # writes: the array's path in the checkpoint, to report its chunks' checksums by
+
+
+# Array node path -> {flat C-order index of an outer chunk: crc32c of its content} (see ``_format/integrity.py``).
+Checksums = dict[str, dict[int, int]]
 
 
 def _describe(error: BaseException) -> str:
     return str(error).strip() or type(error).__name__
 
 
-def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
-    """Write every array's data concurrently and wait; the source memory must stay unchanged.
+def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> Checksums:
+    """Write every array's data concurrently and wait; the source memory must stay unchanged. Returns the
+    checksum of every whole outer chunk written by a job that names its ``node``, for the manifest's chunk
+    digests (a chunk only partly covered by one job is not reported; the commit then refuses the save).
 
     Uncompressed row-chunked arrays on local disk take the fast path (``_fastio``); the rest, and
     anything the fast path declines, go through TensorStore at the same time.
     """
-    _both_paths(jobs, context, where, "write", write_rows, _write_store)
+    split = _split_fast(jobs)
+    with ThreadPoolExecutor(1) as background:  # TensorStore's jobs checksummed while they are written
+        pending = background.submit(chunk_checksums, split[1])
+        taken = _both_paths(jobs, context, where, "write", write_rows, _write_store, split)
+        out = pending.result()
+    done = {id(job) for job, _ in taken}
+    for path, found in chunk_checksums([job for job, _ in split[0] if id(job) not in done]).items():
+        out.setdefault(path, {}).update(found)  # declined by the fast path, written by TensorStore
+    for job, args in taken:  # the fast path computed its chunks' checksums on its way
+        if job.node is not None:
+            out.setdefault(job.node, {}).update(args[-1])
+    return out
+
+
+def chunk_checksums(jobs: Sequence[ArrayIO]) -> Checksums:
+    """The crc32c of the content of every outer chunk that lies wholly inside one job's part of its array."""
+    out: Checksums = {}
+    for job in jobs:
+        if job.node is None:
+            continue
+        metadata = job.spec["metadata"]
+        shape = tuple(metadata["shape"])
+        box = Box.whole(shape) if job.index is None else \
+            Box(tuple(s.start for s in job.index), tuple(s.stop - s.start for s in job.index))
+        found = out.setdefault(job.node, {})
+        for flat, cell in grid_cells(box, tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"]), shape):
+            if cell.intersect(box) == cell:
+                found[flat] = chunk_crc(job.data[cell.relative_to(box)])
+    return out
 
 
 def _write_store(store: Any, job: ArrayIO) -> Any:
@@ -178,11 +215,13 @@ def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
 
 
 def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str,
-                fast_path: Callable[[list[tuple], str], list[int]], start: Callable[[Any, ArrayIO], Any]) -> None:
+                fast_path: Callable[[list[tuple], str], list[int]], start: Callable[[Any, ArrayIO], Any],
+                split: tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]] | None = None) -> list[tuple[ArrayIO, tuple]]:
     """The fast path's jobs on this thread while TensorStore's run on one background thread — started only when
     both have work (a thread costs about a millisecond, which single-array reads would pay every time) — then
-    whatever the fast path declined, through TensorStore."""
-    fast, slow = _split_fast(jobs)
+    whatever the fast path declined, through TensorStore. Returns the jobs the fast path took, with its
+    arguments. ``split`` is ``_split_fast(jobs)`` when the caller has it already."""
+    fast, slow = split or _split_fast(jobs)
     if fast and slow:
         with ThreadPoolExecutor(1) as background:
             pending = background.submit(_transfer, slow, context, where, action, start)
@@ -192,8 +231,10 @@ def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action
         declined = fast_path([job for _, job in fast], where)
     else:
         _transfer(slow, context, where, action, start)
-        return
+        return []
     _transfer([fast[i][0] for i in declined], context, where, action, start)
+    skipped = set(declined)
+    return [item for i, item in enumerate(fast) if i not in skipped]
 
 
 def _read_store(store: Any, job: ArrayIO) -> Any:
@@ -210,7 +251,7 @@ def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], l
         if first is None:
             slow.append(job)
         else:
-            fast.append((job, (job.key, kvstore["path"], layout, first, job.data)))
+            fast.append((job, (job.key, kvstore["path"], layout, first, job.data, {})))
     return fast, slow
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
+from .._format.integrity import crc_combine
 
 __all__ = ["STATS", "RowLayout", "forget_pin", "read_regular_file", "read_rows", "remember_pin", "row_layout",
            "user_paths", "write_rows"]
@@ -193,15 +194,18 @@ def _pieces(layout: RowLayout, start: int, stop: int) -> Iterator[tuple[int, int
 # --------------------------------------------------------------------------------------------- writing
 
 
-def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: str) -> list[int]:
-    """Write rows of arrays: jobs of (key, array directory, layout, first row, data rows).
+def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, dict[int, int]]], where: str) -> list[int]:
+    """Write rows of arrays: jobs of (key, array directory, layout, first row, data rows, checksums). Each job's
+    ``checksums`` dict receives the crc32c of every outer chunk's content (its rows) by chunk index, computed
+    on the way (spec §11.2: an outer chunk of a row layout is a row of the chunk grid, so its index is its flat
+    index).
 
     Each job's rows must start on an outer chunk boundary and end on one or at the array's end (save
     plans guarantee it). Returns the indices of jobs it could not take (not C-contiguous), which the
     caller writes through TensorStore.
     """
     work, declined = [], []
-    for n, (key, directory, layout, first, data) in enumerate(jobs):
+    for n, (key, directory, layout, first, data, sums) in enumerate(jobs):
         raw = _row_bytes_view(data, layout)
         if raw is None:
             declined.append(n)
@@ -209,13 +213,17 @@ def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: s
         stop = first + (data.shape[0] if layout.ndim else 1)
         for index, lo, hi in _pieces(layout, first, stop):
             part = raw[(lo - first) * layout.row_bytes:(hi - first) * layout.row_bytes]
-            work.append((key, os.path.join(directory, layout.chunk_key(index)), layout, part))
+            work.append((key, os.path.join(directory, layout.chunk_key(index)), layout, sums, index, part))
     _run(work, _write_chunk, where, "write")
     return declined
 
 
-def _write_chunk(key: str, path: str, layout: RowLayout, part: memoryview) -> None:
-    buffers = _sharded_buffers(layout, part) if layout.sharded else _chunk_buffers(layout, part, layout.outer_rows)
+def _write_chunk(key: str, path: str, layout: RowLayout, sums: dict[int, int], index: int, part: memoryview) -> None:
+    """Write one outer chunk file and record its content's crc32c in ``sums`` (on the worker thread: in parallel)."""
+    if layout.sharded:
+        buffers, sums[index] = _sharded_buffers(layout, part)
+    else:
+        buffers, sums[index] = _chunk_buffers(layout, part, layout.outer_rows)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(path, flags, 0o644)
@@ -234,22 +242,25 @@ def _write_chunk(key: str, path: str, layout: RowLayout, part: memoryview) -> No
         os.close(fd)
 
 
-def _chunk_buffers(layout: RowLayout, part: memoryview, chunk_rows: int) -> list[Any]:
-    """One (inner or unsharded) chunk: its rows, zero padding to ``chunk_rows`` rows, and the crc32c."""
+def _chunk_buffers(layout: RowLayout, part: memoryview, chunk_rows: int) -> tuple[list[Any], int]:
+    """One (inner or unsharded) chunk: its rows, zero padding to ``chunk_rows`` rows, and the crc32c; and the crc32c
+    of its rows alone (its content)."""
     padding = chunk_rows * layout.row_bytes - len(part)
-    checksum = crc32c.crc32c(part)
+    content = checksum = crc32c.crc32c(part)
     buffers: list[Any] = [part]
     if padding:
         zeros = bytes(padding)
         checksum = crc32c.crc32c(zeros, checksum)
         buffers.append(zeros)
     buffers.append(_CRC.pack(checksum))
-    return buffers
+    return buffers, content
 
 
-def _sharded_buffers(layout: RowLayout, part: memoryview) -> list[Any]:
-    """An outer chunk with its inner chunks back to back and the index (with its crc32c) at the end."""
+def _sharded_buffers(layout: RowLayout, part: memoryview) -> tuple[list[Any], int]:
+    """An outer chunk with its inner chunks back to back and the index (with its crc32c) at the end; and the
+    crc32c of its rows (its content), combined from its inner chunks' (no second pass over the bytes)."""
     buffers: list[Any] = []
+    content = 0  # the crc32c of nothing
     index = np.full((layout.inner_per_outer, 2), MISSING, dtype="<u8")
     offset = 0
     inner_bytes = layout.inner_rows * layout.row_bytes
@@ -257,7 +268,8 @@ def _sharded_buffers(layout: RowLayout, part: memoryview) -> list[Any]:
         piece = part[j * inner_bytes:(j + 1) * inner_bytes]
         if not len(piece):
             continue  # entirely past the array's end: not stored
-        chunk = _chunk_buffers(layout, piece, layout.inner_rows)
+        chunk, crc = _chunk_buffers(layout, piece, layout.inner_rows)
+        content = crc_combine(content, crc, len(piece))
         size = inner_bytes + 4
         index[j] = (offset, size)
         offset += size
@@ -265,19 +277,19 @@ def _sharded_buffers(layout: RowLayout, part: memoryview) -> list[Any]:
     raw_index = index.tobytes()
     buffers.append(raw_index)
     buffers.append(_CRC.pack(crc32c.crc32c(raw_index)))
-    return buffers
+    return buffers, content
 
 
 # --------------------------------------------------------------------------------------------- reading
 
 
-def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray]], where: str) -> list[int]:
-    """Read rows of arrays into memory: jobs of (key, array directory, layout, first row, destination rows).
+def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], where: str) -> list[int]:
+    """Read rows of arrays into memory: jobs of (key, array directory, layout, first row, destination rows, unused).
 
     Returns the indices of jobs it could not take (destination not C-contiguous), for TensorStore.
     """
     work, declined = [], []
-    for n, (key, directory, layout, first, dest) in enumerate(jobs):
+    for n, (key, directory, layout, first, dest, _) in enumerate(jobs):
         raw = _row_bytes_view(dest, layout)
         if raw is None or not dest.flags.writeable:
             declined.append(n)
@@ -298,10 +310,16 @@ def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], t
     except FileNotFoundError:
         raise _missing(path) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise CorruptCheckpointError(f"chunk file {path} is not a regular file (a pipe or device in its place); "
                                          "the checkpoint is damaged: restore the file from a copy")
         if not layout.sharded:
+            expected = layout.outer_rows * layout.row_bytes + 4
+            if info.st_size != expected:  # bytes appended after the checksum would pass it: Zarr readers refuse them
+                raise CorruptCheckpointError(f"chunk file {path} has {info.st_size} bytes where an uncompressed chunk "
+                                             f"of its array has {expected} (bytes appended or cut off); restore the "
+                                             "file from a copy")
             _read_piece(fd, 0, layout, layout.outer_rows, rows, target, path)
             return
         entries = _read_index(fd, layout, path)

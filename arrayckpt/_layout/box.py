@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Box", "grid_cells"]
+__all__ = ["Box", "cover_problem", "distinct_rows", "grid_cells", "shard_steps"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,96 @@ def grid_cells(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> list[
         flat = int(np.ravel_multi_index(index, counts)) if counts else 0
         out.append((flat, Box(start, tuple(e - s for s, e in zip(start, stop, strict=True)))))
     return out
+
+
+# --- many boxes at once (the coordinator's planning): int64 arrays, one row per box ------------------------------
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def distinct_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group identical rows of int64 columns (1-D or 2-D arrays side by side): ``(order, starts, counts)`` where
+    ``order`` lists each group's rows together, in their original order within a group; group ``g`` is
+    ``order[starts[g]:starts[g] + counts[g]]``, and groups are numbered in the order of their first row. Sorts a
+    64-bit hash of the rows (one argsort instead of a lexicographic sort of every column); rows with equal hashes
+    are compared, and a collision between different rows falls back to the exact sort."""
+    def rows(at: np.ndarray | slice = slice(None)) -> np.ndarray:
+        return np.column_stack([np.asarray(c, np.int64)[at] for c in columns])
+
+    n = len(columns[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    digest = np.zeros(n, np.uint64)
+    for column in (c.reshape(n, -1) for c in columns):
+        for j in range(column.shape[1]):
+            digest ^= column[:, j].astype(np.int64, copy=False).view(np.uint64)
+            digest *= _MIX
+            digest ^= digest >> np.uint64(29)
+    order = np.argsort(digest, kind="stable")
+    ordered = digest[order]
+    first = np.empty(n, bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    repeated = np.flatnonzero(~first)  # rows whose hash equals the previous row's: replicas, or a collision
+    if len(repeated) and (rows(order[repeated]) != rows(order[repeated - 1])).any():
+        order = np.lexsort(rows().T[::-1])
+        ordered_rows = rows(order)
+        first[1:] = (ordered_rows[1:] != ordered_rows[:-1]).any(axis=1)
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, n))
+    group = np.empty(n, np.int64)
+    group[order] = np.cumsum(first) - 1
+    head = np.zeros(n, bool)
+    head[order[starts]] = True
+    by_first = group[np.flatnonzero(head)]  # the groups in the order of their first row: later gathers run forwards
+    return order, starts[by_first], counts[by_first]
+
+
+def shard_steps(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarray) -> tuple[int | None, ...]:
+    """:func:`~arrayckpt._layout.chunking.shard_grid` of many boxes given as ``(n, ndim)`` offsets and shapes."""
+    out: list[int | None] = []
+    for d, n in enumerate(shape):
+        bounds = np.concatenate((offsets[:, d], offsets[:, d] + shapes[:, d]))
+        interior = np.unique(bounds[(bounds > 0) & (bounds < n)])
+        out.append(int(np.gcd.reduce(interior)) if len(interior) else None)
+    return tuple(out)
+
+
+def cover_problem(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarray) -> tuple[str, Any] | None:
+    """Whether distinct boxes tile an array of ``shape`` exactly: ``None``, or the first problem found:
+    ``("outside", box)``, ``("overlap", boxes meeting at the first doubly-covered cell)`` or ``("gap", (start,
+    stop))`` of the first uncovered cell. Cells are the grid of every box boundary; a box covering one cell (the
+    usual shard grid) is counted with one ``bincount``, others with an N-D difference array."""
+    if math.prod(shape) == 0:
+        return None
+    ndim = len(shape)
+    stops = offsets + shapes
+    outside = (offsets < 0).any(axis=1) | (stops > np.array(shape, np.int64)).any(axis=1) if ndim else None
+    if outside is not None and outside.any():
+        return "outside", int(np.argmax(outside))
+    if ndim == 0:
+        return None if len(offsets) else ("gap", ([], []))
+    bounds = [np.unique(np.concatenate(([0, n], offsets[:, d], stops[:, d]))) for d, n in enumerate(shape)]
+    lo = [np.searchsorted(b, offsets[:, d]) for d, b in enumerate(bounds)]
+    hi = [np.searchsorted(b, stops[:, d]) for d, b in enumerate(bounds)]
+    cells = tuple(len(b) - 1 for b in bounds)
+    if all(((h - lo_) == 1).all() for lo_, h in zip(lo, hi, strict=True)):
+        cover = np.bincount(np.ravel_multi_index(tuple(lo), cells), minlength=math.prod(cells)).reshape(cells)
+    else:
+        diff = np.zeros([c + 1 for c in cells], np.int64)
+        for corner in itertools.product((0, 1), repeat=ndim):
+            np.add.at(diff, tuple(hi[d] if c else lo[d] for d, c in enumerate(corner)), (-1) ** sum(corner))
+        for d in range(ndim):
+            diff = np.cumsum(diff, axis=d)
+        cover = diff[tuple(slice(0, c) for c in cells)]
+    if (cover > 1).any():
+        cell = np.argwhere(cover > 1)[0]
+        inside = np.ones(len(offsets), bool)
+        for d in range(ndim):
+            inside &= (lo[d] <= cell[d]) & (cell[d] < hi[d])
+        return "overlap", np.flatnonzero(inside).tolist()
+    if (cover == 0).any():
+        cell = np.argwhere(cover == 0)[0]
+        return "gap", ([int(b[c]) for b, c in zip(bounds, cell, strict=True)],
+                       [int(b[c + 1]) for b, c in zip(bounds, cell, strict=True)])
+    return None

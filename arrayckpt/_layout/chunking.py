@@ -17,6 +17,7 @@ from typing import Any
 
 from .._format.codecs import Codec, codec_pipeline, sharded_pipeline
 from .._format.dtypes import DType
+from .._format.zarr import dimension_names as default_dimension_names
 from .._layout.box import Box
 
 __all__ = [
@@ -69,6 +70,7 @@ class ArrayPlan:
     inner_chunk: tuple[int, ...]
     codec: Codec
     key_encoding: str = "default"  # "v2" only where a save must not reuse the chunk keys of the one it replaces
+    dimension_names: tuple[str, ...] | None = None  # None: the default names of the path (``_format.zarr``)
 
     @cached_property
     def metadata(self) -> dict[str, Any]:
@@ -185,6 +187,7 @@ def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(plan.shape),
+        "dimension_names": list(plan.dimension_names or default_dimension_names(plan.path, len(plan.shape))),
         "data_type": plan.dtype.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.outer_chunk)}},
         "chunk_key_encoding": {"name": plan.key_encoding, "configuration": {"separator": CHUNK_KEY_SEPARATOR}},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,11 +20,13 @@ from .._errors import StateError
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, Delta, Quantization
 from .._format.quant import packed_columns
+from .._format.zarr import dimension_names
 from .box import Box, grid_cells
 from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .saveplan import LocalDescription, SavePlan, WriteTask, documents_of
 
-__all__ = ["INDEX_BYTES", "QUANTIZABLE", "PieceChange", "QuantizeRule", "RowsTask", "plan_delta", "stored_bytes"]
+__all__ = ["INDEX_BYTES", "QUANTIZABLE", "PieceChange", "QuantizeRule", "RowsTask", "plan_delta", "row_dimension_names",
+           "stored_bytes"]
 
 QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")  # dtypes whose changed rows can be quantized
 INDEX_BYTES = 8  # one int64 row index per stored row
@@ -60,33 +63,30 @@ class RowsTask:
 # --- on the coordinator: choose and lay out ------------------------------------------------------
 
 
-def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: list[list[PieceChange]],
+def plan_delta(plan: SavePlan, descriptions: Sequence[LocalDescription] | None, findings: list[list[PieceChange]],
                request: QuantizeRule, policy: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
     """Turn a full save plan into a delta plan: per key the cheapest of unchanged/chunks/rows/whole (the row
-    arrays chunked by ``policy.row_chunk_bytes``)."""
+    arrays chunked by ``policy.row_chunk_bytes``). The distinct boxes of every key come from the plan's layout, or
+    from ``descriptions`` for a plan made without one."""
     reported: dict[str, list[tuple[int, PieceChange]]] = defaultdict(list)
     for rank, found in enumerate(findings):
         for change in found:
             reported[change.key].append((rank, change))
-    boxes: dict[str, set[Box]] = defaultdict(set)
-    for description in descriptions:
-        for piece in description.arrays:
-            if piece.box.size:
-                boxes[piece.key].add(piece.box)
+    boxes = _distinct_boxes(plan, descriptions, set(reported))
     entries = dict(plan.entries)
     arrays = dict(plan.arrays)
-    tasks: list[list[Any]] = [list(t) for t in plan.tasks]
+    tasks: list[list[Any]] = [[] for _ in plan.tasks]
+    replaced: set[str] = set()
     for key, entry in plan.entries.items():
         if not isinstance(entry, ArrayEntry):
             continue
         pieces = reported.get(key, [])
-        choice = _choose(entry, pieces, boxes[key], request.bits(key)) if pieces else None
+        choice = _choose(entry, pieces, boxes.get(key, set()), request.bits(key)) if pieces else None
         if choice is None:
             continue
         path = entry.path
         codec = plan.arrays[path].codec
-        for rank_tasks in tasks:
-            rank_tasks[:] = [t for t in rank_tasks if t.key != key]
+        replaced.add(key)
         grid = pieces[0][1].grid
         if choice == "chunks":
             present = tuple(sorted({c for _, p in pieces for c in p.chunks or ()}))
@@ -107,9 +107,27 @@ def plan_delta(plan: SavePlan, descriptions: list[LocalDescription], findings: l
                 entry, delta=Delta("rows", rows=total, quantized=Quantization(bits, 0.0) if bits else None))
             for rank, task in placed:
                 tasks[rank].append(task)
+    for rank, rank_tasks in enumerate(plan.tasks):  # the full plan's tasks of the keys stored whole, then the delta's
+        tasks[rank][:0] = [t for t in rank_tasks if t.key not in replaced]
     documents, consolidated = documents_of(arrays)
     return dataclasses.replace(plan, entries=entries, arrays=arrays, tasks=tuple(tuple(t) for t in tasks),
                                documents=documents, consolidated_json=consolidated)
+
+
+def _distinct_boxes(plan: SavePlan, descriptions: Sequence[LocalDescription] | None,
+                    keys: set[str]) -> dict[str, set[Box]]:
+    """The distinct non-empty boxes of each of ``keys``."""
+    boxes: dict[str, set[Box]] = defaultdict(set)
+    if plan.layout is not None:
+        for key in keys & set(plan.layout.arrays.boxes):
+            offsets, shapes = plan.layout.arrays.boxes[key]
+            boxes[key] = {Box(tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), shapes.tolist(), strict=True)}
+        return boxes
+    for description in descriptions or ():
+        for piece in description.arrays:
+            if piece.box.size and piece.key in keys:
+                boxes[piece.key].add(piece.box)
+    return boxes
 
 
 def stored_bytes(plan: SavePlan) -> int:
@@ -190,5 +208,15 @@ def _row_layout(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: 
     for name, (dtype, shape) in {"rows": (dtype_by_name("int64"), ()), **value_arrays}.items():
         full = (offset, *shape)
         chunk = (length, *shape)
-        out[f"{path}/{name}"] = ArrayPlan(key, f"{path}/{name}", dtype, full, chunk, chunk, codec, key_encoding)
+        out[f"{path}/{name}"] = ArrayPlan(key, f"{path}/{name}", dtype, full, chunk, chunk, codec, key_encoding,
+                                          row_dimension_names(path, name, len(full)))
     return out, placed
+
+
+def row_dimension_names(path: str, name: str, ndim: int) -> tuple[str, ...]:
+    """Dimension names of the row array ``name`` of a rows delta at ``path`` (spec §7.2): every row array's first
+    dimension is the group's ``<dotted path>.rows`` (all of them are indexed by it); ``values`` keeps the tensor's
+    own names for its other dimensions; the others get their own array's default names."""
+    rows = f"{path.replace('/', '.')}.rows"
+    rest = dimension_names(path if name == "values" else f"{path}/{name}", ndim)[1:]
+    return (rows, *rest)

@@ -2,6 +2,11 @@
 
 ``open`` costs one read (the root ``zarr.json`` holds the manifest and every array's metadata); array
 data is read only when sliced, and only the chunks the slice touches.
+
+An open checkpoint holds storage resources until :meth:`Checkpoint.close` (or the end of a ``with`` block): on a
+local directory a descriptor that pins the directory it opened (``_storage/local.py::pin_directory``), and its
+TensorStore context and array handles; a delta checkpoint also the bases it opened. Closing releases them all;
+a checkpoint garbage-collected unclosed releases them then, with a :class:`ResourceWarning` as Python's files do.
 """
 
 from __future__ import annotations
@@ -9,8 +14,10 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -20,6 +27,7 @@ import numpy as np
 from .._errors import (
     ArrayckptError,
     CheckpointNotFoundError,
+    ClosedCheckpointError,
     CorruptCheckpointError,
     FormatError,
     PickleNotAllowedError,
@@ -38,9 +46,19 @@ from .._read.lazy import LazyArray
 from .._read.reader import ChainRead, read
 from .._storage import Location, kvstore_at, parse_location
 
-__all__ = ["Checkpoint", "LazyArray", "open_checkpoint"]
+__all__ = ["Checkpoint", "LazyArray", "open_checkpoint", "opened"]
 
 MAX_CHAIN = 10_000  # a longer chain of bases is damage (or a loop), not a plan
+
+
+def _collected(release: Callable[[], None], unclosed: list[str]) -> None:
+    """The finalizer of a checkpoint garbage-collected without :meth:`Checkpoint.close`: release what it holds and,
+    unless a delta that opened it as its base speaks for it (``unclosed`` emptied), warn as unclosed files do."""
+    release()
+    if unclosed:
+        warnings.warn(f"{unclosed[0]}: an arrayckpt checkpoint was never closed (its storage was held until it was "
+                      "garbage-collected): use `with arrayckpt.open(path) as ckpt:` or call ckpt.close()",
+                      ResourceWarning, stacklevel=3)  # the frame that dropped it (past weakref.finalize)
 
 
 class _Values(Mapping[str, Any]):
@@ -67,26 +85,85 @@ class _Values(Mapping[str, Any]):
 class Checkpoint(Mapping[str, LazyArray]):
     """A committed checkpoint, read-only: dotted key -> :class:`LazyArray`.
 
-    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`.
+    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`. Close it when done (``with
+    arrayckpt.open(path) as ckpt:``, or :meth:`close`) to release what it holds on storage. After closing, what is
+    in memory keeps working (keys, shapes, dtypes, :attr:`manifest`, :attr:`step`, :attr:`metrics`, plain values
+    that are not pickled), as a closed file's name does; reading data (slicing, ``.numpy()``, ``.torch()``,
+    ``read_into``, :meth:`per_rank`, pickled values, opening a base) raises :class:`ClosedCheckpointError`.
     """
 
-    def __init__(self, location: Location, allow_pickle: bool = False) -> None:
+    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
         self._above: frozenset[str | None] = frozenset()  # ids of the deltas that read through this checkpoint
         where = str(location)
-        document, self._base, release, self._generation = location.open_committed()
-        weakref.finalize(self, release)
-        self.manifest, self._nodes = parse_root_document(document, where)
-        self._context = location.read_context()
-        self._arrays: dict[str, LazyArray] = {}
-        for key, entry in self.manifest.entries.items():
-            if isinstance(entry, ArrayEntry):
-                rows = entry.delta is not None and entry.delta.mode == "rows"
-                metadata = {} if rows else self._node(entry.path, key, entry.dtype, entry.shape)
-                if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
-                    self._check_present(key, entry.delta.present[-1], metadata)
-                self._arrays[key] = LazyArray(self, entry, metadata)
+        # ``opened``: what location.open_committed() gives, from a root document another rank read
+        document, self._base, release, self._generation = opened or location.open_committed()
+        try:
+            self.manifest, self._nodes = parse_root_document(document, where)
+            self._read_context: Any = location.read_context()
+            self._arrays: dict[str, LazyArray] = {}
+            for key, entry in self.manifest.entries.items():
+                if isinstance(entry, ArrayEntry):
+                    rows = entry.delta is not None and entry.delta.mode == "rows"
+                    metadata = {} if rows else self._node(entry.path, key, entry.dtype, entry.shape)
+                    if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
+                        self._check_present(key, entry.delta.present[-1], metadata)
+                    self._arrays[key] = LazyArray(self, entry, metadata)
+        except BaseException:
+            release()
+            raise
+        self._closed = False
+        self._unclosed = [where]  # what the finalizer warns about (emptied: it does not warn)
+        self._finalizer = weakref.finalize(self, _collected, release, self._unclosed)
+        self._finalizer.atexit = False  # at exit the process releases everything; no warnings then
+
+    # --- closing ------------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (by itself, a ``with`` block, or the delta that opened this base)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release what the checkpoint holds on storage: the pinned directory (local storage), the TensorStore
+        context and array handles, and the bases it opened (a delta checkpoint's chain). Calling it again does
+        nothing. Do not close while reads run on other threads. Reading data afterwards raises
+        :class:`ClosedCheckpointError`; what is in memory (keys, shapes, manifest, plain values) stays readable.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._unclosed.clear()
+        try:
+            base = self.__dict__.pop("base", None)  # reading through a closed delta opens no base again
+            if base is not None:
+                base.close()
+            for array in self._arrays.values():
+                array._forget_handles()
+            self._read_context = None
+            self.__dict__.pop("_rows_cache", None)
+        finally:
+            self._finalizer()  # releases the pin, once
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        """Raise :class:`ClosedCheckpointError` once closed (before any read: on local storage the pinned
+        directory's descriptor number may name another directory by then)."""
+        if self._closed:
+            raise ClosedCheckpointError(f"{self.location}: the checkpoint was closed; its data can no longer be read "
+                                        "(open it again: arrayckpt.open)")
+
+    @property
+    def _context(self) -> Any:
+        """The TensorStore read context (what every read of data uses: closed, it raises)."""
+        self._check_open()
+        return self._read_context
 
     # --- delta checkpoints ------------------------------------------------------------------------
 
@@ -98,24 +175,29 @@ class Checkpoint(Mapping[str, LazyArray]):
         ref = self.manifest.base
         if ref is None:
             raise ValueError(f"{self.location}: a full checkpoint; it has no base")
+        self._check_open()
         location = self.location.resolve(ref.path)
         try:
             base = Checkpoint(location, self.allow_pickle)
         except ArrayckptError as e:
             kind = CheckpointNotFoundError if isinstance(e, CheckpointNotFoundError) else CorruptCheckpointError
             raise kind(f"{self.location}: its base checkpoint {location} (step {ref.step}) cannot be read: {e}") from e
+        base._unclosed.clear()  # closed with this checkpoint; collected with it, this one warns for both
         if base.manifest.id != ref.id:
+            base.close()
             raise CorruptCheckpointError(
                 f"{self.location}: its base {location} is not the checkpoint it was saved against (id "
                 f"{base.manifest.id}, expected {ref.id}): the base was replaced; this delta cannot be read")
         base._above = self._above | {self.manifest.id}
         if ref.id in base._above or len(base._above) > MAX_CHAIN:
+            base.close()
             raise CorruptCheckpointError(f"{self.location}: its chain of bases loops back or exceeds {MAX_CHAIN} "
                                          "checkpoints")
         return base
 
     def chain(self) -> list[Checkpoint]:
-        """This checkpoint and its bases, newest first, down to a full checkpoint (every one opened)."""
+        """This checkpoint and its bases, newest first, down to a full checkpoint (every one opened; closing this
+        checkpoint closes them)."""
         out = [self]
         while out[-1].manifest.base is not None:
             out.append(out[-1].base)
@@ -159,10 +241,15 @@ class Checkpoint(Mapping[str, LazyArray]):
         """The root's consolidated metadata: every node's ``zarr.json`` document by path (read-only)."""
         return MappingProxyType(self._nodes)
 
+    def node_kvstore(self, path: str) -> dict[str, Any]:
+        """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage)."""
+        self._check_open()
+        return kvstore_at(self._base, path)
+
     def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
         """The TensorStore spec of the array at ``path`` (of entry ``key``), its metadata checked to describe a
         checksummed ``dtype`` array of ``shape`` (:class:`arrayckpt.FormatError` if not)."""
-        return array_spec(kvstore_at(self._base, path), self._node(path, key, dtype, shape))
+        return array_spec(self.node_kvstore(path), self._node(path, key, dtype, shape))
 
     def dense_metadata(self, key: str) -> dict[str, Any]:
         """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its
@@ -274,6 +361,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         entry = self.manifest.entries.get(key)
         if not isinstance(entry, PerRankEntry):
             raise KeyError(f"{self.location}: {key!r} is not a per-rank entry")
+        self._check_open()
         arrays = {rank: np.empty(item.shape, item.dtype.numpy) for rank, item in enumerate(entry.items)
                   if isinstance(item, ArrayEntry)}
         read(self, [ArrayIO(key, self.per_rank_spec(key, rank), array) for rank, array in arrays.items()])
@@ -309,6 +397,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         raise KeyError(f"{key!r} is an array, not a plain value; use checkpoint[{key!r}]")
 
     def _unpickle(self, entry: PickleEntry) -> Any:
+        self._check_open()
         if not self.allow_pickle:
             raise PickleNotAllowedError(
                 f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
@@ -330,7 +419,9 @@ class Checkpoint(Mapping[str, LazyArray]):
         return len(self._arrays)
 
     def __repr__(self) -> str:
-        return f"arrayckpt.Checkpoint({str(self.location)!r}, {len(self)} arrays, {len(self.plain_values)} values)"
+        closed = ", closed" if self._closed else ""
+        return (f"arrayckpt.Checkpoint({str(self.location)!r}, {len(self)} arrays, {len(self.plain_values)} "
+                f"values{closed})")
 
     @property
     def nbytes(self) -> int:
@@ -345,12 +436,22 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
                     storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
     """Open a committed checkpoint read-only: a local path or an object-storage URL (``s3://bucket/prefix``,
     with ``storage_options`` as for :func:`arrayckpt.save`). Opening reads one object, the root ``zarr.json``.
+    Use it as a context manager (or call :meth:`Checkpoint.close`) to release what it holds when done.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> arrayckpt.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, d)
-    >>> ckpt = arrayckpt.open(d)
-    >>> ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
+    >>> with arrayckpt.open(d) as ckpt:
+    ...     ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
     ((2, 3), [3.0, 4.0], 7)
+    >>> ckpt.closed, sorted(ckpt)  # closed: data can no longer be read, what is in memory can
+    (True, ['w'])
     """
     return Checkpoint(parse_location(path, storage_options), allow_pickle)
+
+
+def opened(source: Checkpoint | str | os.PathLike[str], **kwargs: Any) -> AbstractContextManager[Checkpoint]:
+    """``with opened(source) as checkpoint:`` for internal callers: a :class:`Checkpoint` passed in is used as is
+    and left open (its owner closes it); a path is opened (``kwargs`` as for :func:`open_checkpoint`) and closed
+    when the block ends."""
+    return nullcontext(source) if isinstance(source, Checkpoint) else open_checkpoint(source, **kwargs)

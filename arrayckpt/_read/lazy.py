@@ -13,7 +13,6 @@ from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box
 from .._read.chain import basic_index, bounding_box
 from .._read.reader import ArraySlices, ChainRead, read
-from .._storage import kvstore_at
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +25,9 @@ __all__ = ["LazyArray"]
 class LazyArray:
     """One stored tensor: metadata now, data on slicing.
 
-    ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor.
+    ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor. Once its
+    checkpoint is closed, the metadata stays and every read (and :attr:`spec`) raises
+    :class:`arrayckpt.ClosedCheckpointError`.
     """
 
     def __init__(self, checkpoint: Checkpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
@@ -80,7 +81,7 @@ class LazyArray:
         if self.entry.delta is not None and self.entry.delta.mode == "rows":
             raise TypeError(f"{self._checkpoint.location}: tensor {self.key!r} is stored as changed rows of its base; "
                             "it has no array of its own to open (slice it, or use .torch())")
-        return array_spec(kvstore_at(self._checkpoint._base, self.entry.path), self.metadata)
+        return array_spec(self._checkpoint.node_kvstore(self.entry.path), self.metadata)
 
     @cached_property
     def _read_spec(self) -> dict[str, Any]:
@@ -92,9 +93,15 @@ class LazyArray:
         """How slices of this array are read (the array opened once)."""
         return ArraySlices(self._read_spec)
 
+    def _forget_handles(self) -> None:
+        """Drop the array handle and spec kept for reads (its checkpoint is closing)."""
+        self.__dict__.pop("_slices", None)
+        self.__dict__.pop("_read_spec", None)
+
     def __getitem__(self, index: Any) -> np.ndarray:
         """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
         touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
+        self._checkpoint._check_open()
         normal = basic_index(index, self.shape)
         if normal is None:
             return self.numpy()[index]
@@ -128,6 +135,7 @@ class LazyArray:
         """The whole array as a new CPU torch tensor of the saved dtype."""
         import torch
 
+        self._checkpoint._check_open()  # before allocating
         out = torch.empty(self.shape, dtype=self.dtype)
         self.read_into(out)
         return out
@@ -136,5 +144,6 @@ class LazyArray:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
         from .._torch.tensors import writable_numpy  # torch only when reading into torch
 
+        self._checkpoint._check_open()
         out = writable_numpy(tensor, self.entry.dtype, self.key)
         read(self._checkpoint, [ChainRead(self.key, Box.whole(self.shape), out)])

@@ -18,8 +18,10 @@ from .._format.manifest import ArrayEntry, Entry, PerRankEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, Execute, Request, read
+from .._storage import Location, parse_location
+from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import torch_dtype
 from .._torch.readonce import split_reads
@@ -48,6 +50,7 @@ def load(
     read_once: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     atomic: bool = False,
+    share_root: bool = True,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -68,7 +71,9 @@ def load(
     hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
     data-parallel copies of a shard — read from storage by one of them and sent to the others over the
     process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
-    ``storage_options`` as for :func:`arrayckpt.save`.
+    ``storage_options`` as for :func:`arrayckpt.save`; with several ranks the coordinator then reads the root
+    document once and sends it to the others, each checking its checksum (``share_root=False``: every rank reads
+    it itself; either way every rank must call ``load``, as for any collective).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -80,11 +85,34 @@ def load(
     {'w': tensor([1., 1., 1.]), 'step': 5}
     """
     group = resolve_group(process_group)
-    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle, storage_options=storage_options)
+    location = parse_location(path, storage_options)
+    opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
+    with Checkpoint(location, allow_pickle, opened) as checkpoint:
+        return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
+
+
+def _shared_root(location: Location, group: Group) -> tuple:
+    """The coordinator reads the root document (one GET) and sends its bytes to every rank, which checks them and
+    opens the checkpoint from them; a failed read is raised on every rank."""
+    payload: Any = None
+    if group.is_coordinator:
+        try:
+            payload = read_root_bytes(location)
+        except ArrayckptError as e:
+            payload = e
+    payload = group.broadcast(payload)
+    if isinstance(payload, BaseException):
+        raise payload
+    return opened_from_bytes(location, *payload)
+
+
+def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, strict: bool, read_once: bool,
+          atomic: bool) -> LoadResult:
+    """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises)."""
     where = str(checkpoint.location)
     walked = walk(state)
     entries = checkpoint.manifest.entries
-    _create_missing(walked, entries)
+    created = _create_missing(walked, entries)
     missing = [key for key in walked.leaves if key not in entries]
     unexpected = [key for key in entries if key not in walked.leaves]
     if strict and missing:
@@ -99,7 +127,7 @@ def load(
             if key in entries:
                 plan.add(entries[key], leaf)
         plan.run(group if read_once and group.size > 1 else None)
-    _hand_back(walked.statefuls)
+    _hand_back(walked.statefuls, checkpoint.manifest.containers, created)
     return LoadResult(missing, unexpected)
 
 
@@ -288,13 +316,15 @@ def _empty_like_entry(entry: ArrayEntry) -> torch.Tensor | np.ndarray:
     return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
 
 
-def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> None:
+def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> set[int]:
     """Create, inside non-module stateful objects' state dicts, entries the checkpoint has and they lack.
 
     A fresh optimizer has an empty ``state`` until its first step; its ``load_state_dict`` accepts the
     full state, so the checkpoint's tensors are materialised into its state dict. Modules have a fixed
-    set of keys, so for them extra checkpoint keys stay unexpected.
+    set of keys, so for them extra checkpoint keys stay unexpected. Returns the ids of the dicts created on the
+    way (:func:`_hand_back` turns those standing for the checkpoint's lists and tuples back into them).
     """
+    created: set[int] = set()
     for node in walked.statefuls:
         if isinstance(node.obj, torch.nn.Module):
             continue
@@ -302,10 +332,11 @@ def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> None:
         for key, entry in entries.items():
             if key in walked.leaves or entry.parts[:depth] != node.parts or len(entry.parts) == depth:
                 continue
-            _insert(walked, node, entry)
+            _insert(walked, node, entry, created)
+    return created
 
 
-def _insert(walked: Walk, node: StatefulNode, entry: Entry) -> None:
+def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int]) -> None:
     container: Any = node.state_dict
     for i in range(len(node.parts), len(entry.parts) - 1):
         part = entry.parts[i]
@@ -314,6 +345,7 @@ def _insert(walked: Walk, node: StatefulNode, entry: Entry) -> None:
         child = container.get(part)
         if child is None:
             child = container[part] = {}
+            created.add(id(child))
         elif isinstance(child, dict) and not child:
             walked.leaves.pop(dotted(entry.parts[: i + 1]), None)  # now a container
         container = child
@@ -324,9 +356,27 @@ def _insert(walked: Walk, node: StatefulNode, entry: Entry) -> None:
     walked.leaves[entry.key] = Leaf(entry.parts, container[slot], container, slot)
 
 
-def _hand_back(statefuls: list[StatefulNode]) -> None:
-    """Give every stateful object its filled state dict, innermost first."""
+def _hand_back(statefuls: list[StatefulNode], containers: Mapping[str, str] | None = None,
+               created: set[int] | None = None) -> None:
+    """Give every stateful object its filled state dict, innermost first; the dicts :func:`_insert` created where
+    the checkpoint has a list or a tuple (``containers``, by dotted prefix) become that list or tuple first."""
     for node in statefuls:
+        if created:
+            _restore_created(node.state_dict, node.parts, containers or {}, created)
         node.obj.load_state_dict(node.state_dict)
+
+
+def _restore_created(container: dict[Any, Any], parts: tuple[Any, ...], containers: Mapping[str, str],
+                     created: set[int]) -> None:
+    """Below ``container`` (children first): each dict created by :func:`_insert` at a prefix the checkpoint
+    saved as a list or tuple is replaced, in its parent, by that list or tuple of its values in index order."""
+    for key, child in list(container.items()):
+        if not isinstance(child, dict):
+            continue
+        _restore_created(child, (*parts, key), containers, created)
+        kind = containers.get(dotted((*parts, key))) if id(child) in created else None
+        if kind is not None:
+            items = [child[i] for i in sorted(child)]
+            container[key] = items if kind == "list" else tuple(items)
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 from .._errors import ArrayckptError, CorruptCheckpointError
-from .._format.manifest import is_arrayckpt_root
+from .._format.integrity import check_root_integrity
+from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.zarr import ROOT_METADATA
 
 __all__ = ["ROOT_METADATA", "TEMP_MARKER", "Leftover", "Leftovers", "Location", "Writer", "arrayckpt_keys",
@@ -238,12 +239,18 @@ def kvstore_at(base: dict[str, Any], subpath: str) -> dict[str, Any]:
 
 
 def parse_root_bytes(data: bytes, where: object) -> dict[str, Any]:
-    """A root ``zarr.json``'s bytes parsed, or ``CorruptCheckpointError``."""
+    """A root ``zarr.json``'s bytes parsed, with its checksum checked when it is arrayckpt's (spec §11), or
+    ``CorruptCheckpointError``."""
     try:
-        return json.loads(data)
+        document = json.loads(data)
     except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an integer of too many digits
         problem = e if isinstance(e, ValueError) else "JSON nested too deeply"
         raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {problem}") from None
+    if is_arrayckpt_root(document) and isinstance(manifest := document["attributes"][MANIFEST_ATTRIBUTE], dict):
+        version = manifest.get("format_version")
+        required = isinstance(version, int) and version >= INTEGRITY_VERSION
+        check_root_integrity(data, manifest, required, where)
+    return document
 
 
 _CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")

@@ -201,13 +201,18 @@ class ObjectLocation(Location):
         _delete(self.open_store(), keys, self)
 
     def _s3fs(self, **options: Any) -> Any:
-        """An s3fs file system with these storage options, on S3 where s3fs is installed (else ``None``)."""
+        """An s3fs file system with these storage options, on S3 where s3fs is installed (else ``None``). The
+        ``max_retries`` option bounds botocore's tries too (its default, 5 tries with back-off, took ~10 s to give up
+        on an endpoint that refuses connections)."""
         if self.scheme != "s3":
             return None
         try:
             import s3fs
         except ImportError:
             return None
+        if "max_retries" in self.option:
+            retries = {"total_max_attempts": int(self.option["max_retries"]) + 1}
+            options = {**options, "config_kwargs": {"retries": retries}}
         return s3fs.S3FileSystem(**options, **self.fsspec_options())
 
     # --- the places around it --------------------------------------------------------------------
@@ -412,8 +417,9 @@ class ObjectWriter(Writer):
                       and (node := key[:-len(ROOT_METADATA) - 1]) not in chunked
                       and (self._old_nodes is None or node not in self._old_nodes)]
         for key, data in sorted(self.location.read_objects(candidates).items()) if candidates else ():
-            try:
-                nested = data is not None and is_arrayckpt_root(json.loads(data))
+            try:  # a root document is a group's (an array's zarr.json carries "arrayckpt" attributes too)
+                document = json.loads(data) if data is not None else None
+                nested = is_arrayckpt_root(document) and document.get("node_type") == "group"
             except (ValueError, RecursionError):
                 nested = False
             if nested:

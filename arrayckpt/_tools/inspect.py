@@ -19,11 +19,11 @@ import numpy as np
 
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.checkpoint import Checkpoint, opened
 from .._read.reader import read_boxes
-from .._tools.chunkwise import ChunkRef, chunk_shape, iter_chunks
+from .._tools.chunkwise import ChunkRef, iter_chunks
 
-__all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "show"]
+__all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "selection_blocks", "show"]
 
 BLOCK_BYTES = 32 << 20  # selection read at once for statistics, and chunks compared at once by diff
 MAX_VALUES = 1000  # selections up to this many elements have their values returned
@@ -169,6 +169,12 @@ def _blocks(index: Index, row_bytes: int) -> Iterator[Index]:
         yield (*index[:sliced], sub, *index[sliced + 1:])
 
 
+def selection_blocks(index: Index, itemsize: int) -> Iterator[Index]:
+    """A normalized selection split along its first sliced dimension into blocks of about ``BLOCK_BYTES`` (of
+    items of ``itemsize`` bytes): the parts ``show`` reads one at a time, and ``report`` reads the same way."""
+    return _blocks(index, itemsize * math.prod(_selected_shape(index)[1:]))
+
+
 def show(path: str | os.PathLike[str] | Checkpoint, key: str, index: str = "", *,
          max_values: int = MAX_VALUES) -> SliceSummary:
     """Statistics (and, for small selections, the values) of ``checkpoint[key][index]``.
@@ -182,15 +188,18 @@ def show(path: str | os.PathLike[str] | Checkpoint, key: str, index: str = "", *
     >>> s.selected_shape, s.values, s.min, s.max
     ((2, 2), [[4.0, 6.0], [8.0, 10.0]], 4.0, 10.0)
     """
-    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    with opened(path) as checkpoint:  # a Checkpoint passed in stays open
+        return _show(checkpoint, key, index, max_values)
+
+
+def _show(checkpoint: Checkpoint, key: str, index: str, max_values: int) -> SliceSummary:
     array = checkpoint[_known_tensor(checkpoint, key)]
     normalized = normalize_index(parse_slice(index), array.shape, key)
     selected = _selected_shape(normalized)
-    row_bytes = array.entry.dtype.itemsize * math.prod(selected[1:])
     stats = _Stats()
     values = None
     size = math.prod(selected)
-    for block in _blocks(normalized, row_bytes):
+    for block in selection_blocks(normalized, array.entry.dtype.itemsize):
         data = array[block]
         stats.add(data)
         if size <= max_values:
@@ -232,8 +241,9 @@ class TensorDiff:
     """How one tensor present in both checkpoints (same dtype and shape) differs.
 
     ``max_rel`` is ``max |a - b| / max(|a|, |b|)`` over elements whose difference is finite; elements
-    that differ where either side is NaN or infinite are counted in ``nonfinite``. ``differing_chunks``
-    is set only when both arrays have the same chunk grid.
+    that differ where either side is NaN or infinite are counted in ``nonfinite``. ``chunks`` and
+    ``differing_chunks`` count the chunks of ``a``'s grid (both sides are read box by box on it, whatever ``b``'s
+    grid is); ``None`` only in reports made by older versions.
     """
 
     key: str
@@ -272,7 +282,7 @@ class DiffReport:
                 "values": {k: {"a": a, "b": b} for k, (a, b) in self.values.items()}}
 
 
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
+def diff(a: str | os.PathLike[str] | Checkpoint, b: str | os.PathLike[str] | Checkpoint) -> DiffReport:
     """Compare two checkpoints: keys only in one, changed dtypes/shapes/kinds, tensor and value differences.
 
     Tensors are compared chunk by chunk (memory stays bounded); differences are bitwise, so NaN == NaN and
@@ -286,7 +296,11 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
     >>> r.tensors[0].differing_elements, r.tensors[0].max_abs, r.values
     (1, 0.5, {'step': (1, 2)})
     """
-    left, right = open_checkpoint(a), open_checkpoint(b)
+    with opened(a) as left, opened(b) as right:  # Checkpoints passed in stay open
+        return _diff(left, right)
+
+
+def _diff(left: Checkpoint, right: Checkpoint) -> DiffReport:
     ea, eb = left.manifest.entries, right.manifest.entries
     changed: dict[str, str] = {}
     tensors: list[TensorDiff] = []
@@ -321,7 +335,6 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     """Compare one tensor chunk by chunk (``a``'s grid), reading both sides' boxes in bounded batches."""
     # chunk by chunk on a's grid (of the array a stores, or of its base's for a delta), through both chains
     dense_a = left.dense_metadata(key)
-    same_grid = chunk_shape(dense_a) == chunk_shape(right.dense_metadata(key))
     differing = nonfinite = chunks = differing_chunks = 0
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
@@ -345,7 +358,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
             flush()
     if batch:
         flush()
-    return TensorDiff(key, differing, max_abs, max_rel, nonfinite, chunks, differing_chunks if same_grid else None)
+    return TensorDiff(key, differing, max_abs, max_rel, nonfinite, chunks, differing_chunks)
 
 
 def _compare(x: np.ndarray, y: np.ndarray) -> tuple[int, float, float, int]:

@@ -28,6 +28,7 @@ from .._errors import (
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
+from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import check_array_metadata
 from .._read.checkpoint import Checkpoint, open_checkpoint
@@ -64,6 +65,8 @@ class VerifyReport:
     chunks: int = 0
     bytes_checked: int = 0
     damaged_keys: tuple[str, ...] = ()
+    # What could not be checked because the checkpoint (or a base) predates the checksums (format version < 3).
+    unprotected: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -72,16 +75,19 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "arrays": self.arrays, "chunks": self.chunks,
                 "bytes_checked": self.bytes_checked, "damaged_keys": list(self.damaged_keys),
-                "damage": [d.to_dict() for d in self.damage]}
+                "damage": [d.to_dict() for d in self.damage], "unprotected": list(self.unprotected)}
 
 
 def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
            batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Read every chunk of every array of the checkpoint at ``path`` and check it; return all damage found.
 
-    Checks: the commit (root ``zarr.json``) exists and parses; every array's and group's own ``zarr.json``
-    is present and matches the consolidated copy (other Zarr readers need it); every chunk of every
-    tensor, per-rank array and pickled value is present and passes its crc32c. A missing checkpoint
+    Checks: the commit (root ``zarr.json``) exists, parses and matches its checksum; every array's and group's
+    own ``zarr.json`` is present and matches the consolidated copy (other Zarr readers need it); every chunk of
+    every tensor, per-rank array and pickled value is present and passes its crc32c, and each array's chunks,
+    in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught).
+    Checkpoints older than format version 3 have neither checksum: the report lists them as ``unprotected``
+    (``ok`` says nothing about what was not checked). A missing checkpoint
     raises :class:`arrayckpt.CheckpointNotFoundError`, storage that cannot be read at all (its retries used
     up, access refused) :class:`arrayckpt.StorageError`, and a checkpoint (or base) replaced or removed while it
     is being verified :class:`arrayckpt.ReplacedCheckpointError`, since those say nothing about the data;
@@ -100,7 +106,14 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
         checkpoint = open_checkpoint(location)
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
+    with checkpoint:  # closing it closes the bases the layer walk opened
+        return _verify_chain(checkpoint, where, batch_bytes, progress)
+
+
+def _verify_chain(checkpoint: Checkpoint, where: str, batch_bytes: int, progress: Progress | None) -> VerifyReport:
+    """The checks of :func:`verify` on the opened checkpoint and every base of its chain."""
     damage: list[Damage] = []
+    unprotected: list[str] = []
     arrays = chunks = checked = 0
     layer: Checkpoint | None = checkpoint
     while layer is not None:  # a delta checkpoint is only as good as its chain of bases: check them all
@@ -109,9 +122,23 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
         counts = _verify_layer(layer, found, batch_bytes, progress)
         arrays, chunks, checked = arrays + counts[0], chunks + counts[1], checked + counts[2]
         damage.extend(dataclasses.replace(d, file=prefix + d.file) for d in found)
+        unprotected.extend(prefix + u for u in _unprotected(layer))
         layer = _next_layer(layer, damage)
     keys = tuple(dict.fromkeys(d.key for d in damage if d.key is not None))
-    return VerifyReport(where, tuple(damage), arrays, chunks, checked, keys)
+    return VerifyReport(where, tuple(damage), arrays, chunks, checked, keys, tuple(unprotected))
+
+
+def _unprotected(layer: Checkpoint) -> list[str]:
+    """What this checkpoint's format version leaves unchecked (nothing from version 3 on)."""
+    manifest = layer.manifest
+    out = []
+    if manifest.integrity is None:
+        out.append(f"{ROOT_METADATA}: no checksum (format version {manifest.format_version}): a changed plain value, "
+                   "step or metric cannot be detected")
+    if not manifest.chunk_digests:
+        out.append(f"chunks: no chunk digests (format version {manifest.format_version}): swapped or misplaced chunk "
+                   "files cannot be detected")
+    return out
 
 
 def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
@@ -138,7 +165,19 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
     total = sum(_stored_bytes(checkpoint, *array) for array in stored)
     chunks = itertools.chain.from_iterable(_present_chunks(checkpoint, *array) for array in stored)
-    count, checked = _read_all(checkpoint, chunks, total, batch_bytes, damage, progress)
+    digests: dict[str, ChunkDigest] = {}
+    failed: set[str] = set()
+    count, checked = _read_all(checkpoint, chunks, total, batch_bytes, damage, progress, digests, failed)
+    recorded = checkpoint.manifest.chunk_digests
+    for key, array_path, _ in stored:
+        expected = recorded.get(array_path)
+        if expected is None or array_path in failed:  # unprotected (older version), or its damage already reported
+            continue
+        if digests.get(array_path, ChunkDigest()).value != expected:
+            damage.append(Damage(key, array_path, "its chunk files do not hold the chunks saved there (each passes "
+                                                  "its own checksum, but their contents do not match the digest "
+                                                  "recorded at save): chunk files swapped, misplaced or copied from "
+                                                  "another checkpoint; restore the array from a copy"))
     return len(stored), count, checked
 
 
@@ -251,23 +290,30 @@ def _batches(chunks: Iterable[ChunkRef], budget: int) -> Iterator[list[ChunkRef]
 
 
 def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, budget: int, damage: list[Damage],
-              progress: Progress | None) -> tuple[int, int]:
+              progress: Progress | None, digests: dict[str, ChunkDigest], failed: set[str]) -> tuple[int, int]:
     """Read every chunk (batched for speed, taken lazily: memory is bounded by the batch, whatever the number of
-    chunks); a failed batch is re-read chunk by chunk to name each damage. Returns (chunks, bytes) read."""
+    chunks) and add its content's checksum to its array's digest; a failed batch is re-read chunk by chunk to name
+    each damage (its array is then ``failed``). Returns (chunks, bytes) read."""
     where = str(checkpoint.location)
     done = count = 0
     for batch in _batches(chunks, budget):
         count += len(batch)
         try:
-            read_chunks(checkpoint, batch)
+            read = read_chunks(checkpoint, batch)
         except Exception:
             for chunk in batch:
                 try:
-                    read_chunks(checkpoint, [chunk])
+                    data = read_chunks(checkpoint, [chunk])[0]
                 except (StorageError, ReplacedCheckpointError, MemoryError):
                     raise  # unreachable store, checkpoint replaced, no memory: nothing is known about the chunk
                 except Exception as e:  # every other failure is reported, whatever raised it
                     damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
+                    failed.add(chunk.array_path)
+                else:
+                    digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
+        else:
+            for chunk, data in zip(batch, read, strict=True):
+                digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
         done += sum(c.nbytes for c in batch)
         if progress is not None:
             progress(done, total)

@@ -1,7 +1,7 @@
 """Collectives: the few metadata exchanges a save needs, over a CPU-capable (gloo) process group.
 
-A save uses four collectives whatever the number of tensors: gather the local descriptions, broadcast
-the plan, gather the write results, broadcast the commit outcome. With one process there is no
+A save uses four collectives whatever the number of tensors: gather the local descriptions, scatter
+each rank its part of the plan, gather the write results, broadcast the commit outcome. With one process there is no
 ``torch.distributed`` at all and every exchange is the identity.
 """
 
@@ -53,6 +53,23 @@ class Group:
         with _collective("broadcast", self.rank):
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
         return box[0]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """``objs[rank]`` of the coordinator's list on every rank (the list is ignored elsewhere): each rank
+        receives only its own object. A group without a torch process group (a test double) broadcasts the
+        list instead."""
+        if self.size == 1:
+            assert objs is not None
+            return objs[0]
+        if self.cpu_pg is None:
+            return self.broadcast(objs)[self.rank]
+        import torch.distributed as dist
+
+        out: list[Any] = [None]
+        with _collective("scatter", self.rank):
+            dist.scatter_object_list(out, objs if self.is_coordinator else None,
+                                     src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
+        return out[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.size == 1:

@@ -202,6 +202,21 @@ def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptio
     started = time.perf_counter()
     group = _background_group(resolve_group(options.process_group))
     request = prepare(path, options, record)
+    try:
+        future = _stage_and_start(state, options, group, request, keep_copy)
+    except BaseException:
+        request.close()  # the background save never started: release the base it opened
+        raise
+    handle = SaveHandle(future, str(request.location), time.perf_counter() - started)
+    with _LOCK:
+        _IN_FLIGHT[:] = [handle]
+    return handle
+
+
+def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: SaveRequest,
+                     keep_copy: bool) -> Future[None]:
+    """Copy the state to host staging buffers, then start the rest of the save in the background (which closes
+    ``request`` when it finishes)."""
     delta = request.delta
     reference = _STAGER.reference(delta.base.manifest.id if delta is not None else None)
     if not keep_copy and reference is None:
@@ -216,22 +231,21 @@ def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptio
         for piece in local.description.arrays:
             if delta.bits(piece.key):
                 boxes.pop(array_path(piece.key), None)
-    future = _EXECUTOR.submit(_save_in_background, local, error, group, request, reference,
-                              boxes if keep_copy else None)
-    handle = SaveHandle(future, str(request.location), time.perf_counter() - started)
-    with _LOCK:
-        _IN_FLIGHT[:] = [handle]
-    return handle
+    return _EXECUTOR.submit(_save_in_background, local, error, group, request, reference,
+                            boxes if keep_copy else None)
 
 
 def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
-    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale)."""
+    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
+    the save opened is closed when it is over, committed or failed."""
     try:
         committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()
         raise
+    finally:
+        request.close()
     if keep is not None:
         _STAGER.keep(committed, keep)
     else:

@@ -37,12 +37,20 @@ __all__ = ["DeltaRequest", "Reference", "chunk_jobs", "find_changes", "rows_jobs
 
 @dataclass(frozen=True)
 class DeltaRequest:
-    """What the caller asked of a delta save, on every rank."""
+    """What the caller asked of a delta save, on every rank. ``owned``: the save opened ``base`` itself (from a
+    path) and closes it when the save finishes (:meth:`close`); a :class:`Checkpoint` the caller passed is
+    never closed here."""
 
     base: Checkpoint
     ref: BaseRef
     rows: Mapping[str, np.ndarray]  # key -> changed global row indices given by the caller (sorted, unique)
     quantize: Mapping[str, int]  # key pattern -> bits (4 or 8); opt-in, lossy
+    owned: bool = False
+
+    def close(self) -> None:
+        """The save is over (committed or failed): release the base if the save opened it."""
+        if self.owned:
+            self.base.close()
 
     def bits(self, key: str) -> int | None:
         for pattern, bits in self.quantize.items():
@@ -202,7 +210,7 @@ def chunk_jobs(task: Any, change: PieceChange, spec: dict[str, Any], values: np.
     for flat, cell in grid_cells(task.box, change.grid, shape):
         part = cell.intersect(task.box) if flat in changed else None
         if part is not None:
-            jobs.append(ArrayIO(task.key, spec, values[part.relative_to(held)], part.slices()))
+            jobs.append(ArrayIO(task.key, spec, values[part.relative_to(held)], part.slices(), task.path))
     return jobs
 
 
@@ -232,12 +240,13 @@ def rows_jobs(task: RowsTask, plan: SavePlan, values: np.ndarray, held: Box, row
     else:
         parts = {"values": picked.reshape(n, *values.shape[1:])}
     jobs = [ArrayIO(task.key, array_spec(kvstore(f"{task.path}/rows"), plan.arrays[f"{task.path}/rows"].metadata),
-                    index, region((task.length,)))]
+                    index, region((task.length,)), f"{task.path}/rows")]
     for name, part in parts.items():
         array = plan.arrays[f"{task.path}/{name}"]
         padded = part
         if task.length != n:
             padded = np.zeros((task.length, *array.shape[1:]), part.dtype)
             padded[:n] = part
-        jobs.append(ArrayIO(task.key, array_spec(kvstore(array.path), array.metadata), padded, region(array.shape)))
+        jobs.append(ArrayIO(task.key, array_spec(kvstore(array.path), array.metadata), padded, region(array.shape),
+                            array.path))
     return jobs, error

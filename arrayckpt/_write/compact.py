@@ -18,12 +18,13 @@ import numpy as np
 
 from .._format.codecs import Codec, CodecChoice, codec_of_metadata, resolve_codec
 from .._format.dtypes import dtype_by_name
-from .._format.manifest import ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, format_version, per_rank_path
-from .._io.arrays import ArrayIO, array_spec, write_all
+from .._format.manifest import FORMAT_VERSION, ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, per_rank_path
+from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan, plan_array
+from .._layout.digests import chunk_digests
 from .._layout.saveplan import documents_of
-from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.checkpoint import Checkpoint, opened
 from .._read.reader import ChainRead, Request, read
 from .._storage import parse_location
 from .transaction import begin_write
@@ -68,20 +69,25 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
     >>> arrayckpt.save({"w": w}, f"{d}/delta", base=f"{d}/base")
     >>> arrayckpt.compact(f"{d}/delta", f"{d}/full").chain == (f"{d}/delta", f"{d}/base")
     True
-    >>> arrayckpt.open(f"{d}/full")["w"][1].tolist(), arrayckpt.open(f"{d}/full").manifest.base is None
+    >>> with arrayckpt.open(f"{d}/full") as full: full["w"][1].tolist(), full.manifest.base is None
     ([1.0, 1.0, 1.0], True)
     """
-    checkpoint = src if isinstance(src, Checkpoint) else open_checkpoint(src, storage_options=storage_options)
+    with opened(src, storage_options=storage_options) as checkpoint:  # a Checkpoint passed in stays open
+        return _compact(checkpoint, dst, overwrite, codec, storage_options, progress)
+
+
+def _compact(checkpoint: Checkpoint, dst: str | os.PathLike[str], overwrite: bool, codec: CodecChoice | object,
+             storage_options: Mapping[str, Any] | None, progress: Callable[[int, int], None] | None) -> CompactResult:
     chain = checkpoint.chain()  # every base opened and checked before anything is written
     with begin_write(parse_location(dst, storage_options), overwrite) as transaction:
         entries, arrays, sources = _plan(checkpoint, codec, transaction.key_encoding)
         documents, consolidated = documents_of(arrays)
         transaction.write_documents(documents)
-        written = _copy(checkpoint, arrays, sources, transaction.target, progress)
+        written, checksums = _copy(checkpoint, arrays, sources, transaction.target, progress)
         created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
         manifest = Manifest(entries, checkpoint.manifest.step, checkpoint.manifest.containers, created,
-                            format_version(False, transaction.key_encoding), checkpoint.manifest.metrics,
-                            uuid.uuid4().hex, None, written)
+                            FORMAT_VERSION, checkpoint.manifest.metrics, uuid.uuid4().hex, None, written,
+                            chunk_digests(arrays, entries, checksums, str(transaction.location)))
         transaction.commit(manifest, consolidated)
     return CompactResult(str(checkpoint.location), str(transaction.location), tuple(str(c.location) for c in chain),
                          len(arrays), written)
@@ -132,21 +138,22 @@ def _spec_source(key: str, spec: dict[str, Any]) -> Source:
 
 
 def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
-          progress: Callable[[int, int], None] | None) -> int:
+          progress: Callable[[int, int], None] | None) -> tuple[int, Checksums]:
     """Read and write every array in batches of at most ``COPY_BATCH_BYTES`` (one array if bigger). Each batch is
     read through the read path, which refuses a source replaced before the batch was read: nothing is committed
-    then."""
+    then. Returns the bytes copied and the checksums of the chunks written."""
     total = sum(a.dtype.itemsize * int(np.prod(a.shape, dtype=np.int64)) for a in arrays.values())
     done = 0
     batch: list[tuple[ArrayPlan, np.ndarray]] = []
     held = 0
     context = target.write_context()
+    checksums: Checksums = {}
 
     def flush() -> None:
         nonlocal done, held
         read(checkpoint, [sources[plan.path](data) for plan, data in batch])
-        write_all([ArrayIO(p.key, array_spec(target.kvstore(p.path), p.metadata), d) for p, d in batch], context,
-                  str(target))
+        checksums.update(write_all([ArrayIO(p.key, array_spec(target.kvstore(p.path), p.metadata), d, None, p.path)
+                                    for p, d in batch], context, str(target)))
         done += held
         held = 0
         batch.clear()
@@ -161,4 +168,4 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
             flush()
     if batch:
         flush()
-    return done
+    return done, checksums

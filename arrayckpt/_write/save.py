@@ -4,13 +4,16 @@ Call order (every rank calls ``save`` with its own state)::
 
     each rank:    walk state -> LocalDescription (metadata only)      gather ->
     coordinator:  validate + plan (SavePlan), begin the write transaction (temp dir, array/group metadata)
-                                                                  <- broadcast plan
+                                                                  <- scatter each rank its part
     each rank:    write its WriteTasks (TensorStore, concurrently)    gather results ->
     coordinator:  commit (root zarr.json written last) or abort   <- broadcast outcome
 
-Four collectives per save whatever the number of tensors; none with one process. A failure on any
-rank, at any stage, is raised on every rank and nothing is committed (``_write/transaction.py``). Describing
-the state is ``describe.py``; everything after it is :func:`finish_save`, shared with ``async_save``.
+Four collectives per save whatever the number of tensors and ranks; none with one process. A save with the
+layout of the previous one sends fingerprints instead of descriptions and reuses every rank's part of the last
+plan (``exchange.py``; when the coordinator cannot, one more gather and scatter ask for the descriptions).
+A failure on any rank, at any stage, is raised on every rank and nothing is committed
+(``_write/transaction.py``). Describing the state is ``describe.py``; everything after it is
+:func:`finish_save`, shared with ``async_save``.
 """
 
 from __future__ import annotations
@@ -31,20 +34,23 @@ import torch
 
 from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedCheckpointError, StateError
 from .._format.codecs import CodecChoice
-from .._format.manifest import ArrayEntry, Manifest, format_version, parse_metrics, parse_root_document
-from .._io.arrays import ArrayIO, array_spec, collector_paused, write_all
+from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
+from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import PieceChange, RowsTask, plan_delta, stored_bytes
-from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
+from .._layout.digests import chunk_digests
+from .._layout.rankplan import RankPlan, explicit_part, rank_layouts
+from .._layout.saveplan import SavePlan, assemble, cached_layout, plan_layout, with_key_encoding
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
 from .._version import __version__
 from .changes import DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
 from .describe import LocalState, describe_local, host_view
+from .exchange import Reply, Report, Resend, exchange
 from .options import SaveOptions
 from .transaction import WriteTransaction, begin_write
 
-__all__ = ["SaveRequest", "prepare", "save", "save_with"]
+__all__ = ["Record", "SaveRequest", "build_manifest", "created_info", "prepare", "save", "save_with"]
 
 
 def save(
@@ -102,9 +108,12 @@ def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: S
     record = check_record(options.step, options.metrics)
     group = resolve_group(options.process_group)
     request = prepare(path, options, record)
-    with collector_paused():
-        local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host_view))
-        finish_save(local, error, group, request)
+    try:
+        with collector_paused():
+            local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host_view))
+            finish_save(local, error, group, request)
+    finally:
+        request.close()
 
 
 @dataclass(frozen=True)
@@ -133,11 +142,17 @@ class SaveRequest:
     record: Record  # options.step and options.metrics, checked
     delta: DeltaRequest | None  # options.base, .changed_rows and .quantize, checked (None: a full save)
 
+    def close(self) -> None:
+        """The save is over (committed or failed, synchronous or in the background): close the base it opened
+        from a path (``delta.owned``; a :class:`Checkpoint` passed as ``base=`` stays open)."""
+        if self.delta is not None:
+            self.delta.close()
+
 
 def prepare(path: str | os.PathLike[str], options: SaveOptions, record: Record) -> SaveRequest:
     """Where the save goes and, for an incremental save, its base opened and checked (``record`` is
     :func:`check_record` of the options, checked first by the caller so that a bad step fails before anything
-    else is done)."""
+    else is done). The caller must :meth:`SaveRequest.close` it once the save is over."""
     location = parse_location(path, options.storage_options)
     delta = open_delta(options.base, location, options.changed_rows, options.quantize, options.storage_options)
     return SaveRequest(location, options, record, delta)
@@ -154,20 +169,23 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
         changes = found or changes
     agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
-    gathered = group.gather((None if local is None else local.description, error, changes[0], agreement))
-    transaction: WriteTransaction | None = None  # the coordinator's, from planning to the commit
-    message: Any = None
-    if group.is_coordinator:
-        message, transaction = _coordinate(gathered, request)
-    try:
-        message = group.broadcast(message)
-        if isinstance(message, BaseException):
-            raise message
-        plan, target = message
-        assert local is not None  # a failed description was broadcast as an error above
+    coordinator: list[Any] = [None, None]  # the coordinator's plan and write transaction, from planning to the commit
 
-        written, error = _attempt(lambda: _write_tasks(plan, group.rank, local, target, where, changes, delta))
-        results = group.gather((error, written or {}))
+    def coordinate(reports: list[Report]) -> Any:
+        replies, coordinator[0], coordinator[1] = _coordinate(reports, request)
+        return replies
+
+    try:
+        reply = exchange(group, None if local is None else local.description, error, changes[0], agreement,
+                         coordinate)
+        if isinstance(reply, BaseException):
+            raise reply
+        assert local is not None  # a failed description was answered with an error above
+        plan, transaction = coordinator
+
+        written, error = _attempt(lambda: _write_tasks(reply.part, group.rank, local, reply.target, where, changes,
+                                                               delta))
+        results = group.gather((error, written or ({}, {})))
         outcome: BaseException | str | None = None
         if transaction is not None:
             assert results is not None
@@ -183,8 +201,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
                                   f"coordinator died or lost contact at the commit); open the checkpoint to find out "
                                   f"({e.__cause__ or e})") from e
     except BaseException:
-        if transaction is not None:  # e.g. a rank died mid-save: remove what was written (nothing once committed)
-            transaction.abort()
+        if coordinator[1] is not None:  # e.g. a rank died mid-save: remove what was written (nothing once committed)
+            coordinator[1].abort()
         raise
     if isinstance(outcome, BaseException):
         raise outcome
@@ -212,62 +230,77 @@ def _first_error(errors: list[BaseException | None]) -> BaseException | None:
     return None
 
 
-def _coordinate(gathered: list | None, request: SaveRequest) -> tuple[Any, WriteTransaction | None]:
-    """Plan the save and begin its transaction, or return the error every rank must raise."""
-    assert gathered is not None
-    error = _first_error([e for _, e, _, _ in gathered])
+def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SavePlan | None, WriteTransaction | None]:
+    """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction:
+    (every rank's reply, the plan, the transaction); or the error every rank must raise; or Resend."""
+    size = len(reports)
+    error = _first_error([r.error for r in reports])
     if error is not None:
-        return error, None
-    agreements = {repr(a) for _, _, _, a in gathered}
+        return [error] * size, None, None
+    agreements = {repr(r.agreement) for r in reports}
     if len(agreements) > 1:
-        return StateError(f"{request.location}: the ranks disagree on the incremental save (base checkpoint id and "
-                          f"quantize, by rank: {[a for _, _, _, a in gathered]}); every rank must pass the same base= "
-                          "and quantize="), None
+        return [StateError(f"{request.location}: the ranks disagree on the incremental save (base checkpoint id and "
+                           f"quantize, by rank: {[r.agreement for r in reports]}); every rank must pass the same base= "
+                           "and quantize=")] * size, None, None
     options = request.options
     try:
-        descriptions = [d for d, _, _, _ in gathered]
-        plan = plan_save(descriptions, options.codec, options.chunking)
+        fingerprints = tuple(r.fingerprint or b"" for r in reports)
+        layout = cached_layout(fingerprints, options.codec, options.chunking)
+        claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
+        if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
+            return Resend(), None, None
+        if layout is None:
+            descriptions = [r.description for r in reports]
+            layout = plan_layout(descriptions, fingerprints, options.codec, options.chunking)  # type: ignore[arg-type]
+        plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
-            plan = plan_delta(plan, descriptions, [f for _, _, f, _ in gathered], request.delta, options.chunking)
+            plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
         transaction = begin_write(request.location, options.overwrite)
     except ArrayckptError as e:
-        return e, None
+        return [e] * size, None, None
     try:
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
+        if request.delta is not None:
+            parts: list[Any] = [explicit_part(plan, rank) for rank in range(size)]
+        else:
+            every = rank_layouts(layout)
+            parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
+        replies = [Reply(layout.plan_id, part, transaction.target, transaction.key_encoding) for part in parts]
     except BaseException:
         transaction.abort()
         raise
-    return (plan, transaction.target), transaction
+    return replies, plan, transaction
 
 
-def _write_tasks(plan: SavePlan, rank: int, local: LocalState, target: Location, where: str,
+def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location, where: str,
                  changes: tuple[list[PieceChange], dict[str, np.ndarray]],
-                 delta: DeltaRequest | None) -> dict[str, float]:
+                 delta: DeltaRequest | None) -> tuple[dict[str, float], Checksums]:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
-    delta, only its changed chunks, or its changed rows). Returns the quantization error by key."""
+    delta, only its changed chunks, or its changed rows). Returns the quantization error by key and the
+    checksums of the chunks written."""
     jobs = []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes[0]}
-    for task in plan.tasks[rank]:
-        entry = plan.entries[task.key]
+    for task in part.tasks:
+        entry = part.entries.get(task.key)
         mode = entry.delta.mode if isinstance(entry, ArrayEntry) and entry.delta is not None else None
         held, data = local.data[task.path]
         if isinstance(task, RowsTask):
             assert delta is not None
-            more, errors[task.key] = rows_jobs(task, plan, data, held, changes[1][task.key], delta.bits(task.key),
-                                               target.kvstore)
+            more, errors[task.key] = rows_jobs(task, part, data, held, changes[1][task.key],  # type: ignore[arg-type]
+                                               delta.bits(task.key), target.kvstore)
             jobs.extend(more)
             continue
-        spec = array_spec(target.kvstore(task.path), plan.arrays[task.path].metadata)
+        spec = array_spec(target.kvstore(task.path), part.arrays[task.path].metadata)
         if mode == "chunks":
             jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
             continue
-        jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices()))
-    write_all(jobs, target.write_context(), where)
+        jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
+    checksums = write_all(jobs, target.write_context(), where)
     if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
         target.finish_rank_writes()
-    return errors
+    return errors, checksums
 
 
 def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: list, request: SaveRequest,
@@ -276,8 +309,8 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
     error = _first_error([e for e, _ in results])
     if error is None:
         try:
-            manifest = build_manifest(plan, request.record, world_size, request.delta, [q for _, q in results],
-                                      transaction.key_encoding)
+            manifest = build_manifest(plan, request.record, world_size, request.delta, [w for _, w in results],
+                                      str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
             transaction.commit(manifest, plan.consolidated_json)
@@ -314,7 +347,18 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
         if changed_rows or quantize:
             raise StateError("changed_rows and quantize apply to incremental saves only; pass base=...")
         return None
-    checkpoint = base if isinstance(base, Checkpoint) else open_checkpoint(base, storage_options=storage_options)
+    owned = not isinstance(base, Checkpoint)  # opened here from a path: closed when the save finishes
+    checkpoint = open_checkpoint(base, storage_options=storage_options) if owned else base
+    try:
+        return _delta_request(checkpoint, owned, location, changed_rows, quantize)
+    except BaseException:
+        if owned:
+            checkpoint.close()
+        raise
+
+
+def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location, changed_rows: Mapping[str, Any] | None,
+                   quantize: Mapping[str, int] | None) -> DeltaRequest:
     for layer in checkpoint.chain():
         if str(layer.location) == str(location):
             raise StateError(f"{location}: this is {'the base' if layer is checkpoint else 'in the chain of bases'} "
@@ -333,27 +377,30 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
     for pattern, bits in (quantize or {}).items():
         if bits not in (4, 8):
             raise StateError(f"quantize[{pattern!r}] = {bits!r}: only 4 and 8 bits are supported")
-    return DeltaRequest(checkpoint, base_ref(checkpoint, location), rows, dict(quantize or {}))
+    return DeltaRequest(checkpoint, base_ref(checkpoint, location), rows, dict(quantize or {}), owned)
 
 
 def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaRequest | None,
-                   errors: list[dict[str, float]], key_encoding: str,
+                   written: list[tuple[dict[str, float], Checksums]], where: str,
                    created: dict[str, Any] | None = None) -> Manifest:
-    """The manifest of a save that is about to commit: quantization errors gathered from the writers, and the
-    lowest format version that describes it."""
+    """The manifest of a save that is about to commit, from what each writer reported: the quantization errors
+    and the chunk checksums (the chunk digests; every stored chunk must have been reported)."""
     entries = dict(plan.entries)
     worst: dict[str, float] = {}
-    for found in errors:
-        for key, value in found.items():
+    checksums: Checksums = {}
+    for errors, sums in written:
+        for key, value in errors.items():
             worst[key] = max(worst.get(key, 0.0), value)
+        for path, found in sums.items():
+            checksums.setdefault(path, {}).update(found)
     for key, value in worst.items():
         entry = entries[key]
         if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
             quantized = dataclasses.replace(entry.delta.quantized, max_abs_error=value)
             entries[key] = dataclasses.replace(entry, delta=dataclasses.replace(entry.delta, quantized=quantized))
-    version = format_version(delta is not None, key_encoding)
-    return Manifest(entries, record.step, plan.containers, created or created_info(world_size), version, record.metrics,
-                    uuid.uuid4().hex, delta.ref if delta is not None else None, stored_bytes(plan))
+    return Manifest(entries, record.step, plan.containers, created or created_info(world_size), FORMAT_VERSION,
+                    record.metrics, uuid.uuid4().hex, delta.ref if delta is not None else None, stored_bytes(plan),
+                    chunk_digests(plan.arrays, entries, checksums, where))
 
 
 def created_info(world_size: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 
 from .._errors import StateError
 from .._format.dtypes import DType, dtype_of_numpy
-from .._io.arrays import ArrayIO, array_spec, write_all
+from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
@@ -74,16 +74,17 @@ def write_streaming(
     with begin_write(request.location, options.overwrite) as transaction:
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
-        _write_arrays(plan, local.data, fetch, transaction, batch_bytes, progress, release)
+        checksums = _write_arrays(plan, local.data, fetch, transaction, batch_bytes, progress, release)
         created = created_info(1) | ({"converted_from": source} if source is not None else {})
-        manifest = build_manifest(plan, record, 1, None, [], transaction.key_encoding, created)
+        manifest = build_manifest(plan, record, 1, None, [({}, checksums)], str(request.location), created)
         transaction.commit(manifest, plan.consolidated_json)
 
 
 def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, transaction: WriteTransaction,
                   batch_bytes: int, progress: Callable[[int, int], None] | None,
-                  release: Callable[[str], None] | None) -> None:
-    """Fetch, write and drop the arrays in batches of at most ``batch_bytes`` (one tensor if bigger).
+                  release: Callable[[str], None] | None) -> Checksums:
+    """Fetch, write and drop the arrays in batches of at most ``batch_bytes`` (one tensor if bigger); returns the
+    checksums of the chunks written.
 
     Only ``jobs`` holds fetched data, so a batch is freed as soon as it is written: no reference to the
     previous tensor may survive into the next fetch, or two big tensors would be in memory at once.
@@ -95,6 +96,7 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
     done = held = 0
     jobs: list[ArrayIO] = []
     fetched: list[str] = []
+    checksums: Checksums = {}
     for task in tasks:
         array = plan.arrays[task.path]
         _, host = data[task.path]
@@ -102,23 +104,25 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
             host = _fetched_view(task.key, fetch(task.key), array)
             fetched.append(task.key)
         spec = array_spec(transaction.target.kvstore(task.path), array.metadata)
-        jobs.append(ArrayIO(task.key, spec, host, task.box.slices()))
+        jobs.append(ArrayIO(task.key, spec, host, task.box.slices(), task.path))
         held += host.nbytes
         del host
         if held >= batch_bytes:
-            _flush(jobs, fetched, context, where, release)
+            _flush(jobs, fetched, context, where, release, checksums)
             done += held
             held = 0
             if progress is not None:
                 progress(done, total)
-    _flush(jobs, fetched, context, where, release)
+    _flush(jobs, fetched, context, where, release, checksums)
     if progress is not None:
         progress(total, total)
+    return checksums
 
 
 def _flush(jobs: list[ArrayIO], fetched: list[str], context: Any, where: str,
-           release: Callable[[str], None] | None) -> None:
-    write_all(jobs, context, where)
+           release: Callable[[str], None] | None, checksums: Checksums) -> None:
+    for path, found in write_all(jobs, context, where).items():
+        checksums.setdefault(path, {}).update(found)
     if release is not None:
         for key in fetched:
             release(key)

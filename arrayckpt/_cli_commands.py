@@ -1,0 +1,177 @@
+"""The longer parts of the command line, kept out of ``cli.py``: saying what a path holds when it is not an
+arrayckpt checkpoint, turning library error text into command-line wording, ``gc`` and ``convert``.
+
+No torch or TensorStore at import: ``arrayckpt --help`` imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._read.checkpoint import Checkpoint
+
+__all__ = ["cli_message", "cmd_convert", "cmd_gc", "explain_path", "info_header", "per_rank_info", "per_rank_values",
+           "ranks_text"]
+
+ROOT_DOCUMENT = "zarr.json"  # the root zarr.json a committed checkpoint has (`_format.zarr.ROOT_METADATA`)
+MAX_LISTED = 8
+
+
+def _local(path: str) -> Path | None:
+    """The local path a command-line path names (``None`` for object storage URLs)."""
+    if path.startswith("file://"):
+        return Path(path.removeprefix("file://"))
+    return None if "://" in path else Path(path)
+
+
+def explain_path(path: str) -> str | None:
+    """What a local path that is not an arrayckpt checkpoint holds, as the sentence to print instead of "incomplete
+    checkpoint" (``None``: a checkpoint, a URL, or nothing recognisable: the library's own error says it)."""
+    p = _local(path)
+    if p is None:
+        return None
+    try:
+        if p.is_file():
+            return _explain_file(path, p)
+        if not p.is_dir() or (p / ROOT_DOCUMENT).is_file():
+            return None
+        convert = f"convert it with `arrayckpt convert {path} OUT`"
+        if (p / ".metadata").is_file():
+            kind = "a Megatron-Core torch_dist" if (p / "metadata.json").is_file() else "a PyTorch DCP"
+            return f"{path}: {kind} checkpoint, not an arrayckpt one; {convert}"
+        if (p / "latest").is_file() or next(p.glob("*_model_states.pt"), None) is not None:
+            return f"{path}: a DeepSpeed checkpoint, not an arrayckpt one; {convert}"
+        if next(p.glob("*.safetensors"), None) is not None or next(p.glob("*.safetensors.index.json"), None):
+            return f"{path}: safetensors files, not an arrayckpt checkpoint; {convert}"
+        steps = sorted(child.name for child in p.iterdir() if (child / ROOT_DOCUMENT).is_file())
+    except OSError:
+        return None
+    if not steps:
+        return None
+    shown = ", ".join(steps[-MAX_LISTED:]) + (f" (and {len(steps) - MAX_LISTED} older)" if len(steps) > MAX_LISTED
+                                             else "")
+    return (f"{path}: a directory of {len(steps)} checkpoint(s), not one checkpoint; name one of them, e.g. "
+            f"{os.path.join(path, steps[-1])} (found: {shown})")
+
+
+def _explain_file(path: str, p: Path) -> str | None:
+    convert = f"convert it with `arrayckpt convert {path} OUT`"
+    if p.name.endswith((".safetensors", ".safetensors.index.json")):
+        return f"{path}: a safetensors file, not an arrayckpt checkpoint (a directory); {convert}"
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic == b"PK" or magic[:1] == b"\x80":
+        return f"{path}: a torch.save file, not an arrayckpt checkpoint (a directory); {convert}"
+    return None
+
+
+def cli_message(error: BaseException) -> str:
+    """An error's text in command-line terms (``--overwrite``, not ``overwrite=True``), on one line."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    text = text.replace("pass overwrite=True (--overwrite)", "pass --overwrite")
+    text = text.replace("with overwrite=True", "with --overwrite").replace("overwrite=True", "--overwrite")
+    return " ".join(text.split()) or type(error).__name__
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ._storage import parse_location
+
+    # what interrupted saves left right below the root; what looks like it but stays is reported with why
+    found, kept = parse_location(args.root).leftovers(args.min_age)
+    removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
+    if args.json:
+        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
+        if kept:
+            report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
+        print(json.dumps(report))
+        return 0
+    for path in removed:
+        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for path, reason in kept:
+        print(f"kept {path}: {reason}")
+    n = len(removed)
+    what = f"{n} leftover{'' if n == 1 else 's'}"
+    summary = f"would remove {what}" if args.dry_run else f"removed {what}"
+    if kept:
+        summary += (f"; kept {len(kept)} (listed above with why; --min-age SECONDS lowers the age a temporary "
+                    f"directory needs before it is removed)")
+    elif not n:
+        summary = f"nothing to remove in {args.root}"
+    print(summary)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int:
+    from ._convert.dispatch import convert
+
+    try:
+        result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
+                         overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                         max_shard_bytes=args.max_shard_size, progress=counter)
+    finally:
+        counter.close()
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
+          f"tensors, {human_bytes(result.bytes)}")
+    if result.skipped:
+        shown = ", ".join(result.skipped[:10]) + (" ..." if len(result.skipped) > 10 else "")
+        print(f"not converted ({result.target_format} cannot hold them): {shown}", file=sys.stderr)
+    return 0
+
+
+def per_rank_info(checkpoint: Checkpoint) -> dict[str, list[str]]:
+    """Each per-rank entry (``rng``...) as what each rank holds (``uint8[5056]``, ``value``, ``-``: none), from
+    the manifest alone (no torch, nothing read)."""
+    from ._format.manifest import ArrayEntry, PerRankEntry
+
+    def describe(item: object) -> str:
+        if isinstance(item, ArrayEntry):
+            return f"{item.dtype.name}[{', '.join(map(str, item.shape))}]"
+        return "-" if item is None else "value"
+
+    return {key: [describe(item) for item in entry.items]
+            for key, entry in checkpoint.manifest.entries.items() if isinstance(entry, PerRankEntry)}
+
+
+def per_rank_values(checkpoint: Checkpoint, key: str) -> list[str]:
+    """Each rank's part of a per-rank entry, in words: a value as it is, a tensor by dtype and shape (the values
+    themselves: ``Checkpoint.per_rank`` in Python)."""
+    from ._format.manifest import ArrayEntry, PerRankEntry
+    from ._format.values import decode_value
+
+    entry = checkpoint.manifest.entries.get(key)
+    if not isinstance(entry, PerRankEntry):
+        raise KeyError(f"{checkpoint.location}: {key!r} is not a per-rank entry")
+    out = []
+    for item in entry.items:
+        if isinstance(item, ArrayEntry):
+            out.append(f"{item.kind} {item.dtype.name}[{', '.join(map(str, item.shape))}], {item.nbytes} bytes")
+        else:
+            text = "none (this rank did not hold it)" if item is None else repr(decode_value(item.value, key))
+            out.append(text if len(text) < 200 else text[:197] + "...")
+    return out
+
+
+def info_header(info: dict[str, Any]) -> str:
+    """``checkpoint PATH  (format v1, step 3)``; the step recorded at save, else a plain value ``step``, labelled."""
+    step = info["step"]
+    if step is None:
+        value = info["values"].get("step")
+        step = "none recorded" if not isinstance(value, int) else f"none recorded; the value `step` is {value}"
+    return f"checkpoint {info['path']}  (format v{info['format_version']}, step {step})"
+
+
+def ranks_text(ranks: list[str]) -> str:
+    """``per rank (2 ranks): uint8[5056] each`` or each rank's."""
+    same = len(set(ranks)) == 1
+    count = f"{len(ranks)} rank{'' if len(ranks) == 1 else 's'}"
+    return f"per rank ({count}): " + (f"{ranks[0]} each" if same else ", ".join(ranks))

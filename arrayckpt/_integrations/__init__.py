@@ -1,0 +1,17 @@
+"""Other stacks' plug-in points: arrayckpt as the storage behind their checkpoint APIs.
+
+- ``dcp_storage.py``: :class:`ArrayckptWriter`, a PyTorch Distributed Checkpoint (DCP) ``StorageWriter`` that
+  writes what ``torch.distributed.checkpoint.save`` plans as a normal arrayckpt checkpoint, through arrayckpt's
+  own planner, write path and commit;
+- ``dcp_reader.py``: :class:`ArrayckptReader`, a DCP ``StorageReader`` that loads any arrayckpt checkpoint
+  (saved by ``arrayckpt.save``, by the writer above, converted, a delta chain, on object storage) into any
+  DCP-planned state through arrayckpt's one read path;
+- ``dcp_keys.py``: how DCP's flattened keys and arrayckpt's keys map onto each other, both ways;
+- ``lightning_io.py``: PyTorch Lightning's ``CheckpointIO`` plug-in (see its docstring);
+- ``deepspeed_engine.py``: fills an initialised DeepSpeed ZeRO engine's partitions from an arrayckpt checkpoint
+  (``arrayckpt.deepspeed.load``), each rank reading only its slices.
+
+The public names are re-exported by ``arrayckpt.dcp``, ``arrayckpt.deepspeed`` and ``arrayckpt.lightning``. This
+layer sits above everything else of the package (``tests/test_architecture.py``): it may use any of it, and
+nothing below imports it.
+"""

@@ -1,0 +1,463 @@
+"""A PyTorch DCP ``StorageWriter`` that writes a normal arrayckpt checkpoint: :class:`ArrayckptWriter`.
+
+``torch.distributed.checkpoint.save(state, storage_writer=ArrayckptWriter(path))`` keeps DCP's own planning
+(its default planner flattens the state, deduplicates replicated data and gives every shard one writer) and
+hands the bytes to arrayckpt's planner, write path and commit, mirroring what ``arrayckpt.save`` does
+(``_write/save.py``)::
+
+    every rank   prepare_local_plan   DCP's local plan, unchanged                                  gather ->
+    coordinator  prepare_global_plan  DCP's write items -> one LocalDescription per rank -> plan_save
+                                      (validates keys, dtypes, tiling; chunk grids aligned with the shards,
+                                      so every chunk has one writer); begin_write (the temporary directory of
+                                      a local save, the target prefix on object storage)
+                                      <- scatter: each rank's plan carries its WriteTasks, the arrays they
+                                         write to and the target Location in ``SavePlan.storage_data``
+    every rank   write_data           its chunks, concurrently, straight from its tensors' memory
+                                      (``_io.arrays.write_all``); each WriteResult carries the crc32c of the
+                                      chunks it wrote, or the value of a BYTE_IO item        gather ->
+    coordinator  finish               values (and pickles, written here) enter the plan; every array's and
+                                      group's zarr.json, the manifest with its chunk digests, then the root
+                                      document, last: the commit
+
+DCP's ``BYTE_IO`` items (its default planner ``torch.save``s every non-tensor leaf) are decoded with
+``torch.load(weights_only=True)``; what arrayckpt can store as a plain value (``_format/values.py``: numbers,
+strings, lists, tuples, dicts, None…) is stored as one, so an optimizer's ``param_groups`` need no pickle. Anything
+else is refused with :class:`arrayckpt.PickleNotAllowedError` unless ``allow_pickle=True``, which stores it as
+``arrayckpt.save(..., allow_pickle=True)`` does (``pickle.dumps`` of the object ``torch.load`` returns, as a uint8
+array). Keys: see ``dcp_keys.py`` (the dotted key of every tensor is DCP's fqn).
+
+A failed save — an exception on any rank, after which DCP raises ``CheckpointException`` everywhere and never
+calls ``finish`` — commits nothing, and a committed checkpoint at the path stays whole (the data went to a
+temporary directory, or under other chunk keys on object storage). What it wrote is removed when the
+coordinator's writer is next used (``reset``, or the next save's set-up), when it is garbage-collected, or at
+interpreter exit; a process killed meanwhile leaves it for ``arrayckpt.gc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._errors import ArrayckptError, PickleNotAllowedError, StateError
+from .._format.codecs import Codec, CodecChoice
+from .._format.dtypes import DTYPES
+from .._format.keys import Key, array_path, dotted
+from .._format.manifest import MAX_NDIM, ArrayEntry, Entry, PickleEntry, ValueEntry
+from .._format.values import NotJSONable, decode_value, encode_value
+from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
+from .._layout.box import Box, grid_cells
+from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy, plan_array
+from .._layout.saveplan import ArrayDescription, LocalDescription, WriteTask, documents_of, plan_save, with_key_encoding
+from .._layout.saveplan import SavePlan as ArrayckptPlan
+from .._storage import Location, parse_location
+from .._torch.dtypes import dtype_of_torch
+from .._torch.tensors import readable_numpy
+from .._write.save import Record, build_manifest, created_info
+from .._write.transaction import WriteTransaction, begin_write
+from .dcp_keys import key_parts, list_containers, object_path, regroup
+
+__all__ = ["ArrayckptWriter"]
+
+PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What the coordinator's plan gives one rank (in its ``SavePlan.storage_data``): where to write, and which
+    boxes of which arrays."""
+
+    target: Location  # the transaction's target (a temporary directory for a local save)
+    where: str  # the checkpoint's location, for messages
+    tasks: tuple[WriteTask, ...]
+    arrays: dict[str, ArrayPlan]  # the arrays the tasks write to, by path
+
+
+@dataclass(frozen=True)
+class ChunksWritten:
+    """``WriteResult.storage_data`` of a tensor item: the crc32c of each whole chunk it wrote."""
+
+    path: str
+    checksums: dict[int, int]  # flat chunk index -> crc32c
+
+
+@dataclass(frozen=True)
+class ValueWritten:
+    """``WriteResult.storage_data`` of a BYTE_IO item: its value as typed JSON, or (with consent) its pickle."""
+
+    encoded: Any = None
+    pickled: bytes | None = None
+
+
+@dataclass
+class _Pending:
+    """The coordinator's save between planning and the commit."""
+
+    transaction: WriteTransaction
+    plan: ArrayckptPlan
+    mapping: dict[str, Any]  # DCP's fqn -> object path
+    documents_written: bool  # the plan's zarr.json documents are being written (else: at the commit)
+
+
+def _abort(holder: list[_Pending]) -> None:
+    """Abort the pending save (if any) held in ``holder``; the writer's finalizer, and its next use."""
+    while holder:
+        holder.pop().transaction.abort()
+
+
+class ArrayckptWriter(StorageWriter):
+    """A DCP ``StorageWriter`` whose checkpoints are normal arrayckpt checkpoints.
+
+    ``path`` is a local directory or an object-storage URL (``s3://bucket/prefix`` with ``storage_options`` as
+    for :func:`arrayckpt.save`); it may instead come from DCP's ``checkpoint_id``. ``codec`` (None, "zstd",
+    "blosc", an :class:`arrayckpt.Codec` or a per-key choice), ``overwrite`` and ``allow_pickle`` mean what they
+    mean for :func:`arrayckpt.save`. Every rank writes its own chunks; rank 0 (DCP's coordinator) commits.
+    Incompatible: DCP plan caching (``DefaultSavePlanner(enable_plan_caching=True)``: a cached plan would name
+    another save's temporary directory) and ``use_collectives=False`` on several ranks (each would commit alone).
+
+    >>> import arrayckpt, torch, tempfile, os, warnings
+    >>> import torch.distributed.checkpoint as dcp
+    >>> from arrayckpt.dcp import ArrayckptWriter
+    >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # DCP warns that it saves in a single process
+    ...     _ = dcp.save({"model": torch.nn.Linear(3, 2).state_dict(), "step": 1},
+    ...                  storage_writer=ArrayckptWriter(path), no_dist=True)
+    >>> arrayckpt.open(path)["model.weight"].shape, arrayckpt.open(path).plain_values["step"]
+    ((2, 3), 1)
+    """
+
+    #: The chunk targets arrays are planned with (as for ``arrayckpt.save``; tests set small ones so that small
+    #: tensors get several chunks per shard).
+    chunking: ChunkPolicy = DEFAULT_CHUNKING
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: CodecChoice = None,
+                 overwrite: bool = False, allow_pickle: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self.codec = codec
+        self.overwrite = overwrite
+        self.allow_pickle = allow_pickle
+        self.storage_options = storage_options
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = True
+        self._pending: list[_Pending] = []  # at most one; a list so that the finalizer holds no reference to self
+        self._finalizer = weakref.finalize(self, _abort, self._pending)
+
+    # --- DCP's StorageWriter interface, in the order DCP calls it ----------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new save begins (DCP calls this when given a ``checkpoint_id``, which then becomes the path); what an
+        earlier failed save of this writer left is removed."""
+        _abort(self._pending)
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a place arrayckpt can save to: a local path or a supported URL."""
+        try:
+            parse_location(checkpoint_id)
+        except Exception:  # noqa: BLE001 - not a location arrayckpt knows
+            return False
+        return True
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The path the checkpoint is saved to (DCP logs it)."""
+        return self.path
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _abort(self._pending)  # a save that failed on some rank never reached finish: undo it now
+        self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives", True) is False and kwargs.get("rank", 0) != 0:
+            raise StateError("ArrayckptWriter needs DCP's collectives (use_collectives=True): one coordinator plans "
+                             "and commits what every rank wrote")
+        self._location()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: plan the arrays from every rank's write items, begin the write transaction, and
+        give each rank its part of the plan."""
+        _abort(self._pending)
+        location = self._location()
+        if any(not plan.usable for plan in plans):
+            raise StateError("ArrayckptWriter cannot reuse DCP's cached plans (enable_plan_caching=True): every save "
+                             "plans its own temporary target; save with enable_plan_caching=False")
+        mapping: dict[str, Any] = {}
+        for plan in plans:
+            if isinstance(plan.planner_data, Mapping):
+                for fqn, path in plan.planner_data.items():
+                    mapping.setdefault(fqn, path)
+        descriptions = [LocalDescription(arrays=tuple(_describe(item, mapping) for item in plan.items
+                                                      if item.type != WriteItemType.BYTE_IO)) for plan in plans]
+        planned = plan_save(descriptions, self.codec, self.chunking)
+        transaction = begin_write(location, self.overwrite)
+        try:
+            planned = with_key_encoding(planned, transaction.key_encoding)
+            if not self.allow_pickle:  # no pickled value can add an array: write the documents meanwhile
+                transaction.write_documents(planned.documents)
+            out = []
+            for rank, plan in enumerate(plans):
+                tasks = planned.tasks[rank]
+                arrays = {t.path: planned.arrays[t.path] for t in tasks}
+                work = RankWork(transaction.target, str(location), tasks, arrays)
+                out.append(dataclasses.replace(plan, storage_data=work))
+        except BaseException:
+            transaction.abort()
+            raise
+        self._pending.append(_Pending(transaction, planned, mapping, not self.allow_pickle))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """On every rank: decode its BYTE_IO items, then write its chunks concurrently; the results carry the
+        values and the chunks' checksums to the coordinator."""
+        work = plan.storage_data
+        if not isinstance(work, RankWork):
+            raise ArrayckptError("ArrayckptWriter.write_data got a plan that ArrayckptWriter.prepare_global_plan did "
+                                 "not make (a planner that replaces or caches plans?)")
+        results: list[WriteResult] = []
+        for item in plan.items:  # values first: a refused one fails the save before any chunk is written
+            if item.type == WriteItemType.BYTE_IO:
+                written = _encode_bytes(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
+                size = len(written.pickled) if written.pickled is not None else len(repr(written.encoded))
+                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=written))
+        pieces: dict[str, list[tuple[Box, np.ndarray, WriteItem]]] = {}
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                pieces.setdefault(item.index.fqn, []).append(_host_piece(item, planner.resolve_data(item), work))
+        jobs = []
+        for task in work.tasks:
+            box, data = _piece_holding(pieces, task)
+            spec = array_spec(work.target.kvstore(task.path), work.arrays[task.path].metadata)
+            jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(box)], task.box.slices(), task.path))
+        checksums = write_all(jobs, work.target.write_context(), work.where)
+        if jobs and not self.is_coordinator:  # on a shared filesystem each host flushes its own writes
+            work.target.finish_rank_writes()
+        for fqn, held in pieces.items():
+            path = array_path(fqn)
+            array, found = work.arrays.get(path), checksums.get(path, {})
+            for box, data, item in held:  # the chunks each item wrote (all of them when it is the rank's only piece)
+                mine = found if len(held) == 1 else _within(found, box, array) if array is not None else {}
+                results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
+                                           storage_data=ChunksWritten(path, mine)))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, once every rank wrote: the values enter the manifest (pickles are written here),
+        then every node's zarr.json, then the root document: the commit. On failure nothing is committed."""
+        if not self._pending:
+            raise ArrayckptError("ArrayckptWriter.finish without a planned save (prepare_global_plan was not called)")
+        pending = self._pending.pop()
+        try:
+            self._commit(pending, metadata, results)
+        except BaseException:
+            pending.transaction.abort()
+            raise
+
+    # --- the commit --------------------------------------------------------------------------------------
+
+    def _commit(self, pending: _Pending, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plan, transaction = pending.plan, pending.transaction
+        where = str(transaction.location)
+        checksums: Checksums = {}
+        values: dict[str, ValueWritten] = {}
+        for rank_results in results:
+            for result in rank_results:
+                data = result.storage_data
+                if isinstance(data, ChunksWritten):
+                    checksums.setdefault(data.path, {}).update(data.checksums)
+                elif isinstance(data, ValueWritten):
+                    values.setdefault(result.index.fqn, data)
+        entries, pickles, members, containers = _value_entries(plan, values, pending.mapping)
+        arrays = dict(plan.arrays)
+        if pickles:
+            arrays.update(_write_pickles(pickles, arrays, transaction, checksums, self.chunking))
+        order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}  # DCP's order of the state
+        position = {key: min(order.get(fqn, len(order)) for fqn in members.get(key, (key,))) for key in entries}
+        entries = dict(sorted(entries.items(), key=lambda kv: position[kv[0]]))
+        documents, consolidated = documents_of(arrays) if pickles else (plan.documents, plan.consolidated_json)
+        full = dataclasses.replace(plan, entries=entries, arrays=arrays, containers=containers,
+                                   documents=documents, consolidated_json=consolidated)
+        if not pending.documents_written:
+            transaction.write_documents(documents)
+        created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter"}
+        manifest = build_manifest(full, Record(), len(results), None, [({}, checksums)], where, created)
+        transaction.commit(manifest, consolidated)
+
+    def _location(self) -> Location:
+        if self.path is None:
+            raise StateError("ArrayckptWriter has no path: pass one, ArrayckptWriter(path), or a checkpoint_id to "
+                             "torch.distributed.checkpoint.save")
+        return parse_location(self.path, self.storage_options)
+
+    def __getstate__(self) -> dict[str, Any]:  # DCP's process-based async save sends the writer to another process
+        state = dict(self.__dict__)
+        state["_pending"], state["_finalizer"] = [], None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._finalizer = weakref.finalize(self, _abort, self._pending)
+
+
+# --- planning: DCP's write items as arrayckpt descriptions ---------------------------------------------------
+
+
+def _describe(item: WriteItem, mapping: Mapping[str, Any]) -> ArrayDescription:
+    """One tensor write item (a whole tensor, or one rank's shard) as an arrayckpt piece description."""
+    fqn, data = item.index.fqn, item.tensor_data
+    if data is None or data.chunk is None:
+        raise StateError(f"DCP write item {fqn!r} of type {item.type.name} has no tensor data; it cannot be planned")
+    parts = key_parts(object_path(fqn, mapping))
+    key = dotted(parts)
+    shape = tuple(int(n) for n in data.size)
+    if len(shape) > MAX_NDIM:
+        raise StateError(f"tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} can be stored")
+    box = Box(tuple(int(o) for o in data.chunk.offsets), tuple(int(n) for n in data.chunk.sizes))
+    dt = dtype_of_torch(data.properties.dtype, key)
+    return ArrayDescription(key, parts, "tensor", dt.name, shape, box, 0)
+
+
+def _host_piece(item: WriteItem, tensor: Any, work: RankWork) -> tuple[Box, np.ndarray, WriteItem]:
+    """A resolved tensor item's box and host memory (the tensor's own memory on the CPU), checked against the
+    plan."""
+    fqn = item.index.fqn
+    assert item.tensor_data is not None  # planned by _describe
+    chunk = item.tensor_data.chunk
+    box = Box(tuple(int(o) for o in chunk.offsets), tuple(int(n) for n in chunk.sizes))
+    if not isinstance(tensor, torch.Tensor):
+        raise StateError(f"tensor {fqn!r}: the planner resolved it to a {type(tensor).__name__}, not a tensor")
+    if tuple(tensor.shape) != box.shape:
+        raise StateError(f"tensor {fqn!r}: the planner resolved a shard of shape {list(tensor.shape)} for a write "
+                         f"item of shape {list(box.shape)}")
+    dt = dtype_of_torch(tensor.dtype, fqn)
+    array = work.arrays.get(array_path(fqn))
+    if array is not None and array.dtype.name != dt.name:
+        raise StateError(f"tensor {fqn!r} was planned as {array.dtype.name} but resolved as {dt.name}")
+    return box, readable_numpy(tensor.detach(), dt, fqn), item
+
+
+def _piece_holding(pieces: Mapping[str, list[tuple[Box, np.ndarray, WriteItem]]],
+                   task: WriteTask) -> tuple[Box, np.ndarray]:
+    for box, data, _ in pieces.get(task.key, ()):
+        if box.offset == task.box.offset and box.shape == task.box.shape or box.intersect(task.box) == task.box:
+            return box, data
+    raise ArrayckptError(f"tensor {task.key!r}: this rank was planned to write offset {list(task.box.offset)} shape "
+                         f"{list(task.box.shape)} but holds no such piece (a bug in arrayckpt: please report it)")
+
+
+def _within(found: Mapping[int, int], box: Box, array: ArrayPlan) -> dict[int, int]:
+    """The checksums of the chunks lying wholly inside ``box`` (what one write item wrote)."""
+    return {flat: found[flat] for flat, cell in grid_cells(box, array.outer_chunk, array.shape)
+            if flat in found and cell.intersect(box) == cell}
+
+
+# --- values ---------------------------------------------------------------------------------------------------
+
+
+def _encode_bytes(fqn: str, data: Any, allow_pickle: bool) -> ValueWritten:
+    """A BYTE_IO item's value: typed JSON when ``torch.load(weights_only=True)`` gives a plain value, else (with
+    consent) the pickle of what ``torch.load`` gives — the user's own object, in their own process."""
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else data.read()
+    what = "an object torch.load(weights_only=True) refuses"
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+        what = f"a {type(value).__name__}"
+        return ValueWritten(encoded=encode_value(value))
+    except NotJSONable as e:
+        what = f"of type {e}"
+    except Exception:  # noqa: BLE001 - not loadable without pickle's full power
+        pass
+    if not allow_pickle:
+        raise PickleNotAllowedError(
+            f"value {fqn!r} ({what}) cannot be stored as a plain value; convert it to plain types, or pass "
+            "ArrayckptWriter(..., allow_pickle=True) to pickle it (loading it will then need "
+            "ArrayckptReader(..., allow_pickle=True) or arrayckpt.load(..., allow_pickle=True))")
+    value = torch.load(io.BytesIO(raw), weights_only=False)
+    return ValueWritten(pickled=pickle.dumps(value, protocol=PICKLE_PROTOCOL))
+
+
+Values = tuple[dict[str, Entry], dict[str, tuple[Key, bytes]], dict[str, tuple[str, ...]], dict[str, str]]
+
+
+def _value_entries(plan: ArrayckptPlan, values: Mapping[str, ValueWritten], mapping: Mapping[str, Any]) -> Values:
+    """Every entry of the checkpoint by key (the plan's arrays, the values regrouped as arrayckpt stores them),
+    the pickled values to write (key -> parts, bytes), the DCP fqns each value holds, and the manifest's
+    ``containers``. Refuses two things under one key."""
+    entries: dict[str, Entry] = dict(plan.entries)
+    plain, pickled = [], []
+    for fqn, written in values.items():
+        path = object_path(fqn, mapping)
+        if written.pickled is None:
+            plain.append((fqn, path, decode_value(written.encoded, fqn)))
+        else:
+            pickled.append((fqn, path))
+    array_paths = [object_path(key, mapping) for key, e in plan.entries.items() if isinstance(e, ArrayEntry)]
+    paths = [*array_paths]
+    pickles: dict[str, tuple[Key, bytes]] = {}
+    made: dict[str, tuple[str, ...]] = {}  # key -> the DCP fqns it holds
+    for fqn, path in pickled:
+        parts, data = key_parts(path), values[fqn].pickled
+        assert data is not None
+        _claim(made, entries, dotted(parts), (fqn,))
+        pickles[dotted(parts)] = (parts, data)
+        entries[dotted(parts)] = PickleEntry(dotted(parts), parts, len(data))
+        paths.append(path)
+    for grouped in regroup(plain, pickled, array_paths):
+        parts = key_parts(grouped.path)
+        _claim(made, entries, dotted(parts), grouped.members)
+        entries[dotted(parts)] = ValueEntry(dotted(parts), parts, encode_value(grouped.value))
+        paths.append(grouped.path)
+    return entries, pickles, made, list_containers(paths)
+
+
+def _claim(made: dict[str, tuple[str, ...]], entries: Mapping[str, Entry], key: str, members: tuple[str, ...]) -> None:
+    other = made.get(key) or ((key,) if key in entries else None)
+    if other is not None:
+        raise StateError(f"DCP keys {list(other)} and {list(members)} would both be stored under key {key!r}; "
+                         "rename one")
+    made[key] = members
+
+
+def _write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str, ArrayPlan],
+                   transaction: WriteTransaction, checksums: Checksums, chunking: ChunkPolicy) -> dict[str, ArrayPlan]:
+    """Plan and write (on the coordinator, before the commit) the uint8 arrays of the pickled values; their
+    chunks' checksums join ``checksums``. Returns their array plans by path."""
+    planned: dict[str, ArrayPlan] = {}
+    for key in pickles:
+        path = array_path(key)
+        for other in arrays.values():
+            clash = other.path == path or other.path.startswith(path + "/") or path.startswith(other.path + "/")
+            if clash or other.path.casefold() == path.casefold():
+                raise StateError(f"value {key!r} (pickled, so stored as an array) and tensor {other.key!r} cannot both "
+                                 "be stored: one array would lie inside the other; rename one")
+        plan = plan_array(key, path, DTYPES["uint8"], (len(pickles[key][1]),), Codec(), chunking)
+        planned[path] = dataclasses.replace(plan, key_encoding=transaction.key_encoding)
+    jobs = [ArrayIO(key, array_spec(transaction.target.kvstore(array_path(key)), planned[array_path(key)].metadata),
+                    np.frombuffer(data, np.uint8), None, array_path(key)) for key, (_, data) in pickles.items()]
+    for path, found in write_all(jobs, transaction.target.write_context(), str(transaction.location)).items():
+        checksums.setdefault(path, {}).update(found)
+    return planned

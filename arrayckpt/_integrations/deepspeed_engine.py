@@ -1,0 +1,315 @@
+"""Resuming a DeepSpeed ZeRO engine from an arrayckpt checkpoint at any data-parallel degree.
+
+The checkpoint is one converted from a ZeRO checkpoint (``arrayckpt convert <deepspeed dir> <dst>``, keys in
+``_convert/deepspeed.py``): every parameter and optimizer moment is one global array, so an engine of any world
+size fills its own partitions by reading the slices they cover, with no conversion pass and no collective
+beyond the one DeepSpeed itself runs to rebuild the module weights.
+
+The partitions are filled the way DeepSpeed's own Universal Checkpoint loader fills them, with the array
+slices in place of its per-parameter files:
+
+- ZeRO 1/2 (``runtime/base_optimizer.py`` ``load_hp_checkpoint_state_from_checkpoint_dir`` and
+  ``checkpoint/universal_checkpoint.py`` ``load_hp_checkpoint_state``): each parameter's piece of this rank's
+  fp32 partition is ``param._hp_mapping.lp_fragment_address`` (start, numel) of the flattened parameter; the
+  master piece is copied into ``_hp_mapping.get_hp_fragment()``, the moments become ``optim_fragment`` entries
+  gathered into the flat state by DeepSpeed's ``map_to_flat_opt_states``; the step and the hyper-parameters are
+  set per group; ``optimizer.update_lp_params()`` then sets the module weights (all-gather).
+- ZeRO 3 (``runtime/zero/stage3.py`` ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): parameter ``p``
+  of sub-group ``j`` owns elements ``[rank * n, (rank + 1) * n)`` of its flattened self (``n`` its
+  ``partition_numel()``, zeros past the end); the pieces in sub-group order make the flat fp32 group and each
+  moment; the bit16 partitions are set from the fp32 ones; frozen parameters' partitions (``ds_tensor``) are read
+  the same way; ``checkpoint_event_prologue``/``epilogue`` bracket it as in ``engine.load_checkpoint``.
+
+Every name and shape is checked before anything is changed. What this needs of the engine is what DeepSpeed's
+own loaders use (``bit16_groups``, ``_hp_mapping``, ``fp16_groups``, ``fp32_partitioned_groups_flat``...); an
+engine without them (another DeepSpeed generation, offload to NVMe) is refused with a :class:`StateError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .._convert.common import nested_state
+from .._errors import FormatError, KeyMismatchError, StateError
+from .._layout.box import Box
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.reader import ChainRead, read
+from .._torch.tensors import writable_numpy
+
+__all__ = ["FlatReads", "load_engine"]
+
+
+READ_BATCH_BYTES = 256 << 20  # slices read together (concurrently) before they are put in place
+
+
+def _rows(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, int, int]:
+    """The rows ``[first, last)`` that elements ``[start, start + numel)`` of a flattened array span, and the
+    size of a row."""
+    row = math.prod(shape[1:]) if shape else 1
+    return start // row, -(-(start + numel) // row), row
+
+
+class FlatReads:
+    """Slices of flattened arrays (``[start, start + numel)``), planned first and then read together, in batches of
+    about :data:`READ_BATCH_BYTES`, only the rows each slice spans; ``then(slice)`` puts each in place (the slice is
+    valid during the call only)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.planned: list[tuple[str, int, int, Callable[[torch.Tensor], Any]]] = []
+
+    def add(self, key: str, start: int, numel: int, then: Callable[[torch.Tensor], Any]) -> None:
+        self.planned.append((key, start, numel, then))
+
+    def run(self) -> None:
+        batch: list[tuple[torch.Tensor, int, int, Callable[[torch.Tensor], Any]]] = []
+        requests: list[ChainRead] = []
+        held = 0
+        for key, start, numel, then in self.planned:
+            array = self.checkpoint[key]
+            shape = tuple(array.shape) or (1,)
+            first, last, row = _rows(shape, start, numel) if numel else (0, 0, 1)
+            out = torch.empty((last - first, *shape[1:]), dtype=array.dtype)
+            if numel and not array.shape:  # a 0-d array: its one element
+                requests.append(ChainRead(key, Box((), ()), writable_numpy(out.reshape(()), array.entry.dtype, key)))
+            elif numel:
+                box = Box((first,) + (0,) * (len(shape) - 1), tuple(out.shape))
+                requests.append(ChainRead(key, box, writable_numpy(out, array.entry.dtype, key)))
+            batch.append((out, start - first * row, numel, then))
+            held += out.nbytes
+            if held >= READ_BATCH_BYTES:
+                self._finish(requests, batch)
+                held = 0
+        self._finish(requests, batch)
+        self.planned.clear()
+
+    def _finish(self, requests: list[ChainRead], batch: list[tuple[torch.Tensor, int, int, Callable]]) -> None:
+        read(self.checkpoint, requests)
+        for out, skip, numel, then in batch:
+            then(out.reshape(-1)[skip:skip + numel])
+        requests.clear()
+        batch.clear()
+
+
+def _optimizer(engine: Any) -> tuple[int, Any]:
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    optimizer = getattr(engine, "optimizer", None)
+    needs = {1: ("bit16_groups", "update_lp_params", "optimizer"), 2: ("bit16_groups", "update_lp_params", "optimizer"),
+             3: ("fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "optimizer")}
+    if stage not in needs:
+        raise StateError(f"arrayckpt.deepspeed.load fills ZeRO stage 1, 2 or 3 engines; this engine runs stage "
+                         f"{stage!r}")
+    missing = [a for a in needs[stage] if not hasattr(optimizer, a)]
+    if stage == 3 and not missing and any(g is None for g in optimizer.fp16_partitioned_groups_flat):
+        missing = ["fp16_partitioned_groups_flat (parameters offloaded to NVMe)"]
+    if missing:
+        raise StateError(f"this DeepSpeed engine's ZeRO {stage} optimizer has no {', '.join(missing)}; "
+                         "arrayckpt.deepspeed.load supports the layout of DeepSpeed 0.19 without NVMe offload")
+    return stage, optimizer
+
+
+def _shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def _check(checkpoint: Checkpoint, engine: Any, trainable: list[tuple[str, torch.Tensor]], state_keys: list[str],
+           strict: bool, load_optimizer_states: bool) -> None:
+    """Every parameter and buffer the engine holds is in the checkpoint with its shape (and, loading the
+    optimizer, every trainable parameter's state); with ``strict``, nothing of the model is left over."""
+    wanted = {f"model.{name}": _shape(p) for name, p in engine.module.named_parameters()}
+    wanted |= {f"model.{name}": tuple(b.shape) for name, b in _buffers(engine.module)}
+    if load_optimizer_states:
+        for name, p in trainable:
+            wanted |= {f"optim.state.{name}.{k}": _shape(p) for k in state_keys if k != "step"}
+    missing = sorted(k for k in wanted if k not in checkpoint)
+    extra = sorted(k for k in checkpoint if k.startswith("model.") and k not in wanted) if strict else []
+    if missing or extra:
+        raise KeyMismatchError(f"{checkpoint.location}: does not fit this engine: missing {missing[:5]}"
+                               f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                               f"{' ...' if len(extra) > 5 else ''} (strict=False ignores unexpected ones)")
+    for key, shape in wanted.items():
+        if tuple(checkpoint[key].shape) != shape:
+            raise StateError(f"{checkpoint.location}: {key} has shape {list(checkpoint[key].shape)}, the engine's "
+                             f"{list(shape)}")
+
+
+def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's persistent buffers (those its state dict holds), by state-dict name."""
+    out = []
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out
+
+
+def _state_keys(checkpoint: Checkpoint, name: str) -> list[str]:
+    prefix = f"optim.state.{name}."
+    return sorted({k[len(prefix):] for k in checkpoint.manifest.entries if k.startswith(prefix)})
+
+
+def _group_values(checkpoint: Checkpoint, groups: list[Any], names: list[list[str]]) -> list[dict[str, Any]]:
+    """The saved hyper-parameters of each of the engine's param groups (matched by their parameters' names)."""
+    saved = checkpoint.plain_values.get("optim.param_groups")
+    if saved is None:
+        return [{} for _ in groups]
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        raise StateError(f"{checkpoint.location}: {len(saved) if isinstance(saved, list) else saved!r} saved param "
+                         f"groups, the engine has {len(groups)}")
+    for i, (group, own) in enumerate(zip(saved, names, strict=True)):
+        if sorted(group.get("params", [])) != sorted(own):
+            raise StateError(f"{checkpoint.location}: param group {i} holds {sorted(group.get('params', []))} in the "
+                             f"checkpoint, {sorted(own)} in the engine")
+    return [{k: v for k, v in group.items() if k != "params"} for group in saved]
+
+
+def _step(checkpoint: Checkpoint, names: list[str]) -> torch.Tensor | None:
+    """The step of a param group: every parameter of it has the same one."""
+    steps = [checkpoint[f"optim.state.{n}.step"].torch() for n in names if f"optim.state.{n}.step" in checkpoint]
+    if steps and not all(torch.equal(s, steps[0]) for s in steps):
+        raise FormatError(f"{checkpoint.location}: the parameters {names} of one param group have different steps")
+    return steps[0] if steps else None
+
+
+@torch.no_grad()
+def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[str], load_optim: bool) -> None:
+    from deepspeed.utils import map_to_flat_opt_states
+
+    names = engine.param_names
+    groups = [[names[p] for p in group] for group in optimizer.bit16_groups]
+    values = _group_values(checkpoint, optimizer.optimizer.param_groups, groups) if load_optim else []
+    moments = [k for k in keys if k != "step"]
+    reads = FlatReads(checkpoint)
+    for group in optimizer.bit16_groups:
+        for lp in group:
+            mapping = lp._hp_mapping
+            if mapping is None:  # no piece of this parameter in this rank's partition
+                continue
+            address, name = mapping.lp_fragment_address, names[lp]
+            reads.add(f"model.{name}", address.start, address.numel, mapping.get_hp_fragment().copy_)
+            if load_optim:
+                mapping.optim_fragment = {}
+                for k in moments:
+                    reads.add(f"optim.state.{name}.{k}", address.start, address.numel,
+                              lambda piece, m=mapping, k=k: m.optim_fragment.__setitem__(k, piece.clone()))
+    reads.run()
+    for i, group in enumerate(optimizer.bit16_groups if load_optim else []):
+        flat = optimizer.optimizer.param_groups[i]["params"][0]
+        map_to_flat_opt_states(flat, group, optimizer.optimizer.state, moments)
+        step = _step(checkpoint, groups[i])
+        if step is not None:
+            optimizer.optimizer.state[flat]["step"] = step
+        optimizer.optimizer.param_groups[i].update(values[i])
+    optimizer.update_lp_params()  # bit16 partitions from the fp32 ones, then all-gathered (DeepSpeed's own)
+
+
+@torch.no_grad()
+def _load_zero3(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[str], load_optim: bool) -> None:
+    import deepspeed.comm as dist
+
+    names = engine.param_names
+    moments = [k for k in keys if k != "step"] if load_optim else []
+    sub_names = [[names[p] for p in group] for group in optimizer.fp16_groups]
+    group_of = getattr(optimizer, "sub_group_to_group_id", {j: j for j in range(len(sub_names))})
+    groups = optimizer.optimizer.param_groups
+    values = _group_values(checkpoint, groups, [[n for j, ns in enumerate(sub_names) if group_of[j] == g for n in ns]
+                                                for g in range(len(groups))]) if load_optim else []
+    reads = FlatReads(checkpoint)
+
+    def partition(param: Any, key: str, into: torch.Tensor) -> None:
+        """This rank's part of ``param`` (``partition_numel()`` elements, zeros past its end) read into ``into``."""
+        rank = dist.get_rank(group=getattr(param, "ds_process_group", optimizer.dp_process_group))
+        size, numel = param.partition_numel(), param.ds_numel
+        start = min(rank * size, numel)
+        into.zero_()
+        reads.add(key, start, min(size, numel - start), lambda piece: into[:piece.numel()].copy_(piece))
+
+    flats: dict[tuple[int, str], torch.Tensor] = {}
+    for j, group in enumerate(optimizer.fp16_groups):
+        for key in ["fp32", *moments]:
+            flat = flats[j, key] = torch.zeros_like(optimizer.fp32_partitioned_groups_flat[j])
+            offset = 0
+            for param in group:
+                source = f"model.{names[param]}" if key == "fp32" else f"optim.state.{names[param]}.{key}"
+                partition(param, source, flat.narrow(0, offset, param.partition_numel()))
+                offset += param.partition_numel()
+    trainable = {id(p) for group in optimizer.fp16_groups for p in group}
+    frozen = [(name, p) for name, p in engine.module.named_parameters() if id(p) not in trainable and
+              hasattr(p, "ds_tensor")]
+    staged = [torch.empty(p.partition_numel(), dtype=p.ds_tensor.dtype) for _, p in frozen]
+    for (name, param), into in zip(frozen, staged, strict=True):
+        partition(param, f"model.{name}", into)
+    reads.run()
+    for j in range(len(optimizer.fp16_groups)):
+        fp32 = optimizer.fp32_partitioned_groups_flat[j]
+        fp32.data.copy_(flats[j, "fp32"])
+        for key in moments:
+            optimizer.optimizer.state[fp32][key] = flats[j, key]
+        if load_optim:
+            step = _step(checkpoint, sub_names[j])
+            if step is not None:
+                optimizer.optimizer.state[fp32]["step"] = step
+    for g, group in enumerate(groups if load_optim else []):
+        group.update(values[g])
+    for j in range(len(optimizer.fp16_groups)):  # the bit16 partitions from the fp32 ones, as DeepSpeed does
+        optimizer.fp16_partitioned_groups_flat[j].data.copy_(optimizer.fp32_partitioned_groups_flat[j].data)
+        updated = optimizer.unflatten(optimizer.fp16_partitioned_groups_flat[j], optimizer.fp16_partitioned_groups[j])
+        for partitioned, new in zip(optimizer.fp16_partitioned_groups[j], updated, strict=True):
+            partitioned.data = new.data
+    for (_, param), new in zip(frozen, staged, strict=True):  # frozen parameters: their own partitions
+        param.ds_tensor.data.copy_(new)
+
+
+def load_engine(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
+                load_lr_scheduler_states: bool = True, strict: bool = True, allow_pickle: bool = False,
+                storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """See :func:`arrayckpt.deepspeed.load`."""
+    stage, optimizer = _optimizer(engine)
+    names = engine.param_names
+    groups = optimizer.bit16_groups if stage < 3 else optimizer.fp16_groups
+    trainable = [(names[p], p) for group in groups for p in group]
+    with open_checkpoint(path, allow_pickle=allow_pickle, storage_options=storage_options) as checkpoint:
+        keys = _state_keys(checkpoint, trainable[0][0]) if trainable and load_optimizer_states else []
+        if trainable and load_optimizer_states and not [k for k in keys if k != "step"]:
+            raise KeyMismatchError(f"{checkpoint.location}: has no optimizer state for {trainable[0][0]!r} "
+                                   f"(optim.state.{trainable[0][0]}.*); load_optimizer_states=False loads the weights")
+        _check(checkpoint, engine, trainable, keys, strict, load_optimizer_states)
+        nested, _ = nested_state(checkpoint, lambda key: checkpoint[key].torch() if key.startswith("client.")
+                                 else None)
+        if stage == 3:
+            optimizer.checkpoint_event_prologue()
+            _load_zero3(checkpoint, engine, optimizer, keys, load_optimizer_states)
+        else:
+            _load_zero12(checkpoint, engine, optimizer, keys, load_optimizer_states)
+        trainable_ids = {id(p) for _, p in trainable}
+        with torch.no_grad():
+            for name, param in engine.module.named_parameters():
+                if id(param) not in trainable_ids and not hasattr(param, "ds_tensor"):
+                    param.data.copy_(checkpoint[f"model.{name}"].torch())
+            for name, buffer in _buffers(engine.module):
+                buffer.copy_(checkpoint[f"model.{name}"].torch())
+        if stage == 3:
+            optimizer.checkpoint_event_epilogue()
+    _restore_counters(engine, optimizer, nested.get("deepspeed", {}), load_optimizer_states, load_lr_scheduler_states)
+    return nested.get("client", {})
+
+
+def _restore_counters(engine: Any, optimizer: Any, saved: dict[str, Any], load_optim: bool, load_lr: bool) -> None:
+    """DeepSpeed's step counters, loss scaler and learning-rate schedule, as ``engine.load_checkpoint`` sets them."""
+    for attribute in ("global_steps", "global_samples", "skipped_steps"):
+        if isinstance(saved.get(attribute), int):
+            setattr(engine, attribute, saved[attribute])
+    if load_lr and getattr(engine, "lr_scheduler", None) is not None and saved.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if load_optim and scaler is not None and isinstance(saved.get("loss_scaler"), dict):
+        for attribute, value in saved["loss_scaler"].items():
+            setattr(scaler, attribute, value)
+    for attribute in ("dynamic_loss_scale", "overflow") if load_optim else ():
+        if attribute in saved and hasattr(optimizer, attribute):
+            setattr(optimizer, attribute, saved[attribute])

@@ -1,0 +1,48 @@
+"""One root document for many readers: read once, sent to every rank, checked by each.
+
+On object storage, every rank opening the same checkpoint is one GET of the same object per rank. A load with a
+process group instead has the coordinator read the root document's bytes (:func:`read_root_bytes`, one GET) and
+send them to every rank; each rank opens the checkpoint from those bytes (:func:`opened_from_bytes`), checking
+their SHA-256 (spec §11) exactly as a read from storage is checked. A local directory is opened by every rank
+itself (:func:`shares_root` is false): each process must pin the directory it reads, and a local read costs no
+request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import CheckpointNotFoundError, StorageError
+from .._format.zarr import ROOT_METADATA
+from .base import Location, parse_root_bytes
+from .object import ObjectLocation
+
+__all__ = ["opened_from_bytes", "read_root_bytes", "shares_root"]
+
+
+def shares_root(location: Location) -> bool:
+    """Whether ranks opening ``location`` should share one read of its root document (object storage)."""
+    return isinstance(location, ObjectLocation)
+
+
+def read_root_bytes(location: Location) -> tuple[bytes, Any]:
+    """The root document of the committed checkpoint at ``location`` as stored, and the token of what was read
+    (for :meth:`Location.changed_since`). Errors as :meth:`Location.read_root`."""
+    assert isinstance(location, ObjectLocation)
+    store = location.open_store()
+    try:
+        result = store.read(ROOT_METADATA).result()
+    except Exception as e:
+        raise StorageError(f"{location}: reading {ROOT_METADATA} failed: {e}") from e
+    if result.state != "value":
+        location.read_root()  # says what is there instead: an incomplete checkpoint, or nothing
+        raise CheckpointNotFoundError(f"{location}: no checkpoint here")
+    return bytes(result.value), result.stamp.generation
+
+
+def opened_from_bytes(location: Location, data: bytes, token: Any) -> tuple[dict[str, Any], dict[str, Any],
+                                                                            Callable[[], None], Any]:
+    """What :meth:`Location.open_committed` gives, from the root document's bytes read by another process (their
+    checksum checked here)."""
+    return parse_root_bytes(data, location), location.kvstore(), lambda: None, token

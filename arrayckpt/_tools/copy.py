@@ -1,0 +1,232 @@
+"""``copy``: a committed checkpoint, with its chain of bases, copied as stored between any two locations.
+
+Local directories, ``s3://``, ``gs://`` and ``memory://`` prefixes, in any direction. The chunk files are streamed
+as they are (no decoding and re-encoding; ``_tools/pump.py``), each one checked on the way, and the destination is
+committed last through the one write transaction (``_write/transaction.py``): a copy cut short never reads as
+committed, and a committed checkpoint it replaces stays whole until the commit.
+
+What is checked, before anything is committed:
+
+- every chunk file: its size (uncompressed chunks have a fixed one), its crc32c, and for a shard its index's crc32c,
+  its entries and every inner chunk's crc32c. Uncompressed chunks are checked byte for byte without decoding;
+  compressed ones are decoded through TensorStore, which checks the same. A missing chunk is damage.
+- every array's chunk digest (spec §11.2, format version 3): the content checksums of the chunks read, in order,
+  must give the digest the source recorded, so swapped or misplaced chunk files are caught too.
+- the source was not replaced while it was read (object storage, where reads cannot pin it).
+- with ``read_back=True``, every object written is read back from the destination and compared (on S3 the upload is
+  already checked by the store: TensorStore signs every PUT with the SHA-256 of its payload).
+
+Delta checkpoints are copied as deltas. A base named by a relative path (what saves write when a delta and its base
+are on the same storage, e.g. ``../step-100``) goes to the same relative place at the destination, and is copied
+there first unless the checkpoint there already is that base (same id: then it, and the chain below it, are not
+copied again). Base references are never rewritten: the copied root documents hold the same manifests (the same
+ids), so the copied chain is checked like the original. A base named by an absolute path or URL is not copied:
+the copy reads through that same base (``compact`` first for a standalone copy). A committed checkpoint of another
+id at a base's destination is an error (a base is never overwritten). The destination itself needs
+``overwrite=True`` to replace a committed checkpoint, unless that checkpoint is the very one being copied (same id:
+nothing is copied, so copying again is cheap and safe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import (
+    ArrayckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+from .._format.codecs import check_checksummed
+from .._format.dtypes import dtype_by_name
+from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from .._format.zarr import check_array_metadata
+from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._storage import Location, parse_location
+from .._write.transaction import begin_write
+from .pump import ArrayCopy, Progress, Pump, Throttle
+
+__all__ = ["DEFAULT_CONCURRENCY", "CopyResult", "copy", "copy_checkpoint"]
+
+DEFAULT_CONCURRENCY = 8  # chunk files in flight (and at most 256 MiB of them)
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """What a copy did: the checkpoints written (bases first, the destination last) and those already in place."""
+
+    source: str
+    destination: str
+    id: str | None  # the checkpoint's id, the same at both ends
+    copied: tuple[str, ...]  # locations written, bases first
+    skipped: tuple[str, ...]  # locations that already held the checkpoint meant for them (same id)
+    objects: int  # chunk files copied
+    bytes_copied: int  # their stored bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "destination": self.destination, "id": self.id, "copied": list(self.copied),
+                "skipped": list(self.skipped), "objects": self.objects, "bytes_copied": self.bytes_copied}
+
+
+def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
+         storage_options: Mapping[str, Any] | None = None, src_options: Mapping[str, Any] | None = None,
+         dst_options: Mapping[str, Any] | None = None, max_bytes_per_second: float | None = None,
+         read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
+         progress: Progress | None = None) -> CopyResult:
+    """Copy the committed checkpoint at ``src`` (with its chain of bases, if it is a delta) to ``dst``, streaming
+    its files as stored, checking every chunk on the way, and committing ``dst`` last (see the module docstring).
+
+    ``storage_options`` serve both ends; ``src_options`` / ``dst_options`` override them for one end (e.g. two S3
+    endpoints). ``max_bytes_per_second`` caps the transfer rate; ``concurrency`` is the number of chunk files in
+    flight (at most 256 MiB of them); ``progress(done, total)`` is called in array bytes, for each checkpoint of the
+    chain in turn. Raises
+    ``CorruptCheckpointError`` for damage in the source (nothing is committed), ``CheckpointExistsError`` when a
+    committed checkpoint is at ``dst`` (without ``overwrite``) or another one at a base's place, ``StorageError``
+    when either storage fails past its retries.
+
+    >>> import arrayckpt, torch, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> arrayckpt.save({"w": torch.arange(6.0)}, f"{d}/step-1")
+    >>> arrayckpt.save({"w": torch.arange(6.0) * 2}, f"{d}/step-2", base=f"{d}/step-1")
+    >>> result = arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2")   # its base goes to mirror/step-1 first
+    >>> [os.path.relpath(p, d) for p in result.copied]
+    ['mirror/step-1', 'mirror/step-2']
+    >>> arrayckpt.open(f"{d}/mirror/step-2")["w"][:].tolist()
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    >>> arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2").copied   # already there: nothing to do
+    ()
+    """
+    source = parse_location(src, src_options if src_options is not None else storage_options)
+    target = parse_location(dst, dst_options if dst_options is not None else storage_options)
+    return copy_checkpoint(source, target, overwrite=overwrite, throttle=Throttle(max_bytes_per_second),
+                           read_back=read_back, concurrency=concurrency, progress=progress)
+
+
+def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, throttle: Throttle,
+                    read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
+                    progress: Progress | None = None) -> CopyResult:
+    """:func:`copy` between two locations, with a ``throttle`` that several copies may share (the manager's
+    uploader)."""
+    if str(target) == str(source) or str(target).startswith(str(source).rstrip("/") + "/"):
+        raise ValueError(f"{target}: cannot copy a checkpoint onto itself or into itself ({source})")
+    with open_checkpoint(source) as checkpoint:
+        layers = [(checkpoint, target)]
+        skipped: list[str] = []
+        if _holds(target, checkpoint.manifest.id, base=False):
+            return CopyResult(str(source), str(target), checkpoint.manifest.id, (), (str(target),), 0, 0)
+        while (ref := layers[-1][0].manifest.base) is not None and not _absolute(ref.path):
+            place = layers[-1][1].resolve(ref.path)
+            if _holds(place, ref.id, base=True):
+                skipped.append(str(place))
+                break
+            layers.append((layers[-1][0].base, place))  # opened and checked to be the base the delta was saved on
+        copied: list[str] = []
+        objects = stored = 0
+        for index, (layer, place) in reversed(list(enumerate(layers))):
+            def pump(to: Location, layer: Checkpoint = layer) -> Pump:
+                return Pump(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
+                            concurrency=concurrency, progress=progress)
+
+            # a base's place holds nothing committed (checked above): overwrite only replaces a killed copy's leftovers
+            moved = _copy_layer(layer, place, overwrite or index > 0, pump)
+            copied.append(str(place))
+            objects, stored = objects + moved.objects, stored + moved.stored_bytes
+        return CopyResult(str(source), str(target), checkpoint.manifest.id, tuple(copied), tuple(skipped), objects,
+                          stored)
+
+
+def _absolute(reference: str) -> bool:
+    return "://" in reference or os.path.isabs(reference)
+
+
+def _holds(place: Location, identity: str | None, base: bool) -> bool:
+    """Whether ``place`` holds the committed checkpoint ``identity``. For a base's place, another committed checkpoint
+    there is an error (a base is never overwritten); nothing, or an incomplete one (a copy cut short), is not."""
+    try:
+        document = place.read_root()
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        return False
+    except ArrayckptError:
+        if base:
+            raise
+        return False  # the writer decides what may be replaced
+    manifest = document.get("attributes", {}).get(MANIFEST_ATTRIBUTE)
+    found = manifest.get("id") if isinstance(manifest, dict) else None
+    if identity is not None and found == identity:
+        return True
+    if base:
+        raise CheckpointExistsError(f"{place}: another checkpoint (id {found}) is where the copy's base (id "
+                                    f"{identity}) goes; a base is never overwritten: move it, or copy elsewhere")
+    return False
+
+
+def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
+                make_pump: Callable[[Location], Pump]) -> Pump:
+    """Copy one checkpoint of a chain (its base, if any, is in place already); returns the pump that moved its
+    chunk files (with its counts)."""
+    where = str(checkpoint.location)
+    arrays = _arrays(checkpoint, where)
+    with begin_write(target, overwrite) as transaction:
+        encoding = transaction.key_encoding  # what the destination's writer needs (object storage: the generation)
+        nodes: dict[str, Any] = {}
+        for path, node in checkpoint.nodes.items():
+            if isinstance(node, dict) and node.get("node_type") == "array" \
+                    and node["chunk_key_encoding"].get("name") != encoding:
+                node = {**node, "chunk_key_encoding": {"name": encoding, "configuration": {"separator": "."}}}
+            nodes[path] = node
+        arrays = [ArrayCopy(a.path, a.key, a.source, nodes[a.path], a.present) for a in arrays]
+        transaction.write_documents({path: json.dumps(node).encode() for path, node in nodes.items() if path})
+        pump = make_pump(transaction.target)
+        try:
+            digests = pump.run(arrays)
+        except Exception as e:  # a chunk gone because the source was replaced meanwhile is not damage: say so
+            checkpoint.raise_if_replaced(e)
+            raise
+        recorded = checkpoint.manifest.chunk_digests
+        for array in arrays:
+            expected = recorded.get(array.path)
+            if expected is not None and digests[array.path] != expected:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {array.key!r}: the chunk files of array {array.path!r} do not hold the chunks "
+                    "saved there (each passes its own checksum, but their contents do not match the digest recorded "
+                    "at save): chunk files swapped, misplaced or copied from another checkpoint; nothing was copied")
+        checkpoint.check_unchanged()  # object storage: what was read is the checkpoint that was opened
+        consolidated = "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(n)}" for p, n in nodes.items()) + "}"
+        transaction.commit(checkpoint.manifest, consolidated)
+    return pump
+
+
+def _arrays(checkpoint: Checkpoint, where: str) -> list[ArrayCopy]:
+    """Every array node of the checkpoint (validated before its grid is walked) and the chunks it stores."""
+    keys: dict[str, str] = {}
+    deltas: dict[str, str] = {}  # array path -> key, for the arrays of chunks deltas
+    for key, entry in checkpoint.manifest.entries.items():
+        if isinstance(entry, ArrayEntry):
+            keys[entry.path] = key
+            if entry.delta is not None and entry.delta.mode == "chunks":
+                deltas[entry.path] = key
+            elif entry.delta is not None:
+                keys.update({f"{entry.path}/{name}": key for name in ("rows", "values", "codes", "scale", "offset")})
+        elif isinstance(entry, PickleEntry):
+            keys[entry.path] = key
+        elif isinstance(entry, PerRankEntry):
+            keys.update({per_rank_path(key, rank): key for rank in range(len(entry.items))})
+    out = []
+    for path, node in checkpoint.nodes.items():
+        if not (isinstance(node, dict) and node.get("node_type") == "array"):
+            continue
+        shape = node.get("shape")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+            raise FormatError(f"{where}: array {path!r}: shape {shape!r} is not a list of integers")
+        check_array_metadata(node, tuple(shape), node.get("data_type"), f"{where}: array {path!r}")  # type: ignore[arg-type]
+        check_checksummed(node, f"{where}: array {path!r}")
+        dtype_by_name(node["data_type"])
+        present = tuple(sorted(checkpoint.present_chunks(deltas[path]))) if path in deltas else None
+        out.append(ArrayCopy(path, keys.get(path, path), node, node, present))
+    return out

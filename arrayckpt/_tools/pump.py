@@ -1,0 +1,245 @@
+"""Moving one checkpoint's stored chunk files from one storage to another, checked on the way (for ``copy``).
+
+Each chunk file is read whole as stored (no decoding unless its codecs require it), checked (its size, every crc32c,
+its shard index; compressed chunks are decoded through TensorStore), paced by an optional rate limit and written
+under its (possibly re-encoded) key at the destination; optionally read back and compared. A few files are in
+flight at once, bounded by count and by bytes; their content checksums come back in order, for the chunk digests
+of spec §11.2. A storage error on one file retries that whole file a bounded number of times (on top of the
+storage client's own retries); damage in the source is never retried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from .._errors import ArrayckptError, CorruptCheckpointError, StorageError
+from .._format.dtypes import dtype_by_name
+from .._format.integrity import ChunkDigest, chunk_crc
+from .._format.stored import stored_content_crc
+from .._format.zarr import chunk_key, grid_counts
+from .._io.decode import ChunkDecoder
+from .._io.fastio import read_regular_file
+from .._storage import Location
+
+__all__ = ["IN_FLIGHT_BYTES", "RETRY_DELAYS", "ArrayCopy", "Pump", "Throttle"]
+
+IN_FLIGHT_BYTES = 256 << 20  # chunk bytes held at once (one bigger chunk is moved alone)
+RETRY_DELAYS = (0.5, 2.0)  # seconds before each retry of a whole chunk file after a storage error
+# Errors no retry mends (in TensorStore's status names, or the OS's words): fail at once.
+_PERMANENT = ("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT", "FAILED_PRECONDITION",
+              "RESOURCE_EXHAUSTED", "No space left", "Permission denied")
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all), in array bytes (before compression)
+
+
+class Throttle:
+    """Paces transfers to at most ``rate`` bytes per second on average, over every thread that shares it (``None``:
+    no limit). Each transfer is given the next free slot of ``n / rate`` seconds and waits for its start."""
+
+    def __init__(self, rate: float | None) -> None:
+        if rate is not None and not rate > 0:
+            raise ValueError(f"a rate limit must be a positive number of bytes per second, got {rate!r}")
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        if self.rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+
+class _Budget:
+    """At most ``limit`` bytes held by the workers at once (a single bigger claim waits until it is alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._held = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._held == 0 or self._held + nbytes <= self._limit)
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._held -= nbytes
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class ArrayCopy:
+    """One array to move: its path, the entry it belongs to, its metadata at the source and at the destination (the
+    chunk key encoding may differ), and the C-order positions of the chunks it stores (``None``: all of them)."""
+
+    path: str
+    key: str
+    source: dict[str, Any]
+    target: dict[str, Any]
+    present: tuple[int, ...] | None
+
+    def chunks(self) -> Iterator[tuple[int, ...]]:
+        """The grid index of every stored chunk, in digest order (lazily: a grid is never listed)."""
+        counts = grid_counts(self.source)
+        if math.prod(self.source["shape"]) == 0:
+            return iter(())
+        if self.present is None:
+            return itertools.product(*(range(n) for n in counts))
+        return (tuple(int(i) for i in np.unravel_index(flat, counts)) if counts else () for flat in self.present)
+
+    def extent(self, grid_index: tuple[int, ...]) -> tuple[slice, ...]:
+        """The in-bounds part of a chunk, in array coordinates."""
+        chunk = self.source["chunk_grid"]["configuration"]["chunk_shape"]
+        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, chunk, self.source["shape"],
+                                                                            strict=True))
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_by_name(self.source["data_type"]).itemsize
+
+    def nbytes(self) -> int:
+        """Array bytes of the stored chunks (what progress counts)."""
+        if self.present is None:
+            return math.prod(self.source["shape"]) * self.itemsize
+        return sum(math.prod(s.stop - s.start for s in self.extent(g)) for g in self.chunks()) * self.itemsize
+
+
+class Pump:
+    """Moves the chunk files of one checkpoint from ``source_kvstore`` (read with ``source``'s context) to
+    ``target``; see the module docstring."""
+
+    def __init__(self, source: Location, source_kvstore: dict[str, Any], target: Location, *, throttle: Throttle,
+                 read_back: bool, concurrency: int, progress: Progress | None) -> None:
+        self._where = str(source)
+        self._local = source_kvstore["path"] if source_kvstore.get("driver") == "file" else None
+        self._source = None if self._local else _open(source_kvstore, source.read_context(), self._where)
+        self._target = _open(target.kvstore(), target.write_context(), str(target))
+        self._target_name = str(target)
+        self._throttle, self._read_back, self._concurrency = throttle, read_back, max(1, concurrency)
+        self._progress = progress
+        self._budget = _Budget(IN_FLIGHT_BYTES)
+        self._decoders: dict[str, ChunkDecoder] = {}
+        self._decoding: Any = None  # one TensorStore context (in-memory store) for every decoder
+        self._lock = threading.Lock()
+        self.objects = self.stored_bytes = 0
+
+    def run(self, arrays: list[ArrayCopy]) -> dict[str, str]:
+        """Move every stored chunk of ``arrays``; returns each array's digest of its chunks' content checksums."""
+        total = sum(array.nbytes() for array in arrays)
+        done = 0
+        digests: dict[str, ChunkDigest] = {}
+        window: deque[tuple[ChunkDigest, Future[int], int]] = deque()
+        with ThreadPoolExecutor(self._concurrency, thread_name_prefix="arrayckpt-copy") as pool:
+            try:
+                for array in arrays:
+                    digest = digests[array.path] = ChunkDigest()
+                    for grid_index in array.chunks():
+                        size = math.prod(s.stop - s.start for s in array.extent(grid_index)) * array.itemsize
+                        window.append((digest, pool.submit(self._move, array, grid_index), size))
+                        while len(window) > 4 * self._concurrency:
+                            done = self._finish(window.popleft(), done, total)
+                while window:
+                    done = self._finish(window.popleft(), done, total)
+            except BaseException:
+                for _, future, _ in window:
+                    future.cancel()
+                raise
+        return {path: digest.value for path, digest in digests.items()}
+
+    def _finish(self, item: tuple[ChunkDigest, Future[int], int], done: int, total: int) -> int:
+        digest, future, size = item
+        digest.add(future.result())
+        if self._progress is not None:
+            self._progress(done + size, total)
+        return done + size
+
+    def _move(self, array: ArrayCopy, grid_index: tuple[int, ...]) -> int:
+        """Copy one chunk file, checked; returns its content checksum. Retries it after a storage error."""
+        name = chunk_key(array.source, grid_index)
+        claim = math.prod(array.source["chunk_grid"]["configuration"]["chunk_shape"]) * array.itemsize
+        self._budget.acquire(claim)
+        try:
+            for delay in (*RETRY_DELAYS, None):
+                try:
+                    return self._move_once(array, grid_index, name)
+                except StorageError as e:
+                    if delay is None or any(mark in str(e) for mark in _PERMANENT):
+                        raise
+                    time.sleep(delay)
+            raise AssertionError("unreachable")
+        finally:
+            self._budget.release(claim)
+
+    def _move_once(self, array: ArrayCopy, grid_index: tuple[int, ...], name: str) -> int:
+        file = f"{array.path}/{name}"
+        data = self._read(file)
+        crc = stored_content_crc(array.source, grid_index, data, f"{self._where}/{file}")
+        if crc is None:
+            decoded = self._decoder(array).decode(name, data, array.extent(grid_index), f"{self._where}/{file}")
+            crc = chunk_crc(decoded)
+        self._throttle.take(len(data))
+        written = f"{array.path}/{chunk_key(array.target, grid_index)}"
+        try:
+            self._target.write(written, data).result()
+            back = self._target.read(written).result() if self._read_back else None
+        except Exception as e:
+            raise StorageError(f"{self._target_name}: writing {written} failed: {e}") from e
+        if back is not None and (back.state != "value" or back.value != data):
+            raise StorageError(f"{self._target_name}: {written} read back differs from what was written")
+        with self._lock:
+            self.objects += 1
+            self.stored_bytes += len(data)
+        return crc
+
+    def _read(self, file: str) -> bytes:
+        """A chunk file's bytes as stored; a missing one is damage of the source."""
+        if self._local is not None:
+            try:
+                return read_regular_file(f"{self._local}{file}", f"{self._where}/{file}")
+            except (FileNotFoundError, NotADirectoryError):
+                raise CorruptCheckpointError(f"{self._where}/{file}: chunk file is missing") from None
+            except ArrayckptError:
+                raise
+            except OSError as e:
+                raise StorageError(f"{self._where}/{file}: reading failed: {e}") from e
+        assert self._source is not None
+        try:
+            result = self._source.read(file).result()
+        except Exception as e:
+            raise StorageError(f"{self._where}: reading {file} failed: {e}") from e
+        if result.state != "value":
+            raise CorruptCheckpointError(f"{self._where}/{file}: chunk object is missing")
+        return result.value
+
+    def _decoder(self, array: ArrayCopy) -> ChunkDecoder:
+        with self._lock:
+            decoder = self._decoders.get(array.path)
+            if decoder is None:
+                if self._decoding is None:
+                    self._decoding = ts.Context()
+                path = f"{len(self._decoders)}/"
+                decoder = self._decoders[array.path] = ChunkDecoder(array.source, self._decoding, path)
+            return decoder
+
+
+def _open(spec: dict[str, Any], context: Any, where: str) -> Any:
+    try:
+        return ts.KvStore.open(spec, context=context).result()
+    except Exception as e:
+        raise StorageError(f"{where}: cannot open the store: {e}") from e

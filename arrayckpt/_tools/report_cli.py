@@ -1,0 +1,68 @@
+"""``arrayckpt report CKPT [--against OTHER] -o report.html``: the command-line side of ``report``.
+
+Kept apart from ``report.py`` so that building the argument parser imports nothing heavy (no numpy, TensorStore
+or matplotlib): ``cli.py`` calls :func:`add_report_parser` while it builds its parser, and the command imports
+the report when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_report_parser", "report_command"]
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``report`` command to ``subparsers`` (what ``ArgumentParser.add_subparsers`` returned)."""
+    parser = subparsers.add_parser(
+        "report", help="write a picture of a checkpoint: one self-contained HTML file (sizes, statistics, "
+                       "histograms, chunk grids, delta chain; with --against, which tensors and layers moved)")
+    parser.add_argument("path", help="checkpoint directory or URL")
+    parser.add_argument("--against", metavar="OTHER", default=None,
+                        help="another checkpoint: rank the tensors by relative change ||a - b|| / ||b|| against it")
+    parser.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default report.html)")
+    parser.add_argument("--png", metavar="PATH", default=None, help="also write the main pictures as one PNG")
+    parser.add_argument("--max-tensors", type=_count, default=None, metavar="N",
+                        help="statistics of the N largest tensors only (default: every tensor)")
+    parser.add_argument("--histograms", type=_count, default=8, metavar="N",
+                        help="value histograms of the N largest tensors (default 8)")
+    parser.add_argument("--grids", type=_count, default=6, metavar="N",
+                        help="chunk grid pictures of the N largest tensors (default 6)")
+    parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+    parser.set_defaults(func=report_command)
+    return parser
+
+
+def report_command(args: argparse.Namespace) -> int:
+    """Run ``arrayckpt report``; 0 when written, 2 when matplotlib is missing (errors of reading the checkpoints
+    propagate to ``cli.main``, which prints them)."""
+    from .report import report
+
+    try:
+        output = report(args.path, against=args.against, output=args.output, overview=args.png,
+                        max_tensors=args.max_tensors, histograms=args.histograms, grids=args.grids)
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        print(f"arrayckpt: error: {e}", file=sys.stderr)
+        return 2
+    written = {"output": str(output), "bytes": output.stat().st_size, **({"png": args.png} if args.png else {})}
+    if args.json:
+        print(json.dumps(written))
+    else:
+        extra = f" and {args.png}" if args.png else ""
+        print(f"wrote {output} ({written['bytes'] / 1024:.0f} KiB){extra}")
+    return 0

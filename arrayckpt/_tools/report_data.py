@@ -1,0 +1,225 @@
+"""What ``report`` shows, as values: one tensor's statistics and histogram, its change against another checkpoint,
+chunk grids, the chain of bases, what a delta stores, and the tree of sizes with its treemap layout.
+
+``report.py`` and ``report_layout.py`` fill them in from a checkpoint; ``report_figures.py`` draws them and
+``report_html.py`` writes them out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode", "TensorStats",
+           "human_bytes", "size_tree", "squarify"]
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """One tensor's statistics, as :func:`arrayckpt.show` computes them for the whole tensor, plus zeros.
+
+    ``count`` is every element (NaN and inf included); min/max/mean/std are over the finite values.
+    ``computed`` is false for a tensor left out by ``max_tensors``; ``error`` says why one could not be read.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    stored: str = "whole"  # how a delta checkpoint stores it: whole, unchanged, 3/16 chunks, 120 rows
+    computed: bool = False
+    count: int = 0
+    nan: int = 0
+    inf: int = 0
+    zeros: int = 0
+    min: float | int | None = None
+    max: float | int | None = None
+    mean: float | None = None
+    std: float | None = None
+    error: str = ""
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.nan or self.inf)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts of a tensor's finite values in ``len(counts)`` bins, from ``sampled`` of its ``count`` values."""
+
+    key: str
+    counts: np.ndarray
+    edges: np.ndarray
+    sampled: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """``||a - b|| / ||b||`` of one tensor over its finite elements (``b`` the checkpoint compared against), and
+    its place in the layer heat map. NaN when NaN or inf values differ between the two (NaN and inf where both
+    have them are no change); inf when ``b`` is all zeros and ``a`` is not."""
+
+    key: str
+    relative: float
+    layer: tuple[str, int] | None
+
+
+@dataclass
+class ReportData:
+    """Everything a report shows (:func:`collect`); ``report_html.render`` turns it into the page."""
+
+    location: str
+    format_version: int
+    step: int | None
+    created: Mapping[str, Any]
+    tensors: list[TensorStats]
+    against: str | None = None
+    histograms: list[Histogram] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)  # largest first
+    unmatched: list[tuple[str, str]] = field(default_factory=list)  # (key, why it has no change)
+    grids: list[ChunkGrid] = field(default_factory=list)
+    chain: list[Layer] = field(default_factory=list)  # empty for a full checkpoint
+    deltas: list[DeltaPart] = field(default_factory=list)
+    values: list[tuple[str, str]] = field(default_factory=list)  # (key, what it holds)
+
+    @property
+    def world_size(self) -> int | None:
+        size = self.created.get("world_size")
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """A tensor's outer chunk grid (and inner chunks when sharded), from its array metadata."""
+
+    key: str
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]
+    inner: tuple[int, ...] | None
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(math.ceil(n / c) for n, c in zip(self.shape, self.chunk, strict=True))
+
+
+@dataclass(frozen=True)
+class DeltaPart:
+    """What a delta checkpoint stores of one tensor (``mode``: ``chunks``, ``rows`` or ``whole``): for a picture,
+    the chunks of ``grid`` it stores (``present``), or ``row_density``, the fraction of rows it stores in each of
+    ``len(row_density)`` equal bins of rows."""
+
+    key: str
+    mode: str
+    stored: str
+    stored_bytes: int
+    nbytes: int
+    grid: ChunkGrid | None = None
+    present: frozenset[int] = frozenset()
+    row_density: np.ndarray | None = None
+
+    @property
+    def drawn(self) -> bool:
+        return self.grid is not None or self.row_density is not None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One checkpoint of a chain, newest first (``error``: it could not be opened)."""
+
+    location: str
+    step: int | None
+    stored_bytes: int | None
+    delta: bool
+    error: str = ""
+
+
+@dataclass
+class SizeNode:
+    """A dotted prefix of keys (``model.layers``) with the bytes and tensors below it, children largest first."""
+
+    name: str  # its last part ("" for the root)
+    nbytes: int = 0
+    tensors: int = 0
+    children: list[SizeNode] = field(default_factory=list)
+
+
+def size_tree(tensors: list[TensorStats], depth: int = 4) -> SizeNode:
+    """The tensors' bytes summed by key prefix, ``depth`` parts deep (deeper parts are counted in their prefix).
+
+    >>> tree = size_tree([TensorStats("m.a.w", "float32", (2,), 8), TensorStats("m.b", "float32", (1,), 4)])
+    >>> tree.nbytes, [(c.name, c.nbytes) for c in tree.children[0].children]
+    (12, [('a', 8), ('b', 4)])
+    """
+    root = SizeNode("")
+    index: dict[tuple[str, ...], SizeNode] = {(): root}
+    for tensor in tensors:
+        parts = tuple(tensor.key.split("."))[:depth]
+        for n in range(len(parts) + 1):
+            node = index.get(parts[:n])
+            if node is None:
+                node = index[parts[:n]] = SizeNode(parts[n - 1])
+                index[parts[:n - 1]].children.append(node)
+            node.nbytes += tensor.nbytes
+            node.tensors += 1
+    for node in index.values():
+        node.children.sort(key=lambda c: -c.nbytes)
+    return root
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def squarify(sizes: list[float], x: float, y: float, width: float, height: float) -> list[tuple[float, ...]]:
+    """Rectangles ``(x, y, width, height)`` of areas proportional to ``sizes`` (largest first) tiling the given
+    one, as square as the squarified treemap algorithm (Bruls, Huizing, van Wijk) makes them.
+
+    >>> [tuple(round(v, 3) for v in r) for r in squarify([2, 1, 1], 0, 0, 2, 2)]
+    [(0, 0, 1.0, 2.0), (1.0, 0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0)]
+    """
+    total = sum(sizes)
+    areas = [s * width * height / total for s in sizes] if total > 0 else []
+    out: list[tuple[float, ...]] = []
+    while areas:
+        short = min(width, height)
+        row = [areas[0]]
+        while len(row) < len(areas) and _worst(row + [areas[len(row)]], short) <= _worst(row, short):
+            row.append(areas[len(row)])
+        areas = areas[len(row):]
+        if width >= height:  # the row is a column at the left
+            step = sum(row) / height if height else 0.0
+            offset = y
+            for area in row:
+                out.append((x, offset, step, area / step if step else 0.0))
+                offset += out[-1][3]
+            x, width = x + step, width - step
+        else:  # a row at the bottom
+            step = sum(row) / width if width else 0.0
+            offset = x
+            for area in row:
+                out.append((offset, y, area / step if step else 0.0, step))
+                offset += out[-1][2]
+            y, height = y + step, height - step
+    return out
+
+
+def _worst(row: list[float], short: float) -> float:
+    total = sum(row)
+    if not total or not short:
+        return math.inf
+    return max(max(short * short * r / (total * total), total * total / (short * short * r)) if r else math.inf
+               for r in row)

@@ -1,0 +1,471 @@
+"""The pictures of ``report``, drawn with matplotlib (an optional extra) and returned as base64 PNGs.
+
+Every picture is drawn by a ``draw_*`` function into given axes, so that a report's section figures and its
+one-image overview (``report(..., overview=...)``) draw the same things. Figures are made with
+``matplotlib.figure.Figure`` and saved through the Agg canvas: no pyplot, no global state, no display needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .report_data import (
+    Change,
+    ChunkGrid,
+    DeltaPart,
+    Histogram,
+    ReportData,
+    SizeNode,
+    human_bytes,
+    size_tree,
+    squarify,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["MATPLOTLIB_EXTRA", "figures", "grid_view", "overview", "require_matplotlib"]
+
+MATPLOTLIB_EXTRA = "pip install 'arrayckpt[report]'"
+DPI = 90
+MAX_BARS = 40  # tensors in the relative-change bar chart
+MAX_HEAT_ROWS = 60  # parameter names in the layer heat map
+MAX_CHAIN = 30  # checkpoints of a chain drawn (the newest; the table lists them all)
+MAX_CELLS = 128  # chunks drawn per dimension of a grid picture (more are drawn in groups)
+TREE_DEPTH = 3  # key parts the treemap nests
+FONT = 7
+
+
+def require_matplotlib() -> None:
+    """Raise ``ModuleNotFoundError`` that says how to install matplotlib, when it is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"arrayckpt report draws its pictures with matplotlib, which is not installed: "
+                                  f"{MATPLOTLIB_EXTRA}", name="matplotlib") from e
+
+
+def _figure(width: float, height: float) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def _png(figure: Figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _panels(count: int, columns: int, draw: Callable[[Axes, int], None], width: float = 3.4,
+            height: float = 2.6) -> str:
+    """``count`` small pictures in rows of ``columns``, as one PNG (laid out by hand: constrained layout costs
+    more than the drawing)."""
+    from matplotlib.figure import Figure
+
+    rows = math.ceil(count / columns)
+    columns = min(columns, count)
+    figure = Figure(figsize=(width * columns, height * rows), dpi=DPI)
+    figure.subplots_adjust(left=0.75 / (width * columns), right=1 - 0.15 / (width * columns),
+                           bottom=0.5 / (height * rows), top=1 - 0.45 / (height * rows), wspace=0.42, hspace=0.62)
+    axes = figure.subplots(rows, columns, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i < count:
+            draw(ax, i)
+            _few_ticks(ax)
+        else:
+            ax.set_visible(False)
+    return _png(figure)
+
+
+def _few_ticks(ax: Axes) -> None:
+    """Three or four ticks per axis and no minor ones: small panels read better, and ticks are most of the cost
+    of drawing them."""
+    from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator, NullLocator
+
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":
+            axis.set_major_locator(LogLocator(numticks=4))
+            axis.set_minor_locator(NullLocator())
+        elif not isinstance(axis.get_major_locator(), (FixedLocator, NullLocator)):  # labelled ticks stay
+            axis.set_major_locator(MaxNLocator(4))
+
+
+def figures(data: ReportData) -> dict[str, str]:
+    """Every picture of the report, by section name, as base64 PNG (a section with nothing to show has none)."""
+    out: dict[str, str] = {}
+    tree = size_tree(data.tensors, TREE_DEPTH)
+    if tree.nbytes:
+        figure = _figure(10, 5.2)
+        left, right = figure.subplots(1, 2, width_ratios=[3, 1])
+        draw_treemap(left, tree)
+        draw_dtypes(right, data)
+        out["sizes"] = _png(figure)
+    if data.histograms:
+        out["histograms"] = _panels(len(data.histograms), 4, lambda ax, i: draw_histogram(ax, data.histograms[i]),
+                                    width=2.6, height=2.0)
+    if data.grids:
+        out["grids"] = _panels(len(data.grids), 3, lambda ax, i: draw_grid(ax, data.grids[i]))
+    if data.changes:
+        figure = _figure(10, max(2.0, 0.2 * min(len(data.changes), MAX_BARS) + 0.9))
+        draw_changes(figure.subplots(), data.changes)
+        out["changes"] = _png(figure)
+        heat = _heat(data.changes)
+        if heat is not None:
+            figure = _figure(10, max(2.2, 0.22 * len(heat[0]) + 1.2))
+            draw_layers(figure.subplots(), heat)
+            out["layers"] = _png(figure)
+    if data.chain:
+        figure = _figure(10, 0.45 * min(len(data.chain), MAX_CHAIN) + 1.0)
+        draw_chain(figure.subplots(), data)
+        out["chain"] = _png(figure)
+    drawn = [d for d in data.deltas if d.drawn]
+    if drawn:
+        out["deltas"] = _panels(len(drawn), 3, lambda ax, i: draw_delta(ax, drawn[i]))
+    return out
+
+
+def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
+    """The main pictures of a report in one PNG of about 1300 x 850 pixels (a README-sized picture): sizes and a
+    histogram at the left; at the right what changed (with ``against``: the bar chart and the layer heat map),
+    the delta chain and chunk grids."""
+    figure = _figure(14.4, 9.4)
+    grid = figure.add_gridspec(4, 4)
+    against = f"  against {_tail(data.against)}" if data.against else ""
+    figure.suptitle(f"arrayckpt report: {_tail(data.location)}{against}", fontsize=11)
+    draw_treemap(figure.add_subplot(grid[0:3, 0:2]), size_tree(data.tensors, TREE_DEPTH))
+    draw_dtypes(figure.add_subplot(grid[3, 0]), data)
+    if data.histograms:
+        ax = figure.add_subplot(grid[3, 1])
+        draw_histogram(ax, data.histograms[0])
+        _few_ticks(ax)
+    drawn = sorted((d for d in data.deltas if d.drawn), key=lambda d: d.grid is None)  # chunk pictures first
+    small: list[Callable[[Axes], None]] = []  # the right half's small pictures, most telling first
+    if data.chain:
+        small.append(lambda ax: draw_chain(ax, data, compact=True))
+    small += [lambda ax, d=d: draw_delta(ax, d) for d in drawn[:1]]
+    small += [lambda ax, g=g: draw_grid(ax, g) for g in data.grids[:2]]
+    small += [lambda ax, h=h: draw_histogram(ax, h) for h in data.histograms[1:3]]
+    heat = _heat(data.changes)
+    if data.changes:
+        places = [grid[0, 2], grid[1, 2]] if heat is not None else [grid[0, 2], grid[0, 3], grid[1, 2], grid[1, 3]]
+        draw_changes(figure.add_subplot(grid[2:4, 2] if heat is not None else grid[2:4, 2:4]), data.changes[:20])
+        if heat is not None:
+            draw_layers(figure.add_subplot(grid[0:4, 3]), heat, compact=True)
+    else:
+        places = [grid[0:2, 2], grid[0:2, 3], grid[2:4, 2], grid[2:4, 3]]
+    for place, draw in zip(places, small, strict=False):
+        ax = figure.add_subplot(place)
+        draw(ax)
+        _few_ticks(ax)
+    figure.savefig(path, format="png", dpi=DPI)
+
+
+def _tail(location: str) -> str:
+    """The last two parts of a long location (``…/run/step-200``)."""
+    parts = location.rstrip("/").split("/")
+    return location if len(location) <= 32 or len(parts) <= 2 else "…/" + "/".join(parts[-2:])
+
+
+# --------------------------------------------------------------------------------------------- sizes
+
+
+def _lighten(colour: Any, amount: float) -> tuple[float, ...]:
+    from matplotlib.colors import to_rgb
+
+    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
+
+
+def draw_treemap(ax: Axes, tree: SizeNode) -> None:
+    """Bytes by key prefix: one colour per top-level part, nested rectangles for the next parts."""
+    from matplotlib.patches import Patch, Rectangle
+
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_axis_off()
+    ax.set_title(f"bytes by key prefix ({human_bytes(tree.nbytes)}, {tree.tensors} tensors)", fontsize=9)
+    palette = [f"C{i}" for i in range(10)]
+    handles = []
+
+    def place(node: SizeNode, box: tuple[float, ...], level: int, colour: Any, names: tuple[str, ...]) -> None:
+        children = [c for c in node.children if c.nbytes > 0]
+        rects = squarify([c.nbytes for c in children], *box)
+        for i, (child, (x, y, w, h)) in enumerate(zip(children, rects, strict=True)):
+            tone = palette[i % len(palette)] if level == 0 else colour
+            if level == 0:
+                handles.append(Patch(color=tone, label=f"{child.name}  {human_bytes(child.nbytes)}"))
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(tone, 0.18 * level), edgecolor="white",
+                                   linewidth=max(0.4, 2.0 - 0.6 * level)))
+            inner = (x + 0.003, y + 0.003, w - 0.006, h - 0.006)
+            if child.children and level + 1 < TREE_DEPTH and w > 0.01 and h > 0.01:
+                place(child, inner, level + 1, tone, (*names, child.name))
+            else:
+                label = ".".join((*names, child.name)[1:]) or child.name
+                fitted = _fit(f"{label}\n{human_bytes(child.nbytes)}", w * width_px, h * height_px)
+                if fitted is not None:
+                    ax.text(x + w / 2, y + h / 2, fitted[0], ha="center", va="center", fontsize=fitted[1],
+                            clip_on=True)
+
+    box = ax.get_position()
+    width_px, height_px = (box.width * ax.figure.get_figwidth() * DPI, box.height * ax.figure.get_figheight() * DPI)
+    place(tree, (0.0, 0.0, 1.0, 1.0), 0, None, ())
+    ax.legend(handles=handles[:10], loc="upper left", bbox_to_anchor=(0, -0.01), ncols=min(4, len(handles) or 1),
+              fontsize=FONT, frameon=False)
+
+
+def _fit(text: str, width: float, height: float) -> tuple[str, float] | None:
+    """``text`` (lines) and a font size at which it fits a ``width`` x ``height`` pixel box, its first line cut
+    from the left if need be; ``None`` when nothing legible fits."""
+    lines = text.split("\n")
+    for size in (FONT, FONT - 1, FONT - 2):
+        char, line = 0.68 * size * DPI / 72, 1.4 * size * DPI / 72  # a wide glyph's width, a line's height
+        if line * len(lines) > height * 0.85:
+            continue
+        room = int(width * 0.85 / char)
+        if room >= max(len(x) for x in lines):
+            return text, size
+        if room >= max(8, len(lines[-1])):
+            return "\n".join(["…" + lines[0][-(room - 1):], *lines[1:]]), size
+    return None
+
+
+def draw_dtypes(ax: Axes, data: ReportData) -> None:
+    """Bytes by dtype, as horizontal bars."""
+    by_dtype: dict[str, int] = {}
+    for tensor in data.tensors:
+        by_dtype[tensor.dtype] = by_dtype.get(tensor.dtype, 0) + tensor.nbytes
+    names = sorted(by_dtype, key=lambda n: by_dtype[n])
+    total = sum(by_dtype.values()) or 1
+    ax.barh(names, [by_dtype[n] for n in names], color="C0")
+    for i, name in enumerate(names):
+        ax.text(by_dtype[name], i, f" {human_bytes(by_dtype[name])} ({100 * by_dtype[name] / total:.0f}%)",
+                va="center", fontsize=FONT)
+    ax.set_title("bytes by dtype", fontsize=9)
+    ax.set_xlim(0, max(by_dtype.values(), default=1) * 1.6)
+    ax.set_xticks([])
+    ax.tick_params(labelsize=FONT)
+
+
+# ---------------------------------------------------------------------------------------- values
+
+
+def _short(key: str, width: int = 38) -> str:
+    """``key`` in at most ``width`` characters: its first part, an ellipsis and as much of its end as fits.
+
+    >>> _short("optim.state.layers.*.mlp.down_proj.weight.exp_avg", 31)
+    'optim.…down_proj.weight.exp_avg'
+    """
+    if len(key) <= width:
+        return key
+    head = key.split(".", 1)[0][:width // 3] + "."
+    return head + "…" + key[-(width - len(head) - 1):]
+
+
+def draw_histogram(ax: Axes, histogram: Histogram) -> None:
+    """A tensor's value histogram (log counts), from its sample."""
+    ax.stairs(histogram.counts, histogram.edges, fill=True, color="C0")
+    ax.set_yscale("log")
+    source = "all values" if histogram.sampled >= histogram.count else f"{histogram.sampled:,} sampled"
+    ax.set_title(f"{_short(histogram.key, 34)}\n{source} of {histogram.count:,}", fontsize=FONT)
+    ax.tick_params(labelsize=FONT - 1)
+
+
+def draw_changes(ax: Axes, changes: list[Change]) -> None:
+    """The tensors that changed most, by ``||a - b|| / ||b||``, largest at the top; NaN and inf in red."""
+    shown = changes[:MAX_BARS][::-1]
+    finite = [c.relative for c in shown if math.isfinite(c.relative)]
+    top = max(finite, default=1.0) or 1.0
+    values = [c.relative if math.isfinite(c.relative) else top for c in shown]
+    colours = ["C0" if math.isfinite(c.relative) else "red" for c in shown]
+    log = bool(finite) and min(finite) > 0 and top / min(finite) > 100
+    ax.barh([_short(c.key, 60) for c in shown], values, color=colours)
+    for i, change in enumerate(shown):
+        if not math.isfinite(change.relative):
+            ax.text(values[i], i, " NaN/inf changed", va="center", color="red", fontsize=FONT)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("relative change ||a - b|| / ||b||", fontsize=FONT + 1)
+    more = f" (largest {MAX_BARS} of {len(changes)})" if len(changes) > MAX_BARS else ""
+    ax.set_title(f"which tensors moved{more}", fontsize=9)
+    ax.tick_params(labelsize=FONT)
+
+
+Heat = tuple[list[str], list[int], np.ndarray]
+
+
+def _heat(changes: list[Change]) -> Heat | None:
+    """(row labels, layer numbers, relative changes [row, layer]: NaN where a layer has no such key, inf where
+    the change is not finite), or ``None`` when no key has a layer number."""
+    cells = {c.layer: c.relative if math.isfinite(c.relative) else math.inf for c in changes if c.layer is not None}
+    if not cells:
+        return None
+    best: dict[str, float] = {}  # row -> its largest change; rows in order of appearance
+    for (row, _), value in cells.items():
+        best[row] = max(best.get(row, -1.0), value)
+    kept = set(sorted(best, key=lambda r: -best[r])[:MAX_HEAT_ROWS])
+    rows = [row for row in best if row in kept]
+    layers = sorted({n for _, n in cells})
+    grid = np.full((len(rows), len(layers)), np.nan)
+    for (row, layer), value in cells.items():
+        if row in kept:
+            grid[rows.index(row), layers.index(layer)] = value
+    return rows, layers, grid
+
+
+def draw_layers(ax: Axes, heat: Heat, compact: bool = False) -> None:
+    """The relative change of every per-layer tensor as a heat map: parameter names by layer number; grey cells
+    are unchanged (or absent), red crosses NaN or inf."""
+    from matplotlib.colors import LogNorm
+
+    rows, layers, grid = heat
+    positive = grid[np.isfinite(grid) & (grid > 0)]
+    low, high = (float(positive.min()), float(positive.max())) if positive.size else (1e-12, 1.0)
+    shown = np.ma.masked_invalid(np.where(np.isfinite(grid) & (grid > 0), grid, np.nan))
+    cmap = _colormap("viridis", bad="#dddddd")
+    image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap,
+                      norm=LogNorm(vmin=low, vmax=max(high, low * 1.0001)))
+    bad = np.argwhere(np.isinf(grid))
+    if len(bad):
+        ax.scatter(bad[:, 1], bad[:, 0], marker="x", color="red", s=20)
+    ax.set_xticks(range(len(layers)), [str(n) for n in layers], fontsize=FONT - (1 if len(layers) > 24 else 0))
+    ax.set_yticks(range(len(rows)), _row_labels(rows, 44 if compact else 70), fontsize=FONT - (1 if compact else 0))
+    ax.set_xlabel("layer", fontsize=FONT + 1)
+    ax.set_title("relative change by layer (grey: unchanged)", fontsize=9)
+    ax.figure.colorbar(image, ax=ax, shrink=0.8).ax.tick_params(labelsize=FONT)
+
+
+def _row_labels(rows: list[str], width: int) -> list[str]:
+    """Heat map rows by what follows the layer number (``mlp.w``), after the first part of what precedes it
+    when that differs between rows (``optim: mlp.w.exp_avg``).
+
+    >>> _row_labels(["model.layers.*.mlp.w", "optim.state.model.layers.*.mlp.w.exp_avg"], 40)
+    ['model: mlp.w', 'optim: mlp.w.exp_avg']
+    """
+    parts = [row.partition("*") for row in rows]
+    heads = {head for head, _, _ in parts}
+    labels = []
+    for head, _, tail in parts:
+        tail = tail.lstrip(".") or head
+        labels.append(f"{head.split('.', 1)[0]}: {tail}" if len(heads) > 1 else tail)
+    return [_short(label, width) for label in labels]
+
+
+def _colormap(name: str, bad: str | None = None) -> Any:
+    from matplotlib import colormaps
+
+    return colormaps[name] if bad is None else colormaps[name].with_extremes(bad=bad)
+
+
+# ---------------------------------------------------------------------------------------- chunks
+
+
+def grid_view(grid: ChunkGrid) -> tuple[tuple[int, ...], list[np.ndarray], int]:
+    """How a chunk grid is drawn: the (at most two) dimensions with the most chunks, the cell edges along each
+    (in elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
+    counts = grid.counts
+    dims = tuple(sorted(sorted(range(len(counts)), key=lambda d: -counts[d])[:2]))
+    group = max(1, max(math.ceil(counts[d] / MAX_CELLS) for d in dims))
+    edges = [np.append(np.arange(0, grid.shape[d], grid.chunk[d] * group), grid.shape[d]) for d in dims]
+    return dims, edges, group
+
+
+def _mesh(ax: Axes, edges: list[np.ndarray], values: np.ndarray, **kwargs: Any) -> None:
+    if len(edges) == 1:  # one dimension: a strip
+        ax.pcolormesh(edges[0], [0, 1], values.reshape(1, -1), **kwargs)
+        ax.set_yticks([])
+    else:
+        ax.pcolormesh(edges[1], edges[0], values, **kwargs)
+        ax.invert_yaxis()
+    ax.tick_params(labelsize=FONT - 1)
+
+
+def _axis_labels(ax: Axes, grid: ChunkGrid, dims: tuple[int, ...]) -> None:
+    if len(dims) == 1:
+        ax.set_xlabel(f"dim {dims[0]} ({grid.shape[dims[0]]})", fontsize=FONT)
+    else:
+        ax.set_ylabel(f"dim {dims[0]} ({grid.shape[dims[0]]})", fontsize=FONT)
+        ax.set_xlabel(f"dim {dims[1]} ({grid.shape[dims[1]]})", fontsize=FONT)
+
+
+def draw_grid(ax: Axes, grid: ChunkGrid) -> None:
+    """A tensor's outer chunks, each in its own colour (the writing rank is not recorded)."""
+    dims, edges, group = grid_view(grid)
+    cells = [len(e) - 1 for e in edges]
+    index = np.arange(math.prod(cells)).reshape(cells)
+    colours = (index % cells[-1] + 7 * (index // cells[-1])) % 10 if len(cells) == 2 else index % 10
+    _mesh(ax, edges, colours, cmap=_colormap("tab10"), vmin=-0.5, vmax=9.5,
+          edgecolor="white" if max(cells) <= 48 else "face", linewidth=0.6)
+    if grid.inner and group == 1:  # inner chunks (the read unit) as thin lines, when few enough to see
+        for position, d in enumerate(dims):
+            cuts = np.setdiff1d(np.arange(0, grid.shape[d], grid.inner[d]), edges[position])
+            if not 0 < len(cuts) <= 4 * MAX_CELLS:
+                continue
+            if len(dims) == 2 and position == 0:
+                ax.hlines(cuts, 0, grid.shape[dims[1]], color="white", linewidth=0.3)
+            else:
+                ax.vlines(cuts, 0, 1 if len(dims) == 1 else grid.shape[dims[0]], color="white", linewidth=0.3)
+    counts = "×".join(map(str, grid.counts))
+    inner = f", inner {'×'.join(map(str, grid.inner))}" if grid.inner else ""
+    grouped = f"; {group} per cell" if group > 1 else ""
+    ax.set_title(f"{_short(grid.key, 34)}\n{counts} chunks of {'×'.join(map(str, grid.chunk))}{inner}{grouped}",
+                 fontsize=FONT)
+    _axis_labels(ax, grid, dims)
+
+
+def draw_delta(ax: Axes, part: DeltaPart) -> None:
+    """What a delta stores of one tensor: its stored chunks (coloured; grey ones are read from the base), or the
+    fraction of rows it stores along the rows."""
+    title = f"{_short(part.key, 34)}\n{part.stored}, {human_bytes(part.stored_bytes)} stored"
+    if part.row_density is not None:
+        bins = len(part.row_density)
+        ax.stairs(part.row_density, np.linspace(0, 1, bins + 1), fill=True,
+                  color="C3", edgecolor="C3", linewidth=0.8)
+        ax.set_xlabel("position along dim 0 (fraction)", fontsize=FONT)
+        ax.set_ylim(0, max(float(part.row_density.max(initial=0.0)) * 1.15, 1e-9))
+        ax.set_ylabel("fraction of rows stored", fontsize=FONT)
+        ax.tick_params(labelsize=FONT - 1)
+        ax.set_title(title, fontsize=FONT)
+        return
+    assert part.grid is not None
+    dims, edges, group = grid_view(part.grid)
+    counts = part.grid.counts
+    stored = np.zeros([len(e) - 1 for e in edges])
+    for flat in part.present:
+        position = np.unravel_index(flat, counts)
+        stored[tuple(position[d] // group for d in dims)] += 1
+    per_cell = math.prod(counts) / max(1, stored.size)
+    shown = np.ma.masked_equal(stored / per_cell, 0)
+    cmap = _colormap("Reds", bad="#e4e4e4")
+    _mesh(ax, edges, shown, cmap=cmap, vmin=0, vmax=1, edgecolor="white" if max(stored.shape) <= 48 else "face",
+          linewidth=0.6)
+    ax.set_title(title, fontsize=FONT)
+    _axis_labels(ax, part.grid, dims)
+
+
+def draw_chain(ax: Axes, data: ReportData, compact: bool = False) -> None:
+    """Stored bytes of each checkpoint of the chain, newest at the top, against the size of the whole state."""
+    layers = data.chain[:MAX_CHAIN][::-1]
+    total = data.total_bytes or 1
+    labels, sizes = [], []
+    for layer in layers:
+        kind = "unreadable" if layer.error else "delta" if layer.delta else "full"
+        labels.append(f"step {layer.step} ({kind})")
+        sizes.append(layer.stored_bytes or 0)
+    ax.barh(range(len(layers)), sizes, color=["red" if lay.error else "C1" if lay.delta else "C0" for lay in layers])
+    share = "%" if compact else "% of the state"
+    for i, (layer, size) in enumerate(zip(layers, sizes, strict=True)):
+        text = layer.error[:80] if layer.error else f"{human_bytes(size)} ({100 * size / total:.1f}{share})"
+        ax.text(size, i, f"  {text}", va="center", fontsize=FONT)
+    ax.set_yticks(range(len(layers)), labels, fontsize=FONT)
+    ax.set_xlim(0, max(max(sizes, default=0), total) * (2.2 if compact else 1.5))
+    ax.set_xticks([])
+    ax.set_title("delta chain: bytes stored" if compact else
+                 "delta chain: bytes each checkpoint stores (newest at the top)", fontsize=9)

@@ -1,0 +1,153 @@
+"""What ``report`` shows of where a checkpoint's bytes are: chunk grids, the chain of bases, what a delta stores.
+
+All of it comes from metadata (array documents and manifests), except the rows a rows delta stores, whose
+indices are read in blocks of ``ROWS_BLOCK`` and only counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .._errors import ArrayckptError
+from .._format.dtypes import dtype_by_name
+from .._format.manifest import ArrayEntry, ValueEntry
+from .._format.zarr import grid_counts
+from .._io.arrays import ArrayIO
+from .._read.checkpoint import Checkpoint, LazyArray
+from .._read.reader import read
+from .report_data import ChunkGrid, DeltaPart, Layer
+
+__all__ = ["chain_of", "deltas_of", "grid_of", "step_of", "stored_text"]
+
+ROW_BINS = 256  # bins of a rows delta's picture (fraction of rows stored per bin)
+ROWS_BLOCK = 1 << 20  # row indices of a rows delta read at once
+
+
+def step_of(checkpoint: Checkpoint) -> int | None:
+    """The step saved with the checkpoint, or else its plain value ``step`` when that is an integer."""
+    value = checkpoint.manifest.entries.get("step")
+    if checkpoint.step is None and isinstance(value, ValueEntry) and type(value.value) is int:
+        return value.value
+    return checkpoint.step
+
+
+def stored_text(array: LazyArray) -> str:
+    """How a tensor is stored: ``whole``, or relative to its base (``unchanged``, ``3/16 chunks``, ``120 rows``)."""
+    delta = array.entry.delta
+    if delta is None:
+        return "whole"
+    if delta.mode == "chunks":
+        total = math.prod(grid_counts(array.metadata))
+        return "unchanged" if not delta.present else f"{len(delta.present)}/{total} chunks"
+    lossy = f", {delta.quantized.bits}-bit" if delta.quantized is not None else ""
+    return f"{delta.rows} rows{lossy}"
+
+
+def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
+    """The chunk grid of the array holding ``key``'s layout (a base's for a rows delta); ``None`` for a
+    scalar, an empty tensor, or a base that cannot be read."""
+    array = checkpoint[key]
+    if not array.shape or not array.size:
+        return None
+    try:
+        metadata = checkpoint.dense_metadata(key)
+    except ArrayckptError:
+        return None
+    return _grid(key, metadata)
+
+
+def _grid(key: str, metadata: Mapping[str, Any]) -> ChunkGrid:
+    chunk = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    codecs = metadata.get("codecs", [])
+    inner = None
+    if codecs and codecs[0].get("name") == "sharding_indexed":
+        inner = tuple(codecs[0]["configuration"]["chunk_shape"])
+    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner)
+
+
+def chain_of(checkpoint: Checkpoint) -> list[Layer]:
+    """The checkpoint and its bases, newest first; a base that cannot be opened ends the list with its error."""
+    out: list[Layer] = []
+    layer: Checkpoint | None = checkpoint
+    while layer is not None:
+        ref = layer.manifest.base
+        out.append(Layer(str(layer.location), step_of(layer), layer.manifest.stored_bytes, ref is not None))
+        if ref is None:
+            break
+        try:
+            layer = layer.base
+        except ArrayckptError as e:
+            out.append(Layer(ref.path, ref.step, None, False, str(e)))
+            layer = None
+    return out
+
+
+def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
+    """What a delta checkpoint stores of each tensor, most stored bytes first; the first ``pictures`` chunks and
+    rows deltas that store anything carry what their picture needs (present chunks, or row density)."""
+    out = []
+    drawn = 0
+    for array in checkpoint.values():
+        entry = array.entry
+        stored = _stored_bytes(checkpoint, array)
+        out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),
+                             stored, array.nbytes))
+    out.sort(key=lambda p: (-p.stored_bytes, -p.nbytes))
+    for i, part in enumerate(out):
+        if drawn >= pictures or not part.stored_bytes or part.mode == "whole":
+            continue
+        entry = checkpoint[part.key].entry
+        assert entry.delta is not None
+        if part.mode == "chunks" and entry.shape:
+            out[i] = DeltaPart(part.key, part.mode, part.stored, part.stored_bytes, part.nbytes,
+                               _grid(part.key, checkpoint[part.key].metadata), frozenset(entry.delta.present))
+        elif part.mode == "rows":
+            try:
+                out[i] = DeltaPart(part.key, part.mode, part.stored, part.stored_bytes, part.nbytes,
+                                   row_density=_row_density(checkpoint, entry))
+            except ArrayckptError:  # its rows cannot be read: the table still lists it
+                continue
+        drawn += out[i].drawn
+    return out
+
+
+def _stored_bytes(checkpoint: Checkpoint, array: LazyArray) -> int:
+    """Bytes a delta checkpoint stores of a tensor: all of them, its present chunks (clipped to the array), or
+    its row-delta arrays (spec §4.2, ``stored_bytes``)."""
+    entry = array.entry
+    if entry.delta is None:
+        return entry.nbytes
+    if entry.delta.mode == "rows":
+        total = 0
+        for name in ("rows", "values", "codes", "scale", "offset"):
+            node = checkpoint.nodes.get(f"{entry.path}/{name}")
+            if isinstance(node, dict) and isinstance(node.get("shape"), list):
+                total += math.prod(node["shape"]) * dtype_by_name(node.get("data_type")).itemsize
+        return total
+    grid = _grid(entry.key, array.metadata)
+    total = 0
+    for flat in entry.delta.present:
+        index = np.unravel_index(flat, grid.counts) if grid.counts else ()
+        total += math.prod(min(c, n - i * c) for i, c, n in zip(index, grid.chunk, grid.shape, strict=True))
+    return total * entry.dtype.itemsize
+
+
+def _row_density(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:
+    """The fraction of rows a rows delta stores, in ``ROW_BINS`` equal bins of rows (row indices read in blocks
+    of ``ROWS_BLOCK``)."""
+    spec = checkpoint.rows_delta_spec(entry, "rows")
+    stored = spec["metadata"]["shape"][0]
+    rows_total = entry.shape[0]
+    bins = max(1, min(ROW_BINS, rows_total))
+    changed = np.zeros(bins, np.int64)
+    for start in range(0, stored, ROWS_BLOCK):
+        out = np.empty(min(ROWS_BLOCK, stored - start), np.int64)
+        read(checkpoint, [ArrayIO(entry.key, spec, out, (slice(start, start + len(out)),))])
+        rows = out[(out >= 0) & (out < rows_total)]  # -1: padding
+        changed += np.bincount(rows * bins // rows_total, minlength=bins)
+    starts = -(-np.arange(bins + 1, dtype=np.int64) * rows_total // bins)  # row r is in bin r * bins // rows_total
+    return changed / np.maximum(np.diff(starts), 1)

@@ -1,0 +1,52 @@
+"""Resume DeepSpeed at any data-parallel degree from an arrayckpt checkpoint, with no conversion pass in between::
+
+    # once: a ZeRO checkpoint saved by N ranks (engine.save_checkpoint) into arrayckpt
+    arrayckpt.convert("checkpoints/", "ckpt/step-100")        # or: arrayckpt convert checkpoints/ ckpt/step-100
+
+    # then on any number of ranks (M != N too), after deepspeed.initialize:
+    import arrayckpt.deepspeed
+    client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")
+
+:func:`load` is what ``engine.load_checkpoint`` does with DeepSpeed's Universal Checkpoint
+(``"checkpoint": {"load_universal": true}``), without its offline ``ds_to_universal.py`` pass: every rank reads
+only the slices of the global arrays that its ZeRO partitions cover. The implementation and the DeepSpeed
+internals it follows are described in ``arrayckpt/_integrations/deepspeed_engine.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ._integrations.deepspeed_engine import load_engine
+
+__all__ = ["load"]
+
+
+def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, strict: bool = True, allow_pickle: bool = False,
+         storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Fill an initialised DeepSpeed ZeRO (stage 1, 2 or 3) engine from the arrayckpt checkpoint at ``path``;
+    returns the client state saved with it (``client_state`` of ``engine.save_checkpoint``).
+
+    Every rank calls it (DeepSpeed all-gathers the module weights at the end). Each rank reads, of every
+    parameter and optimizer moment, only the slice its partition covers: the fp32 master weights, ``exp_avg``
+    and ``exp_avg_sq``, the step and hyper-parameters of each param group, the module's frozen parameters and
+    buffers, DeepSpeed's step counters, loss scaler and learning-rate scheduler. Names and shapes are checked
+    against the engine before anything changes (``strict``: no parameter of the checkpoint left over).
+    ``load_optimizer_states=False`` loads the weights only (the optimizer starts fresh). ``allow_pickle`` is
+    needed when the client state holds pickled values (converted with ``allow_pickle=True``); ``storage_options``
+    as for :func:`arrayckpt.open` (``s3://`` paths).
+
+    The checkpoint is one converted from a DeepSpeed ZeRO checkpoint saved at any data-parallel degree
+    (``arrayckpt convert``): the next steps then match an uninterrupted run's (bit for bit at the same degree;
+    at another degree up to the reordering of the gradient reduction's floating-point sums).
+
+    >>> import arrayckpt.deepspeed                                   # doctest: +SKIP
+    >>> engine, *_ = deepspeed.initialize(model=model, config=cfg)   # doctest: +SKIP
+    >>> client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")  # doctest: +SKIP
+    """
+    return load_engine(engine, path, load_optimizer_states=load_optimizer_states,
+                       load_lr_scheduler_states=load_lr_scheduler_states, strict=strict,
+                       allow_pickle=allow_pickle, storage_options=storage_options)
