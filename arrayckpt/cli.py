@@ -27,20 +27,12 @@ from ._errors import ArrayckptError
 from ._tools.report_cli import add_report_parser, report_command
 from ._tools.sync_cli import add_sync_parser, sync_command
 from ._torch import TORCH_EXTRA, is_missing_torch
+from ._units import human_bytes
 
 if TYPE_CHECKING:  # imported when used: `estimate` and `interval` need neither torch nor TensorStore
     from ._read.checkpoint import Checkpoint, LazyArray
 
 __all__ = ["main"]
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def codec_name(array: LazyArray) -> str:

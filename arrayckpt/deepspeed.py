@@ -43,9 +43,11 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     (``arrayckpt convert``): the next steps then match an uninterrupted run's (bit for bit at the same degree;
     at another degree up to the reordering of the gradient reduction's floating-point sums).
 
-    >>> import arrayckpt.deepspeed                                   # doctest: +SKIP
-    >>> engine, *_ = deepspeed.initialize(model=model, config=cfg)   # doctest: +SKIP
-    >>> client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")  # doctest: +SKIP
+    For example (an engine needs a launched DeepSpeed job; ``tests/test_deepspeed.py`` runs this for real)::
+
+        import arrayckpt.deepspeed
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")
     """
     return load_engine(engine, path, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, strict=strict,

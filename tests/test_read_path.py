@@ -155,17 +155,16 @@ def test_a_delta_read_through_a_base_replaced_mid_read_is_refused(how: str) -> N
     if how == "load":  # load opens its own handle: replace the base between that open and its reads
         import arrayckpt._read.load as load_module
 
-        real = load_module.open_checkpoint
+        real = load_module._load
 
-        def open_then_replace_base(*args: Any, **kwargs: Any) -> arrayckpt.Checkpoint:
-            opened = real(*args, **kwargs)
-            opened.chain()
+        def replace_base_then_read(state: Any, opened: arrayckpt.Checkpoint, *args: Any, **kwargs: Any) -> Any:
+            opened.chain()  # the chain is open (its base pinned/identified) before the base is replaced
             _overwrite(base, 2)
-            return opened
+            return real(state, opened, *args, **kwargs)
 
         target = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in _state(0).items()}
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(load_module, "open_checkpoint", open_then_replace_base)
+            patch.setattr(load_module, "_load", replace_base_then_read)
             with pytest.raises(arrayckpt.CorruptCheckpointError, match=REPLACED):
                 arrayckpt.load(target, delta, allow_pickle=True)
         return

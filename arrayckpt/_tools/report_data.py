@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from .._units import human_bytes
+
 __all__ = ["Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode", "TensorStats",
            "human_bytes", "size_tree", "squarify"]
 
@@ -173,15 +175,6 @@ def size_tree(tensors: list[TensorStats], depth: int = 4) -> SizeNode:
     for node in index.values():
         node.children.sort(key=lambda c: -c.nbytes)
     return root
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def squarify(sizes: list[float], x: float, y: float, width: float, height: float) -> list[tuple[float, ...]]:
