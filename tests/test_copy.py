@@ -256,7 +256,9 @@ def test_local_to_s3_and_back_replacing_a_committed_checkpoint(s3_server: S3Serv
 
 def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_nothing(
         s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(pump_module, "RETRY_DELAYS", (0.01, 0.01, 0.01))
+    # 9 attempts per file: with a quarter of PUTs failing, a file fails them all with p = 0.25**9 (the test is not
+    # a coin toss), while a permanent error still fails fast
+    monkeypatch.setattr(pump_module, "RETRY_DELAYS", (0.01,) * 8)
     options = {"endpoint_url": s3_proxy.endpoint, "max_retries": 0}  # TensorStore gives up at once: ours retry
     SHARDED.save(_state(1), tmp_path / "src")
     s3_proxy.fail_put_fraction = 0.25
