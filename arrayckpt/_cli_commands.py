@@ -8,67 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._read.checkpoint import Checkpoint
 
-__all__ = ["cli_message", "cmd_convert", "cmd_gc", "explain_path", "info_header", "per_rank_info", "per_rank_values",
+__all__ = ["cli_message", "cmd_convert", "cmd_gc", "info_header", "per_rank_info", "per_rank_values",
            "ranks_text"]
 
-ROOT_DOCUMENT = "zarr.json"  # the root zarr.json a committed checkpoint has (`_format.zarr.ROOT_METADATA`)
-MAX_LISTED = 8
-
-
-def _local(path: str) -> Path | None:
-    """The local path a command-line path names (``None`` for object storage URLs)."""
-    if path.startswith("file://"):
-        return Path(path.removeprefix("file://"))
-    return None if "://" in path else Path(path)
-
-
-def explain_path(path: str) -> str | None:
-    """What a local path that is not an arrayckpt checkpoint holds, as the sentence to print instead of "incomplete
-    checkpoint" (``None``: a checkpoint, a URL, or nothing recognisable: the library's own error says it)."""
-    p = _local(path)
-    if p is None:
-        return None
-    try:
-        if p.is_file():
-            return _explain_file(path, p)
-        if not p.is_dir() or (p / ROOT_DOCUMENT).is_file():
-            return None
-        convert = f"convert it with `arrayckpt convert {path} OUT`"
-        if (p / ".metadata").is_file():
-            kind = "a Megatron-Core torch_dist" if (p / "metadata.json").is_file() else "a PyTorch DCP"
-            return f"{path}: {kind} checkpoint, not an arrayckpt one; {convert}"
-        if (p / "latest").is_file() or next(p.glob("*_model_states.pt"), None) is not None:
-            return f"{path}: a DeepSpeed checkpoint, not an arrayckpt one; {convert}"
-        if next(p.glob("*.safetensors"), None) is not None or next(p.glob("*.safetensors.index.json"), None):
-            return f"{path}: safetensors files, not an arrayckpt checkpoint; {convert}"
-        steps = sorted(child.name for child in p.iterdir() if (child / ROOT_DOCUMENT).is_file())
-    except OSError:
-        return None
-    if not steps:
-        return None
-    shown = ", ".join(steps[-MAX_LISTED:]) + (f" (and {len(steps) - MAX_LISTED} older)" if len(steps) > MAX_LISTED
-                                             else "")
-    return (f"{path}: a directory of {len(steps)} checkpoint(s), not one checkpoint; name one of them, e.g. "
-            f"{os.path.join(path, steps[-1])} (found: {shown})")
-
-
-def _explain_file(path: str, p: Path) -> str | None:
-    convert = f"convert it with `arrayckpt convert {path} OUT`"
-    if p.name.endswith((".safetensors", ".safetensors.index.json")):
-        return f"{path}: a safetensors file, not an arrayckpt checkpoint (a directory); {convert}"
-    with open(p, "rb") as f:
-        magic = f.read(2)
-    if magic == b"PK" or magic[:1] == b"\x80":
-        return f"{path}: a torch.save file, not an arrayckpt checkpoint (a directory); {convert}"
-    return None
 
 
 def cli_message(error: BaseException) -> str:

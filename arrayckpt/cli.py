@@ -531,7 +531,8 @@ READ_COMMANDS = {"info": ("path",), "verify": ("path",), "show": ("path",), "dif
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; a bad input ends in one line on stderr and exit status 2 (1: damage or a difference),
     never a traceback; a closed output pipe (``| head``) ends quietly with status 141, as a Unix tool has."""
-    from ._cli_commands import cli_message, explain_path
+    from ._cli_commands import cli_message
+    from ._whatis import explain_path
 
     args = build_parser().parse_args(argv)
     try:

@@ -29,7 +29,7 @@ PACKAGE = Path(arrayckpt.__file__).parent
 
 # Lowest first: a module may import from its own layer and the layers before it, never from a later one.
 LAYERS = [
-    ("_errors", "_version", "_zarr_dtypes", "_units"),
+    ("_errors", "_version", "_zarr_dtypes", "_units", "_whatis"),
     ("_format",),
     ("_layout",),
     ("_io",),

@@ -123,6 +123,14 @@ def test_says_what_a_path_is(corpus: dict[str, Path], capsys: pytest.CaptureFixt
     assert said in err and "incomplete" not in err
 
 
+def test_convert_of_a_manager_root_lists_its_steps(corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]):
+    out = corpus["good"].parent / "from-manager.safetensors"
+    assert main(["convert", str(corpus["manager"]), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "a directory of 2 checkpoint(s)" in err and "convert one of them" in err and "step-00000001" in err
+    assert not out.exists()
+
+
 def test_malicious_pickle_is_refused_without_running(corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]):
     root = corpus["good"].parent
     assert main(["convert", str(corpus["evil.pt"]), str(root / "out")]) == 2

@@ -237,12 +237,20 @@ def test_overlapping_safetensors_offsets_are_refused(tmp_path, capsys):
 
 
 def test_disjoint_and_empty_safetensors_tensors_convert(tmp_path):
+    """An empty tensor between two others converts; one placed inside another's bytes is refused as the
+    safetensors library (and Hugging Face's loader) refuses it, naming the file."""
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-              "z": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+              "z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
               "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}
     src = _safetensors(tmp_path / "m.safetensors", header, np.arange(3, dtype=np.float32).tobytes())
     arrayckpt.convert(src, tmp_path / "out")
-    assert arrayckpt.open(tmp_path / "out")["b"].numpy().tolist() == [2.0]
+    with arrayckpt.open(tmp_path / "out") as out:
+        assert out["b"].numpy().tolist() == [2.0] and out["z"].shape == (0,)
+    header["z"]["data_offsets"] = [4, 4]
+    inside = _safetensors(tmp_path / "inside.safetensors", header, np.arange(3, dtype=np.float32).tobytes())
+    with pytest.raises(arrayckpt.FormatError, match="inside.safetensors"):
+        arrayckpt.convert(inside, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
 
 
 @pytest.mark.parametrize(("header", "match"), [

@@ -11,8 +11,9 @@ Reading: each tensor's saved chunks are read straight into their place in the wh
 tensor at a time.
 
 Writing gives DCP a state of meta tensors and a planner that reads each tensor from arrayckpt only when
-DCP writes it, and a ``FileSystemWriter`` whose ``write_data`` writes each item to a ``.distcp`` file of its
-own and drops it before reading the next (DCP's own holds the previous tensor while reading the next one).
+DCP writes it, and a ``FileSystemWriter`` whose ``write_data`` appends each item to one ``__0_0.distcp`` (as
+DCP groups a rank's items) and drops it before reading the next (DCP's own holds the previous tensor while
+reading the next one).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -35,7 +36,7 @@ from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing
-from .dcp_payload import check_chunks, read_in_place, storage_index
+from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
 
 __all__ = ["MetadataUnpickler", "from_dcp", "read_dcp_metadata", "to_dcp"]
 
@@ -217,7 +218,7 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     """An arrayckpt checkpoint into a single-rank DCP checkpoint (loadable by DCP on any number of ranks).
 
     DCP is given the nested state with meta tensors; each tensor is read from arrayckpt only when DCP's
-    writer asks for it and goes to a ``.distcp`` file of its own, so memory stays near one tensor.
+    writer asks for it and is appended to the one ``__0_0.distcp`` file, so memory stays near one tensor.
     Per-rank entries are skipped (DCP has no such notion); pickled values need the checkpoint opened with
     ``allow_pickle=True``.
     """
@@ -295,47 +296,57 @@ def _dcp_cause(error: BaseException) -> BaseException:
     return ours[0] if ours else causes[0] if causes else error
 
 
-
 def _writer(path: Path, overwrite: bool) -> Any:
-    """A ``FileSystemWriter`` that writes each item to a file of its own and holds one item at a time.
+    """A ``FileSystemWriter`` that appends every item to one ``__0_0.distcp``, holding one item at a time.
 
-    DCP's ``write_data`` keeps the last tensor written (its ``tensor_dict``, and the loop variable) while it
-    resolves the next one, so converting held two tensors at once. Here each item is resolved, written
-    with ``torch.save`` (exactly what DCP writes: its reader ``torch.load``s the bytes at (offset, length) of
-    a ``.distcp`` file), made durable and dropped before the next; the planning, the ``.metadata`` and its
-    commit stay DCP's own.
+    DCP groups a rank's items into ``thread_count`` files (one, by default) and records each item's place
+    in ``.metadata``; a conversion is one writer, so one file, not one per tensor. DCP's own ``write_data``
+    keeps every tensor of a file in its ``tensor_dict`` until the file is done (for its safetensors format), so
+    converting with it would hold the whole model at once. Here each item is resolved, appended as DCP serialises it
+    (:func:`append_payload`) and dropped before the next; the planning, the ``.metadata`` and its commit stay
+    DCP's own.
     """
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
     from torch.futures import Future
 
-    class OneItemAtATimeWriter(FileSystemWriter):
+    class OneFileWriter(FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
-            prefix = plan.storage_data.prefix
-            results = []
-            for i, item in enumerate(plan.items):
-                name = f"{prefix}{i}.distcp"
-                data = planner.resolve_data(item)
-                with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(data.getbuffer())
-                    else:
-                        tensor = data.detach().cpu()
-                        if tensor.untyped_storage().nbytes() != tensor.nbytes:
-                            tensor = tensor.clone()  # torch.save writes a view's whole storage
-                        torch.save(tensor, stream)
-                        del tensor
-                    del data
-                    stream.flush()
-                    length = stream.tell()
-                    if self.sync_files:
-                        os.fsync(stream.fileno())
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, 0, length)))
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results = _write_one_file(Path(self.path) / name, plan.items, planner, self.sync_files)
             future: Any = Future()
             future.set_result(results)
             return future
 
-    return OneItemAtATimeWriter(os.fspath(path), single_file_per_rank=False, thread_count=1, overwrite=overwrite)
+    return OneFileWriter(os.fspath(path), single_file_per_rank=True, thread_count=1, overwrite=overwrite)
+
+
+def _write_one_file(file: Path, items: list[Any], planner: Any, sync: bool) -> list[Any]:
+    """Every write item appended to ``file``, plain values first and then tensors in plan order (DCP's order
+    with one file per rank), written under a temporary name and renamed into place once complete and (with
+    ``sync``) durable, so a ``.distcp`` file that is there is whole. Returns DCP's ``WriteResult`` per item."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    partial = file.with_name(f".{file.name}.tmp")
+    ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # stable: plan order kept
+    try:
+        with open(partial, "wb") as stream:
+            results = [_append_item(stream, item, planner, file.name) for item in ordered]
+            stream.flush()
+            if sync:
+                os.fsync(stream.fileno())
+        os.replace(partial, file)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return results
+
+
+def _append_item(stream: BinaryIO, item: Any, planner: Any, name: str) -> Any:
+    """One item resolved (a tensor read from arrayckpt only now), appended to ``stream`` and recorded as
+    DCP's ``_StorageInfo(name, offset, length)``; the data is dropped on return, before the next is read."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    offset, length = append_payload(stream, planner.resolve_data(item))
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))

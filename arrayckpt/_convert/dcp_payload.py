@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ import torch
 from .._errors import FormatError
 from .torch_save import LEGACY_STORAGES
 
-__all__ = ["check_chunks", "read_in_place", "storage_index"]
+__all__ = ["append_payload", "check_chunks", "read_in_place", "storage_index"]
 
 _READ_BUFFER = 16 << 20  # bounce buffer for a chunk whose place in the whole tensor is not contiguous
 
@@ -308,3 +308,20 @@ def storage_index(metadata: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
         return {}
     return {(index.fqn, tuple(index.offset or ())): info for index, info in storage.items()
             if hasattr(index, "fqn")}
+
+
+def append_payload(stream: BinaryIO, data: torch.Tensor | io.BytesIO) -> tuple[int, int]:
+    """``data`` appended to ``stream`` as torch's ``FileSystemWriter`` writes an item (its default
+    ``torch_save`` format, no stream extensions): a plain value's bytes as they are, a tensor as a
+    ``torch.save`` of it, which DCP's reader ``torch.load``s from (offset, length) and :func:`read_in_place`
+    reads in place. Returns (offset, length) of what was appended."""
+    offset = stream.tell()
+    if isinstance(data, io.BytesIO):
+        stream.write(data.getbuffer())
+    else:
+        tensor = data.detach().cpu()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # torch.save writes a view's whole storage
+        torch.save(tensor, stream)
+        del tensor
+    return offset, stream.tell() - offset

@@ -19,6 +19,7 @@ from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatErro
 from .._format.zarr import ROOT_METADATA
 from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
+from .._whatis import checkpoint_steps, explain_path
 from .common import ConvertResult, Progress
 from .safetensors import to_safetensors
 
@@ -102,6 +103,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     if source is None:
         if not os.path.exists(src):
             raise CheckpointNotFoundError(f"{src}: nothing here to convert")
+        if Path(src).is_dir() and checkpoint_steps(Path(src)):  # a manager's root: say which steps it holds
+            raise FormatError(str(explain_path(os.fspath(src), "convert")))
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:

@@ -3,31 +3,46 @@
 safetensors holds tensors only, so plain values are left out (and listed in the result); tensors that share
 storage (tied weights) are stored separately. Writing safetensors needs no torch (arrays are read as numpy);
 reading it into arrayckpt does (the streaming writer describes the state with meta tensors).
+
+Reading goes through the ``safetensors`` library (``safe_open``), so a file is accepted exactly when Hugging
+Face's own loader accepts it (header, dtypes, offsets that tile the data with no overlap, gap or excess), and
+each tensor is a view of the library's memory map whose pages are dropped once written. ``framework="pt"``:
+numpy has no bfloat16 or float8, and the torch view keeps every bit pattern. When the library refuses a file,
+the header is looked at here only to say which tensor is wrong and how (:func:`_explain_refusal`).
+
+Writing streams (header first, then each tensor's bytes as read): the library's writers (``save_file``,
+``serialize_file``) need every tensor in memory at once. The files written are tested to open with
+``safe_open``. The source's metadata (a file's ``__metadata__``, an index's ``metadata``) is what
+:func:`source_record` returns, for the manifest's ``created["source"]``; :func:`to_safetensors` carries it
+back out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._errors import FormatError, StateError
+from .._errors import ArrayckptError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
 from .._format.manifest import ArrayEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
 
-__all__ = ["ST_DTYPES", "ST_NAMES", "from_safetensors", "read_safetensors_header", "to_safetensors"]
+__all__ = ["ST_DTYPES", "ST_NAMES", "from_safetensors", "source_record", "to_safetensors"]
 
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # the safetensors library's own limit on the JSON header
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+DEFAULT_FILE_METADATA = {"format": "pt"}  # what transformers expects in __metadata__ to load a file
 ST_DTYPES: dict[str, DType] = {st: DTYPES[name] for st, name in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
     "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
@@ -38,89 +53,153 @@ ST_NAMES = {dtype.name: st for st, dtype in ST_DTYPES.items()}  # arrayckpt dtyp
 
 @dataclass(frozen=True)
 class _StTensor:
-    """One tensor of a safetensors file: where its bytes are."""
+    """One tensor of a safetensors file, as the library's header describes it."""
 
     name: str
     file: Path
     dtype: DType
     shape: tuple[int, ...]
-    start: int  # absolute file offset
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def read_safetensors_header(file: Path) -> list[_StTensor]:
-    """The tensors of one safetensors file, from its JSON header, checked against the file's size."""
+@dataclass(frozen=True)
+class _StSource:
+    """A safetensors checkpoint: its files, and the index's ``metadata`` when it came with an index."""
+
+    files: list[Path]
+    index_metadata: dict[str, Any] | None = None
+
+
+class _NoSafetensorsError(ArrayckptError, ModuleNotFoundError):
+    """Reading safetensors needs the ``safetensors`` package (an ArrayckptError: one line from the CLI)."""
+
+
+def _open(file: Path, stack: contextlib.ExitStack) -> Any:
+    """``safe_open`` (torch views of a memory map), kept open by ``stack``; the library's refusal becomes a
+    :class:`FormatError` naming the file and the tensor at fault."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise _NoSafetensorsError(f"{file}: reading safetensors needs the safetensors package: "
+                                  "pip install safetensors", name="safetensors") from None
+    try:
+        return stack.enter_context(safe_open(file, framework="pt"))
+    except SafetensorError as e:
+        raise FormatError(f"{file}: {_explain_refusal(file) or _library_reason(e)}") from None
+
+
+_HINTS = {  # what the library's terse reasons mean for a file
+    "invalid offset": "the tensors' data must follow one another with no gap or overlap",
+    "incomplete metadata": "the header's data_offsets do not end where the file does",
+}
+
+
+def _library_reason(error: BaseException) -> str:
+    reason = str(error).removeprefix("Error while deserializing header: ")
+    hint = next((f": {text}" for start, text in _HINTS.items() if reason.startswith(start)), "")
+    return (f"not a valid safetensors file ({reason}{hint}); it is truncated or damaged, or was not written by "
+            "a safetensors writer")
+
+
+def _tensors_of(file: Path, handle: Any) -> list[_StTensor]:
+    """The tensors of an opened file, each with a dtype arrayckpt stores (the library knows a few more)."""
+    out = []
+    for name in handle.keys():
+        view = handle.get_slice(name)
+        st, shape = view.get_dtype(), tuple(view.get_shape())
+        if st not in ST_DTYPES:
+            raise FormatError(f"{file}: tensor {name!r} has dtype {st!r}, which arrayckpt cannot store; "
+                              f"supported: {', '.join(ST_DTYPES)}")
+        out.append(_StTensor(name, file, ST_DTYPES[st], shape))
+    return out
+
+
+# ------------------------------------------------------------ why the library refused a file (messages only)
+
+
+def _explain_refusal(file: Path) -> str | None:
+    """What is wrong with a file the library refused, naming the tensor, or ``None`` if these checks find
+    nothing (the library's own reason is then given). Never used to accept a file."""
+    try:
+        header, base, size = _raw_header(file)
+        for name, info in header.items():
+            if name != "__metadata__":
+                _check_entry(name, info, base, size)
+        _check_disjoint(header)
+    except FormatError as e:
+        return str(e)
+    return None
+
+
+def _raw_header(file: Path) -> tuple[dict[str, Any], int, int]:
+    """The JSON header, where the data starts, and the file's size."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise FormatError(f"{file}: too short to be a safetensors file")
+            raise FormatError("too short to be a safetensors file")
         (length,) = struct.unpack("<Q", head)
         if length > min(SAFETENSORS_HEADER_LIMIT, size - 8):
-            raise FormatError(f"{file}: safetensors header length {length} is impossible for a {size}-byte file")
+            raise FormatError(f"safetensors header length {length} is impossible for a {size}-byte file")
         try:
             header = json.loads(f.read(length))
         except (ValueError, RecursionError) as e:  # not JSON, nested too deep, integers of too many digits
-            raise FormatError(f"{file}: safetensors header is not usable JSON: {_brief(e)}") from None
+            raise FormatError(f"safetensors header is not usable JSON: {_brief(e)}") from None
     if not isinstance(header, dict):
-        raise FormatError(f"{file}: safetensors header must be a JSON object")
-    base = 8 + length
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out.append(_parse_st_tensor(file, name, info, base, size))
-    _check_disjoint(file, out)
-    return out
+        raise FormatError("safetensors header must be a JSON object")
+    return header, 8 + length, size
 
 
 def _brief(error: BaseException) -> str:
     return str(error) if isinstance(error, ValueError) else "nested too deeply"
 
 
-def _check_disjoint(file: Path, tensors: list[_StTensor]) -> None:
-    """Every tensor's bytes must be its own: two tensors whose byte ranges overlap would read each other's data."""
-    previous: _StTensor | None = None
-    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.start):
-        if previous is not None and t.start < previous.start + previous.nbytes:
-            raise FormatError(f"{file}: tensors {previous.name!r} and {t.name!r} have overlapping data_offsets; "
-                              "the safetensors file is damaged or was not written by a safetensors writer")
-        previous = t
-
-
-def _parse_st_tensor(file: Path, name: str, info: object, base: int, size: int) -> _StTensor:
+def _check_entry(name: str, info: object, base: int, size: int) -> None:
     if not isinstance(info, dict) or info.get("dtype") not in ST_DTYPES:
         dtype = info.get("dtype") if isinstance(info, dict) else info
-        raise FormatError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: {', '.join(ST_DTYPES)}")
-    dtype = ST_DTYPES[info["dtype"]]
+        raise FormatError(f"tensor {name!r} has dtype {dtype!r}; supported: {', '.join(ST_DTYPES)}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(_count(n) for n in shape)
             and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
-        raise FormatError(f"{file}: tensor {name!r} has a malformed shape {shape!r} or data_offsets {offsets!r}")
+        raise FormatError(f"tensor {name!r} has a malformed shape {shape!r} or data_offsets {offsets!r}")
     begin, end = offsets
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not 0 <= begin <= end or end - begin != nbytes or base + end > size:
-        raise FormatError(f"{file}: tensor {name!r} data_offsets {offsets} do not fit its {info['dtype']}{shape} "
+    if end - begin != math.prod(shape) * ST_DTYPES[info["dtype"]].itemsize or base + end > size:
+        raise FormatError(f"tensor {name!r} data_offsets {offsets} do not fit its {info['dtype']}{shape} "
                           f"or the file's {size} bytes")
-    return _StTensor(name, file, dtype, tuple(shape), base + begin, nbytes)
 
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
-def _safetensors_files(src: Path) -> list[Path]:
+def _check_disjoint(header: dict[str, Any]) -> None:
+    """Two tensors whose byte ranges overlap would read each other's data (entries already checked)."""
+    spans = sorted((info["data_offsets"], name) for name, info in header.items()
+                   if name != "__metadata__" and info["data_offsets"][0] < info["data_offsets"][1])
+    for (before, first), (after, second) in zip(spans, spans[1:], strict=False):
+        if after[0] < before[1]:
+            raise FormatError(f"tensors {first!r} and {second!r} have overlapping data_offsets; the safetensors "
+                              "file is damaged or was not written by a safetensors writer")
+
+
+# ------------------------------------------------------------------------------------ safetensors -> arrayckpt
+
+
+def _safetensors_source(src: Path) -> _StSource:
     """The files of a safetensors checkpoint: one file, an index JSON's shards, or a directory of either."""
     if src.is_dir():
         indexes = sorted(src.glob("*.safetensors.index.json"))
         if len(indexes) > 1:
             raise FormatError(f"{src}: several index files ({', '.join(p.name for p in indexes)}); name one")
         if indexes:
-            return _safetensors_files(indexes[0])
+            return _safetensors_source(indexes[0])
         files = sorted(src.glob("*.safetensors"))
         if len(files) != 1:
             raise FormatError(f"{src}: {len(files)} .safetensors files and no index JSON; name the file to convert")
-        return files
+        return _StSource(files)
     if src.name.endswith(".json"):
         try:
             index = json.loads(src.read_text())
@@ -130,20 +209,26 @@ def _safetensors_files(src: Path) -> list[Path]:
             raise FormatError(f"{src}: not a safetensors index (needs a 'weight_map' object): {e}") from None
         if not all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in names):
             raise FormatError(f"{src}: weight_map names files outside its directory: {names!r}")
-        return [src.parent / n for n in names]
-    return [src]
+        metadata = index.get("metadata")
+        return _StSource([src.parent / n for n in names], metadata if isinstance(metadata, dict) else {})
+    return _StSource([src])
 
 
-def _read_st_tensor(t: _StTensor) -> np.ndarray:
-    """Read one tensor's bytes straight into a new array (no mapping of the file)."""
-    out = np.empty(t.shape, dtype=t.dtype.numpy)
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    with open(t.file, "rb") as f:
-        f.seek(t.start)
-        got = f.readinto(view) if t.nbytes else 0
-    if got != t.nbytes:
-        raise FormatError(f"{t.file}: tensor {t.name!r} is truncated ({got} of {t.nbytes} bytes)")
-    return out
+def source_record(index_metadata: Mapping[str, Any] | None, file_metadata: list[dict[str, str]]) -> dict[str, Any]:
+    """The source's own metadata, for the manifest's ``created["source"]``: the ``__metadata__`` entries every
+    file shares (``{"format": "pt"}``) and, for shards, the index's ``metadata``. :func:`to_safetensors` writes
+    them back out (recounting ``total_size`` and ``total_parameters``).
+
+    >>> source_record(None, [{"format": "pt", "note": "x"}, {"format": "pt"}])
+    {'format': 'safetensors', 'metadata': {'format': 'pt'}}
+    """
+    shared = dict(file_metadata[0]) if file_metadata else {}
+    for other in file_metadata[1:]:
+        shared = {k: v for k, v in shared.items() if other.get(k) == v}
+    record: dict[str, Any] = {"format": "safetensors", "metadata": shared}
+    if index_metadata is not None:
+        record["index_metadata"] = dict(index_metadata)
+    return record
 
 
 def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
@@ -151,27 +236,51 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
                      chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
     """One safetensors file, or a sharded set with its index JSON, into arrayckpt (keys are the tensor names).
 
-    Tensors are read one at a time with positioned reads, so memory stays near one tensor. Needs torch.
+    Every file is opened (and so checked) by the safetensors library before anything is written. Tensors are
+    views of its memory map, written one batch at a time, their pages dropped once written, so resident memory
+    stays near one tensor. Needs torch.
     """
     import torch  # the skeleton is meta tensors (dispatch.py checks that torch is there)
 
     from .._torch.dtypes import torch_dtype
     from .._write.options import SaveOptions
     from .._write.stream import write_streaming
+    from .torch_save import _release_pages
 
     del allow_pickle  # safetensors holds no values
+    source = _safetensors_source(Path(src))
+    with contextlib.ExitStack() as stack:
+        handles = {file: _open(file, stack) for file in source.files}
+        tensors = _all_tensors(Path(src), handles)
+        held: dict[str, torch.Tensor] = {}
+
+        def fetch(key: str) -> torch.Tensor:
+            held[key] = handles[tensors[key].file].get_tensor(key)
+            return held[key]
+
+        skeleton = {name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta")
+                    for name, t in tensors.items()}
+        write_streaming(skeleton, fetch, dst, SaveOptions(overwrite=overwrite, chunking=chunking),
+                        source=f"safetensors: {Path(src).name}", progress=progress,
+                        release=lambda key: _release_pages(held.pop(key)) if key in held else None,
+                        created={"source": source_record(source.index_metadata,
+                                                         [dict(h.metadata() or {}) for h in handles.values()])})
+    return ConvertResult("safetensors", "arrayckpt", len(tensors), sum(t.nbytes for t in tensors.values()),
+                         (str(dst),))
+
+
+def _all_tensors(src: Path, handles: Mapping[Path, Any]) -> dict[str, _StTensor]:
+    """Every tensor of every file by name; a name in two files is refused (which one would be meant?)."""
     tensors: dict[str, _StTensor] = {}
-    for file in _safetensors_files(Path(src)):
-        for t in read_safetensors_header(file):
+    for file, handle in handles.items():
+        for t in _tensors_of(file, handle):
             if t.name in tensors:
                 raise FormatError(f"{src}: tensor {t.name!r} is in both {tensors[t.name].file.name} and {file.name}")
             tensors[t.name] = t
-    skeleton = {name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for name, t in tensors.items()}
-    write_streaming(skeleton, lambda key: _read_st_tensor(tensors[key]), dst,
-                    SaveOptions(overwrite=overwrite, chunking=chunking), source=f"safetensors: {Path(src).name}",
-                    progress=progress)
-    return ConvertResult("safetensors", "arrayckpt", len(tensors), sum(t.nbytes for t in tensors.values()),
-                         (str(dst),))
+    return tensors
+
+
+# ------------------------------------------------------------------------------------ arrayckpt -> safetensors
 
 
 def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
@@ -199,12 +308,14 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
     for file in files:
         refuse_existing(file, overwrite)
     total = sum(checkpoint[k].nbytes for k in keys)
+    file_metadata, index_metadata = _carried_metadata(checkpoint)
     done = [0]
     for file, names in zip(files, shards, strict=True):
-        _write_safetensors(checkpoint, names, file, done, total, progress)
+        _write_safetensors(checkpoint, names, file, file_metadata, done, total, progress)
     written = [str(f) for f in files]
     if len(files) > 1:
-        index = {"metadata": {"total_size": total},
+        totals = {"total_size": total, "total_parameters": sum(math.prod(checkpoint[k].shape) for k in keys)}
+        index = {"metadata": index_metadata | totals,
                  "weight_map": {k: f.name for f, names in zip(files, shards, strict=True) for k in names}}
         index_path = target / SAFETENSORS_INDEX
         refuse_existing(index_path, overwrite)
@@ -228,10 +339,23 @@ def _shard(keys: list[str], checkpoint: Checkpoint, limit: int | None) -> list[l
     return shards
 
 
-def _write_safetensors(checkpoint: Checkpoint, keys: list[str], file: Path, done: list[int], total: int,
-                       progress: Progress | None) -> None:
+def _carried_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], dict[str, Any]]:
+    """The ``__metadata__`` for every file and the index's ``metadata``: ``{"format": "pt"}`` overlaid with what
+    a safetensors source recorded in ``created["source"]`` (:func:`source_record`). That record is
+    informational: anything malformed in it is ignored, never an error."""
+    record = checkpoint.manifest.created.get("source")
+    if not isinstance(record, dict) or record.get("format") != "safetensors":
+        return dict(DEFAULT_FILE_METADATA), {}
+    files, index = record.get("metadata"), record.get("index_metadata")
+    strings = {k: v for k, v in files.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(files, dict) else {}
+    return DEFAULT_FILE_METADATA | strings, dict(index) if isinstance(index, dict) else {}
+
+
+def _write_safetensors(checkpoint: Checkpoint, keys: list[str], file: Path, metadata: dict[str, str],
+                       done: list[int], total: int, progress: Progress | None) -> None:
     """Header first (every offset is known from the metadata), then each tensor's bytes as it is read."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for key in keys:
         array = checkpoint[key]

@@ -8,9 +8,9 @@ between torch and numpy memory) is ``_torch/dtypes.py``: reading a checkpoint in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 
 from .._errors import FormatError
@@ -20,14 +20,21 @@ __all__ = ["DTYPES", "DType", "dtype_by_name", "dtype_of_numpy"]
 
 @dataclass(frozen=True)
 class DType:
-    """One row of the dtype table."""
+    """One row of the dtype table. The numpy dtype is made on first use: the ``ml_dtypes`` rows import
+    ``ml_dtypes`` (about half a second of start-up) only when their values are touched, so ``arrayckpt info`` on a
+    bfloat16 checkpoint never pays for it."""
 
     name: str  # Zarr v3 data_type and torch.<name>
-    numpy: np.dtype
+    itemsize: int
+    _source: str = field(repr=False, compare=False)  # "numpy" or "ml_dtypes": the module with the scalar type
 
-    @property
-    def itemsize(self) -> int:
-        return self.numpy.itemsize
+    @functools.cached_property
+    def numpy(self) -> np.dtype:
+        if self._source == "numpy":
+            return np.dtype(self.name)
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, self.name))
 
     @property
     def fill_value(self) -> object:
@@ -43,18 +50,18 @@ class DType:
         return 0
 
 
-_NUMPY: dict[str, object] = {
-    "bool": np.bool_, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
-    "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "float16": np.float16, "float32": np.float32,
-    "float64": np.float64, "complex64": np.complex64, "complex128": np.complex128, "bfloat16": ml_dtypes.bfloat16,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2,
-    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+_NUMPY_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16,
 }
-if hasattr(ml_dtypes, "float8_e8m0fnu"):
-    _NUMPY["float8_e8m0fnu"] = ml_dtypes.float8_e8m0fnu
+_ML_DTYPES_ITEMSIZE = {
+    "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,  # ml_dtypes 0.5+ (the dependency's floor)
+}
 
-DTYPES: dict[str, DType] = {name: DType(name, np.dtype(numpy)) for name, numpy in _NUMPY.items()}
-_BY_NUMPY: dict[np.dtype, DType] = {row.numpy: row for row in DTYPES.values()}
+
+DTYPES: dict[str, DType] = {name: DType(name, size, "numpy") for name, size in _NUMPY_ITEMSIZE.items()}
+DTYPES.update({name: DType(name, size, "ml_dtypes") for name, size in _ML_DTYPES_ITEMSIZE.items()})
 
 
 def dtype_by_name(name: object) -> DType:
@@ -69,4 +76,6 @@ def dtype_of_numpy(dtype: np.dtype) -> DType | None:
     """The table row of a numpy dtype (native byte order only), or ``None``."""
     if dtype.byteorder == ">":
         return None
-    return _BY_NUMPY.get(dtype.newbyteorder("=") if dtype.byteorder == "<" else dtype)
+    native = dtype.newbyteorder("=") if dtype.byteorder == "<" else dtype
+    row = DTYPES.get(native.name)  # an ml_dtypes dtype here means ml_dtypes is imported already
+    return row if row is not None and row.numpy == native else None

@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -67,7 +66,7 @@ _SHRINK_STEPS = round(SEARCH_BINS * SEARCH_RATIO)  # 32 steps, each trying two c
 # (and mostly in cache) however many rows a tensor has.
 _BLOCK_VALUES = 1 << 16
 
-_FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")  # dtypes quantization accepts (numpy made lazily)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -313,6 +312,8 @@ def _dequantize_block(q: QuantizedRows, start: int, stop: int, dtype: np.dtype) 
     values = _unpack(q.codes[start:stop], q.bits, q.columns).astype(np.float64)
     values *= q.scale[start:stop, None]
     values += q.offset[start:stop, None]
+    import ml_dtypes  # here, not at import: half a second of start-up for every CLI command
+
     limit = float(ml_dtypes.finfo(dtype).max)
     np.clip(values, -limit, limit, out=values)
     return values.astype(dtype)
@@ -337,8 +338,8 @@ def _check_bits(bits: object) -> None:
 def _float_dtype(dtype: DTypeLike, purpose: str) -> np.dtype:
     """The numpy dtype for ``dtype`` if it is one of the float types rows can be quantized from or to."""
     resolved = np.dtype(dtype)
-    if resolved not in _FLOAT_DTYPES:
-        names = ", ".join(t.name for t in _FLOAT_DTYPES)
+    if resolved.name not in _FLOAT_NAMES or resolved.byteorder == ">":
+        names = ", ".join(_FLOAT_NAMES)
         raise TypeError(
             f"cannot {purpose} {resolved.name}: only {names} rows are supported; "
             "store tensors of other dtypes without quantization"

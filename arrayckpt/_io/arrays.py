@@ -17,16 +17,18 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
 from .._format.integrity import chunk_crc
 from .._format.zarr import chunk_key
 from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
 from .._layout.box import Box, grid_cells
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 __all__ = ["ArrayIO", "Checksums", "array_spec", "check_chunk_files", "chunk_checksums", "collector_paused",
            "open_array", "read_context", "read_into", "write_all", "write_context"]
@@ -51,6 +53,7 @@ def collector_paused() -> Iterator[None]:
 
 def write_context() -> ts.Context:
     """A TensorStore context for one save: no per-file fsync (one flush at commit, see ``_storage``)."""
+    import tensorstore as ts  # on first use (CLI start-up)
     return ts.Context({"file_io_sync": False, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
 
 
@@ -58,6 +61,7 @@ def read_context() -> ts.Context:
     """A TensorStore context for reading: local files are memory-mapped, which saves one copy per chunk
     (measured ~1.7x faster loads). Committed chunk files are never modified in place, so a mapping
     cannot see a file change under it."""
+    import tensorstore as ts  # on first use (CLI start-up)
     return ts.Context({"file_io_mode": {"mode": "memmap"}, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
 
 
@@ -138,6 +142,7 @@ def _not_regular(path: str, key: str, where: str) -> CorruptCheckpointError:
 def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:
     """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
     try:
+        import tensorstore as ts  # on first use (CLI start-up)
         return ts.open(spec, open=True, assume_metadata=True, context=context)
     except Exception as e:
         raise FormatError(f"{where}: tensor {key!r}: TensorStore refuses the array metadata: {e}") from e
@@ -238,6 +243,7 @@ def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action
 
 
 def _read_store(store: Any, job: ArrayIO) -> Any:
+    import tensorstore as ts  # on first use (CLI start-up)
     return ts.array(job.data, copy=False, write=True).write(store)
 
 

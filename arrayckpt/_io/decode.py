@@ -12,7 +12,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from .._errors import CorruptCheckpointError
 from .arrays import array_spec
@@ -25,6 +24,7 @@ class ChunkDecoder:
     several arrays may share one ``context`` (its in-memory store) under different ``path`` prefixes."""
 
     def __init__(self, metadata: dict[str, Any], context: Any = None, path: str = "chunks/") -> None:
+        import tensorstore as ts  # on first use (CLI start-up)
         context = context if context is not None else ts.Context()  # a store nothing else reads or writes
         kvstore = {"driver": "memory", "path": path}
         self._array = ts.open(array_spec(kvstore, metadata), context=context, open=True,

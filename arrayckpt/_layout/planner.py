@@ -137,8 +137,8 @@ def _stack(descriptions: Sequence[LocalDescription]) -> _Stacked:
         meta[:, DTYPE] = np.concatenate(luts)[np.repeat(lut_starts, lengths) + meta[:, DTYPE]]
     starts = np.cumsum(lengths) - lengths
     seen_before = np.maximum.accumulate(np.concatenate(([-1], key[:-1]))) if total else key
-    stacked = np.concatenate(coords) if coords else np.zeros((0, 3, 1), np.int64)
-    gshape, offset, shape = (np.ascontiguousarray(stacked[:, plane]) for plane in (GLOBAL, OFFSET, SHAPE))
+    gshape, offset, shape = (np.concatenate([c[:, plane] for c in coords]) if coords else np.zeros((0, 1), np.int64)
+                             for plane in (GLOBAL, OFFSET, SHAPE))
     return _Stacked(list(ids), key, np.repeat(np.arange(len(tables)), lengths), np.arange(total) -
                     np.repeat(starts, lengths), meta, gshape, offset, shape, list(names),
                     np.flatnonzero(key > seen_before))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -82,6 +83,9 @@ class _Values(Mapping[str, Any]):
         return len(self._entries)
 
 
+_CONTEXT_LOCK = threading.Lock()
+
+
 class Checkpoint(Mapping[str, LazyArray]):
     """A committed checkpoint, read-only: dotted key -> :class:`LazyArray`.
 
@@ -101,7 +105,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         document, self._base, release, self._generation = opened or location.open_committed()
         try:
             self.manifest, self._nodes = parse_root_document(document, where)
-            self._read_context: Any = location.read_context()
+            self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
                 if isinstance(entry, ArrayEntry):
@@ -163,6 +167,10 @@ class Checkpoint(Mapping[str, LazyArray]):
     def _context(self) -> Any:
         """The TensorStore read context (what every read of data uses: closed, it raises)."""
         self._check_open()
+        if self._read_context is None:
+            with _CONTEXT_LOCK:  # one context per checkpoint, even when threads read first at once
+                if self._read_context is None:
+                    self._read_context = self.location.read_context()
         return self._read_context
 
     # --- delta checkpoints ------------------------------------------------------------------------

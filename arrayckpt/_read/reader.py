@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import tensorstore as ts
 
 from .._errors import ArrayckptError
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into
@@ -34,6 +33,8 @@ from .._layout.box import Box
 from .._read.chain import Overlay, plan_box
 
 if TYPE_CHECKING:
+    import tensorstore as ts
+
     from .._read.checkpoint import Checkpoint
 
 __all__ = ["ArraySlices", "ChainRead", "Execute", "Request", "read", "read_box", "read_boxes"]
@@ -102,6 +103,7 @@ class ArraySlices:
                 if job.data.nbytes <= SMALL_SLICE_BYTES:  # TensorStore reads into its own memory faster
                     job.data[...] = target.read().result()
                 else:  # straight into the destination: no second copy in memory
+                    import tensorstore as ts  # on first use (CLI start-up)
                     ts.array(job.data, copy=False, write=True).write(target).result()
             except Exception as e:  # TensorStore raises ValueError/RuntimeError carrying a status code
                 message = str(e).strip() or type(e).__name__

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import tensorstore as ts
-
 if TYPE_CHECKING:
+    import tensorstore as ts
+
     from .object import ObjectLocation
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RETRIES", "driver_spec", "object_context"]
@@ -102,5 +102,6 @@ def object_context(location: ObjectLocation) -> ts.Context:
                 spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}
             elif location.scheme == "gs":
                 spec = {"gcs_request_retries": retries, "gcs_request_concurrency": limit}
+            import tensorstore as ts  # on first use (CLI start-up)
             context = _CONTEXTS[key] = ts.Context(spec)
         return context

@@ -27,8 +27,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import tensorstore as ts
-
 from .._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -95,7 +93,7 @@ class ObjectLocation(Location):
         spec["path"] = f"{path}/" if path else ""
         return spec
 
-    def context(self) -> ts.Context:
+    def context(self) -> Any:  # a tensorstore.Context
         return object_context(self)
 
     read_context = write_context = context
@@ -120,6 +118,7 @@ class ObjectLocation(Location):
     def open_store(self) -> Any:
         """The kvstore of the checkpoint's prefix (keys relative to it)."""
         try:
+            import tensorstore as ts  # on first use (CLI start-up)
             return ts.KvStore.open(self.kvstore(), context=self.context()).result()
         except Exception as e:
             raise StorageError(f"{self}: cannot open the object store: {e}") from e

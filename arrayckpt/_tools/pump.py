@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from .._errors import ArrayckptError, CorruptCheckpointError, StorageError
 from .._format.dtypes import dtype_by_name
@@ -232,6 +231,7 @@ class Pump:
             decoder = self._decoders.get(array.path)
             if decoder is None:
                 if self._decoding is None:
+                    import tensorstore as ts  # on first use (CLI start-up)
                     self._decoding = ts.Context()
                 path = f"{len(self._decoders)}/"
                 decoder = self._decoders[array.path] = ChunkDecoder(array.source, self._decoding, path)
@@ -240,6 +240,7 @@ class Pump:
 
 def _open(spec: dict[str, Any], context: Any, where: str) -> Any:
     try:
+        import tensorstore as ts  # on first use (CLI start-up)
         return ts.KvStore.open(spec, context=context).result()
     except Exception as e:
         raise StorageError(f"{where}: cannot open the store: {e}") from e

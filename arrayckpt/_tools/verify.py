@@ -298,9 +298,8 @@ def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, bu
     done = count = 0
     for batch in _batches(chunks, budget):
         count += len(batch)
-        try:
-            read = read_chunks(checkpoint, batch)
-        except Exception:
+        if not _read_batch(checkpoint, batch, digests):
+            # re-read outside the handler: a live exception keeps the failed batch's buffers alive
             for chunk in batch:
                 try:
                     data = read_chunks(checkpoint, [chunk])[0]
@@ -311,13 +310,23 @@ def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, bu
                     failed.add(chunk.array_path)
                 else:
                     digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
-        else:
-            for chunk, data in zip(batch, read, strict=True):
-                digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
+                    del data
         done += sum(c.nbytes for c in batch)
         if progress is not None:
             progress(done, total)
     return count, done
+
+
+def _read_batch(checkpoint: Checkpoint, batch: list[ChunkRef], digests: dict[str, ChunkDigest]) -> bool:
+    """Read ``batch`` and add its chunks' checksums to ``digests``; False (nothing added) when any read failed.
+    The buffers are freed on return, so the next batch never coexists with this one."""
+    try:
+        read = read_chunks(checkpoint, batch)
+    except Exception:
+        return False
+    for chunk, data in zip(batch, read, strict=True):
+        digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
+    return True
 
 
 def _short(message: str, where: str, key: str | None = None) -> str:

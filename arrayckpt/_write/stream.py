@@ -49,6 +49,7 @@ def write_streaming(
     batch_bytes: int = FETCH_BATCH_BYTES,
     progress: Callable[[int, int], None] | None = None,
     release: Callable[[str], None] | None = None,
+    created: Mapping[str, Any] | None = None,
 ) -> None:
     """Save ``skeleton`` as a checkpoint, fetching each meta-tensor leaf's data with ``fetch(key)`` when written.
 
@@ -57,7 +58,7 @@ def write_streaming(
     ``save`` for one process writing a full checkpoint (``process_group`` and the incremental options are
     refused). ``release(key)``, if given, is called once a fetched tensor has been written (e.g. to drop the
     pages of a memory-mapped source). ``source`` is recorded in the manifest's ``created`` provenance
-    (``converted_from``).
+    (``converted_from``), with ``created``'s members (e.g. the source's own metadata, kept for a later export).
     """
     def host(key: str, array_path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
@@ -75,7 +76,7 @@ def write_streaming(
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
         checksums = _write_arrays(plan, local.data, fetch, transaction, batch_bytes, progress, release)
-        created = created_info(1) | ({"converted_from": source} if source is not None else {})
+        created = created_info(1) | ({"converted_from": source} if source is not None else {}) | dict(created or {})
         manifest = build_manifest(plan, record, 1, None, [({}, checksums)], str(request.location), created)
         transaction.commit(manifest, plan.consolidated_json)
 

@@ -1,0 +1,68 @@
+"""What a local path holds when it is not one arrayckpt checkpoint (a DCP, DeepSpeed or safetensors checkpoint, a
+torch.save file, a manager's directory of checkpoints), as the sentence an error should say instead of "incomplete
+checkpoint". Both the command line and ``convert`` use it; it imports nothing (the CLI's start-up).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["checkpoint_steps", "explain_path"]
+
+ROOT_DOCUMENT = "zarr.json"  # the root zarr.json a committed checkpoint has (`_format.zarr.ROOT_METADATA`)
+MAX_LISTED = 8
+
+
+def checkpoint_steps(directory: Path) -> list[str]:
+    """The names of the committed checkpoints directly inside ``directory`` (a manager's root), sorted."""
+    return sorted(child.name for child in directory.iterdir() if (child / ROOT_DOCUMENT).is_file())
+
+
+def _local(path: str) -> Path | None:
+    """The local path a command-line path names (``None`` for object storage URLs)."""
+    if path.startswith("file://"):
+        return Path(path.removeprefix("file://"))
+    return None if "://" in path else Path(path)
+
+
+def explain_path(path: str, verb: str = "name") -> str | None:
+    """What a local path that is not an arrayckpt checkpoint holds, as the sentence to print instead of "incomplete
+    checkpoint" (``None``: a checkpoint, a URL, or nothing recognisable: the library's own error says it). For a
+    directory of checkpoints, the sentence asks to ``verb`` one of them."""
+    p = _local(path)
+    if p is None:
+        return None
+    try:
+        if p.is_file():
+            return _explain_file(path, p)
+        if not p.is_dir() or (p / ROOT_DOCUMENT).is_file():
+            return None
+        convert = f"convert it with `arrayckpt convert {path} OUT`"
+        if (p / ".metadata").is_file():
+            kind = "a Megatron-Core torch_dist" if (p / "metadata.json").is_file() else "a PyTorch DCP"
+            return f"{path}: {kind} checkpoint, not an arrayckpt one; {convert}"
+        if (p / "latest").is_file() or next(p.glob("*_model_states.pt"), None) is not None:
+            return f"{path}: a DeepSpeed checkpoint, not an arrayckpt one; {convert}"
+        if next(p.glob("*.safetensors"), None) is not None or next(p.glob("*.safetensors.index.json"), None):
+            return f"{path}: safetensors files, not an arrayckpt checkpoint; {convert}"
+        steps = checkpoint_steps(p)
+    except OSError:
+        return None
+    if not steps:
+        return None
+    shown = ", ".join(steps[-MAX_LISTED:]) + (f" (and {len(steps) - MAX_LISTED} older)" if len(steps) > MAX_LISTED
+                                             else "")
+    return (f"{path}: a directory of {len(steps)} checkpoint(s), not one checkpoint; {verb} one of them, e.g. "
+            f"{os.path.join(path, steps[-1])} (found: {shown})")
+
+
+def _explain_file(path: str, p: Path) -> str | None:
+    convert = f"convert it with `arrayckpt convert {path} OUT`"
+    if p.name.endswith((".safetensors", ".safetensors.index.json")):
+        return f"{path}: a safetensors file, not an arrayckpt checkpoint (a directory); {convert}"
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if magic == b"PK" or magic[:1] == b"\x80":
+        return f"{path}: a torch.save file, not an arrayckpt checkpoint (a directory); {convert}"
+    return None
