@@ -3,6 +3,8 @@ the sharded (outer/inner chunk) layout that big tensors get."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,18 @@ def chunking(request: pytest.FixtureRequest) -> Chunking:
 # The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket), shared by
 # every test module; the server starts only when a test asks for it.
 from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402, F401
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs (mounting needs root, as in CI; elsewhere the test is skipped with that reason)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+

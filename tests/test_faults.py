@@ -15,20 +15,6 @@ import torch
 import arrayckpt
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 4 MiB tmpfs (mounting needs root, as in CI; elsewhere the test is skipped with that reason)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 @pytest.mark.parametrize("codec", [None, "zstd"])
 def test_full_disk_fails_clearly_and_keeps_older_checkpoints(small_disk, codec):
     older = torch.arange(1000, dtype=torch.float32)

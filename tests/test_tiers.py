@@ -277,20 +277,6 @@ def test_a_kill_during_an_upload_leaves_the_remote_step_uncommitted_and_the_next
     assert arrayckpt.verify(f"{url}/step-00000001", storage_options=options).ok
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    """A 4 MiB tmpfs (mounting needs root, as in CI; elsewhere the test is skipped with that reason)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_local_disk_fails_the_save_and_corrupts_neither_tier(small_disk: Path) -> None:
     remote = _memory()
     manager = arrayckpt.CheckpointManager(small_disk, retention=arrayckpt.Retention(keep_last=2), remote=remote)

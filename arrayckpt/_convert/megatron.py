@@ -43,17 +43,12 @@ from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .common import ConvertResult, Progress, refusal_reason
 from .dcp import METADATA_FILE, from_dcp
 
-__all__ = ["COMMON_FILE", "CONFIG_FILE", "checkpoint_directory", "from_megatron", "is_megatron"]
+__all__ = ["COMMON_FILE", "CONFIG_FILE", "checkpoint_directory", "from_megatron"]
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's save directory: which iter_XXXXXXX is newest
 SUPPORTED_BACKENDS = ("torch_dist",)
-
-
-def is_megatron(path: Path) -> bool:
-    """A Megatron-Core ``dist_checkpointing`` directory, or a Megatron-LM save directory holding one."""
-    return (path / CONFIG_FILE).is_file() or (path / LATEST_FILE).is_file()
 
 
 def checkpoint_directory(src: Path) -> Path:

@@ -75,7 +75,7 @@ def plan_delta(plan: SavePlan, descriptions: Sequence[LocalDescription] | None, 
     boxes = _distinct_boxes(plan, descriptions, set(reported))
     entries = dict(plan.entries)
     arrays = dict(plan.arrays)
-    tasks: list[list[Any]] = [[] for _ in plan.tasks]
+    tasks: list[list[Any]] = [[] for _ in range(len(plan.tasks))]  # (iterating would build every task)
     replaced: set[str] = set()
     for key, entry in plan.entries.items():
         if not isinstance(entry, ArrayEntry):
