@@ -148,3 +148,18 @@ def test_chunk_plan_examples():
     assert choose_chunks((10,), 4) == ((10,), (10,))
     assert choose_chunks((), 4) == ((), ())
     assert choose_chunks((0, 3), 4) == ((1, 3), (1, 3))
+
+
+def test_writer_runs_round_trip_and_malformed_records_are_ignored():
+    import numpy as np
+
+    from arrayckpt._format.writers import expand_runs, writer_runs
+
+    rng = np.random.default_rng(0)
+    for ranks in ([], [5], [0, 1, 2, 3], [0, 8, 16, 3, 3, 3, 7, 5], list(rng.integers(0, 6, 50))):
+        runs = writer_runs([int(r) for r in ranks])
+        assert expand_runs(runs, len(ranks)) == [int(r) for r in ranks]
+        assert sum(n for _, _, n in runs) == len(ranks)
+    assert writer_runs(list(range(0, 16384, 8))) == [[0, 8, 2048]]  # one run however many ranks
+    for bad in (None, {}, [[0, 1]], [[0, 1, 0]], [[-1, 0, 2]], [[3, -2, 3]], [[0, 0, 3]], [[0, 0, True]]):
+        assert expand_runs(bad, 2) is None, bad

@@ -201,18 +201,41 @@ def test_keys_are_escaped(made):
     assert "<b>" not in text and "odd.<wbr>&lt;b&gt;&amp;&quot;x&#x27;" in text
 
 
-def test_a_distributed_checkpoint_shows_its_chunk_grids_and_says_writers_are_not_recorded(made):
+def test_a_distributed_checkpoint_colours_its_chunk_grids_by_the_rank_that_wrote_them(made):
     page, text = _parse(made["full.html"])
     assert "saved by 2 ranks" in text
-    assert "Which rank wrote each chunk is not recorded in the checkpoint" in text
+    assert "coloured by the rank that wrote it" in text and "not recorded" not in text
     chunks = text[text.index('<section id="chunks">'):]
     assert chunks.count("<img ") == 1
     assert '<td class="key">model.<wbr>emb.<wbr>weight</td><td>4×1</td><td>16×16</td>' in chunks
     with open_checkpoint(made["full"]) as checkpoint:
         data = collect(checkpoint, histograms=0, grids=3)
+        path = checkpoint.manifest.entries["model.emb.weight"].path
+        assert checkpoint.manifest.created["writers"][path] == [[0, 0, 2], [1, 0, 2]]
     assert data.world_size == 2
     grid = next(g for g in data.grids if g.key == "model.emb.weight")
     assert grid.counts == (4, 1) and grid.chunk == (16, 16)  # the 2 shards' boundary (row 32) is a chunk boundary
+    assert grid.writers == (0, 0, 1, 1)  # rows 0-31 from rank 0, rows 32-63 from rank 1
+
+
+def test_without_a_writers_record_the_report_says_so(tmp_path):
+    """A checkpoint that does not record writers (older ones; here the record is taken out) is drawn chunk by chunk
+    and the page says why."""
+    from helpers import write_root
+
+    def save_rank(rank: int, group) -> None:
+        piece = arrayckpt.Shard(torch.ones(32, 16) * rank, (64, 16), (32 * rank, 0))
+        CHUNKS.save({"emb": piece}, tmp_path / "c", process_group=group)
+
+    run_thread_ranks(2, save_rank)
+    document = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    del document["attributes"]["arrayckpt"]["created"]["writers"]
+    write_root(tmp_path / "c", document)
+    report(tmp_path / "c", output=tmp_path / "c.html", histograms=0, grids=1)
+    _, text = _parse(tmp_path / "c.html")
+    assert "Which rank wrote each chunk is not recorded" in text
+    with open_checkpoint(tmp_path / "c") as checkpoint:
+        assert collect(checkpoint, histograms=0, grids=1).grids[0].writers is None
 
 
 def test_a_delta_checkpoint_shows_its_chain_and_what_it_stores(made):

@@ -61,7 +61,15 @@ from .._format.values import NotJSONable, decode_value, encode_value
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box, grid_cells
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy, plan_array
-from .._layout.saveplan import ArrayDescription, LocalDescription, WriteTask, documents_of, plan_save, with_key_encoding
+from .._layout.saveplan import (
+    ArrayDescription,
+    LocalDescription,
+    WriteTask,
+    check_paths,
+    documents_of,
+    plan_save,
+    with_key_encoding,
+)
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._storage import Location, parse_location
 from .._torch.dtypes import dtype_of_torch
@@ -449,13 +457,12 @@ def _write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str
     planned: dict[str, ArrayPlan] = {}
     for key in pickles:
         path = array_path(key)
-        for other in arrays.values():
-            clash = other.path == path or other.path.startswith(path + "/") or path.startswith(other.path + "/")
-            if clash or other.path.casefold() == path.casefold():
-                raise StateError(f"value {key!r} (pickled, so stored as an array) and tensor {other.key!r} cannot both "
-                                 "be stored: one array would lie inside the other; rename one")
+        if path in arrays:
+            raise StateError(f"value {key!r} (pickled, so stored as an array) and tensor {arrays[path].key!r} would "
+                             "be stored as one array; rename one")
         plan = plan_array(key, path, DTYPES["uint8"], (len(pickles[key][1]),), Codec(), chunking)
         planned[path] = dataclasses.replace(plan, key_encoding=transaction.key_encoding)
+    check_paths({**arrays, **planned})  # the rules every save's arrays follow (nesting, letter case, lengths)
     jobs = [ArrayIO(key, array_spec(transaction.target.kvstore(array_path(key)), planned[array_path(key)].metadata),
                     np.frombuffer(data, np.uint8), None, array_path(key)) for key, (_, data) in pickles.items()]
     for path, found in write_all(jobs, transaction.target.write_context(), str(transaction.location)).items():

@@ -33,8 +33,8 @@ from .planner import ArrayLayout, TaskTable, plan_arrays
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
 __all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan", "TaskTable",
-           "WriteTask", "assemble", "cached_layout", "documents_of", "fingerprint", "plan_layout", "plan_save",
-           "with_key_encoding"]
+           "WriteTask", "assemble", "cached_layout", "check_paths", "documents_of", "fingerprint", "plan_layout",
+           "plan_save", "with_key_encoding"]
 
 Fresh = tuple[Sequence[ValueEntry], Sequence["ValueEntry | ArrayEntry"]]  # one rank's values and per-rank values
 
@@ -122,7 +122,7 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
             position.setdefault(item.key, (rank, 2, j))
         containers.update(description.containers)
     _check_kinds(descriptions, set(arrays.entries), set(values), set(per_rank))
-    _check_paths(arrays.arrays)
+    check_paths(arrays.arrays)
     documents, consolidated = documents_of(arrays.arrays)
     names = tuple(sorted({*arrays.entries, *per_rank}))
     owned: list[list[str]] = [[] for _ in descriptions]
@@ -189,7 +189,7 @@ def with_key_encoding(plan: SavePlan, encoding: str) -> SavePlan:
     return dataclasses.replace(plan, arrays=arrays, documents=documents, consolidated_json=consolidated)
 
 
-def _check_paths(arrays: dict[str, ArrayPlan]) -> None:
+def check_paths(arrays: dict[str, ArrayPlan]) -> None:
     """Refuse layouts a filesystem or Zarr cannot hold: an array with children (keys ``a`` and ``a.b``),
     names too long for a directory entry, and keys equal but for letter case (one directory on macOS and
     Windows, where their chunks would overwrite each other). Each node is looked at once."""

@@ -13,11 +13,9 @@ accumulates them (so the numbers are ``show``'s), histograms are counts of a ran
 ``SAMPLE`` values per tensor, and the relative change is two sums of squares over the same blocks of both
 checkpoints. Images are PNGs embedded as base64; nothing is fetched when the file is opened.
 
-**Which rank wrote a chunk is not recorded.** The format stores a global array per tensor and, in the manifest,
-the number of ranks that saved it (``created.world_size``); the writer of each chunk is not stored anywhere
-(spec §7.3: arrayckpt aligns outer chunks with the ranks' shards, so every outer chunk lies inside one shard and
-the chunk boundaries include the shard boundaries, but readers must not rely on it). The chunk grid pictures
-therefore colour each outer chunk by its position, not by a rank, and say so.
+**Chunk grids are coloured by the rank that wrote each chunk**, from the manifest's ``created.writers`` (spec §4.2;
+arrayckpt records it at every save with more than one rank). Checkpoints without it (older ones, those written by
+DCP's storage writer) are drawn with a colour per chunk, and the report says the writers are not recorded.
 
 What a report shows is a set of values (``report_data.py``); chunk grids, the chain and what a delta stores come
 from metadata (``report_layout.py``); the HTML is written by ``report_html.py`` and the pictures drawn by

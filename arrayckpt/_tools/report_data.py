@@ -107,6 +107,8 @@ class ChunkGrid:
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     inner: tuple[int, ...] | None
+    # The rank that wrote each outer chunk, in C order (-1: stored in a base); None: not recorded
+    writers: tuple[int, ...] | None = None
 
     @property
     def counts(self) -> tuple[int, ...]:

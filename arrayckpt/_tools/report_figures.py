@@ -377,6 +377,14 @@ def grid_view(grid: ChunkGrid) -> tuple[tuple[int, ...], list[np.ndarray], int]:
     return dims, edges, group
 
 
+def _shown_writers(grid: ChunkGrid, dims: tuple[int, ...], group: int) -> np.ndarray:
+    """The writer of each drawn cell: of its first chunk (a cell holds ``group`` chunks per drawn dimension; the
+    other dimensions are shown at their first chunk)."""
+    ranks = np.asarray(grid.writers, np.int64).reshape(grid.counts)
+    index = tuple(slice(None, None, group) if d in dims else 0 for d in range(len(grid.counts)))
+    return ranks[index]
+
+
 def _mesh(ax: Axes, edges: list[np.ndarray], values: np.ndarray, **kwargs: Any) -> None:
     if len(edges) == 1:  # one dimension: a strip
         ax.pcolormesh(edges[0], [0, 1], values.reshape(1, -1), **kwargs)
@@ -396,13 +404,27 @@ def _axis_labels(ax: Axes, grid: ChunkGrid, dims: tuple[int, ...]) -> None:
 
 
 def draw_grid(ax: Axes, grid: ChunkGrid) -> None:
-    """A tensor's outer chunks, each in its own colour (the writing rank is not recorded)."""
+    """A tensor's outer chunks coloured by the rank that wrote each (grey: stored in a base), or, when the
+    checkpoint does not record it, each chunk in a colour of its own."""
     dims, edges, group = grid_view(grid)
     cells = [len(e) - 1 for e in edges]
-    index = np.arange(math.prod(cells)).reshape(cells)
-    colours = (index % cells[-1] + 7 * (index // cells[-1])) % 10 if len(cells) == 2 else index % 10
-    _mesh(ax, edges, colours, cmap=_colormap("tab10"), vmin=-0.5, vmax=9.5,
-          edgecolor="white" if max(cells) <= 48 else "face", linewidth=0.6)
+    edge = {"edgecolor": "white" if max(cells) <= 48 else "face", "linewidth": 0.6}
+    if grid.writers is not None:
+        ranks = _shown_writers(grid, dims, group).astype(float)
+        ranks[ranks < 0] = np.nan
+        top = max(int(np.nanmax(ranks)) if np.isfinite(ranks).any() else 0, 1)
+        cmap = _colormap("tab10" if top < 10 else "tab20" if top < 20 else "turbo", bad="#dddddd")
+        bounds = {"vmin": -0.5, "vmax": 9.5} if top < 10 else {"vmin": -0.5, "vmax": 19.5} if top < 20 else \
+            {"vmin": 0, "vmax": top}
+        _mesh(ax, edges, np.ma.masked_invalid(ranks), cmap=cmap, **bounds, **edge)
+        shown = sorted({int(r) for r in ranks[np.isfinite(ranks)].ravel()})
+        by = f"rank{'s' if len(shown) != 1 else ''} " + (", ".join(map(str, shown)) if len(shown) <= 8 else
+                                                         f"{shown[0]}–{shown[-1]}")
+    else:
+        index = np.arange(math.prod(cells)).reshape(cells)
+        colours = (index % cells[-1] + 7 * (index // cells[-1])) % 10 if len(cells) == 2 else index % 10
+        _mesh(ax, edges, colours, cmap=_colormap("tab10"), vmin=-0.5, vmax=9.5, **edge)
+        by = "writers not recorded"
     if grid.inner and group == 1:  # inner chunks (the read unit) as thin lines, when few enough to see
         for position, d in enumerate(dims):
             cuts = np.setdiff1d(np.arange(0, grid.shape[d], grid.inner[d]), edges[position])
@@ -415,8 +437,8 @@ def draw_grid(ax: Axes, grid: ChunkGrid) -> None:
     counts = "×".join(map(str, grid.counts))
     inner = f", inner {'×'.join(map(str, grid.inner))}" if grid.inner else ""
     grouped = f"; {group} per cell" if group > 1 else ""
-    ax.set_title(f"{_short(grid.key, 34)}\n{counts} chunks of {'×'.join(map(str, grid.chunk))}{inner}{grouped}",
-                 fontsize=FONT)
+    ax.set_title(f"{_short(grid.key, 34)}\n{counts} chunks of {'×'.join(map(str, grid.chunk))}{inner}{grouped}"
+                 f"\nby writer: {by}", fontsize=FONT)
     _axis_labels(ax, grid, dims)
 
 

@@ -218,13 +218,17 @@ def _change_table(changes: list[Change]) -> str:
 def _grids(data: ReportData, images: dict[str, str]) -> str:
     ranks = data.world_size
     saved = f"saved by {ranks} rank{'s' if ranks != 1 else ''}" if ranks is not None else "saved by an unknown number"
+    recorded = any(g.writers is not None for g in data.grids)
+    whom = ("Each chunk is coloured by the rank that wrote it (recorded in the manifest's <code>created.writers"
+            "</code>; grey: stored in a base checkpoint), so the picture is the sharding at save time."
+            if recorded else "<strong>Which rank wrote each chunk is not recorded in the checkpoint</strong> (older "
+            "checkpoints, DCP's storage writer), so each chunk has a colour of its own rather than a rank's.")
     out = [f"<p>The outer chunk grids (one chunk file each) of the largest tensors; the checkpoint was {saved}. "
-           "<strong>Which rank wrote each chunk is not recorded in the checkpoint</strong>, so each chunk has a "
-           "colour of its own rather than a rank's. When several ranks saved, arrayckpt aligns the chunks with the "
-           "ranks' shards (every chunk lies inside one shard), so the chunk boundaries include the shard "
-           "boundaries: a tensor split 4 ways over rows shows at least 4 rows of chunks.</p>"]
+           f"{whom} When several ranks saved, arrayckpt aligns the chunks with the ranks' shards (every chunk lies "
+           "inside one shard), so the chunk boundaries include the shard boundaries.</p>"]
     if "grids" in images:
-        out.append(_figure(images["grids"], "outer chunk grids of the largest tensors (colours tell chunks apart)"))
+        caption = "coloured by writing rank" if recorded else "colours tell chunks apart"
+        out.append(_figure(images["grids"], f"outer chunk grids of the largest tensors ({caption})"))
     rows = "".join(f'<tr><td class="key">{_key(g.key)}</td><td>{"×".join(map(str, g.counts))}</td>'
                    f'<td>{"×".join(map(str, g.chunk))}</td><td>{"×".join(map(str, g.inner)) if g.inner else ""}</td>'
                    "</tr>" for g in data.grids)

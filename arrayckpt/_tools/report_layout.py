@@ -15,8 +15,10 @@ import numpy as np
 from .._errors import ArrayckptError
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, ValueEntry
+from .._format.writers import expand_runs
 from .._format.zarr import grid_counts
 from .._io.arrays import ArrayIO
+from .._read.chain import dense_layer
 from .._read.checkpoint import Checkpoint, LazyArray
 from .._read.reader import read
 from .report_data import ChunkGrid, DeltaPart, Layer
@@ -54,19 +56,40 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     if not array.shape or not array.size:
         return None
     try:
-        metadata = checkpoint.dense_metadata(key)
+        layer = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    return _grid(key, metadata)
+    return _grid(key, layer[key].metadata, _writers(layer, key))
 
 
-def _grid(key: str, metadata: Mapping[str, Any]) -> ChunkGrid:
+def _writers(layer: Checkpoint, key: str) -> tuple[int, ...] | None:
+    """Who wrote each outer chunk of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
+    rank: rank 0 wrote all); ``None`` when the checkpoint does not say (older ones, DCP's writer, a bad record)."""
+    entry = layer.manifest.entries.get(key)
+    if not isinstance(entry, ArrayEntry):
+        return None
+    total = math.prod(grid_counts(layer[key].metadata))
+    present = entry.delta.present if entry.delta is not None and entry.delta.mode == "chunks" else range(total)
+    record = layer.manifest.created.get("writers")
+    if isinstance(record, dict):
+        ranks = expand_runs(record.get(entry.path), len(present))
+    else:  # a save by one process records nothing: it wrote everything
+        ranks = [0] * len(present) if layer.manifest.created.get("world_size") == 1 else None
+    if ranks is None or any(not 0 <= i < total for i in present):
+        return None
+    out = [-1] * total
+    for flat, rank in zip(present, ranks, strict=True):
+        out[flat] = rank
+    return tuple(out)
+
+
+def _grid(key: str, metadata: Mapping[str, Any], writers: tuple[int, ...] | None = None) -> ChunkGrid:
     chunk = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
     codecs = metadata.get("codecs", [])
     inner = None
     if codecs and codecs[0].get("name") == "sharding_indexed":
         inner = tuple(codecs[0]["configuration"]["chunk_shape"])
-    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner)
+    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner, writers)
 
 
 def chain_of(checkpoint: Checkpoint) -> list[Layer]:

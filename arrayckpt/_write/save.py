@@ -37,7 +37,7 @@ from .._format.codecs import CodecChoice
 from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import PieceChange, RowsTask, plan_delta, stored_bytes
-from .._layout.digests import chunk_digests
+from .._layout.digests import chunk_digests, chunk_writers
 from .._layout.rankplan import RankPlan, explicit_part, rank_layouts
 from .._layout.saveplan import SavePlan, assemble, cached_layout, plan_layout, with_key_encoding
 from .._read.checkpoint import Checkpoint, open_checkpoint
@@ -398,9 +398,12 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
         if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
             quantized = dataclasses.replace(entry.delta.quantized, max_abs_error=value)
             entries[key] = dataclasses.replace(entry, delta=dataclasses.replace(entry.delta, quantized=quantized))
-    return Manifest(entries, record.step, plan.containers, created or created_info(world_size), FORMAT_VERSION,
-                    record.metrics, uuid.uuid4().hex, delta.ref if delta is not None else None, stored_bytes(plan),
-                    chunk_digests(plan.arrays, entries, checksums, where))
+    digests = chunk_digests(plan.arrays, entries, checksums, where)  # (refuses a chunk nobody reported)
+    created = dict(created or created_info(world_size))
+    if len(written) > 1:  # who wrote what, for pictures (one writer: all of it)
+        created["writers"] = chunk_writers(plan.arrays, entries, [sums for _, sums in written])
+    return Manifest(entries, record.step, plan.containers, created, FORMAT_VERSION, record.metrics, uuid.uuid4().hex,
+                    delta.ref if delta is not None else None, stored_bytes(plan), digests)
 
 
 def created_info(world_size: int) -> dict[str, Any]:
