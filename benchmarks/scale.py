@@ -70,7 +70,6 @@ import arrayckpt  # noqa: E402
 from arrayckpt._format.manifest import encode_root_document  # noqa: E402
 from arrayckpt._layout import rankplan, saveplan  # noqa: E402
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
-from arrayckpt._layout.digests import stored_chunks  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.exchange import Reply, Report  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
@@ -237,11 +236,12 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
     _forget_layouts()
     out["peak_mib"] = peak_mib(plan)
 
-    # the root document, from fabricated checksums of every chunk
+    # the root document, from fabricated checksums of every chunk as each rank would report them (so the manifest
+    # records who wrote what, `created.writers`, as a real save does)
+    written = [({}, sums) for sums in _reported_chunks(save_plan)]
+
     def root() -> bytes:
-        checksums = {path: dict.fromkeys(stored_chunks(array, save_plan.entries), 0)
-                     for path, array in save_plan.arrays.items()}
-        manifest = build_manifest(save_plan, Record(1000), ranks, None, [({}, checksums)], "scale")
+        manifest = build_manifest(save_plan, Record(1000), ranks, None, written, "scale")
         return encode_root_document(manifest, save_plan.consolidated_json)
 
     out["root_bytes"] = len(out.time("root", root))
@@ -355,6 +355,23 @@ def table(rows: list[dict[str, Any]], system: str) -> str:
     lines = [f"{system}", "| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     lines += ["| " + " | ".join(_fmt(row.get(k)) for k, _ in COLUMNS) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _reported_chunks(save_plan: Any) -> list[dict[str, dict[int, int]]]:
+    """Per rank, the chunks its write tasks cover (by array path, with a fabricated checksum): what each rank's
+    ``write_all`` reports in a real save."""
+    out: list[dict[str, dict[int, int]]] = []
+    for rank_tasks in save_plan.tasks:
+        sums: dict[str, dict[int, int]] = {}
+        for task in rank_tasks:
+            array = save_plan.arrays[task.path]
+            counts = [-(-n // c) for n, c in zip(array.shape, array.outer_chunk, strict=True)]
+            cells = [np.arange(o // c, -(-(o + n) // c)) for o, n, c in
+                     zip(task.box.offset, task.box.shape, array.outer_chunk, strict=True)]
+            flat = np.ravel_multi_index(np.meshgrid(*cells, indexing="ij"), counts).ravel() if cells else [0]
+            sums.setdefault(task.path, {}).update(dict.fromkeys(np.asarray(flat).tolist(), 0))
+        out.append(sums)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

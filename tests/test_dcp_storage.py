@@ -236,6 +236,10 @@ def test_dcp_written_checkpoint_is_a_normal_arrayckpt_checkpoint(saved_on_3: tup
     small = arrayckpt.open(root / "small-chunks")["model.fc1.weight"].metadata["chunk_grid"]
     whole = arrayckpt.open(root / "dcp")["model.fc1.weight"].metadata["chunk_grid"]
     assert small["configuration"]["chunk_shape"] == [2, 6] and whole["configuration"]["chunk_shape"] == [4, 6]
+    # who wrote what, as arrayckpt.save records it: fc1's 10 rows are FSDP shards of 4, 4 and 2 rows on ranks 0-2
+    assert arrayckpt.open(root / "dcp").manifest.created["writers"]["model/fc1/weight"] == [[0, 1, 3, 1]]
+    assert arrayckpt.open(root / "small-chunks").manifest.created["writers"]["model/fc1/weight"] == [
+        [0, 1, 2, 2], [2, 0, 1, 1]]  # 2-row chunks: two each on ranks 0 and 1, one on rank 2
 
     # into one process, with arrayckpt.load into the same nested state (fresh tensors)
     target: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": None}, "step": 0}

@@ -159,7 +159,10 @@ def test_writer_runs_round_trip_and_malformed_records_are_ignored():
     for ranks in ([], [5], [0, 1, 2, 3], [0, 8, 16, 3, 3, 3, 7, 5], list(rng.integers(0, 6, 50))):
         runs = writer_runs([int(r) for r in ranks])
         assert expand_runs(runs, len(ranks)) == [int(r) for r in ranks]
-        assert sum(n for _, _, n in runs) == len(ranks)
-    assert writer_runs(list(range(0, 16384, 8))) == [[0, 8, 2048]]  # one run however many ranks
-    for bad in (None, {}, [[0, 1]], [[0, 1, 0]], [[-1, 0, 2]], [[3, -2, 3]], [[0, 0, 3]], [[0, 0, True]]):
+        assert sum(n * each for _, _, n, each in runs) == len(ranks)
+    assert writer_runs(list(range(0, 16384, 8))) == [[0, 8, 2048, 1]]  # one run however many ranks
+    assert writer_runs([r for r in range(0, 64, 8) for _ in range(3)]) == [[0, 8, 8, 3]]  # 3 chunks per shard
+    assert writer_runs([2, 2, 5, 5, 5]) == [[2, 0, 1, 2], [5, 0, 1, 3]]
+    for bad in (None, {}, [[0, 1, 1]], [[0, 1, 0, 1]], [[-1, 0, 2, 1]], [[3, -2, 3, 1]], [[0, 0, 3, 1]],
+                [[0, 0, True, 1]], [[0, 0, 1, 0]]):
         assert expand_runs(bad, 2) is None, bad

@@ -211,7 +211,7 @@ def test_a_distributed_checkpoint_colours_its_chunk_grids_by_the_rank_that_wrote
     with open_checkpoint(made["full"]) as checkpoint:
         data = collect(checkpoint, histograms=0, grids=3)
         path = checkpoint.manifest.entries["model.emb.weight"].path
-        assert checkpoint.manifest.created["writers"][path] == [[0, 0, 2], [1, 0, 2]]
+        assert checkpoint.manifest.created["writers"][path] == [[0, 1, 2, 2]]  # ranks 0, 1: 2 chunks each
     assert data.world_size == 2
     grid = next(g for g in data.grids if g.key == "model.emb.weight")
     assert grid.counts == (4, 1) and grid.chunk == (16, 16)  # the 2 shards' boundary (row 32) is a chunk boundary

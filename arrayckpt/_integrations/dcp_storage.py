@@ -290,19 +290,19 @@ class ArrayckptWriter(StorageWriter):
     def _commit(self, pending: _Pending, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         plan, transaction = pending.plan, pending.transaction
         where = str(transaction.location)
-        checksums: Checksums = {}
+        by_rank: list[Checksums] = [{} for _ in results]  # what each rank wrote (the manifest records who wrote what)
         values: dict[str, ValueWritten] = {}
-        for rank_results in results:
+        for rank, rank_results in enumerate(results):
             for result in rank_results:
                 data = result.storage_data
                 if isinstance(data, ChunksWritten):
-                    checksums.setdefault(data.path, {}).update(data.checksums)
+                    by_rank[rank].setdefault(data.path, {}).update(data.checksums)
                 elif isinstance(data, ValueWritten):
                     values.setdefault(result.index.fqn, data)
         entries, pickles, members, containers = _value_entries(plan, values, pending.mapping)
         arrays = dict(plan.arrays)
         if pickles:
-            arrays.update(_write_pickles(pickles, arrays, transaction, checksums, self.chunking))
+            arrays.update(_write_pickles(pickles, arrays, transaction, by_rank[0], self.chunking))  # (here)
         order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}  # DCP's order of the state
         position = {key: min(order.get(fqn, len(order)) for fqn in members.get(key, (key,))) for key in entries}
         entries = dict(sorted(entries.items(), key=lambda kv: position[kv[0]]))
@@ -312,7 +312,7 @@ class ArrayckptWriter(StorageWriter):
         if not pending.documents_written:
             transaction.write_documents(documents)
         created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter"}
-        manifest = build_manifest(full, Record(), len(results), None, [({}, checksums)], where, created)
+        manifest = build_manifest(full, Record(), len(results), None, [({}, sums) for sums in by_rank], where, created)
         transaction.commit(manifest, consolidated)
 
     def _location(self) -> Location:

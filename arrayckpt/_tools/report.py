@@ -14,8 +14,8 @@ accumulates them (so the numbers are ``show``'s), histograms are counts of a ran
 checkpoints. Images are PNGs embedded as base64; nothing is fetched when the file is opened.
 
 **Chunk grids are coloured by the rank that wrote each chunk**, from the manifest's ``created.writers`` (spec §4.2;
-arrayckpt records it at every save with more than one rank). Checkpoints without it (older ones, those written by
-DCP's storage writer) are drawn with a colour per chunk, and the report says the writers are not recorded.
+arrayckpt records it at every save with more than one rank). Checkpoints without it (written before it was recorded) are
+drawn with a colour per chunk, and the report says the writers are not recorded.
 
 What a report shows is a set of values (``report_data.py``); chunk grids, the chain and what a delta stores come
 from metadata (``report_layout.py``); the HTML is written by ``report_html.py`` and the pictures drawn by

@@ -222,7 +222,7 @@ def _grids(data: ReportData, images: dict[str, str]) -> str:
     whom = ("Each chunk is coloured by the rank that wrote it (recorded in the manifest's <code>created.writers"
             "</code>; grey: stored in a base checkpoint), so the picture is the sharding at save time."
             if recorded else "<strong>Which rank wrote each chunk is not recorded in the checkpoint</strong> (older "
-            "checkpoints, DCP's storage writer), so each chunk has a colour of its own rather than a rank's.")
+            "checkpoints), so each chunk has a colour of its own rather than a rank's.")
     out = [f"<p>The outer chunk grids (one chunk file each) of the largest tensors; the checkpoint was {saved}. "
            f"{whom} When several ranks saved, arrayckpt aligns the chunks with the ranks' shards (every chunk lies "
            "inside one shard), so the chunk boundaries include the shard boundaries.</p>"]
