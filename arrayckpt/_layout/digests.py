@@ -7,8 +7,11 @@ wrote would otherwise only be noticed by the first read of it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from .._errors import ArrayckptError
 from .._format.integrity import chunk_digest
@@ -45,17 +48,20 @@ def chunk_digests(arrays: Mapping[str, ArrayPlan], entries: Mapping[str, Entry],
 
 
 def chunk_writers(arrays: Mapping[str, ArrayPlan], entries: Mapping[str, Entry],
-                  by_rank: Sequence[Mapping[str, Mapping[int, int]]]) -> dict[str, list[list[int]]]:
+                  reports: Mapping[str, Sequence[tuple[int, Mapping[int, int]]]]) -> dict[str, list[list[int]]]:
     """Per array, the rank that reported each stored chunk (in digest order) as ``writer_runs``: the manifest's
-    ``created.writers``. ``by_rank[r]`` is what rank ``r`` reported; a chunk reported twice counts for the first."""
-    owner: dict[str, dict[int, int]] = {}
-    for rank, sums in enumerate(by_rank):
-        for path, found in sums.items():
-            owned = owner.setdefault(path, {})
-            for flat in found:
-                owned.setdefault(flat, rank)
+    ``created.writers``. ``reports[path]`` lists (rank, the chunks it reported) in rank order; a chunk reported
+    twice counts for the first. Per array in numpy: millions of chunks at 16,384 ranks."""
     out = {}
     for path, array in arrays.items():
-        owned = owner.get(path, {})
-        out[path] = writer_runs([owned[flat] for flat in stored_chunks(array, entries)])
+        order = np.asarray(stored_chunks(array, entries), dtype=np.int64)
+        owner = np.full(int(order.max()) + 1 if order.size else 0, -1, np.int64)
+        by = reports.get(path, ())
+        if by:
+            reported = np.fromiter(itertools.chain.from_iterable(found for _, found in by), np.int64)
+            ranks = np.repeat(np.fromiter((rank for rank, _ in by), np.int64, len(by)),
+                              np.fromiter((len(found) for _, found in by), np.int64, len(by)))
+            keep = reported < owner.size
+            owner[reported[keep][::-1]] = ranks[keep][::-1]  # reversed: the first report of a chunk is kept
+        out[path] = writer_runs(owner[order])
     return out

@@ -25,7 +25,7 @@ import pickle
 import socket
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -387,12 +387,13 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
     and the chunk checksums (the chunk digests; every stored chunk must have been reported)."""
     entries = dict(plan.entries)
     worst: dict[str, float] = {}
-    checksums: Checksums = {}
-    for errors, sums in written:
+    reports: dict[str, list[tuple[int, Mapping[int, int]]]] = {}  # array path -> (rank, its chunks' checksums)
+    for rank, (errors, sums) in enumerate(written):
         for key, value in errors.items():
             worst[key] = max(worst.get(key, 0.0), value)
         for path, found in sums.items():
-            checksums.setdefault(path, {}).update(found)
+            reports.setdefault(path, []).append((rank, found))
+    checksums: Checksums = {path: _merged(found for _, found in by) for path, by in reports.items()}
     for key, value in worst.items():
         entry = entries[key]
         if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.quantized is not None:
@@ -401,9 +402,16 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
     digests = chunk_digests(plan.arrays, entries, checksums, where)  # (refuses a chunk nobody reported)
     created = dict(created or created_info(world_size))
     if len(written) > 1:  # who wrote what, for pictures (one writer: all of it)
-        created["writers"] = chunk_writers(plan.arrays, entries, [sums for _, sums in written])
+        created["writers"] = chunk_writers(plan.arrays, entries, reports)
     return Manifest(entries, record.step, plan.containers, created, FORMAT_VERSION, record.metrics, uuid.uuid4().hex,
                     delta.ref if delta is not None else None, stored_bytes(plan), digests)
+
+
+def _merged(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for part in parts:
+        out.update(part)
+    return out
 
 
 def created_info(world_size: int) -> dict[str, Any]:
