@@ -33,12 +33,13 @@ import argparse
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import FormatError, PickleNotAllowedError
+from .._errors import FormatError, PickleNotAllowedError, PickleWarning, outside_stacklevel
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .common import ConvertResult, Progress, refusal_reason
 from .dcp import METADATA_FILE, from_dcp
@@ -98,6 +99,10 @@ def _common(directory: Path, allow_pickle: bool) -> dict[str, Any]:
             raise PickleNotAllowedError(f"{file}: holds pickled content that weights_only loading refuses "
                                         f"({refusal_reason(e)}); converting it needs allow_pickle=True "
                                         "(--allow-pickle), only for checkpoints you trust") from e
+        warnings.warn(f"{file}: unpickling it fully (allow_pickle=True; weights_only loading refused it: "
+                      f"{refusal_reason(e)}): unpickling runs whatever code its writer put there; convert it only "
+                      "if you trust it (silence: warnings.filterwarnings('ignore', category=arrayckpt.PickleWarning))",
+                      PickleWarning, stacklevel=outside_stacklevel())
         common = torch.load(file, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise FormatError(f"{file}: not a readable torch.save file: {e}") from e

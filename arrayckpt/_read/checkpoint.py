@@ -17,7 +17,7 @@ import pickle
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from types import MappingProxyType
@@ -32,7 +32,9 @@ from .._errors import (
     CorruptCheckpointError,
     FormatError,
     PickleNotAllowedError,
+    PickleWarning,
     ReplacedCheckpointError,
+    outside_stacklevel,
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import DTYPES, DType, dtype_by_name
@@ -405,13 +407,26 @@ class Checkpoint(Mapping[str, LazyArray]):
         raise KeyError(f"{key!r} is an array, not a plain value; use checkpoint[{key!r}]")
 
     def _unpickle(self, entry: PickleEntry) -> Any:
+        return self.unpickle([entry.key])[entry.key]
+
+    def unpickle(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The pickled values ``keys``, unpickled (with ``allow_pickle=True`` only) with one
+        :class:`arrayckpt.PickleWarning` naming them all: ``load`` unpickles a state's values in one call."""
         self._check_open()
+        if not keys:
+            return {}
         if not self.allow_pickle:
             raise PickleNotAllowedError(
-                f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
+                f"{self.location}: value {keys[0]!r} is pickled; unpickling can run arbitrary code, so it "
                 "needs allow_pickle=True (only for checkpoints you trust)"
             )
-        return pickle.loads(self.pickle_bytes(entry.key))
+        raw = {key: self.pickle_bytes(key) for key in keys}  # every checksum checked before anything runs
+        shown = ", ".join(repr(k) for k in keys[:10]) + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else "")
+        warnings.warn(f"{self.location}: unpickling {shown} (allow_pickle=True): unpickling runs whatever code "
+                      "the checkpoint's writer put there; load pickled values only from checkpoints you trust "
+                      "(silence: warnings.filterwarnings('ignore', category=arrayckpt.PickleWarning))",
+                      PickleWarning, stacklevel=outside_stacklevel())
+        return {key: pickle.loads(data) for key, data in raw.items()}
 
     def __getitem__(self, key: str) -> LazyArray:
         try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .report_data import (
+    MAX_CELLS,
     Change,
     ChunkGrid,
     DeltaPart,
@@ -24,6 +25,7 @@ from .report_data import (
     ReportData,
     SizeNode,
     human_bytes,
+    printable,
     size_tree,
     squarify,
 )
@@ -39,7 +41,6 @@ DPI = 90
 MAX_BARS = 40  # tensors in the relative-change bar chart
 MAX_HEAT_ROWS = 60  # parameter names in the layer heat map
 MAX_CHAIN = 30  # checkpoints of a chain drawn (the newest; the table lists them all)
-MAX_CELLS = 128  # chunks drawn per dimension of a grid picture (more are drawn in groups)
 TREE_DEPTH = 3  # key parts the treemap nests
 FONT = 7
 
@@ -171,6 +172,7 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
 
 def _tail(location: str) -> str:
     """The last two parts of a long location (``…/run/step-200``)."""
+    location = printable(location)
     parts = location.rstrip("/").split("/")
     return location if len(location) <= 32 or len(parts) <= 2 else "…/" + "/".join(parts[-2:])
 
@@ -368,21 +370,11 @@ def _colormap(name: str, bad: str | None = None) -> Any:
 
 
 def grid_view(grid: ChunkGrid) -> tuple[tuple[int, ...], list[np.ndarray], int]:
-    """How a chunk grid is drawn: the (at most two) dimensions with the most chunks, the cell edges along each
-    (in elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
-    counts = grid.counts
-    dims = tuple(sorted(sorted(range(len(counts)), key=lambda d: -counts[d])[:2]))
-    group = max(1, max(math.ceil(counts[d] / MAX_CELLS) for d in dims))
+    """How a chunk grid is drawn (:attr:`ChunkGrid.view`): the dimensions drawn, the cell edges along each (in
+    elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
+    dims, group = grid.view
     edges = [np.append(np.arange(0, grid.shape[d], grid.chunk[d] * group), grid.shape[d]) for d in dims]
     return dims, edges, group
-
-
-def _shown_writers(grid: ChunkGrid, dims: tuple[int, ...], group: int) -> np.ndarray:
-    """The writer of each drawn cell: of its first chunk (a cell holds ``group`` chunks per drawn dimension; the
-    other dimensions are shown at their first chunk)."""
-    ranks = np.asarray(grid.writers, np.int64).reshape(grid.counts)
-    index = tuple(slice(None, None, group) if d in dims else 0 for d in range(len(grid.counts)))
-    return ranks[index]
 
 
 def _mesh(ax: Axes, edges: list[np.ndarray], values: np.ndarray, **kwargs: Any) -> None:
@@ -410,7 +402,7 @@ def draw_grid(ax: Axes, grid: ChunkGrid) -> None:
     cells = [len(e) - 1 for e in edges]
     edge = {"edgecolor": "white" if max(cells) <= 48 else "face", "linewidth": 0.6}
     if grid.writers is not None:
-        ranks = _shown_writers(grid, dims, group).astype(float)
+        ranks = np.asarray(grid.writers, float).reshape(cells)
         ranks[ranks < 0] = np.nan
         top = max(int(np.nanmax(ranks)) if np.isfinite(ranks).any() else 0, 1)
         cmap = _colormap("tab10" if top < 10 else "tab20" if top < 20 else "turbo", bad="#dddddd")
@@ -484,7 +476,7 @@ def draw_chain(ax: Axes, data: ReportData, compact: bool = False) -> None:
     ax.barh(range(len(layers)), sizes, color=["red" if lay.error else "C1" if lay.delta else "C0" for lay in layers])
     share = "%" if compact else "% of the state"
     for i, (layer, size) in enumerate(zip(layers, sizes, strict=True)):
-        text = layer.error[:80] if layer.error else f"{human_bytes(size)} ({100 * size / total:.1f}{share})"
+        text = printable(layer.error[:80]) if layer.error else f"{human_bytes(size)} ({100 * size / total:.1f}{share})"
         ax.text(size, i, f"  {text}", va="center", fontsize=FONT)
     ax.set_yticks(range(len(layers)), labels, fontsize=FONT)
     ax.set_xlim(0, max(max(sizes, default=0), total) * (2.2 if compact else 1.5))

@@ -6,6 +6,7 @@ indices are read in blocks of ``ROWS_BLOCK`` and only counted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 from .._errors import ArrayckptError
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, ValueEntry
-from .._format.writers import expand_runs
+from .._format.writers import ranks_at
 from .._format.zarr import grid_counts
 from .._io.arrays import ArrayIO
 from .._read.chain import dense_layer
@@ -59,28 +60,40 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
         layer = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    return _grid(key, layer[key].metadata, _writers(layer, key))
+    grid = _grid(key, layer[key].metadata)
+    return dataclasses.replace(grid, writers=_writers(layer, key, grid))
 
 
-def _writers(layer: Checkpoint, key: str) -> tuple[int, ...] | None:
-    """Who wrote each outer chunk of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
-    rank: rank 0 wrote all); ``None`` when the checkpoint does not say (older ones, DCP's writer, a bad record)."""
+def _writers(layer: Checkpoint, key: str, grid: ChunkGrid) -> tuple[int, ...] | None:
+    """Who wrote the first chunk of each drawn cell of ``key``'s array in ``layer`` (:meth:`ChunkGrid.drawn_chunks`),
+    from the manifest's ``created.writers`` (one rank: rank 0 wrote all); ``None`` when the checkpoint does not
+    say (older ones, DCP's writer, a bad record). Looked up for the drawn chunks only: never a list of the grid."""
     entry = layer.manifest.entries.get(key)
     if not isinstance(entry, ArrayEntry):
         return None
-    total = math.prod(grid_counts(layer[key].metadata))
-    present = entry.delta.present if entry.delta is not None and entry.delta.mode == "chunks" else range(total)
+    total = math.prod(grid.counts)
+    drawn = grid.drawn_chunks()
+    if entry.delta is not None and entry.delta.mode == "chunks":  # positions in `present` order (-1: the base's)
+        present = entry.delta.present
+        if any(not 0 <= i < total for i in present):
+            return None
+        order = {flat: position for position, flat in enumerate(present)}
+        positions = np.fromiter((order.get(int(flat), -1) for flat in drawn), np.int64, len(drawn))
+        count = len(present)
+    else:
+        positions, count = drawn, total
+    ranks, mine = np.full(len(positions), -1, np.int64), positions >= 0
     record = layer.manifest.created.get("writers")
     if isinstance(record, dict):
-        ranks = expand_runs(record.get(entry.path), len(present))
-    else:  # a save by one process records nothing: it wrote everything
-        ranks = [0] * len(present) if layer.manifest.created.get("world_size") == 1 else None
-    if ranks is None or any(not 0 <= i < total for i in present):
+        found = ranks_at(record.get(entry.path), count, positions[mine])
+        if found is None:
+            return None
+        ranks[mine] = found
+    elif layer.manifest.created.get("world_size") == 1:  # a save by one process records nothing: it wrote all
+        ranks[mine] = 0
+    else:
         return None
-    out = [-1] * total
-    for flat, rank in zip(present, ranks, strict=True):
-        out[flat] = rank
-    return tuple(out)
+    return tuple(ranks.tolist())
 
 
 def _grid(key: str, metadata: Mapping[str, Any], writers: tuple[int, ...] | None = None) -> ChunkGrid:
