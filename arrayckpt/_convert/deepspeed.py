@@ -4,8 +4,10 @@ What comes out (every parameter under the name the module gives it)::
 
     model.<name>              trainable parameters: the fp32 master weights, the ranks' partitions joined and the
                               padding stripped; frozen parameters and buffers: as the module holds them (dtype kept)
-    optim.state.<name>.<k>    the optimizer state of each trainable parameter (``exp_avg``, ``exp_avg_sq``: joined
-                              like the master weights; ``step``: its group's step)
+    optim.state.<name>.<k>    the optimizer state of each trainable parameter (``exp_avg``, ``exp_avg_sq``, or what
+                              the optimizer keeps: joined like the master weights; ``step``: its group's step, a
+                              0-d array where the optimizer keeps a tensor (torch's), a plain int where it keeps an
+                              int (DeepSpeed's FusedAdam, DeepSpeedCPUAdam))
     optim.param_groups        the optimizer's hyper-parameters, each group's ``params`` given as parameter names
     deepspeed.<k>             DeepSpeed's own bookkeeping: ``global_steps``, ``global_samples``, ``skipped_steps``,
                               ``dp_world_size``, ``ds_config``, ``ds_version``, ``lr_scheduler``, ``zero_stage``,
