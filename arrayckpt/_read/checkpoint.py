@@ -109,6 +109,8 @@ class Checkpoint(Mapping[str, LazyArray]):
         document, self._base, release, self._generation = opened or location.open_committed()
         try:
             self.manifest, self._nodes = parse_root_document(document, where)
+            if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
+                follow_base(location, self.manifest.base.path, base_roots)
             self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
@@ -458,8 +460,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
     Use it as a context manager (or call :meth:`Checkpoint.close`) to release what it holds when done.
 
     A delta checkpoint's bases are read from the directory (prefix) holding it, as saves write them; a base
-    elsewhere is read only inside one of ``base_roots`` (directories or URLs you trust), else reading through it
-    raises :class:`arrayckpt.BaseNotAllowedError` (spec §10.1).
+    elsewhere is read only inside one of ``base_roots`` (directories or URLs you trust), else opening the delta
+    raises :class:`arrayckpt.BaseNotAllowedError` naming its reference (spec §10.1).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
