@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._convert.dispatch import convert
     from ._errors import (
         ArrayckptError,
+        BaseNotAllowedError,
         CheckpointBusyError,
         CheckpointExistsError,
         CheckpointNotFoundError,
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
 # TYPE_CHECKING imports above (for type checkers and IDEs only) say the same.
 _LAZY: dict[str, str] = {
     "ArrayckptError": "._errors",
+    "BaseNotAllowedError": "._errors",
     "Checkpoint": "._read.checkpoint",
     "CheckpointBusyError": "._errors",
     "CheckpointExistsError": "._errors",

@@ -61,7 +61,7 @@ def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int
     try:
         result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                         max_shard_bytes=args.max_shard_size, progress=counter)
+                         max_shard_bytes=args.max_shard_size, progress=counter, base_roots=args.base_root)
     finally:
         counter.close()
     if args.json:

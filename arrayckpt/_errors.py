@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArrayckptError",
+    "BaseNotAllowedError",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -76,6 +77,13 @@ class KeyMismatchError(StateError, KeyError):
 
 class PickleNotAllowedError(ArrayckptError, PermissionError):
     """A value needs pickle, and ``allow_pickle=True`` was not given."""
+
+
+class BaseNotAllowedError(ArrayckptError, PermissionError):
+    """A delta checkpoint names a base outside the places a reader follows by default (the directory or prefix
+    holding the delta checkpoint): the caller must name a root that holds it (``base_roots=[...]``, CLI
+    ``--base-root``) to have it read. A checkpoint from an untrusted source could otherwise make a reader open
+    any directory or URL, with the delta checkpoint's credentials (spec §10.1, §12)."""
 
 
 class StorageError(ArrayckptError, OSError):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ._cli_commands import info_header, ranks_text
 from ._errors import ArrayckptError
 from ._tools.report_cli import add_report_parser, report_command
-from ._tools.sync_cli import add_sync_parser, sync_command
+from ._tools.sync_cli import add_base_root_option, add_sync_parser, sync_command
 from ._torch import TORCH_EXTRA, is_missing_torch
 from ._units import human_bytes
 
@@ -168,7 +168,7 @@ def _print_info(info: dict[str, Any]) -> None:
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
 
-    with open_checkpoint(args.path) as checkpoint:  # closing it closes the bases `chain_info` opened
+    with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:  # closing it closes the bases too
         info = info_dict(checkpoint)
     if args.json:
         _print_json(info)
@@ -242,7 +242,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     counter = _Counter("verify")
     try:
-        report = verify(args.path, progress=counter)
+        report = verify(args.path, progress=counter, base_roots=args.base_root)
     finally:
         counter.close()
     if args.json:
@@ -259,7 +259,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"OK {report.path}: {checked}")
         from ._read.checkpoint import open_checkpoint
 
-        with open_checkpoint(args.path) as checkpoint:
+        with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:
             _print_zarr_hint(array.entry.dtype.name for array in checkpoint.values())
         return 0
     print(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
@@ -283,7 +283,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
     from ._tools.inspect import show
 
-    with open_checkpoint(args.path) as checkpoint:
+    with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:
         entry = checkpoint.manifest.entries.get(args.key)
         if entry is not None and args.key not in checkpoint:  # a plain value: show it as it is
             if isinstance(entry, PickleEntry):
@@ -321,9 +321,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from ._read.checkpoint import open_checkpoint
     from ._tools.inspect import diff
 
-    report = diff(args.a, args.b)
+    roots = args.base_root
+    with open_checkpoint(args.a, base_roots=roots) as a, open_checkpoint(args.b, base_roots=roots) as b:
+        report = diff(a, b)
     if args.json:
         _print_json(report.to_dict())
         return 0 if report.identical else 1
@@ -420,7 +423,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     counter = _Counter("compact")
     try:
         kwargs = {} if args.codec is None else {"codec": args.codec}
-        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, **kwargs)
+        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, base_roots=args.base_root,
+                         **kwargs)
     finally:
         counter.close()
     if args.json:
@@ -514,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     compact.set_defaults(func=_cmd_compact)
     for add_parser, command in EXTRA_COMMANDS:
         add_parser(commands).set_defaults(func=command)
+    for name in ("info", "verify", "show", "diff", "compact", "convert"):  # sync and report add their own
+        add_base_root_option(commands.choices[name])
     return parser
 
 

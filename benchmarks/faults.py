@@ -17,6 +17,10 @@ A kill sweep (``--kills N``) then starts a subprocess that saves, with ``overwri
 (every element of every tensor equal to the iteration number) and SIGKILLs it after a random delay; the path must
 then be absent or one whole saved state ("damaged" otherwise).
 
+The hostile-paths campaign (``benchmarks/faults_paths.py``: crafted node keys, chunk keys, base references and
+symbolic links through every command, a sentinel tree hashed around every trial; ``--no-paths`` skips it, ``--no-s3``
+its moto part) runs last.
+
     python benchmarks/faults.py                          # all kinds, defaults (zarr.json files: every 4th byte)
     python benchmarks/faults.py --kinds full,delta --json-stride 1 --kills 0 --json faults.json
 """
@@ -39,6 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import faults_paths
 import numpy as np
 import torch
 
@@ -254,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-print", type=int, default=5, help="findings of each outcome printed")
     p.add_argument("--dir", default=None, help="where the temp dir goes")
     p.add_argument("--json", default=None, help="write results and findings as JSON here")
+    _add_paths_arguments(p)
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     for k in kinds:
@@ -276,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = kill_sweep(args.kills, root, args.seed, findings) if args.kills else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    paths, paths_bad = _hostile_paths(args, findings)
     cols = ("trials", "detected", "harmless", "silent", "crash", "hang")
     print()
     print("| kind | " + " | ".join(cols) + " |")
@@ -293,9 +300,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "results": results, "total": total, "kill_sweep": sweep, "findings": findings,
+            "hostile_paths": paths,
         }, indent=2, default=str))
-    bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0)
+    bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0) + paths_bad
     return 1 if bad else 0
+
+
+# --- hostile paths (issue 23 items 1 and 2): the campaign lives in faults_paths.py --------------------------------
+
+
+def _add_paths_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--paths", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the hostile-paths campaign too (crafted node, chunk and base keys, links; "
+                        "benchmarks/faults_paths.py)")
+    faults_paths.add_arguments(p)
+
+
+def _hostile_paths(args: argparse.Namespace, findings: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, int]:
+    """The hostile-paths campaign's counts by family and its number of bad outcomes (``--no-paths``: none)."""
+    if not args.paths:
+        return None, 0
+    print("\nhostile paths: crafted node keys, chunk keys, base references and links", flush=True)
+    return faults_paths.run(args, findings)
 
 
 if __name__ == "__main__":

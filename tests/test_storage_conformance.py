@@ -17,6 +17,7 @@ import torch
 import arrayckpt
 import arrayckpt._storage.local as local_storage
 import arrayckpt._storage.object as object_storage
+from arrayckpt._errors import FormatError
 from arrayckpt._format.zarr import chunk_key
 from arrayckpt._storage import ROOT_METADATA, Location, Writer, parse_location
 
@@ -272,8 +273,12 @@ class TestStorage:
         assert base.reference_from(delta) == "../base"
         assert base.reference_from(deep) == "../../base"
         assert base.reference_from(base) == "."
-        for here in (delta, deep, base):
+        for here in (delta, deep):
             assert here.resolve(base.reference_from(here)) == base
+        with pytest.raises(FormatError, match="does not begin with '../'"):  # spec §10.1: never the checkpoint itself
+            base.resolve(base.reference_from(base))
+        with pytest.raises(FormatError, match="climbs"):  # resolved on segments, never clamped at the storage's root
+            base.resolve("../" * (len(base.tree.parts) + 1) + "x")
         # across kinds of storage: absolute, and resolved without this storage's options
         assert base.reference_from(elsewhere) == str(base) and elsewhere.reference_from(base) == str(elsewhere)
         assert str(elsewhere.resolve(str(base))) == str(base)

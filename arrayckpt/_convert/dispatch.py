@@ -12,7 +12,7 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
@@ -78,7 +78,8 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_format: str | None = None,
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
-            max_shard_bytes: int | None = None, progress: Progress | None = None) -> ConvertResult:
+            max_shard_bytes: int | None = None, progress: Progress | None = None,
+            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
     and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
@@ -87,7 +88,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     The source format is detected unless given; the target format is ``to_format``, or what ``dst``'s suffix says
     (``.safetensors``; ``.pt``, ``.pth``, ``.bin``: torch), or arrayckpt (a directory). A suffix that contradicts
     ``to_format`` is refused before anything is written. ``max_shard_bytes`` splits safetensors output into shards
-    with a ``model.safetensors.index.json``.
+    with a ``model.safetensors.index.json``. ``base_roots``: where an arrayckpt delta source's bases may be besides
+    the directory holding it (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -124,7 +126,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                       max_shard_bytes=max_shard_bytes, progress=progress)
+                       max_shard_bytes=max_shard_bytes, progress=progress, base_roots=base_roots)
     into = _converter(_INTO[source], f"converting {source} to {target}")
     if os.path.exists(dst) and not overwrite:  # refused before the (long) first half
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
@@ -143,14 +145,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
 
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
-            allow_pickle: bool, max_shard_bytes: int | None, progress: Progress | None) -> ConvertResult:
+            allow_pickle: bool, max_shard_bytes: int | None, progress: Progress | None,
+            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
     if target == "safetensors":
-        with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                                   progress=progress)
     out_of = _converter(_OUT_OF[target], f"converting arrayckpt to {target}")
-    with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
+    with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
         return out_of(checkpoint, dst, overwrite=overwrite, progress=progress)
 
 

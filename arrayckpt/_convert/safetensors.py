@@ -207,7 +207,7 @@ def _safetensors_source(src: Path) -> _StSource:
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise FormatError(f"{src}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        if not all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in names):
+        if not all(isinstance(n, str) and "/" not in n and "\x00" not in n and n not in ("", ".", "..") for n in names):
             raise FormatError(f"{src}: weight_map names files outside its directory: {names!r}")
         metadata = index.get("metadata")
         return _StSource([src.parent / n for n in names], metadata if isinstance(metadata, dict) else {})

@@ -18,6 +18,7 @@ from .._errors import FormatError
 from .dtypes import DType, dtype_by_name
 from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
 from .keys import Key, array_path, parse_array_path, parse_key_parts
+from .paths import check_node_paths, is_location_reference, parse_relative_reference, shown
 
 __all__ = [
     "FORMAT_VERSION",
@@ -31,6 +32,7 @@ __all__ = [
     "PickleEntry",
     "Quantization",
     "ValueEntry",
+    "array_nodes",
     "encode_root_document",
     "is_arrayckpt_root",
     "parse_root_document",
@@ -71,6 +73,13 @@ class Delta:
     present: tuple[int, ...] = ()
     rows: int = 0  # number of changed rows (rows mode)
     quantized: Quantization | None = None
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The names of the arrays a rows delta stores below the entry's path (none for a chunks delta)."""
+        if self.mode == "chunks":
+            return ()
+        return ("rows", "values") if self.quantized is None else ("rows", "codes", "scale", "offset")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
@@ -193,8 +202,13 @@ class BaseRef:
                 and isinstance(data.get("id"), str) and data["id"]
                 and (data.get("step") is None or (isinstance(data["step"], int)
                                                   and not isinstance(data["step"], bool)))):
-            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {data!r}")
-        return cls(data["path"], data["id"], data.get("step"))
+            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {shown(data)}")
+        path = data["path"]
+        if "\x00" in path:
+            raise FormatError(f"manifest 'base' path {shown(path)} holds a NUL character; it was damaged or crafted")
+        if not is_location_reference(path):
+            parse_relative_reference(path, "manifest 'base'")
+        return cls(path, data["id"], data.get("step"))
 
 
 @dataclass(frozen=True)
@@ -448,8 +462,25 @@ def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[st
     metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
+    check_node_paths(metadata, array_nodes(manifest.entries), where)
     _check_digested(manifest, metadata, where)
     return manifest, metadata
+
+
+def array_nodes(entries: Mapping[str, Entry]) -> dict[str, str]:
+    """Every array node the entries imply, by path, with the name of the entry it belongs to (spec §2): the arrays
+    of ``tensor``/``ndarray``/``pickle`` entries, a rows delta's arrays below its entry's path, and the per-rank
+    arrays. Built from validated names only: the one list of node paths a reader may turn into file names."""
+    out: dict[str, str] = {}
+    for name, entry in entries.items():
+        if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "rows":
+            out.update((f"{entry.path}/{array}", name) for array in entry.delta.arrays)
+        elif isinstance(entry, (ArrayEntry, PickleEntry)):
+            out[entry.path] = name
+        elif isinstance(entry, PerRankEntry):
+            out.update((per_rank_path(name, rank), name) for rank, item in enumerate(entry.items)
+                       if isinstance(item, ArrayEntry))
+    return out
 
 
 def _check_digested(manifest: Manifest, nodes: dict[str, Any], where: str) -> None:

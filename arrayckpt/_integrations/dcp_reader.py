@@ -29,7 +29,7 @@ import io
 import os
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +84,8 @@ class ArrayckptReader(StorageReader):
 
     ``path`` is a checkpoint's local path or URL (``storage_options`` as for :func:`arrayckpt.open`); it may
     instead come from DCP's ``checkpoint_id``. ``allow_pickle=True`` lets pickled values load (only for
-    checkpoints you trust: unpickling can run code).
+    checkpoints you trust: unpickling can run code). ``base_roots``: where a delta checkpoint's bases may be besides
+    the directory holding it (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os, warnings
     >>> import torch.distributed.checkpoint as dcp
@@ -100,8 +101,10 @@ class ArrayckptReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
         super().__init__()
+        self.base_roots = base_roots
         self.path = None if path is None else os.fspath(path)
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
@@ -233,7 +236,7 @@ class ArrayckptReader(StorageReader):
                 raise StateError("ArrayckptReader has no path: pass one, ArrayckptReader(path), or a checkpoint_id "
                                  "to torch.distributed.checkpoint.load")
             self._open.append(open_checkpoint(self.path, allow_pickle=self.allow_pickle,
-                                              storage_options=self.storage_options))
+                                              storage_options=self.storage_options, base_roots=self.base_roots))
         return self._open[0]
 
     def _source(self, item: ReadItem) -> _Source:

@@ -17,7 +17,7 @@ import pickle
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from types import MappingProxyType
@@ -27,6 +27,7 @@ import numpy as np
 
 from .._errors import (
     ArrayckptError,
+    BaseNotAllowedError,
     CheckpointNotFoundError,
     ClosedCheckpointError,
     CorruptCheckpointError,
@@ -41,11 +42,12 @@ from .._format.quant import packed_columns
 from .._format.values import decode_value
 from .._format.zarr import check_array_metadata, grid_counts
 from .._io.arrays import ArrayIO, array_spec
+from .._io.fastio import check_no_links
 from .._layout.box import Box
 from .._read.chain import dense_grid, dense_layer, read_plan
 from .._read.lazy import LazyArray
 from .._read.reader import ChainRead, read
-from .._storage import Location, kvstore_at, parse_location
+from .._storage import Location, follow_base, kvstore_at, parse_location, parse_roots
 
 __all__ = ["Checkpoint", "LazyArray", "open_checkpoint", "opened"]
 
@@ -96,15 +98,19 @@ class Checkpoint(Mapping[str, LazyArray]):
     ``read_into``, :meth:`per_rank`, pickled values, opening a base) raises :class:`ClosedCheckpointError`.
     """
 
-    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None) -> None:
+    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None,
+                 base_roots: tuple[Location, ...] = ()) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
+        self.base_roots = base_roots  # where bases may be besides the directory holding each layer (spec §10.1)
         self._above: frozenset[str | None] = frozenset()  # ids of the deltas that read through this checkpoint
         where = str(location)
         # ``opened``: what location.open_committed() gives, from a root document another rank read
         document, self._base, release, self._generation = opened or location.open_committed()
         try:
             self.manifest, self._nodes = parse_root_document(document, where)
+            if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
+                follow_base(location, self.manifest.base.path, base_roots)
             self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
@@ -178,16 +184,19 @@ class Checkpoint(Mapping[str, LazyArray]):
     @cached_property
     def base(self) -> Checkpoint:
         """The checkpoint this delta checkpoint was saved against (opened on first use, and checked to be the
-        very one: a base replaced since is refused)."""
+        very one: a base replaced since is refused). Only where spec §10.1 lets a reader go: the directory holding
+        this checkpoint, or one of :attr:`base_roots` (:class:`arrayckpt.BaseNotAllowedError` otherwise)."""
 
         ref = self.manifest.base
         if ref is None:
             raise ValueError(f"{self.location}: a full checkpoint; it has no base")
         self._check_open()
-        location = self.location.resolve(ref.path)
+        location = follow_base(self.location, ref.path, self.base_roots)
         try:
-            base = Checkpoint(location, self.allow_pickle)
-        except ArrayckptError as e:
+            base = Checkpoint(location, self.allow_pickle, base_roots=self.base_roots)
+        except BaseNotAllowedError:
+            raise
+        except (ArrayckptError, OSError) as e:  # OSError: the system's own (a path too long, ...): named here too
             kind = CheckpointNotFoundError if isinstance(e, CheckpointNotFoundError) else CorruptCheckpointError
             raise kind(f"{self.location}: its base checkpoint {location} (step {ref.step}) cannot be read: {e}") from e
         base._unclosed.clear()  # closed with this checkpoint; collected with it, this one warns for both
@@ -250,8 +259,11 @@ class Checkpoint(Mapping[str, LazyArray]):
         return MappingProxyType(self._nodes)
 
     def node_kvstore(self, path: str) -> dict[str, Any]:
-        """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage)."""
+        """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage, whose
+        node directories must not be symbolic links: spec §12)."""
         self._check_open()
+        if self._base.get("driver") == "file":
+            check_no_links(self._base["path"], path, str(self.location))
         return kvstore_at(self._base, path)
 
     def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -441,10 +453,15 @@ def _uint8() -> DType:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+                    storage_options: Mapping[str, Any] | None = None,
+                    base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Checkpoint:
     """Open a committed checkpoint read-only: a local path or an object-storage URL (``s3://bucket/prefix``,
     with ``storage_options`` as for :func:`arrayckpt.save`). Opening reads one object, the root ``zarr.json``.
     Use it as a context manager (or call :meth:`Checkpoint.close`) to release what it holds when done.
+
+    A delta checkpoint's bases are read from the directory (prefix) holding it, as saves write them; a base
+    elsewhere is read only inside one of ``base_roots`` (directories or URLs you trust), else opening the delta
+    raises :class:`arrayckpt.BaseNotAllowedError` naming its reference (spec §10.1).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -455,7 +472,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
     >>> ckpt.closed, sorted(ckpt)  # closed: data can no longer be read, what is in memory can
     (True, ['w'])
     """
-    return Checkpoint(parse_location(path, storage_options), allow_pickle)
+    return Checkpoint(parse_location(path, storage_options), allow_pickle,
+                      base_roots=parse_roots(base_roots, storage_options))
 
 
 def opened(source: Checkpoint | str | os.PathLike[str], **kwargs: Any) -> AbstractContextManager[Checkpoint]:

@@ -20,7 +20,7 @@ from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, Execute, Request, read
-from .._storage import Location, parse_location
+from .._storage import Location, parse_location, parse_roots
 from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import torch_dtype
@@ -51,6 +51,7 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     atomic: bool = False,
     share_root: bool = True,
+    base_roots: Sequence[str | os.PathLike[str]] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -73,7 +74,8 @@ def load(
     process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
     ``storage_options`` as for :func:`arrayckpt.save`; with several ranks the coordinator then reads the root
     document once and sends it to the others, each checking its checksum (``share_root=False``: every rank reads
-    it itself; either way every rank must call ``load``, as for any collective).
+    it itself; either way every rank must call ``load``, as for any collective). A delta checkpoint's bases are read
+    from the directory (prefix) holding it, or inside one of ``base_roots`` (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -87,7 +89,7 @@ def load(
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
-    with Checkpoint(location, allow_pickle, opened) as checkpoint:
+    with Checkpoint(location, allow_pickle, opened, parse_roots(base_roots, storage_options)) as checkpoint:
         return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
 
 

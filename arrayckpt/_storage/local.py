@@ -33,7 +33,7 @@ from .._errors import (
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
-from .._io.fastio import forget_pin, read_regular_file, remember_pin
+from .._io.fastio import forget_pin, read_checkpoint_file, read_regular_file, remember_pin
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -45,6 +45,7 @@ from .base import (
     parse_location,
     parse_root_bytes,
     register_scheme,
+    relative_parts,
 )
 from .files import remove_arrayckpt_files
 
@@ -124,7 +125,7 @@ class LocalLocation(Location):
     def node_document(self, node_path: str) -> bytes | None:
         """A node's own ``zarr.json`` (``None`` when absent)."""
         try:
-            return read_regular_file(self.path / node_path / ROOT_METADATA, f"{self}: {node_path}/{ROOT_METADATA}")
+            return read_checkpoint_file(str(self.path), f"{node_path}/zarr.json", f"{self}: {node_path}/zarr.json")
         except (FileNotFoundError, NotADirectoryError):
             return None
 
@@ -175,7 +176,7 @@ class LocalLocation(Location):
     def resolve(self, reference: str) -> Location:
         if "://" in reference or os.path.isabs(reference):
             return parse_location(reference)  # a URL gets no options from a local location: it has none
-        return LocalLocation(type(self.path)(os.path.normpath(self.path / reference)))
+        return LocalLocation(type(self.path)("/", *relative_parts(self, reference)))  # spec §10.1, never clamped
 
     def reference_from(self, other: Location) -> str:
         if isinstance(other, LocalLocation):
@@ -304,7 +305,7 @@ def read_root_json(location: LocalLocation, directory: str | None = None) -> dic
     one), or a clear error saying what is there instead."""
     root = Path(directory or location.path) / ROOT_METADATA
     try:
-        data = read_regular_file(root, f"{location}: {ROOT_METADATA}")
+        data = read_regular_file(root, f"{location}: {ROOT_METADATA}", follow=False)  # no link inside (spec §12)
     except FileNotFoundError:
         if location.path.is_dir():
             raise IncompleteCheckpointError(

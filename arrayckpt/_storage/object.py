@@ -45,6 +45,7 @@ from .base import (
     parse_location,
     parse_root_bytes,
     register_scheme,
+    relative_parts,
 )
 from .clients import driver_spec, object_context
 from .gc import hierarchies_above, object_leftovers
@@ -245,8 +246,7 @@ class ObjectLocation(Location):
             # this location's storage options (credentials) go only to one on the same kind of storage
             same = "://" in reference and reference.partition("://")[0] == self.scheme
             return parse_location(reference, self.option if same and self.options else None)
-        prefix = posixpath.normpath(posixpath.join("/" + self.prefix, reference)).strip("/")
-        return dataclasses.replace(self, prefix=prefix)
+        return dataclasses.replace(self, prefix="/".join(relative_parts(self, reference)))  # spec §10.1
 
     def reference_from(self, other: Location) -> str:
         if isinstance(other, ObjectLocation) and (other.scheme, other.bucket) == (self.scheme, self.bucket):
@@ -412,7 +412,7 @@ class ObjectWriter(Writer):
         delete its objects as stale. Only the ``zarr.json`` documents of nodes without chunks are read (groups;
         an arrayckpt root is one), concurrently; when replacing, only those of nodes the old one lacks."""
         chunked = {key.rpartition("/")[0] for key in arrayckpt_keys(keys) if key.rpartition("/")[2] != ROOT_METADATA}
-        candidates = [key for key in keys if key.endswith(f"/{ROOT_METADATA}")
+        candidates = [key for key in arrayckpt_keys(keys) if key.endswith(f"/{ROOT_METADATA}")
                       and (node := key[:-len(ROOT_METADATA) - 1]) not in chunked
                       and (self._old_nodes is None or node not in self._old_nodes)]
         for key, data in sorted(self.location.read_objects(candidates).items()) if candidates else ():

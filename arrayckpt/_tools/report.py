@@ -29,7 +29,7 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,8 @@ LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
 def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathLike[str] | Checkpoint | None = None,
            output: str | os.PathLike[str] = "report.html", overview: str | os.PathLike[str] | None = None,
            storage_options: Mapping[str, Any] | None = None, max_tensors: int | None = None,
-           histograms: int = HISTOGRAMS, grids: int = GRIDS) -> Path:
+           histograms: int = HISTOGRAMS, grids: int = GRIDS,
+           base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Path:
     """Write a self-contained HTML report of checkpoint ``path`` to ``output`` and return its path.
 
     ``against``: another checkpoint; the report then ranks the tensors by their relative change
@@ -75,7 +76,7 @@ def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathL
     from . import report_figures, report_html  # matplotlib: only here
 
     report_figures.require_matplotlib()
-    options = {"storage_options": storage_options}
+    options = {"storage_options": storage_options, "base_roots": base_roots}
     with opened(path, **options) as checkpoint, (nullcontext() if against is None else opened(against, **options)) \
             as other:
         data = collect(checkpoint, other, max_tensors=max_tensors, histograms=histograms, grids=grids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +54,14 @@ _KEEP = object()
 
 def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
             codec: CodecChoice | object = _KEEP, storage_options: Mapping[str, Any] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> CompactResult:
+            progress: Callable[[int, int], None] | None = None,
+            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> CompactResult:
     """Write the checkpoint at ``src`` (a delta chain, or a full checkpoint) as a full checkpoint at ``dst``.
 
     Loading ``dst`` gives exactly what loading ``src`` gives. ``codec`` overrides the compression (default:
     each tensor keeps its own). ``dst`` may be on other storage than ``src`` (e.g. compact an S3 chain to a
-    local directory).
+    local directory). ``base_roots``: where bases may be besides the directory holding each checkpoint of the chain
+    (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -72,7 +74,7 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
     >>> with arrayckpt.open(f"{d}/full") as full: full["w"][1].tolist(), full.manifest.base is None
     ([1.0, 1.0, 1.0], True)
     """
-    with opened(src, storage_options=storage_options) as checkpoint:  # a Checkpoint passed in stays open
+    with opened(src, storage_options=storage_options, base_roots=base_roots) as checkpoint:  # one passed in stays open
         return _compact(checkpoint, dst, overwrite, codec, storage_options, progress)
 
 

@@ -88,7 +88,10 @@ def save(
     through to the base. Change detection reads the base back, except for keys in ``changed_rows``
     (key -> global row indices, e.g. from an embedding's sparse gradient), whose other rows the caller
     vouches are unchanged. ``quantize`` (key pattern -> 4 or 8 bits) stores the changed rows of matching
-    floating-point tensors quantized (lossy; the manifest records the largest error).
+    floating-point tensors quantized (lossy; the manifest records the largest error). Readers follow a base
+    beside the delta (in the same directory or prefix); one elsewhere is written all the same, with a warning that
+    its readers will need to name its root (``base_roots``, spec §10.1). A base whose own chain leads elsewhere is
+    opened from a path by those rules too: pass it opened, ``arrayckpt.open(path, base_roots=[...])``.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
