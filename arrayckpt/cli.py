@@ -411,6 +411,14 @@ def _size(text: str) -> int:
     return round(float(match[1]) * base ** " kmgt".index(match[2] or " "))
 
 
+def _tie(text: str) -> tuple[str, str]:
+    """``lm_head.weight=transformer.wte.weight`` -> the two names (for --tie)."""
+    alias, sep, target = text.partition("=")
+    if not (sep and alias.strip() and target.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ALIAS=TARGET (e.g. lm_head.weight=transformer.wte.weight)")
+    return alias.strip(), target.strip()
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from ._cli_commands import cmd_convert
 
@@ -492,17 +500,27 @@ def build_parser() -> argparse.ArgumentParser:
     interval.set_defaults(func=_cmd_interval)
 
     convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP; from "
-                                  "DeepSpeed ZeRO and Megatron torch_dist")
+                                  "DeepSpeed ZeRO and Megatron torch_dist; to a Hugging Face model directory")
     convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
                          "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
-    formats = ["arrayckpt", "dcp", "safetensors", "torch"]
+    formats = ["arrayckpt", "dcp", "hf", "safetensors", "torch"]
     convert.add_argument("--from", dest="from_format", choices=[*formats, "deepspeed", "megatron"],
                          help="source format (default: detected)")
     convert.add_argument("--to", dest="to_format", choices=formats,
-                         help="target format (default: arrayckpt, or from the target's suffix)")
+                         help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
+                              "from_pretrained loads (the model's weights only)")
     convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
-                         help="safetensors output: shards of at most SIZE (e.g. 5GB) with an index JSON")
+                         help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
+                              "default: 50GB, as save_pretrained)")
+    convert.add_argument("--select", default=None, metavar="PREFIX",
+                         help="hf: the model's key prefix, stripped from the names (default: the one module under "
+                              "a top-level key, e.g. model.; '' for the whole state)")
+    convert.add_argument("--tie", action="append", type=_tie, default=[], metavar="ALIAS=TARGET",
+                         help="hf: ALIAS holds the same tensor as TARGET and is left out (repeatable), e.g. "
+                              "lm_head.weight=transformer.wte.weight")
+    convert.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                         help="hf: config.json to copy into the output (its model's tied weights are left out)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
     convert.add_argument("--allow-pickle", action="store_true",
                          help="store/read values only pickle can hold (only for sources you trust)")

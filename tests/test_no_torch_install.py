@@ -195,6 +195,21 @@ def test_export_to_safetensors_needs_no_torch(venv, saved, tmp_path):
     assert {key: _digest(t) for key, t in load_file(target).items()} == expected  # read back here, with torch
 
 
+def test_hugging_face_export_needs_no_torch(venv, saved, tmp_path):
+    from safetensors.torch import load_file
+
+    path, expected = saved
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    done = _run(venv, "arrayckpt", "convert", str(path), str(tmp_path / "hf"), "--to", "hf", "--config",
+                str(tmp_path / "config.json"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "(model.* with the prefix stripped)" in done.stdout and "note: transformers is not installed" in done.stderr
+    written = load_file(tmp_path / "hf" / "model.safetensors")  # read back here, with torch
+    assert {f"model.{key}": _digest(t) for key, t in written.items()} == \
+        {key: digest for key, digest in expected.items() if key.startswith("model.")}
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+
+
 def test_torch_only_api_says_which_extra_to_install(venv, saved, tmp_path):
     path, _ = saved
     out = _python(venv, """

@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,14 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What a conversion wrote, and the entries of the source the target format could not hold."""
+    """What a conversion wrote, and the entries of the source the target format could not hold.
+
+    A Hugging Face export (``to_format="hf"``) also says which tensors it took (``selected``: the key prefix it
+    stripped, ``"model."``; ``""`` for the whole state), which names it left out as ties of others (``tied``:
+    alias -> the name written, ``{"lm_head.weight": "transformer.wte.weight"}``), and what the caller should
+    know before publishing (``notes``: e.g. names the config's model expects that the export lacks). ``skipped``
+    then lists every entry outside the selection (optimizer state, values).
+    """
 
     source_format: str
     target_format: str
@@ -39,9 +46,13 @@ class ConvertResult:
     bytes: int
     files: tuple[str, ...]
     skipped: tuple[str, ...] = ()  # keys left out (e.g. plain values going to safetensors)
+    selected: str | None = None  # the key prefix a Hugging Face export took and stripped (None: other targets)
+    tied: Mapping[str, str] = field(default_factory=dict)  # names left out as ties: alias -> the name written
+    notes: tuple[str, ...] = ()  # warnings about the output, in words
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped)}
+        return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped), "tied": dict(self.tied),
+                "notes": list(self.notes)}
 
 
 def refusal_reason(error: BaseException) -> str:

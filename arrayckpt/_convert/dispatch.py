@@ -1,9 +1,9 @@
 """``convert``: detect the formats and hand over to the converter of each (``torch_save``, ``safetensors``,
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
 DeepSpeed and Megatron are read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``). Only
-arrayckpt -> safetensors runs without torch; the other converters are imported when used, after checking that
-torch is there."""
+``arrayckpt.deepspeed.load``); ``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``,
+``hf.py``) is written only, and read back as the safetensors it is. Only arrayckpt -> safetensors and hf run
+without torch; the other converters are imported when used, after checking that torch is there."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
@@ -21,12 +21,14 @@ from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
 from .._whatis import checkpoint_steps, explain_path
 from .common import ConvertResult, Progress
+from .hf import HfOptions, refuse_earlier_export, to_hf
 from .safetensors import to_safetensors
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "deepspeed", "megatron", "safetensors", "torch")
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
 READ_ONLY = ("deepspeed", "megatron")  # formats converted into arrayckpt, never written
+DIRECTORIES = ("arrayckpt", "dcp", "hf")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -68,7 +70,7 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
     implied = _target_format(dst)
     if implied is not None and implied != target:
         raise FormatError(f"{dst}: its name says {implied} but the target format is {target}; name the target "
-                          f"for what it holds{' (a directory)' if target in ('arrayckpt', 'dcp') else ''}")
+                          f"for what it holds{' (a directory)' if target in DIRECTORIES else ''}")
     if target == "torch" and implied is None:
         raise FormatError(f"{dst}: a torch.save target is a file named .pt, .pth or .bin")
     if target == "safetensors" and implied is None and max_shard_bytes is None and not Path(dst).is_dir():
@@ -78,7 +80,8 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_format: str | None = None,
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
-            max_shard_bytes: int | None = None, progress: Progress | None = None,
+            max_shard_bytes: int | None = None, select: str | None = None, tie: Mapping[str, str] | None = None,
+            config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
             base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
     and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
@@ -91,6 +94,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     with a ``model.safetensors.index.json``. ``base_roots``: where an arrayckpt delta source's bases may be besides
     the directory holding it (as for :func:`arrayckpt.open`).
 
+    ``to_format="hf"`` writes the directory ``dst`` for people who publish weights: the model's tensors only
+    (``select``: their key prefix, ``"model."``, stripped from the names; found when there is one module under
+    a top-level key), tied duplicates left out as ``save_pretrained`` leaves them (``tie``: alias -> target, and
+    the ties of the model ``config`` describes), dtypes kept, ``model.safetensors`` or shards (``max_shard_bytes``,
+    default 50 GB) with their index, and ``config`` copied as ``config.json``. ``from_pretrained`` loads it.
+
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
     >>> torch.save({"w": torch.ones(2, 3), "step": 4}, os.path.join(d, "model.pt"))
@@ -100,8 +109,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     4
     >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")).target_format
     'safetensors'
+    >>> arrayckpt.save({"model": torch.nn.Linear(2, 2), "step": 4}, os.path.join(d, "train"))
+    >>> done = arrayckpt.convert(os.path.join(d, "train"), os.path.join(d, "hf"), to_format="hf")
+    >>> done.selected, sorted(os.listdir(os.path.join(d, "hf"))), done.skipped
+    ('model.', ['model.safetensors'], ('step',))
     """
-    source = from_format or detect_format(src)
+    hf = HfOptions(select, dict(tie or {}), config)
+    if (select is not None or tie or config is not None) and to_format != "hf":
+        raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
+    source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
     if source is None:
         if not os.path.exists(src):
             raise CheckpointNotFoundError(f"{src}: nothing here to convert")
@@ -110,7 +126,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, safetensors, torch)")
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, hf, safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
@@ -126,9 +142,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                       max_shard_bytes=max_shard_bytes, progress=progress, base_roots=base_roots)
+                       max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, base_roots=base_roots)
     into = _converter(_INTO[source], f"converting {source} to {target}")
-    if os.path.exists(dst) and not overwrite:  # refused before the (long) first half
+    if target == "hf":  # refused before the (long) first half
+        refuse_earlier_export(Path(dst), overwrite)
+    elif os.path.exists(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
     parent = Path(dst).absolute().parent
     if not parent.is_dir():
@@ -137,7 +155,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     try:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
         result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                         max_shard_bytes=max_shard_bytes, progress=progress)
+                         max_shard_bytes=max_shard_bytes, hf=hf, progress=progress)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return dataclasses.replace(result, source_format=first.source_format,
@@ -145,9 +163,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
 
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
-            allow_pickle: bool, max_shard_bytes: int | None, progress: Progress | None,
-            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
+            allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions,
+            progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
+    if target == "hf":
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
+            return to_hf(checkpoint, dst, hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
     if target == "safetensors":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
