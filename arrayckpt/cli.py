@@ -22,7 +22,6 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._cli_commands import info_header, ranks_text
 from ._errors import ArrayckptError
 from ._tools.report_cli import add_report_parser, report_command
 from ._tools.sync_cli import add_base_root_option, add_sync_parser, sync_command
@@ -128,41 +127,11 @@ def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
     return out
 
 
-def _print_info(info: dict[str, Any]) -> None:
-    print(info_header(info))
-    created = info["created"]
-    if created:
-        print("created   " + ", ".join(f"{k}={v}" for k, v in created.items()))
-    delta = len(info["chain"]) > 1
-    rows = [(k, t["dtype"], "×".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["codec"],
-             "×".join(map(str, t["chunks"])) or "1", *((t["stored"],) if delta else ()))
-            for k, t in info["tensors"].items()]
-    header = ("key", "dtype", "shape", "size", "codec", "chunks", *(("stored",) if delta else ()))
-    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
-    print()
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    print(f"\n{len(rows)} tensor{'' if len(rows) == 1 else 's'}, {human_bytes(info['total_bytes'])}")
-    _print_zarr_hint(t["dtype"] for t in info["tensors"].values())
-    if delta:
-        print(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest first):")
-        for layer in info["chain"]:
-            if "error" in layer:
-                print(f"  {layer['path']}  UNREADABLE: {layer['error']}")
-            else:
-                kind = "delta" if layer["delta"] else "full"
-                stored = human_bytes(layer["stored_bytes"]) if layer["stored_bytes"] is not None else "?"
-                print(f"  {layer['path']}  step {layer['step']}  {kind}, {stored}")
-    if info["per_rank"]:
-        print("\nper-rank entries (`arrayckpt show PATH KEY`: each rank's)")
-        for key, ranks in info["per_rank"].items():
-            print(f"  {key}  {ranks_text(ranks)}")
-    if info["values"]:
-        print("\nvalues")
-        for key, value in info["values"].items():
-            text = repr(value)
-            print(f"  {key} = {text if len(text) < 100 else text[:97] + '...'}")
+def _print_info(info: dict[str, Any], width: int) -> None:
+    from ._cli_text import info_lines, zarr_hint
+
+    note = zarr_hint(t["dtype"] for t in info["tensors"].values())
+    print("\n".join(info_lines(info, width, [note] if note else [])))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -170,31 +139,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:  # closing it closes the bases too
         info = info_dict(checkpoint)
+    from ._cli_text import terminal_width, tree_lines
+
+    width = 0 if args.wide else terminal_width()
     if args.json:
         _print_json(info)
     elif args.tree:
-        _print_tree(info)
+        print("\n".join(tree_lines(info, width)))
     else:
-        _print_info(info)
+        _print_info(info, width)
     return 0
-
-
-def _print_tree(info: dict[str, Any]) -> None:
-    """The keys as a tree of their dotted parts: containers once, leaves with what they hold."""
-    print(info_header(info))
-    leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
-                    f"{t['codec']}") for key, t in info["tensors"].items()}
-    leaves.update({key: f"= {value!r}"[:100] for key, value in info["values"].items()})
-    leaves.update({key: ranks_text(ranks) for key, ranks in info["per_rank"].items()})
-    shown: set[str] = set()
-    for key, text in leaves.items():
-        parts = key.split(".")
-        for depth in range(len(parts) - 1):
-            prefix = ".".join(parts[: depth + 1])
-            if prefix not in shown:
-                shown.add(prefix)
-                print("  " * depth + parts[depth] + "/")
-        print("  " * (len(parts) - 1) + f"{parts[-1]}  {text}")
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -230,11 +184,14 @@ MAX_DAMAGE_LINES = 50
 
 
 def _print_zarr_hint(dtypes: Iterable[str]) -> None:
-    """One line for bfloat16/float8 arrays, which plain zarr-python cannot read ("No Zarr data type found")."""
-    special = sorted({name for name in dtypes if name == "bfloat16" or name.startswith("float8")})
-    if special:
-        print(f"note: zarr-python reads the {', '.join(special)} arrays only with arrayckpt's data types: install "
-              "arrayckpt (it registers them on `import zarr`) or `import arrayckpt` first")
+    """One note for bfloat16/float8 arrays when zarr-python run without arrayckpt cannot read them here."""
+    import textwrap
+
+    from ._cli_text import terminal_width, zarr_hint
+
+    note = zarr_hint(dtypes)
+    if note:
+        print("\n".join(textwrap.wrap(note, terminal_width(), subsequent_indent="      ")))
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -450,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.add_argument("--tree", action="store_true", help="print the keys as a tree of their dotted parts")
+    info.add_argument("--wide", action="store_true", help="print long keys, values and records in full, however "
+                      "wide the terminal (default: every line fits it; --json: everything, for scripts)")
     info.set_defaults(func=_cmd_info)
     gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
                                         "(s3://bucket/run: its incomplete checkpoints)")

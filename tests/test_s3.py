@@ -505,3 +505,44 @@ def test_checkpoints_never_nest(s3_server: S3Server, s3_bucket: str) -> None:
     from test_objstore import check_checkpoints_never_nest
 
     check_checkpoints_never_nest(f"s3://{s3_bucket}/run/outer", _options(s3_server))
+
+
+_QUIET_RUN = """
+import sys, torch, arrayckpt
+url, options = sys.argv[1], eval(sys.argv[2])
+arrayckpt.save({"w": torch.arange(6.0)}, url, storage_options=options)
+target = {"w": torch.zeros(6)}
+arrayckpt.load(target, url, storage_options=options)
+assert torch.equal(target["w"], torch.arange(6.0))
+with arrayckpt.open(url, storage_options=options) as opened:
+    assert opened["w"][2:4].tolist() == [2.0, 3.0]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("credentials", ["environment", "storage_options"])
+def test_a_run_with_credentials_prints_nothing_to_stderr(s3_server: S3Server, s3_bucket: str, tmp_path,
+                                                         credentials: str) -> None:
+    """TensorStore's default AWS chain logs ``E... Failed to open file '~/.aws/config'`` (and credentials) to stderr
+    on every run where those files are missing, even when the keys are in the environment: given keys (in the
+    environment or in ``storage_options``) must leave stderr empty. A fresh process, so that its stderr is all
+    TensorStore's; ``HOME`` without ``.aws``, as on a training node configured through the environment."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **s3_server.env, "HOME": str(tmp_path)}
+    env.pop("AWS_PROFILE", None)
+    options: dict = {"endpoint_url": s3_server.endpoint}
+    if credentials == "storage_options":
+        options.update(key=env.pop("AWS_ACCESS_KEY_ID"), secret=env.pop("AWS_SECRET_ACCESS_KEY"))
+    url = f"s3://{s3_bucket}/quiet"
+    done = subprocess.run([sys.executable, "-c", _QUIET_RUN, url, repr(options)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stdout + done.stderr
+    assert done.stderr == "", done.stderr
+    if credentials == "environment":  # the command line too (endpoint from the environment)
+        done = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", url], capture_output=True, text=True,
+                              env={**env, "AWS_ENDPOINT_URL": s3_server.endpoint}, timeout=120)
+        assert done.returncode == 0 and "1 tensor" in done.stdout, done.stdout + done.stderr
+        assert done.stderr == "", done.stderr

@@ -14,13 +14,15 @@ accumulates them (so the numbers are ``show``'s), histograms are counts of a ran
 checkpoints. Images are PNGs embedded as base64; nothing is fetched when the file is opened.
 
 **Chunk grids are coloured by the rank that wrote each chunk**, from the manifest's ``created.writers`` (spec §4.2;
-arrayckpt records it at every save with more than one rank). Checkpoints without it (written before it was recorded) are
-drawn with a colour per chunk, and the report says the writers are not recorded.
+arrayckpt records it at every save with more than one rank), with a key from colour to rank above them (a colour bar
+from 20 ranks on). In a delta checkpoint, the chunks its bases store are drawn lighter, in the colour of the rank that
+wrote them there. Checkpoints without the record (written before it was recorded) are drawn with a colour per chunk,
+and the report says the writers are not recorded.
 
 What a report shows is a set of values (``report_data.py``); chunk grids, the chain and what a delta stores come
 from metadata (``report_layout.py``); the HTML is written by ``report_html.py`` and the pictures drawn by
-``report_figures.py`` (matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``report_cli.py`` is
-the command line.
+``report_figures.py`` and ``report_grids.py`` (the chunk pictures), in ``report_style.py``'s shared style
+(matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``report_cli.py`` is the command line.
 """
 
 from __future__ import annotations

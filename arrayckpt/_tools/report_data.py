@@ -107,8 +107,11 @@ class ChunkGrid:
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     inner: tuple[int, ...] | None
-    # The rank that wrote each outer chunk, in C order (-1: stored in a base); None: not recorded
+    # The rank that wrote each outer chunk, in C order, in whichever checkpoint of a delta chain stores it (-1: not
+    # recorded there); None: not recorded
     writers: tuple[int, ...] | None = None
+    # The chunks (flat C-order indices) that a base checkpoint of the chain stores, rather than this one
+    in_base: frozenset[int] = frozenset()
 
     @property
     def counts(self) -> tuple[int, ...]:

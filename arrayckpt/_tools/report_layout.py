@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,39 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
         layer = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    return _grid(key, layer[key].metadata, _writers(layer, key))
+    grid = _writers_from_bases(layer, _grid(key, layer[key].metadata, _writers(layer, key)))
+    if layer is not checkpoint and grid.writers is not None:  # a rows delta: its chunks are all its base's
+        grid = replace(grid, in_base=frozenset(i for i, rank in enumerate(grid.writers) if rank >= 0))
+    return grid
+
+
+def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
+    """``grid`` with the writers of the chunks that ``layer`` (a chunks delta) leaves to its bases: each from the
+    base down the chain that stores it. A delta's chunks are its base's read chunks (the inner chunks of a sharded
+    array), so each takes the writer of the base chunk that holds its first element."""
+    if grid.writers is None or -1 not in grid.writers:
+        return grid
+    writers = np.asarray(grid.writers, np.int64)
+    in_base = np.zeros(writers.size, bool)
+    entry = layer.manifest.entries.get(grid.key)
+    while (writers < 0).any() and isinstance(entry, ArrayEntry) and entry.delta is not None and \
+            entry.delta.mode == "chunks":
+        try:
+            layer = layer.base
+        except ArrayckptError:  # the report's chain section says why
+            break
+        entry = layer.manifest.entries.get(grid.key)
+        if not isinstance(entry, ArrayEntry) or (entry.delta is not None and entry.delta.mode != "chunks"):
+            break
+        below = _grid(grid.key, layer[grid.key].metadata, _writers(layer, grid.key))
+        if below.writers is None or below.shape != grid.shape:
+            break
+        origins = np.indices(grid.counts).reshape(len(grid.counts), -1).T * np.asarray(grid.chunk)
+        holders = np.ravel_multi_index(tuple((origins // np.asarray(below.chunk)).T), below.counts)
+        found = np.asarray(below.writers, np.int64)[holders]
+        fill = (writers < 0) & (found >= 0)
+        writers[fill], in_base[fill] = found[fill], True
+    return replace(grid, writers=tuple(writers.tolist()), in_base=frozenset(np.flatnonzero(in_base).tolist()))
 
 
 def _writers(layer: Checkpoint, key: str) -> tuple[int, ...] | None:
