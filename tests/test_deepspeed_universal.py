@@ -223,6 +223,28 @@ def test_an_unambiguous_module_maps_in_order_and_reads_back(tmp_path):
     assert got["client.step"] == 2 and got["deepspeed.global_steps"] == 2
 
 
+def test_bf16_weights_and_moments_are_widened_exactly_in_blocks(tmp_path, monkeypatch):
+    """DeepSpeed's masters and moments are fp32: bf16 ones are widened (exactly), read in row blocks into the fp32
+    tensor (blocks of 3 rows here) so the bf16 copy is never held whole beside it."""
+    import arrayckpt
+    from arrayckpt._convert import deepspeed_universal
+
+    monkeypatch.setattr(deepspeed_universal, "WIDEN_BLOCK_BYTES", 3 * 5 * 2)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(5, 7).to(torch.bfloat16)
+    optim = torch.optim.AdamW(module.parameters())
+    module(torch.randn(2, 5, dtype=torch.bfloat16)).sum().backward()
+    optim.step()
+    arrayckpt.save({"model": module, "optim": optim}, tmp_path / "ckpt")
+    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "ds", to_format="deepspeed")
+    tag = tmp_path / "ds" / "global_step1_universal" / "zero"
+    for name, param in module.named_parameters():
+        fp32 = torch.load(tag / name / "fp32.pt", weights_only=True)["param"]
+        assert fp32.dtype == torch.float32 and torch.equal(fp32, param.detach().float()), name
+        moment = torch.load(tag / name / "exp_avg.pt", weights_only=True)["param"]
+        assert torch.equal(moment, optim.state[param]["exp_avg"].float()), name
+
+
 def test_differing_steps_in_one_group_are_refused(tmp_path):
     import arrayckpt
 

@@ -51,7 +51,10 @@ import torch
 
 from .._errors import CheckpointNotFoundError, FormatError
 from .._format.manifest import ArrayEntry, PerRankEntry
+from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
+from .._read.reader import ChainRead, read
+from .._torch.tensors import writable_numpy
 from .common import ConvertResult, Progress, nested_state, refuse_existing, replaced_atomically
 from .deepspeed_files import DEEPSPEED_KEYS
 from .universal_plan import MODEL, Source, Trainable, plan_source
@@ -62,6 +65,7 @@ LATEST = "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 OPTIMIZER_STATE = "optimizer_state.pt"
+WIDEN_BLOCK_BYTES = 32 << 20  # bf16/fp16 bytes read at a time into a widened fp32 tensor
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes; its loader checks a checkpoint's ds_version is there
 CARRIED_OPTIMIZER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")  # from deepspeed.*, into optimizer_state.pt
 
@@ -73,10 +77,25 @@ def param_directory(zero: Path, name: str, where: str) -> Path:
     return zero / name
 
 
-def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    """Floating-point tensors narrower than fp32 widened (exactly), as DeepSpeed's master weights and moments are;
-    fp32 and wider kept."""
-    return tensor.float() if tensor.is_floating_point() and tensor.element_size() < 4 else tensor
+def _widened(checkpoint: Checkpoint, key: str) -> torch.Tensor:
+    """The whole array, widened to fp32 (exactly) where it is a narrower float, as DeepSpeed's master weights and
+    moments are; fp32 and wider as stored. Widening reads row blocks of :data:`WIDEN_BLOCK_BYTES` into the fp32
+    tensor, so the narrow copy is never held whole beside it."""
+    array = checkpoint[key]
+    if not array.entry.dtype.name.startswith(("float", "bfloat")) or array.entry.dtype.itemsize >= 4:
+        return array.torch()
+    shape = array.shape
+    if not shape or not array.size:
+        return array.torch().float()
+    out = torch.empty(shape, dtype=torch.float32)
+    rows = max(1, WIDEN_BLOCK_BYTES // max(1, array.nbytes // shape[0]))
+    block = torch.empty((min(rows, shape[0]), *shape[1:]), dtype=array.dtype)
+    for start in range(0, shape[0], rows):
+        part = block[:min(rows, shape[0] - start)]
+        box = Box((start,) + (0,) * (len(shape) - 1), tuple(part.shape))
+        read(checkpoint, [ChainRead(key, box, writable_numpy(part, array.entry.dtype, key))])
+        out[start:start + part.shape[0]].copy_(part)
+    return out
 
 
 def _placeholder(entry: ArrayEntry) -> torch.Tensor:
@@ -107,7 +126,7 @@ class _Writer:
             self.bytes += value["param"].nbytes
 
     def tensor(self, key: str) -> torch.Tensor:
-        return _fp32(self.checkpoint[key].torch())
+        return _widened(self.checkpoint, key)
 
     def trainable(self, p: Trainable, step: Any) -> None:
         """fp32.pt, one file per moment and step.pt for one trainable parameter."""
@@ -118,6 +137,7 @@ class _Writer:
         for moment in self.moments:
             value = self.tensor(p.state[moment]) if moment in p.state else torch.zeros(shape, dtype=dtype)
             self.save(p.name, f"{moment}.pt", {"param": value, "cat_dim": 0})
+            del value  # before the next one is read
         if step is not None:
             self.save(p.name, "step.pt", step)
         self._advance(self.checkpoint[f"{MODEL}.{p.name}"].nbytes)
