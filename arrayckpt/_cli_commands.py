@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._errors import FormatError
 
 if TYPE_CHECKING:
     from ._read.checkpoint import Checkpoint
@@ -62,7 +65,8 @@ def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int
         result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                          max_shard_bytes=args.max_shard_size, select=args.select, tie=dict(args.tie) or None,
-                         config=args.config, progress=counter, base_roots=args.base_root)
+                         config=args.config, progress=counter, base_roots=args.base_root,
+                         param_names=_param_names(args.param_names))
     finally:
         counter.close()
     if args.json:
@@ -82,6 +86,17 @@ def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _param_names(path: str | None) -> list[str] | None:
+    """``--param-names FILE``: one name per line (blank lines ignored)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read the parameter names: {e.strerror or e}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def per_rank_info(checkpoint: Checkpoint) -> dict[str, list[str]]:

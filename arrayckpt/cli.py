@@ -3,7 +3,7 @@
 ``arrayckpt info PATH`` prints a table of tensors (dtype, shape, size, codec) and plain values;
 ``verify PATH`` reads and checks every chunk (exit status 1 on damage); ``show PATH KEY [SLICE]`` prints
 values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when they differ);
-``convert SRC DST`` converts from and to torch.save, safetensors and PyTorch DCP; ``compact SRC DST``
+``convert SRC DST`` converts from and to torch.save, safetensors, PyTorch DCP and DeepSpeed; ``compact SRC DST``
 turns a delta checkpoint and its bases into one full checkpoint; ``estimate`` and ``interval`` size
 checkpoints and their frequency. Paths may be URLs (``s3://bucket/prefix``; endpoint and credentials from
 the standard AWS environment variables). ``--json`` prints JSON for scripts.
@@ -458,17 +458,19 @@ def build_parser() -> argparse.ArgumentParser:
     interval.add_argument("--json", action="store_true", help="print JSON")
     interval.set_defaults(func=_cmd_interval)
 
-    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP; from "
-                                  "DeepSpeed ZeRO and Megatron torch_dist; to a Hugging Face model directory")
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, DeepSpeed "
+                                  "(from ZeRO, to a Universal Checkpoint); from Megatron torch_dist; to a Hugging Face "
+                                  "model directory")
     convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
                          "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
-    formats = ["arrayckpt", "dcp", "hf", "safetensors", "torch"]
-    convert.add_argument("--from", dest="from_format", choices=[*formats, "deepspeed", "megatron"],
+    formats = ["arrayckpt", "dcp", "deepspeed", "hf", "safetensors", "torch"]
+    convert.add_argument("--from", dest="from_format", choices=[*formats, "megatron"],
                          help="source format (default: detected)")
     convert.add_argument("--to", dest="to_format", choices=formats,
                          help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
-                              "from_pretrained loads (the model's weights only)")
+                              "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
+                              "engine.load_checkpoint resumes with load_universal")
     convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")
@@ -480,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "lm_head.weight=transformer.wte.weight")
     convert.add_argument("--config", default=None, metavar="CONFIG_JSON",
                          help="hf: config.json to copy into the output (its model's tied weights are left out)")
+    convert.add_argument("--param-names", default=None, metavar="FILE",
+                         help="deepspeed: the module's names of the optimizer's parameters, one per line, in the "
+                              "order its param groups list them (for an optimizer saved by number whose numbers "
+                              "cannot be mapped unambiguously)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
     convert.add_argument("--allow-pickle", action="store_true",
                          help="store/read values only pickle can hold (only for sources you trust)")

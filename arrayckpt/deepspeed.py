@@ -11,6 +11,10 @@
 (``"checkpoint": {"load_universal": true}``), without its offline ``ds_to_universal.py`` pass: every rank reads
 only the slices of the global arrays that its ZeRO partitions cover. The implementation and the DeepSpeed
 internals it follows are described in ``arrayckpt/_integrations/deepspeed_engine.py``.
+
+Where DeepSpeed's own loader must do it, ``arrayckpt.convert(src, "uc/", to_format="deepspeed")`` writes a
+Universal Checkpoint for ``engine.load_checkpoint("uc/")`` (``_convert/deepspeed_universal.py``), also from plain
+PyTorch training.
 """
 
 from __future__ import annotations

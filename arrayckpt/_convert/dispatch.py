@@ -1,9 +1,11 @@
 """``convert``: detect the formats and hand over to the converter of each (``torch_save``, ``safetensors``,
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
-DeepSpeed and Megatron are read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); ``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``,
-``hf.py``) is written only, and read back as the safetensors it is. Only arrayckpt -> safetensors and hf run
-without torch; the other converters are imported when used, after checking that torch is there."""
+DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
+(``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
+``arrayckpt.deepspeed.load``); Megatron is read only; ``hf`` (a Hugging Face export: the model's weights for
+``from_pretrained``, ``hf.py``) is written only, and read back as the safetensors it is. Only arrayckpt ->
+safetensors and hf run without torch; the other converters are imported when used, after checking that torch is
+there."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from .safetensors import to_safetensors
 __all__ = ["FORMATS", "convert", "detect_format"]
 
 FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
-READ_ONLY = ("deepspeed", "megatron")  # formats converted into arrayckpt, never written
-DIRECTORIES = ("arrayckpt", "dcp", "hf")  # targets that are directories
+READ_ONLY = ("megatron",)  # formats converted into arrayckpt, never written
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -41,8 +43,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
         if (p / ".metadata").is_file():
             return "dcp"
-        if (p / "latest").is_file() or list(p.glob("*_model_states.pt")):
-            return "deepspeed"  # a DeepSpeed checkpoint directory ('latest' names the tag) or a tag directory
+        if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
+            return "deepspeed"  # a DeepSpeed checkpoint directory ('latest[_universal]' names the tag) or a tag
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
             return "safetensors"
         return None
@@ -82,9 +84,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
             max_shard_bytes: int | None = None, select: str | None = None, tie: Mapping[str, str] | None = None,
             config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
-            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
-    and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
+            base_roots: Sequence[str | os.PathLike[str]] | None = None,
+            param_names: Sequence[str] | None = None) -> ConvertResult:
+    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp and deepspeed into any
+    of them, and megatron (Megatron-Core ``torch_dist``) into any of them. deepspeed is read from a ZeRO checkpoint
+    (stage 1, 2 or 3; its directory or a tag directory) or a Universal Checkpoint, and written as a Universal
+    Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -99,6 +104,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     a top-level key), tied duplicates left out as ``save_pretrained`` leaves them (``tie``: alias -> target, and
     the ties of the model ``config`` describes), dtypes kept, ``model.safetensors`` or shards (``max_shard_bytes``,
     default 50 GB) with their index, and ``config`` copied as ``config.json``. ``from_pretrained`` loads it.
+
+    ``to_format="deepspeed"`` writes the directory ``dst`` as a DeepSpeed Universal Checkpoint (``latest_universal``
+    and one tag directory) that ``engine.load_checkpoint(dst)`` resumes with ``"checkpoint": {"load_universal": true}``
+    at any data-parallel degree and ZeRO stage: the module under ``model``, with one optimizer's state. An optimizer
+    saved by ``state_dict()`` numbers its parameters; where that does not say which of the module's tensors they are
+    (frozen parameters, buffers, ties, several param groups), ``param_names`` names them, in the order the param
+    groups list them. Read back with ``convert(dst, ...)`` (``from_format`` detected as deepspeed).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -117,6 +129,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     hf = HfOptions(select, dict(tie or {}), config)
     if (select is not None or tie or config is not None) and to_format != "hf":
         raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
+    if param_names is not None and to_format != "deepspeed":
+        raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
     source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
     if source is None:
         if not os.path.exists(src):
@@ -126,13 +140,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, hf, safetensors, torch)")
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, deepspeed, hf, "
+                          "safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
     if target in READ_ONLY:
-        resume = "; resume DeepSpeed with arrayckpt.deepspeed.load(engine, path)" if target == "deepspeed" else ""
-        raise FormatError(f"converting to {target} is not supported: {target} checkpoints are read only{resume}")
+        raise FormatError(f"converting to {target} is not supported: {target} checkpoints are read only")
     _check_target(dst, target, max_shard_bytes)
     if source == "arrayckpt" and target == "arrayckpt":
         raise FormatError(f"{src} is already an arrayckpt checkpoint (to change its chunking or codec: "
@@ -142,7 +156,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                       max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, base_roots=base_roots)
+                       max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, base_roots=base_roots,
+                       param_names=param_names)
     into = _converter(_INTO[source], f"converting {source} to {target}")
     if target == "hf":  # refused before the (long) first half
         refuse_earlier_export(Path(dst), overwrite)
@@ -155,7 +170,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     try:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
         result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                         max_shard_bytes=max_shard_bytes, hf=hf, progress=progress)
+                         max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return dataclasses.replace(result, source_format=first.source_format,
@@ -164,7 +179,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
             allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions,
-            progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
+            progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None,
+            param_names: Sequence[str] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
     if target == "hf":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
@@ -174,14 +190,15 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                                   progress=progress)
     out_of = _converter(_OUT_OF[target], f"converting arrayckpt to {target}")
+    extra = {"param_names": param_names} if target == "deepspeed" else {}
     with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
-        return out_of(checkpoint, dst, overwrite=overwrite, progress=progress)
+        return out_of(checkpoint, dst, overwrite=overwrite, progress=progress, **extra)
 
 
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
          "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
-_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp"}
+_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:
