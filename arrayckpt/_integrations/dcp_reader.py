@@ -6,9 +6,11 @@ chain of bases), local or on object storage, into whatever state DCP's load plan
 ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``), ``read_metadata``,
 ``set_up_storage_reader``, ``prepare_local_plan``, ``prepare_global_plan`` (coordinator), ``read_data``.
 
-- The checkpoint is opened once per reader: when it is made with a path, or by ``reset(checkpoint_id)`` (so a
-  path that holds no checkpoint fails there, with arrayckpt's own error, before DCP starts), or else by
-  ``read_metadata``; it is closed when ``read_data`` ends, on ``reset``, or when the reader is collected.
+- The checkpoint is opened afresh by every load, so a reader made once for a fixed path (``latest``) loads what
+  is there at each load, however often it was replaced meanwhile: by ``reset(checkpoint_id)``, which DCP calls
+  first when given a ``checkpoint_id`` (so a path that holds no checkpoint fails there, with arrayckpt's own
+  error, before DCP starts), or else by ``read_metadata``; it is closed when ``read_data`` ends, on ``reset``, or
+  when the reader is collected. A reader made with a path checks at once that a checkpoint is there.
 - ``read_metadata`` builds DCP's ``Metadata`` from the manifest alone, reading no data. Each tensor is described
   as one stored chunk covering all of it, so DCP's planner asks each rank for exactly the boxes its targets
   hold; ``read_data`` reads those boxes through arrayckpt's one read path (``_read/reader.py``: concurrently,
@@ -59,6 +61,7 @@ from .._storage import parse_location
 from .._torch.dtypes import torch_dtype
 from .._torch.tensors import overlaps_itself, writable_numpy
 from .dcp_keys import dcp_path, dcp_terminals
+from .dcp_options import check_reader_options
 
 __all__ = ["ArrayckptReader"]
 
@@ -84,8 +87,10 @@ class ArrayckptReader(StorageReader):
 
     ``path`` is a checkpoint's local path or URL (``storage_options`` as for :func:`arrayckpt.open`); it may
     instead come from DCP's ``checkpoint_id``. ``allow_pickle=True`` lets pickled values load (only for
-    checkpoints you trust: unpickling can run code). ``base_roots``: where a delta checkpoint's bases may be besides
-    the directory holding it (as for :func:`arrayckpt.open`).
+    checkpoints you trust: unpickling can run code; DCP's own reader unpickles every non-tensor value).
+    ``base_roots``: where a delta checkpoint's bases may be besides the directory holding it (as for
+    :func:`arrayckpt.open`). ``FileSystemReader``'s ``_extension_registry`` is accepted and has no effect
+    (``dcp_options.py``).
 
     >>> import arrayckpt, torch, tempfile, os, warnings
     >>> import torch.distributed.checkpoint as dcp
@@ -102,7 +107,8 @@ class ArrayckptReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
-                 base_roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None, **filesystem_reader_options: Any) -> None:
+        check_reader_options(filesystem_reader_options)
         super().__init__()
         self.base_roots = base_roots
         self.path = None if path is None else os.fspath(path)
@@ -113,18 +119,22 @@ class ArrayckptReader(StorageReader):
         self._finalizer = weakref.finalize(self, _close, self._open)
         self._sources: dict[str, _Source] = {}
         self._ambiguous: dict[str, list[str]] = {}  # DCP key -> the entries that would both give it
+        self._opened_by_reset = False  # the checkpoint held was opened by reset(checkpoint_id), for this load
         if self.path is not None:
-            self._checkpoint()
+            self._checkpoint()  # a clear error now when nothing is there; reopened by each load
+            _close(self._open)
 
     # --- DCP's StorageReader interface, in the order DCP calls it ----------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new load begins: close the checkpoint held; with a ``checkpoint_id`` (the path), open it now."""
         _close(self._open)
+        self._opened_by_reset = False
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self._checkpoint()
+            self._opened_by_reset = True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -140,7 +150,11 @@ class ArrayckptReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any) -> Metadata:
-        """DCP's description of the checkpoint, from its manifest (no data is read)."""
+        """DCP's description of the checkpoint, from its manifest (no data is read): the checkpoint at the path
+        now (opened anew unless ``reset(checkpoint_id)`` just opened it)."""
+        if not self._opened_by_reset:
+            _close(self._open)
+        self._opened_by_reset = False
         checkpoint = self._checkpoint()
         manifest = checkpoint.manifest
         described: dict[str, Any] = {}
