@@ -75,8 +75,9 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
                 "stored": stored_as(a),
                 "chunks": chunk_grid(checkpoint, key),
             }
-            for key, a in checkpoint.items()
+            for key, a in checkpoint.items() if a.key == key  # a tensor stored once, not its aliases
         },
+        "aliases": dict(checkpoint.aliases()),
         "values": values,
         "total_bytes": checkpoint.nbytes,
         "stored_bytes": checkpoint.manifest.stored_bytes,
@@ -145,6 +146,10 @@ def _print_info(info: dict[str, Any]) -> None:
         print("  ".join(c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     print(f"\n{len(rows)} tensor{'' if len(rows) == 1 else 's'}, {human_bytes(info['total_bytes'])}")
     _print_zarr_hint(t["dtype"] for t in info["tensors"].values())
+    if info["aliases"]:
+        print("\naliases (one tensor saved under two keys, e.g. tied weights: stored once, under the key on the right)")
+        for key, target in info["aliases"].items():
+            print(f"  {key} -> {target}")
     if delta:
         print(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest first):")
         for layer in info["chain"]:
@@ -185,6 +190,7 @@ def _print_tree(info: dict[str, Any]) -> None:
     leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
                     f"{t['codec']}") for key, t in info["tensors"].items()}
     leaves.update({key: f"= {value!r}"[:100] for key, value in info["values"].items()})
+    leaves.update({key: f"alias of {target}" for key, target in info["aliases"].items()})
     leaves.update({key: ranks_text(ranks) for key, ranks in info["per_rank"].items()})
     shown: set[str] = set()
     for key, text in leaves.items():

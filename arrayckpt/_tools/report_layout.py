@@ -56,10 +56,10 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     if not array.shape or not array.size:
         return None
     try:
-        layer = dense_layer(checkpoint, key)
+        layer, stored = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    return _grid(key, layer[key].metadata, _writers(layer, key))
+    return _grid(key, layer[stored].metadata, _writers(layer, stored))
 
 
 def _writers(layer: Checkpoint, key: str) -> tuple[int, ...] | None:
@@ -114,7 +114,9 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
     rows deltas that store anything carry what their picture needs (present chunks, or row density)."""
     out = []
     drawn = 0
-    for array in checkpoint.values():
+    for key, array in checkpoint.items():
+        if array.key != key:  # an alias: stored as its target
+            continue
         entry = array.entry
         stored = _stored_bytes(checkpoint, array)
         out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),
