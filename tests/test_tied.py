@@ -280,6 +280,19 @@ def test_dcp_reader_serves_the_alias_key(tmp_path):
             assert_bit_equal(target.state_dict()[key], value)
 
 
+def test_lightning_checkpoint_io_hands_back_the_tie(tmp_path):
+    from arrayckpt.lightning import ArrayckptIO
+
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    io = ArrayckptIO()
+    io.save_checkpoint({"state_dict": {"wte": w, "head": w, "b": torch.ones(2)}, "epoch": 1}, tmp_path / "c")
+    with arrayckpt.open(tmp_path / "c") as ckpt:
+        assert ckpt.aliases() == {"state_dict.head": "state_dict.wte"}
+    state_dict = io.load_checkpoint(tmp_path / "c")["state_dict"]
+    assert list(state_dict) == ["wte", "head", "b"] and state_dict["head"] is state_dict["wte"]
+    assert_bit_equal(state_dict["head"], w)
+
+
 # --- deltas --------------------------------------------------------------------------------------------------
 
 
