@@ -128,6 +128,10 @@ def info_lines(info: Mapping[str, Any], width: int, notes: Iterable[str] = ()) -
     out.append(f"\n{n} tensor{'' if n == 1 else 's'}, {human_bytes(info['total_bytes'])}")
     for note in notes:
         out += textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]
+    if info["aliases"]:
+        out.append(clip("\naliases (one tensor saved under two keys, e.g. tied weights: stored once, under the key on "
+                        "the right)", width))
+        out += [clip(f"  {key} -> {target}", width) for key, target in info["aliases"].items()]
     if len(info["chain"]) > 1:
         out.append(clip(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest "
                         "first):", width))
@@ -153,6 +157,7 @@ def tree_lines(info: Mapping[str, Any], width: int) -> list[str]:
     leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
                     f"{t['codec']}") for key, t in info["tensors"].items()}
     leaves.update({key: f"= {value!r}" for key, value in info["values"].items()})
+    leaves.update({key: f"alias of {target}" for key, target in info["aliases"].items()})
     leaves.update({key: ranks_text(ranks) for key, ranks in info["per_rank"].items()})
     shown: set[str] = set()
     for key, text in leaves.items():

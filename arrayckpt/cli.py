@@ -74,8 +74,9 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
                 "stored": stored_as(a),
                 "chunks": chunk_grid(checkpoint, key),
             }
-            for key, a in checkpoint.items()
+            for key, a in checkpoint.items() if a.key == key  # a tensor stored once, not its aliases
         },
+        "aliases": dict(checkpoint.aliases()),
         "values": values,
         "total_bytes": checkpoint.nbytes,
         "stored_bytes": checkpoint.manifest.stored_bytes,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointExistsError
-from .._format.manifest import ArrayEntry, PerRankEntry
+from .._format.manifest import PerRankEntry
 from .._read.checkpoint import Checkpoint
 
 __all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically"]
@@ -94,15 +94,21 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
 def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The checkpoint's state rebuilt as nested dicts/lists/tuples; ``tensor(key)`` gives each array leaf.
 
-    Per-rank entries have no place in a single-process format and are skipped (returned).
+    An alias (tied weights) gets the very object its target gets (``tensor`` is asked once), so that a format which
+    shares objects, as ``torch.save`` does, stores it once and loads it tied. Per-rank entries have no place in a
+    single-process format and are skipped (returned).
     """
     root: dict[Any, Any] = {}
     skipped = []
+    made: dict[str, Any] = {}  # by the key of the stored tensor
     for key, entry in checkpoint.manifest.entries.items():
         if isinstance(entry, PerRankEntry):
             skipped.append(key)
             continue
-        value = tensor(key) if isinstance(entry, ArrayEntry) else checkpoint.value(key)
+        array = checkpoint.manifest.array_entry(key)  # an alias: its target's
+        if array is not None and array.key not in made:
+            made[array.key] = tensor(array.key)
+        value = made[array.key] if array is not None else checkpoint.value(key)
         node = root
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError
-from .._format.manifest import ArrayEntry, PickleEntry
+from .._format.manifest import PickleEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
@@ -220,7 +220,8 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     DCP is given the nested state with meta tensors; each tensor is read from arrayckpt only when DCP's
     writer asks for it and is appended to the one ``__0_0.distcp`` file, so memory stays near one tensor.
     Per-rank entries are skipped (DCP has no such notion); pickled values need the checkpoint opened with
-    ``allow_pickle=True``.
+    ``allow_pickle=True``. A tensor stored once under two keys (tied weights) is written under both (DCP's planner
+    writes every key of the state it is given), so DCP loads it into tied and untied models alike.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -234,7 +235,7 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
                                         "allow_pickle=True (--allow-pickle), only for checkpoints you trust")
     state, skipped = nested_state(checkpoint, lambda key: torch.empty(checkpoint[key].shape,
                                                                        dtype=checkpoint[key].dtype, device="meta"))
-    keys = {k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry)}
+    keys = {k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None}
     total = sum(checkpoint[k].nbytes for k in keys)
     done = [0]
 

@@ -33,7 +33,6 @@ import numpy as np
 
 from .._errors import ArrayckptError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
-from .._format.manifest import ArrayEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
@@ -290,9 +289,13 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
 
     ``dst`` is the file (``model.safetensors``); with shards (``max_shard_bytes`` exceeded) it is a directory.
     Tensors are written one at a time, read as numpy (no torch needed). Plain values have no place in
-    safetensors and are skipped.
+    safetensors and are skipped. safetensors cannot alias, so a tensor stored once under two keys (tied weights)
+    is written under both, its bytes twice: every key of the state is in the file, for any reader and for
+    ``load_state_dict(strict=True)`` of a model that does not tie them (an export for a library that re-ties them
+    itself, as Hugging Face's ``from_pretrained`` does, can leave out ``checkpoint.aliases()``' keys).
     """
-    keys = [k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry) and e.kind == "tensor"]
+    manifest = checkpoint.manifest
+    keys = [k for k in manifest.entries if (e := manifest.array_entry(k)) is not None and e.kind == "tensor"]
     skipped = tuple(k for k in checkpoint.manifest.entries if k not in keys)
     check_storable(checkpoint, keys)
     shards = cut_shards({k: checkpoint[k].nbytes for k in keys}, max_shard_bytes)

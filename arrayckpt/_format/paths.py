@@ -11,7 +11,7 @@ checksum anyone can recompute, so neither is ever used as it is:
 - a relative base reference must be ``../`` one or more times, then one or more plain names
   (:func:`parse_relative_reference`), and is resolved lexically (:func:`resolve_relative`) on segments, never by
   a filesystem or an HTTP library that might normalise it differently; where it may lead is decided by the
-  storage layer (``_storage/base.py::follow_base``).
+  storage layer (``_storage/base.py::follow_base``). :class:`BaseRef` is the manifest's ``base``, parsed.
 
 Pure: no IO, no torch.
 """
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._errors import FormatError
 from .keys import valid_segment
 
-__all__ = ["RelativeReference", "check_node_paths", "group_paths", "is_location_reference", "is_node_path",
+__all__ = ["BaseRef", "RelativeReference", "check_node_paths", "group_paths", "is_location_reference", "is_node_path",
            "parse_relative_reference", "resolve_relative", "shown"]
 
 _RANK_SEGMENT = re.compile(r"%r(?:0|[1-9][0-9]*)")  # spec §3.2's rank-segment: only as a last segment
@@ -123,3 +124,31 @@ def resolve_relative(parts: tuple[str, ...], reference: RelativeReference, where
         raise FormatError(f"{where}: its base reference {shown(text)} climbs {reference.up} levels, above the root "
                           f"of its storage ({len(parts)} levels up); it was damaged or crafted")
     return parts[:len(parts) - reference.up] + reference.names
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's own location,
+    e.g. ``../step-100``, when both are local or in the same bucket; else absolute) and its id, so that a
+    replaced base is detected."""
+
+    path: str
+    id: str
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "id": self.id, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, data: object) -> BaseRef:
+        if not (isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]
+                and isinstance(data.get("id"), str) and data["id"]
+                and (data.get("step") is None or (isinstance(data["step"], int)
+                                                  and not isinstance(data["step"], bool)))):
+            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {shown(data)}")
+        path = data["path"]
+        if "\x00" in path:
+            raise FormatError(f"manifest 'base' path {shown(path)} holds a NUL character; it was damaged or crafted")
+        if not is_location_reference(path):
+            parse_relative_reference(path, "manifest 'base'")
+        return cls(path, data["id"], data.get("step"))

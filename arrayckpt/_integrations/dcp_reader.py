@@ -20,6 +20,8 @@ ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``)
   is asked for as ``optim.param_groups.0.lr``, …) as ``BYTE_IO`` items, ``torch.save``d into the ``BytesIO``
   handed to ``planner.load_bytes``. numpy arrays are ``BYTE_IO`` items too (read whole). Pickled values load only
   with ``allow_pickle=True``; asking for one without it fails before any data is read, naming the key.
+- An alias (a tensor saved under two keys, stored once: tied weights) is offered under its own key as its target's
+  tensor, so a state holding both keys gets both filled.
 - Per-rank entries (``arrayckpt.PerRank``) have no DCP equivalent and are left out of the metadata (load them with
   ``arrayckpt.load`` or ``arrayckpt.open(path).per_rank(key)``); so are entries inside a tuple, which DCP would
   ask for as one value.
@@ -51,7 +53,7 @@ from torch.futures import Future
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError
 from .._format.keys import dotted
-from .._format.manifest import ArrayEntry, PickleEntry, ValueEntry
+from .._format.manifest import PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import collector_paused
 from .._layout.box import Box
@@ -173,12 +175,13 @@ class ArrayckptReader(StorageReader):
             path = dcp_path(entry.parts, manifest.containers)
             if any(manifest.containers.get(dotted(entry.parts[:i])) == "tuple" for i in range(1, len(entry.parts))):
                 continue  # inside a tuple: DCP would ask for the whole tuple as one value
-            if isinstance(entry, ArrayEntry) and entry.kind == "tensor":
-                shape = torch.Size(entry.shape)
+            array = manifest.array_entry(key)  # an alias: its target's tensor
+            if array is not None and array.kind == "tensor":
+                shape = torch.Size(array.shape)
                 chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
                 offer(path, _Source("tensor", key),
-                      TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), shape, [chunk]))
-            elif isinstance(entry, ArrayEntry):
+                      TensorStorageMetadata(TensorProperties(dtype=torch_dtype(array.dtype)), shape, [chunk]))
+            elif array is not None:
                 offer(path, _Source("ndarray", key), BytesStorageMetadata())
             elif isinstance(entry, PickleEntry):
                 offer(path, _Source("pickle", key), BytesStorageMetadata())
@@ -264,8 +267,8 @@ class ArrayckptReader(StorageReader):
                      ) -> tuple[torch.Tensor, torch.Tensor | None, ChainRead]:
         """The target of one tensor item, the buffer it is staged in (``None``: read in place) and its read."""
         source = self._source(item)
-        entry = checkpoint.manifest.entries[source.key]
-        assert isinstance(entry, ArrayEntry)
+        entry = checkpoint.manifest.array_entry(source.key)  # through an alias to its target
+        assert entry is not None
         chunk = item.storage_index.offset or torch.Size([0] * len(entry.shape))
         offset = tuple(int(c) + int(o) for c, o in zip(chunk, item.storage_offsets, strict=True))
         box = Box(offset, tuple(int(n) for n in item.lengths))

@@ -48,7 +48,7 @@ import torch
 from .._convert.common import restore_containers
 from .._errors import CheckpointNotFoundError, PickleNotAllowedError
 from .._format.keys import array_path
-from .._format.manifest import ArrayEntry, PerRankEntry
+from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry
 from .._layout.saveplan import MAX_SEGMENT_BYTES
 from .._read.checkpoint import open_checkpoint
 from .._read.load import load
@@ -266,9 +266,12 @@ def _unfold(value: Any) -> Any:
 
 
 def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
-    """Nested dicts for ``load`` to fill: an empty tensor (or array) per array entry, ``None`` for each plain value
-    (replaced by it), rank 0's value of a per-rank entry; lists and tuples as dicts by index for now."""
+    """Nested dicts for ``load`` to fill: an empty tensor (or array) per array entry, the same tensor again for its
+    aliases (tied weights: one tensor under both keys, as saved), ``None`` for each plain value (replaced by it), rank
+    0's value of a per-rank entry; lists and tuples as dicts by index for now."""
     root: dict[Any, Any] = {}
+    made: dict[str, Any] = {}
+    ties: list[tuple[dict[Any, Any], Any, str]] = []  # (container, slot, target) of each alias, filled last
     for entry in entries.values():
         node = root
         for part in entry.parts[:-1]:
@@ -281,7 +284,11 @@ def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
             leaf = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         else:
             leaf = None
-        node[entry.parts[-1]] = leaf
+            if isinstance(entry, AliasEntry):
+                ties.append((node, entry.parts[-1], entry.target))
+        node[entry.parts[-1]] = made[entry.key] = leaf
+    for node, slot, target in ties:
+        node[slot] = made[target]
     return root
 
 

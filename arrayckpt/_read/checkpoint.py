@@ -91,7 +91,9 @@ _CONTEXT_LOCK = threading.Lock()
 class Checkpoint(Mapping[str, LazyArray]):
     """A committed checkpoint, read-only: dotted key -> :class:`LazyArray`.
 
-    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`. Close it when done (``with
+    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`. A tensor the state held under two
+    keys (tied weights) is stored once: the second key is an alias (:meth:`aliases`), and ``checkpoint[alias]``
+    is the target's :class:`LazyArray`. Close it when done (``with
     arrayckpt.open(path) as ckpt:``, or :meth:`close`) to release what it holds on storage. After closing, what is
     in memory keeps working (keys, shapes, dtypes, :attr:`manifest`, :attr:`step`, :attr:`metrics`, plain values
     that are not pickled), as a closed file's name does; reading data (slicing, ``.numpy()``, ``.torch()``,
@@ -120,6 +122,9 @@ class Checkpoint(Mapping[str, LazyArray]):
                     if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
                         self._check_present(key, entry.delta.present[-1], metadata)
                     self._arrays[key] = LazyArray(self, entry, metadata)
+            aliases = self.manifest.aliases  # an alias is its target's array, in the order of the entries
+            self._arrays = {key: self._arrays[aliases.get(key, key)] for key in self.manifest.entries
+                            if aliases.get(key, key) in self._arrays}
         except BaseException:
             release()
             raise
@@ -274,7 +279,8 @@ class Checkpoint(Mapping[str, LazyArray]):
     def dense_metadata(self, key: str) -> dict[str, Any]:
         """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its
         shape (this checkpoint, or a base for a rows delta)."""
-        return dense_layer(self, key)[key].metadata
+        layer, stored = dense_layer(self, key)
+        return layer[stored].metadata
 
     def dense_grid(self, key: str) -> tuple[int, ...]:
         """The read-chunk shape of :meth:`dense_metadata` (the grid a delta of ``key`` compares chunks on)."""
@@ -397,6 +403,12 @@ class Checkpoint(Mapping[str, LazyArray]):
     def step(self) -> int | None:
         return self.manifest.step
 
+    def aliases(self) -> Mapping[str, str]:
+        """Every alias key and the key of the tensor it names, stored once under that target (e.g.
+        ``{"lm_head.weight": "transformer.wte.weight"}`` for tied weights); ``{}`` when there are none. An export that
+        drops tied duplicates keeps the targets."""
+        return self.manifest.aliases
+
     @property
     def metrics(self) -> Mapping[str, float]:
         """The metrics recorded at save (``save(..., metrics={"val_loss": 1.9})``)."""
@@ -440,12 +452,14 @@ class Checkpoint(Mapping[str, LazyArray]):
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
-        return (f"arrayckpt.Checkpoint({str(self.location)!r}, {len(self)} arrays, {len(self.plain_values)} "
-                f"values{closed})")
+        aliases = len(self.manifest.aliases)
+        stored = f"{len(self) - aliases} arrays" + (f" (+{aliases} aliases)" if aliases else "")
+        return f"arrayckpt.Checkpoint({str(self.location)!r}, {stored}, {len(self.plain_values)} values{closed})"
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays.values())
+        """The bytes of the tensors, each stored tensor counted once (an alias adds none)."""
+        return sum(a.nbytes for key, a in self._arrays.items() if a.key == key)
 
 
 def _uint8() -> DType:

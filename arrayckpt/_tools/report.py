@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ArrayckptError
-from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
+from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._read.checkpoint import Checkpoint, LazyArray, opened
 from .inspect import _Stats, normalize_index, selection_blocks
@@ -98,10 +98,12 @@ def collect(checkpoint: Checkpoint, other: Checkpoint | None = None, *, max_tens
     manifest = checkpoint.manifest
     data = ReportData(str(checkpoint.location), manifest.format_version, step_of(checkpoint),
                       dict(manifest.created), [], against=None if other is None else str(other.location))
-    by_size = sorted(checkpoint, key=lambda k: -checkpoint[k].nbytes)  # largest first
+    stored = [key for key, array in checkpoint.items() if array.key == key]  # not aliases: listed with the values
+    by_size = sorted(stored, key=lambda k: -checkpoint[k].nbytes)  # largest first
     chosen = set(by_size if max_tensors is None else by_size[:max_tensors])
     sampled = set([k for k in by_size if k in chosen and _histogram_kind(checkpoint[k])][:histograms])
-    for key, array in checkpoint.items():
+    for key in stored:
+        array = checkpoint[key]
         if key not in chosen:
             data.tensors.append(TensorStats(key, array.entry.dtype.name, array.shape, array.nbytes, stored_text(array)))
             continue
@@ -219,7 +221,9 @@ def _magnitudes(values: np.ndarray, signed: bool = False) -> np.ndarray:
 
 
 def _describe_value(checkpoint: Checkpoint, entry: Any) -> str:
-    """A short text for a plain value, a pickled value (never unpickled) or a per-rank entry."""
+    """A short text for a plain value, a pickled value (never unpickled), a per-rank entry or an alias."""
+    if isinstance(entry, AliasEntry):
+        return f"alias of tensor {entry.target} (one tensor saved under both keys, e.g. tied weights: stored once)"
     if isinstance(entry, PickleEntry):
         return f"pickled value, {entry.nbytes} bytes (not unpickled)"
     if isinstance(entry, PerRankEntry):

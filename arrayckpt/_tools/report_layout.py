@@ -57,13 +57,13 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     if not array.shape or not array.size:
         return None
     try:
-        layer = dense_layer(checkpoint, key)
+        layer, stored = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    grid = _writers_from_bases(layer, _grid(key, layer[key].metadata, _writers(layer, key)))
+    grid = _writers_from_bases(layer, _grid(stored, layer[stored].metadata, _writers(layer, stored)))
     if layer is not checkpoint and grid.writers is not None:  # a rows delta: its chunks are all its base's
         grid = replace(grid, in_base=frozenset(i for i, rank in enumerate(grid.writers) if rank >= 0))
-    return grid
+    return replace(grid, key=key)  # an alias: the chunks of the tensor it names, under the key asked for
 
 
 def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
@@ -147,7 +147,9 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
     rows deltas that store anything carry what their picture needs (present chunks, or row density)."""
     out = []
     drawn = 0
-    for array in checkpoint.values():
+    for key, array in checkpoint.items():
+        if array.key != key:  # an alias: stored as its target
+            continue
         entry = array.entry
         stored = _stored_bytes(checkpoint, array)
         out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),

@@ -135,16 +135,20 @@ Reference = Callable[[str, Box], "np.ndarray | None"]  # (array path, box) -> th
 
 
 def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], request: DeltaRequest,
-                 reference: Reference | None = None) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
+                 reference: Reference | None = None, aliases: Mapping[str, str] | None = None,
+                 ) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
     """Compare this rank's pieces (those it would write: replica 0) with the base — a kept host copy of its
     bytes where ``reference`` has one, else the base read back — and return the findings for the coordinator
-    and, by key, the changed global row indices this rank keeps for writing rows."""
+    and, by key, the changed global row indices this rank keeps for writing rows. Keys in ``aliases`` (tied to an
+    earlier key: stored as its alias) are not compared, their target is; one the coordinator does not alias after
+    all, having no findings, is stored whole. A key that is an alias in the base is compared with its target
+    there."""
     findings: list[PieceChange] = []
     rows_by_key: dict[str, np.ndarray] = {}
     for description in arrays:
         key, box, shape = description.key, description.box, description.global_shape
-        base_entry = request.base.manifest.entries.get(key)
-        if (description.kind == "pickle" or description.replica_id != 0 or box.size == 0
+        base_entry = request.base.manifest.array_entry(key)
+        if (key in (aliases or {}) or description.kind == "pickle" or description.replica_id != 0 or box.size == 0
                 or not isinstance(base_entry, ArrayEntry) or base_entry.dtype.name != description.dtype
                 or base_entry.shape != shape or base_entry.kind != description.kind):
             continue

@@ -1,8 +1,8 @@
 """``compact``: materialise a delta chain into one standalone full checkpoint, bit for bit.
 
 Every array is read through the chain (as ``load`` would read it) and written whole, in batches of bounded
-size; plain values, per-rank entries and pickled values (as bytes, never unpickled) are carried over; the
-new checkpoint has no base. Each tensor keeps the compression of the array it was stored in.
+size; plain values, per-rank entries, aliases and pickled values (as bytes, never unpickled) are carried over;
+the new checkpoint has no base. Each tensor keeps the compression of the array it was stored in.
 """
 
 from __future__ import annotations
@@ -104,11 +104,14 @@ def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
     entries: dict[str, Entry] = {}
     arrays: dict[str, ArrayPlan] = {}
     sources: dict[str, Source] = {}
+    named_by: dict[str, tuple[str, ...]] = {}  # a tensor's aliases, listed in its array's attributes
+    for alias, target in checkpoint.aliases().items():
+        named_by[target] = (*named_by.get(target, ()), alias)
 
     def add(key: str, path: str, dtype_name: str, shape: tuple[int, ...], kept: Codec, source: Source) -> None:
         chosen = kept if codec is _KEEP else resolve_codec(codec, key)  # type: ignore[arg-type]
         plan = plan_array(key, path, dtype_by_name(dtype_name), shape, chosen)
-        arrays[path] = dataclasses.replace(plan, key_encoding=encoding)
+        arrays[path] = dataclasses.replace(plan, key_encoding=encoding, aliases=named_by.get(key, ()))
         sources[path] = source
 
     for key, entry in checkpoint.manifest.entries.items():

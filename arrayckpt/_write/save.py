@@ -169,7 +169,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     where, delta = str(request.location), request.delta
     changes: Any = ([], {})
     if delta is not None and local is not None and error is None:
-        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
+        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference,
+                                                       local.description.aliases))
         changes = found or changes
     agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
     coordinator: list[Any] = [None, None]  # the coordinator's plan and write transaction, from planning to the commit
@@ -373,7 +374,7 @@ def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location, chan
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise StateError(f"changed_rows[{key!r}] must be a 1-D integer tensor or array of row indices")
         rows[key] = np.unique(array.astype(np.int64))
-        entry = checkpoint.manifest.entries.get(key)
+        entry = checkpoint.manifest.array_entry(key)
         if isinstance(entry, ArrayEntry) and entry.shape and len(rows[key]) and not (
                 0 <= rows[key][0] and rows[key][-1] < entry.shape[0]):
             raise StateError(f"changed_rows[{key!r}] has rows outside 0..{entry.shape[0] - 1}")
