@@ -1,9 +1,10 @@
 """``convert``: detect the formats and hand over to the converter of each (``torch_save``, ``safetensors``,
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
-DeepSpeed and Megatron are read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); ``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``,
-``hf.py``) is written only, and read back as the safetensors it is. Only arrayckpt -> safetensors and hf run
-without torch; the other converters are imported when used, after checking that torch is there."""
+DeepSpeed is read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
+Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
+safetensors it is. Only arrayckpt -> safetensors and hf run without torch; the other converters are imported
+when used, after checking that torch is there."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from .safetensors import to_safetensors
 __all__ = ["FORMATS", "convert", "detect_format"]
 
 FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
-READ_ONLY = ("deepspeed", "megatron")  # formats converted into arrayckpt, never written
-DIRECTORIES = ("arrayckpt", "dcp", "hf")  # targets that are directories
+READ_ONLY = ("deepspeed",)  # formats converted into arrayckpt, never written
+DIRECTORIES = ("arrayckpt", "dcp", "hf", "megatron")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -83,8 +84,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             max_shard_bytes: int | None = None, select: str | None = None, tie: Mapping[str, str] | None = None,
             config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
             base_roots: Sequence[str | os.PathLike[str]] | None = None) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
-    and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
+    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp and megatron
+    (Megatron-Core ``torch_dist``) into any of them, and deepspeed (a ZeRO checkpoint or tag directory) into any.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -126,7 +127,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, hf, safetensors, torch)")
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, hf, megatron, "
+                          "safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
@@ -181,7 +183,7 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
          "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
-_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp"}
+_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "megatron": "megatron:to_megatron"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:
