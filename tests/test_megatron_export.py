@@ -1,17 +1,17 @@
 """arrayckpt to Megatron-Core ``torch_dist`` (``convert ... --to megatron``), judged by Megatron's own loader.
 
-Megatron-Core 0.16 on CPU with gloo, in two spawned jobs shared by the module (``jobs`` fixture): a 2-rank job and a
-1-rank job. Each saves the same model-plus-optimizer state with ``megatron.core.dist_checkpointing.save`` at its
-tensor-parallel degree (TP=2: column-, row- and vocab-parallel weights of two layers, a layer axis prepended as
-Megatron's transformer layers do; a replicated norm, an int64 counter and a 0-d step; a ShardedObject per rank;
-``common.pt`` items, a tensor among them), then its rank 0 converts that save to arrayckpt and back to Megatron,
-and every rank loads the result with ``dist_checkpointing.load`` and the sharded state dict a model of its degree
-builds (``ShardedTensor.from_rank_offsets``, as Megatron's own dist-checkpointing tests do where no model is
-built). The 1-rank job also loads the 2-rank job's export, and both load an export of a checkpoint arrayckpt saved
-itself (its keys nested as ``arrayckpt.save`` nests them). What each rank loaded comes back here and is compared bit
-for bit with the state it was saved from; then each export is converted back into arrayckpt and compared with the
-arrayckpt checkpoint it came from. ``torch.cuda.synchronize`` and ``torch.cuda.current_device``, which Megatron's
-save calls even on CPU, are stubbed in the jobs (``tests/test_megatron.py`` explains them).
+Megatron-Core 0.16 on CPU with gloo, in one spawned job shared by the module (``jobs`` fixture): on 2 ranks, then
+on rank 0 alone in a process group of one. At each tensor-parallel degree it saves the same model-plus-optimizer
+state with ``megatron.core.dist_checkpointing.save`` (TP=2: column-, row- and vocab-parallel weights of two layers,
+a layer axis prepended as Megatron's transformer layers do; a replicated norm, an int64 counter and a 0-d step; a
+ShardedObject per rank; ``common.pt`` items, a tensor among them), rank 0 converts that save to arrayckpt and back
+to Megatron, and every rank loads the result with ``dist_checkpointing.load`` and the sharded state dict a model of
+its degree builds (``ShardedTensor.from_rank_offsets``, as Megatron's own dist-checkpointing tests do where no
+model is built). The 1-rank phase also loads the 2-rank export, and both load an export of a checkpoint arrayckpt
+saved itself (its keys nested as ``arrayckpt.save`` nests them). What each rank loaded comes back here and is
+compared bit for bit with the state it was saved from; then each export is converted back into arrayckpt and
+compared with the arrayckpt checkpoint it came from. ``torch.cuda.synchronize`` and ``torch.cuda.current_device``,
+which Megatron's save calls even on CPU, are stubbed in the job (``tests/test_megatron.py`` explains them).
 """
 
 from __future__ import annotations
@@ -64,49 +64,50 @@ def _rng(rank: int) -> dict[str, Any]:
     return {"seed": 1234 + rank, "offsets": [rank, 7]}
 
 
-def _sharded(rank: int, tp: int, full: dict[str, torch.Tensor], saved_tp: int | None = None) -> dict[str, Any]:
+def _sharded(rank: int, tp: int, full: dict[str, torch.Tensor], saved_tp: int | None = None,
+             build: bool = True) -> dict[str, Any]:
     """The sharded state dict a model and optimizer at tensor-parallel degree ``tp`` build on TP rank ``rank``:
     per layer, fc1 split on its output rows, proj on its input columns (the layer axis prepended), the embedding on
     its vocabulary rows; the rest replicated (rank 0 the main replica); the RNG states of a save at ``saved_tp``
-    (default ``tp``; ShardedObjects do not reshard: one rank loading a 2-rank save asks for both)."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    (default ``tp``; ShardedObjects do not reshard: one rank loading a 2-rank save asks for both). Without
+    ``build``: the data alone, where each ShardedTensor and ShardedObject would be (what a load returns)."""
+    if build:
+        from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+        tensor, obj = ShardedTensor.from_rank_offsets, ShardedObject
+    else:
+        def tensor(key: str, data: torch.Tensor, *offsets: Any, **options: Any) -> torch.Tensor:
+            return data
+
+        def obj(key: str, data: Any, *shape_and_offset: Any, **options: Any) -> Any:
+            return data
 
     def part(t: torch.Tensor, axis: int) -> torch.Tensor:
         return t.chunk(tp, axis)[rank].clone()
 
-    def layer(key: str, number: int, axis: int) -> ShardedTensor:
-        return ShardedTensor.from_rank_offsets(key, part(full[key][number], axis), (0, number, LAYERS),
-                                               (axis + 1, rank, tp), prepend_axis_num=1)
+    def layer(key: str, number: int, axis: int) -> Any:
+        return tensor(key, part(full[key][number], axis), (0, number, LAYERS), (axis + 1, rank, tp), prepend_axis_num=1)
 
-    def replicated(key: str) -> ShardedTensor:
-        return ShardedTensor.from_rank_offsets(key, full[key].clone(), replica_id=rank)
+    def replicated(key: str) -> Any:
+        return tensor(key, full[key].clone(), replica_id=rank)
 
+    shards = saved_tp or tp
+    objects = [obj("rng_state", _rng(r), (shards,), (r,), replica_id=0) for r in range(rank, shards, tp)]
     return {
         "model": {
-            "embedding": ShardedTensor.from_rank_offsets(EMB, part(full[EMB], 0), (0, rank, tp)),
+            "embedding": tensor(EMB, part(full[EMB], 0), (0, rank, tp)),
             "layers": [{"fc1": layer(FC1, n, 0), "proj": layer(PROJ, n, 1)} for n in range(LAYERS)],
             "final_layernorm": replicated(NORM),
         },
         "optimizer": {"state": {"exp_avg": [layer(MOMENT, n, 0) for n in range(LAYERS)], "step": replicated(STEP)}},
         "tokens_seen": replicated(TOKENS),
-        "rng_state": _objects([ShardedObject("rng_state", _rng(r), (saved_tp or tp,), (r,), replica_id=0)
-                               for r in range(rank, saved_tp or tp, tp)]),
+        "rng_state": objects[0] if len(objects) == 1 else objects,
     }
 
 
-def _objects(items: list[Any]) -> Any:
-    return items[0] if len(items) == 1 else items
-
-
-def _data(sharded: Any) -> Any:
-    """The sharded state dict with each ShardedTensor and ShardedObject replaced by its data: what a load returns."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-
-    if isinstance(sharded, dict):
-        return {k: _data(v) for k, v in sharded.items()}
-    if isinstance(sharded, list):
-        return [_data(v) for v in sharded]
-    return sharded.data if isinstance(sharded, (ShardedTensor, ShardedObject)) else sharded
+def _loaded(rank: int, tp: int, saved_tp: int | None = None, common: bool = True) -> dict[str, Any]:
+    """What Megatron's load at TP=``tp`` returns on ``rank``: common.pt's items and this rank's data."""
+    return _merged(_common(common), _sharded(rank, tp, _full(), saved_tp, build=False))
 
 
 def _merged(common: dict[str, Any], sharded: dict[str, Any]) -> dict[str, Any]:
@@ -129,15 +130,11 @@ def _native() -> dict[str, Any]:
     return state | {f"rng_state/shard_{r}_2": [_rng(r)] for r in range(2)}
 
 
-def _job(rank: int, world: int, root: str) -> dict[str, Any]:
+def _save_convert_load(rank: int, world: int, base: Path) -> dict[str, Any]:
     """Save at TP=``world``, convert (rank 0) to arrayckpt and back to Megatron, load every export there is."""
     import torch.distributed as dist
-
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # see the module docstring
-    torch.cuda.current_device = lambda: "cpu"
     from megatron.core import dist_checkpointing
 
-    base = Path(root)
     saved, ckpt, export = base / f"megatron_tp{world}", base / f"arrayckpt_tp{world}", base / f"export_tp{world}"
     if rank == 0:
         saved.mkdir()
@@ -152,14 +149,32 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
             for p in sorted(base.glob("export_*"))}
 
 
+def _job(rank: int, world: int, root: str) -> None:
+    """On 2 ranks; then rank 0 alone, in a process group of one (one spawn for both degrees). What each rank loaded
+    goes to ``loaded-<rank>.pt`` (tensors through the spawn's queue would need the rank alive until read)."""
+    import torch.distributed as dist
+    from dist_helpers import free_port
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # see the module docstring
+    torch.cuda.current_device = lambda: "cpu"
+    results = {2: _save_convert_load(rank, world, Path(root))}
+    if rank == 0:  # rank 1 is done (its group is destroyed when it returns)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        results[1] = _save_convert_load(0, 1, Path(root))
+    torch.save(results, Path(root) / f"loaded-{rank}.pt")
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[dict[str, Any]]]]:
-    """The 2-rank job, then the 1-rank job, after an arrayckpt-saved state was exported: what each rank loaded."""
+    """An arrayckpt-saved state exported, then the job: what each rank loaded, by world size."""
     root = tmp_path_factory.mktemp("megatron_export")
     arrayckpt.save(_native(), root / "native")
     arrayckpt.convert(root / "native", root / "export_native", to_format="megatron")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return root, {world: run_ranks(world, _job, str(root)) for world in (2, 1)}
+    run_ranks(2, _job, str(root))
+    ranks = [torch.load(root / f"loaded-{rank}.pt", weights_only=True) for rank in range(2)]
+    return root, {2: [r[2] for r in ranks], 1: [ranks[0][1]]}
 
 
 def _assert_same(got: Any, expected: Any, where: str = "") -> None:
@@ -186,8 +201,7 @@ def test_megatron_to_arrayckpt_to_megatron_loads_bit_for_bit(jobs, world):
     shards, its RNG object and common.pt's items (the grad scaler's tensor a plain tensor again)."""
     root, loaded = jobs
     for rank, result in enumerate(loaded[world]):
-        expected = _merged(_common(), _data(_sharded(rank, world, _full())))
-        _assert_same(result[f"export_tp{world}"], expected, f"rank {rank}")
+        _assert_same(result[f"export_tp{world}"], _loaded(rank, world), f"rank {rank}")
     assert json.loads((root / f"export_tp{world}" / "metadata.json").read_text()) == CONFIG
     _assert_same(torch.load(root / f"export_tp{world}" / "common.pt"),
                  torch.load(root / f"megatron_tp{world}" / "common.pt"))  # as Megatron wrote it
@@ -197,7 +211,7 @@ def test_megatron_to_arrayckpt_to_megatron_loads_bit_for_bit(jobs, world):
 def test_an_export_loads_at_another_tensor_parallel_degree(jobs):
     """The 2-rank save's export, loaded by one rank: whole tensors, and both ranks' RNG objects."""
     _, loaded = jobs
-    _assert_same(loaded[1][0]["export_tp2"], _merged(_common(), _data(_sharded(0, 1, _full(), 2))))
+    _assert_same(loaded[1][0]["export_tp2"], _loaded(0, 1, saved_tp=2))
 
 
 @needs_megatron
@@ -207,8 +221,7 @@ def test_an_arrayckpt_checkpoint_exports_for_megatron_and_back(jobs, world, tmp_
     back it is the same checkpoint, arrays bit for bit, plus the import's record of metadata.json."""
     root, loaded = jobs
     for rank, result in enumerate(loaded[world]):
-        _assert_same(result["export_native"], _merged(_common(with_tensor=False),
-                                                      _data(_sharded(rank, world, _full(), 2))))
+        _assert_same(result["export_native"], _loaded(rank, world, saved_tp=2, common=False))
     arrayckpt.convert(root / "export_native", tmp_path / "back")
     with arrayckpt.open(root / "native") as before, arrayckpt.open(tmp_path / "back") as after:
         assert sorted(after) == sorted(before)

@@ -25,7 +25,7 @@ import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -224,8 +224,9 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
 
     DCP is given the nested state with meta tensors; each tensor is read from arrayckpt only when DCP's
     writer asks for it and is appended to the one ``__0_0.distcp`` file, so memory stays near one tensor.
-    Per-rank entries are skipped (DCP has no such notion); pickled values need the checkpoint opened with
-    ``allow_pickle=True``.
+    Per-rank entries are skipped (DCP has no such notion), and so are empty dicts (DCP's save walks into dicts
+    and saves nothing for an empty one); both are named in the result. Pickled values need the checkpoint
+    opened with ``allow_pickle=True``.
     """
     target = Path(dst)
     if target.exists() and any(target.iterdir()):
@@ -236,7 +237,27 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     with new_directory(target, (METADATA_FILE,)) as temporary:
         total = stream_into_dcp(checkpoint, state, keys, temporary, flatten=True, progress=progress)
     files = tuple(sorted(str(p) for p in target.iterdir()))
-    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped)
+    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
+
+
+def _left_out_by_dcp(value: Any, path: tuple[Any, ...] = ()) -> tuple[str, ...]:
+    """The dotted names of the empty dicts in ``value`` that DCP's flattening save leaves out: it walks into every
+    dict, and into every list holding a dict or a tensor (``_traverse.traverse_state_dict``), and saves nothing
+    for an empty dict it meets that way."""
+    if isinstance(value, Mapping):
+        if not value:
+            return (".".join(map(str, path)),)
+        return tuple(name for k, v in value.items() for name in _left_out_by_dcp(v, (*path, k)))
+    if isinstance(value, list) and not _saved_whole(value):
+        return tuple(name for i, v in enumerate(value) for name in _left_out_by_dcp(v, (*path, i)))
+    return ()
+
+
+def _saved_whole(value: list[Any]) -> bool:
+    """Whether DCP saves this list as one value (``_traverse``'s ``_is_terminal``): no dict, tensor, or such a
+    list inside."""
+    return not any(isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and not _saved_whole(v))
+                   for v in value)
 
 
 def refuse_pickles(checkpoint: Checkpoint) -> None:

@@ -45,6 +45,7 @@ dict of any tensor-parallel layout (the user's ``ShardedTensor.from_rank_offsets
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -173,7 +174,7 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     notes = []
     with new_directory(target, (METADATA_FILE, CONFIG_FILE)) as temporary:
         temporary.mkdir()
-        _write_durably(temporary / COMMON_FILE, lambda f: torch.save(common, f))  # first: then its tensors go
+        _write_durably(temporary / COMMON_FILE, functools.partial(torch.save, common))  # first: then its tensors go
         del common
         refused = _weights_only_refusal(temporary / COMMON_FILE)
         if refused:
