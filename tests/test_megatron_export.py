@@ -275,12 +275,12 @@ def _dcp_load(directory: Path, state: dict[str, Any]) -> dict[str, Any]:
 
 def test_what_goes_where_and_what_is_left_out(tmp_path):
     """Arrays are DCP tensors under their keys; a list named as a ShardedObject shard is DCP bytes; every other value
-    (one merely named like a shard, a ``megatron.metadata`` that is not an import's copy of metadata.json) is in
-    common.pt; per-rank entries are left out and named."""
+    (one named like a shard but not a list, or with a key Megatron cannot parse back, a ``megatron.metadata`` that
+    is not an import's copy of metadata.json) is in common.pt; per-rank entries are left out and named."""
     w = random_tensor((3, 4), torch.bfloat16, 7)
     arrayckpt.save({"model": {"w": w}, "rng/shard_0_1": [{"seed": 3}], "odd/shard_0_1": {"not": "a list"},
-                    "megatron": {"metadata": {"mine": 1}}, "cursor": arrayckpt.PerRank(torch.arange(3)), "step": 4},
-                   tmp_path / "ckpt")
+                    "a/b/shard_0_1": [1], "megatron": {"metadata": {"mine": 1}},
+                    "cursor": arrayckpt.PerRank(torch.arange(3)), "step": 4}, tmp_path / "ckpt")
     result = arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out", to_format="megatron")
     assert (result.target_format, result.tensors, result.skipped, result.notes) == ("megatron", 1, ("cursor",), ())
     assert sorted(os.listdir(tmp_path / "out")) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
@@ -290,7 +290,7 @@ def test_what_goes_where_and_what_is_left_out(tmp_path):
     assert_bit_equal(loaded["model.w"], w)
     assert loaded["rng/shard_0_1"] == [{"seed": 3}]  # as Megatron stores a ShardedObject: the list of the rank's
     assert torch.load(tmp_path / "out" / "common.pt", weights_only=True) == {
-        "odd/shard_0_1": {"not": "a list"}, "megatron": {"metadata": {"mine": 1}}, "step": 4}
+        "odd/shard_0_1": {"not": "a list"}, "a/b/shard_0_1": [1], "megatron": {"metadata": {"mine": 1}}, "step": 4}
 
 
 def test_pickled_values_need_allow_pickle_and_a_note_says_what_megatron_refuses(tmp_path):

@@ -32,8 +32,9 @@ dict of any tensor-parallel layout (the user's ``ShardedTensor.from_rank_offsets
 
 - every array is a ShardedTensor named by its arrayckpt key (``model.layers.0.weight``), saved whole as one DCP
   chunk, so any layout reads its part (Megatron's own save writes one chunk per rank); streamed one at a time;
-- a top-level value named as Megatron names a ShardedObject shard (``<key>/shard_<offsets>_<shape>``) that holds
-  a list is that shard, saved as Megatron saves it (``torch.save`` of the list, as DCP bytes);
+- a top-level value named as Megatron names a ShardedObject shard (``<key>/shard_<offsets>_<shape>``, a key
+  without ``/``, as Megatron's loader parses it back) that holds a list is that shard, saved as Megatron saves it
+  (``torch.save`` of the list, as DCP bytes);
 - everything else goes into ``common.pt`` as the nested state it is (lists, dicts, ints, strings; pickled values
   with ``allow_pickle``), and so do the top-level keys a Megatron import took from ``common.pt``, tensors included
   (Megatron's own loader finds a plain tensor only there);
@@ -74,8 +75,9 @@ SUPPORTED_BACKENDS = ("torch_dist",)
 # its loader builds CheckpointingConfig(**json), so no other member may be there
 WRITTEN_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                   "common_backend_version": 1}
-# ShardedObject.unique_key: f"{key}/shard_{'.'.join(global_offset)}_{'.'.join(global_shape)}"
-SHARDED_OBJECT = re.compile(r".+/shard_(?:\d+(?:\.\d+)*)?_(?:\d+(?:\.\d+)*)?")
+# ShardedObject.unique_key: f"{key}/shard_{'.'.join(global_offset)}_{'.'.join(global_shape)}", as
+# ShardedObject.empty_from_unique_key parses it back (Megatron's load_sharded_metadata does, for every DCP bytes item)
+SHARDED_OBJECT = re.compile(r"[^/]+/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")
 
 
 def checkpoint_directory(src: Path) -> Path:
