@@ -459,19 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
     interval.add_argument("--json", action="store_true", help="print JSON")
     interval.set_defaults(func=_cmd_interval)
 
-    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, DeepSpeed "
-                                  "(from ZeRO, to a Universal Checkpoint); from Megatron torch_dist; to a Hugging Face "
-                                  "model directory")
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
+                                  "torch_dist, DeepSpeed (from ZeRO or Universal, to a Universal Checkpoint); to a "
+                                  "Hugging Face model directory")
     convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
                          "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
-    formats = ["arrayckpt", "dcp", "deepspeed", "hf", "safetensors", "torch"]
-    convert.add_argument("--from", dest="from_format", choices=[*formats, "megatron"],
+    formats = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch"]
+    convert.add_argument("--from", dest="from_format", choices=formats,
                          help="source format (default: detected)")
     convert.add_argument("--to", dest="to_format", choices=formats,
                          help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
                               "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
-                              "engine.load_checkpoint resumes with load_universal")
+                              "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
+                              "megatron.core.dist_checkpointing.load loads")
     convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")

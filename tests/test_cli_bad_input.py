@@ -68,6 +68,7 @@ COMMANDS = [
     ["diff", "{good}", "{bad}"], ["compact", "{bad}", "{out}"], ["convert", "{bad}", "{out}"],
     ["convert", "{bad}", "{out}.safetensors"], ["convert", "{bad}", "{out}.pt"],
     ["convert", "{bad}", "{out}", "--to", "dcp"], ["convert", "{bad}", "{out}", "--to", "hf"],
+    ["convert", "{bad}", "{out}", "--to", "megatron"],
 ]
 
 

@@ -2,10 +2,10 @@
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
 DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
 (``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); Megatron is read only; ``hf`` (a Hugging Face export: the model's weights for
-``from_pretrained``, ``hf.py``) is written only, and read back as the safetensors it is. Only arrayckpt ->
-safetensors and hf run without torch; the other converters are imported when used, after checking that torch is
-there."""
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
+Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
+safetensors it is. Only arrayckpt -> safetensors and hf run without torch; the other converters are imported
+when used, after checking that torch is there."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from .safetensors import to_safetensors
 __all__ = ["FORMATS", "convert", "detect_format"]
 
 FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
-READ_ONLY = ("megatron",)  # formats converted into arrayckpt, never written
-DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf")  # targets that are directories
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -86,10 +85,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
             base_roots: Sequence[str | os.PathLike[str]] | None = None,
             param_names: Sequence[str] | None = None) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp and deepspeed into any
-    of them, and megatron (Megatron-Core ``torch_dist``) into any of them. deepspeed is read from a ZeRO checkpoint
-    (stage 1, 2 or 3; its directory or a tag directory) or a Universal Checkpoint, and written as a Universal
-    Checkpoint.
+    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
+    megatron (Megatron-Core ``torch_dist``) into any of them. deepspeed is read from a ZeRO checkpoint (stage 1, 2
+    or 3; its directory or a tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -140,13 +138,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, deepspeed, hf, "
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, deepspeed, hf, megatron, "
                           "safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    if target in READ_ONLY:
-        raise FormatError(f"converting to {target} is not supported: {target} checkpoints are read only")
     _check_target(dst, target, max_shard_bytes)
     if source == "arrayckpt" and target == "arrayckpt":
         raise FormatError(f"{src} is already an arrayckpt checkpoint (to change its chunking or codec: "
@@ -198,7 +194,8 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
          "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
-_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal"}
+_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal",
+           "megatron": "megatron:to_megatron"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:
