@@ -1,17 +1,18 @@
-"""What ``arrayckpt info`` prints for a person: lines that fit the terminal, the save's record of which rank wrote
-which chunks as a summary, and the note on zarr-python's data types only where it applies.
+"""What ``arrayckpt info`` prints for a person: lines that fit the terminal, the save's record of which rank wrote which
+chunks as a summary, and the note on zarr-python's data types only where it applies.
 
 ``--json`` keeps every detail (the whole ``created.writers`` record, every value in full); the text is a summary: no
-line is longer than ``width`` (the terminal's; ``shutil.get_terminal_size`` honours ``COLUMNS`` and answers 80 when
-the output is not a terminal). Long keys and paths lose their middle (``model.layers.…mlp.weight``), other lines
-their end (``…``); ``--wide`` (``width=0``) prints everything. Pure functions of their arguments; no torch or
-TensorStore at import.
+line is longer than ``width`` (the terminal's, or ``COLUMNS``; output into a pipe or a file is not cut unless
+``COLUMNS`` is set, so that ``grep`` and scripts see whole keys and paths). Long keys and paths lose their middle
+(``model.layers.…mlp.weight``), other lines their end (``…``); ``--wide`` (``width=0``) prints everything. Pure
+functions of their arguments; no torch or TensorStore at import.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -29,7 +30,9 @@ HOOK_DISABLE_ENV = "ARRAYCKPT_NO_ZARR_HOOK"  # what turns it off (`_arrayckpt_za
 
 
 def terminal_width() -> int:
-    """The terminal's width in columns (``COLUMNS`` if set; 80 when the output is not a terminal)."""
+    """The terminal's width in columns (``COLUMNS`` if set); 0 (no limit) when the output is not a terminal."""
+    if "COLUMNS" not in os.environ and not sys.stdout.isatty():
+        return 0
     return shutil.get_terminal_size().columns
 
 

@@ -192,7 +192,8 @@ def _print_zarr_hint(dtypes: Iterable[str]) -> None:
 
     note = zarr_hint(dtypes)
     if note:
-        print("\n".join(textwrap.wrap(note, terminal_width(), subsequent_indent="      ")))
+        width = terminal_width()
+        print("\n".join(textwrap.wrap(note, width, subsequent_indent="      ")) if width else note)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._errors import CheckpointExistsError, FormatError, StateError
-from .._format.manifest import ArrayEntry, Entry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, replaced_atomically
-from .hf_ties import model_check, option_ties, resolve_ties
+from .hf_ties import Tie, model_check, option_ties, resolve_ties
 from .safetensors import (
     DEFAULT_FILE_METADATA,
     SAFETENSORS_INDEX,
@@ -52,7 +52,8 @@ CONFIG = "config.json"
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what from_pretrained would load
 FLOATS = ("float64", "float32", "float16", "bfloat16")
 NO_CONFIG = ("no config.json given (--config): from_pretrained needs the model's beside the weights, and the "
-             "model's tied weights were not looked up (written as separate copies unless a tie names them)")
+             "model's tied weights were not looked up (only those the checkpoint stores once, and those a tie names, "
+             "are left out)")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def select_model(checkpoint: Checkpoint, select: str | None) -> Selection:
     entries = checkpoint.manifest.entries
     prefix = _find_prefix(checkpoint) if select is None else (select.rstrip(".") + "." if select.strip(".") else "")
     chosen = {key: entry for key, entry in entries.items() if key.startswith(prefix)}
-    tensors = {key[len(prefix):]: key for key, entry in chosen.items() if _is_tensor(entry)}
+    tensors = {key[len(prefix):]: key for key, entry in chosen.items() if _is_tensor(checkpoint, entry)}
     if not tensors:
         raise StateError(f"{checkpoint.location}: no tensors under {prefix!r}; the top-level keys are "
                          f"{_tops(entries)}; choose the model's with --select PREFIX (select=...)")
@@ -95,8 +96,20 @@ def select_model(checkpoint: Checkpoint, select: str | None) -> Selection:
     return Selection(prefix, tensors, tuple(key for key in entries if key not in kept))
 
 
-def _is_tensor(entry: Entry) -> bool:
-    return isinstance(entry, ArrayEntry) and entry.kind == "tensor"
+def _is_tensor(checkpoint: Checkpoint, entry: Entry) -> bool:
+    """A tensor entry, or an alias of one (a tied weight stored once, spec §4.3): both are the model's weights."""
+    found = checkpoint.manifest.array_entry(entry.key) if isinstance(entry, AliasEntry) else entry
+    return isinstance(found, ArrayEntry) and found.kind == "tensor"
+
+
+def manifest_ties(checkpoint: Checkpoint, selection: Selection) -> list[Tie]:
+    """The ties the checkpoint itself records: each alias in the selection whose target is in it too. They hold
+    by construction (one stored array), and come after the config's so that transformers' choice of which name
+    is written wins where both name the same pair."""
+    names = {key: name for name, key in selection.tensors.items()}
+    aliases = checkpoint.manifest.aliases
+    return [Tie(names[key], names[target], "manifest") for key, target in aliases.items()
+            if key in names and target in names]
 
 
 def _tops(entries: Mapping[str, Entry]) -> str:
@@ -110,9 +123,9 @@ def _find_prefix(checkpoint: Checkpoint) -> str:
     groups: dict[str, list[Entry]] = {}
     for entry in checkpoint.manifest.entries.values():
         groups.setdefault(str(entry.parts[0]), []).append(entry)
-    modules = [top for top, group in groups.items()
-               if all(_is_tensor(e) and len(e.parts) > 1 for e in group) and _optimizer_at(group, 0) is None]
-    if all(_is_tensor(e) for group in groups.values() for e in group):
+    modules = [top for top, group in groups.items() if _optimizer_at(group, 0) is None
+               and all(_is_tensor(checkpoint, e) and len(e.parts) > 1 for e in group)]
+    if all(_is_tensor(checkpoint, e) for group in groups.values() for e in group):
         return f"{modules[0]}." if len(groups) == 1 and modules else ""
     if len(modules) == 1:
         return f"{modules[0]}."
@@ -148,7 +161,8 @@ def to_hf(checkpoint: Checkpoint, dst: str | os.PathLike[str], options: HfOption
     selection = select_model(checkpoint, options.select)
     check_storable(checkpoint, list(selection.tensors.values()))
     check = model_check(config.path, list(selection.tensors)) if config is not None else None
-    ties = resolve_ties(checkpoint, selection.tensors, [*option_ties(options.tie), *(check.ties if check else ())])
+    ties = resolve_ties(checkpoint, selection.tensors, [*option_ties(options.tie), *(check.ties if check else ()),
+                                                        *manifest_ties(checkpoint, selection)])
     tensors = {name: key for name, key in selection.tensors.items() if name not in ties.aliases}
     sizes = {name: checkpoint[key].nbytes for name, key in tensors.items()}
     shards = cut_shards(sizes, max_shard_bytes or HF_MAX_SHARD_BYTES)

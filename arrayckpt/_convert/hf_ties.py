@@ -11,7 +11,7 @@ each marked by its origin, and are resolved together by :func:`resolve_ties`:
   ``save_pretrained`` and ``from_pretrained`` use, says which names are tied (``tie_word_embeddings`` included).
   A config tie is applied where both names hold the same bytes, as ``save_pretrained`` drops only tensors that
   share storage; where they differ both are written, with a note (transformers then warns and leaves them untied).
-- ``manifest`` (to come): a checkpoint that stores a tied tensor once will name its aliases in its manifest; those
+- ``manifest``: a checkpoint that stores a tied tensor once names its aliases in its manifest (spec §4.3); those
   join the same list and hold by construction (one stored array), so they need no comparison.
 
 Values are compared block by block (:data:`COMPARE_BYTES` of each tensor at a time), so looking for ties adds
