@@ -212,7 +212,8 @@ class CheckpointManager:
             else:
                 removed += more
                 self.kept += kept
-        foreign = [f"{path} ({why})" for path, why in self.kept if "maybe still being saved" not in why]
+        foreign = [f"{path} ({why})" for path, why in self.kept
+                   if "maybe still being saved" not in why and "a save is running" not in why]
         if foreign:
             warnings.warn(f"{self.root}: clean_up left {len(foreign)} thing(s) that are not known to be arrayckpt's "
                           f"leftovers; look at them and remove them yourself if they are not needed: "

@@ -104,9 +104,12 @@ class Holder:
 
     def dead_here(self) -> bool:
         """Whether the holder was a process of this host that no longer exists (``kill(pid, 0)``; a reused pid
-        only makes a dead holder look alive: its lease then expires as usual)."""
-        if self.host != socket.gethostname() or self.pid == os.getpid() or self.pid <= 0:
+        only makes a dead holder look alive: its lease then expires as usual), or this process, which no longer
+        holds that lease (released, or its save failed and could not delete it)."""
+        if self.host != socket.gethostname() or self.pid <= 0:
             return False
+        if self.pid == os.getpid():  # this process: alive, but the lease is dead unless it still holds it
+            return self.id not in _HELD
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -121,6 +124,9 @@ class Holder:
         if self.expires is not None:
             text += f"; its lease expires in {max(0.0, self.expires - time.time()):.0f} s unless renewed"
         return text
+
+
+_HELD: set[str] = set()  # ids of the leases this process holds now (one of its own that is not here is a dead one)
 
 
 def live_holder(data: bytes | None) -> Holder | None:
@@ -306,6 +312,7 @@ class Lease(Claim):
             other = live_holder(again.value if again is not None else None)
             raise CheckpointBusyError(f"{where}: {what} ({other or 'another process took the lease at once'}; "
                                       f"lease {key})")
+        _HELD.add(self.holder.id)
         self._renewed = time.monotonic()
         self._lost: str | None = None
         self._stop = threading.Event()
@@ -371,6 +378,7 @@ class Lease(Claim):
         """Stop renewing, and delete the lease object if it is still this holder's (a failure only leaves it to
         expire)."""
         self._stop.set()
+        _HELD.discard(self.holder.id)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         generation, self._generation = self._generation, None
