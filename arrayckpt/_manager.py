@@ -57,7 +57,8 @@ class CheckpointManager:
     With ``remote`` (a URL, or a :class:`Remote`), every save commits to ``root`` (fast local storage) first, then a
     background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
     :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
-    :meth:`tiers` says which tiers hold each step, and each tier has its own retention.
+    :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
+until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused.
 
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
@@ -196,7 +197,8 @@ class CheckpointManager:
 
         In the remote tier too (uploads cut short), except at the steps the local tier holds (the uploader may be
         copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
-        kept because it is not arrayckpt's is also named in a warning. Coordinator only."""
+        kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
+        §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
         self.kept = []
         if not self._is_coordinator():
             return []

@@ -37,9 +37,10 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
 
     In a local directory: the temporary directories of interrupted saves (paths). Under an object-storage
     prefix (``s3://bucket/run``, ``memory://...``): the incomplete checkpoints right below it (URLs), see
-    :func:`object_leftovers`. Only leftovers untouched for ``min_age_s`` seconds are removed, so a
-    save still running next to them is not disturbed. Committed checkpoints are never touched, nor any
-    object that is not arrayckpt's.
+    :func:`object_leftovers`. What a running save holds is never removed, whatever ``min_age_s`` says (its
+    ``flock`` on its temporary directory, its lease in a new prefix: spec §9.4); of the rest, only leftovers
+    untouched for ``min_age_s`` seconds are removed. Committed checkpoints are never touched, nor any object that
+    is not arrayckpt's.
 
     >>> import arrayckpt, tempfile
     >>> arrayckpt.gc(tempfile.mkdtemp())
@@ -72,7 +73,10 @@ def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
 
     A prefix ``P`` below the root is removed only when all of these hold (spec §9.3):
 
-    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched);
+    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched), nor
+      does the root document of a committed checkpoint anywhere below ``P`` (a prefix holding checkpoints, such
+      as a manager's root, is not an incomplete checkpoint);
+    - no live save lease ``P/.arrayckpt-lease`` is there (a first save is running: spec §9.4), whatever its age;
     - every object under ``P`` is arrayckpt-shaped (a ``zarr.json`` or a chunk name), and its ``zarr.json``
       documents are Zarr v3 groups or arrays, at least one of them an array that arrayckpt wrote
       (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,

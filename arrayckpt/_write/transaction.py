@@ -27,9 +27,9 @@ unknown, and removing the save could damage the checkpoint just committed (on ob
 The check before the commit (``Writer.missing``) is the last line of defence against a save's files removed after
 the ranks reported them written (a gc that ignored the save's lock or lease, spec §9.4; a person): the chunk keys
 come from the manifest and the consolidated metadata (every chunk of every array; a chunks delta's present ones),
-so a save never commits chunks it cannot see. Its cost: the keys' names (about 1 µs each), then one directory
-listing per node locally or one LIST per 1,000 objects on object storage (for 10,000 chunks: ~10 ms locally,
-10 LISTs, against the 10,000 PUTs of the save).
+so a save never commits chunks it cannot see. Its cost: naming the keys (1–3 µs each), then one directory listing
+per node locally, or one LIST per 1,000 objects on object storage. For 10,000 chunks in 10 arrays (tmpfs, 2 busy
+cores): 25 ms to name them and 50 ms to list them, beside a save of 7.8 s; on S3, 10 LISTs beside 10,000 PUTs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ArrayckptError, StorageError
 from .._format.manifest import ArrayEntry, Manifest, encode_root_document
-from .._format.zarr import chunk_key, grid_counts
+from .._format.zarr import chunk_keys, grid_counts
 
 if TYPE_CHECKING:
     from .._storage.base import Location, Writer
@@ -152,14 +152,14 @@ def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, Any]) -> dict[str,
         counts = grid_counts(metadata)
         flat = present.get(path)
         indices = itertools.product(*map(range, counts)) if flat is None else (_unravel(i, counts) for i in flat)
-        out[path] = [chunk_key(metadata, tuple(index)) for index in indices]
+        out[path] = chunk_keys(metadata, indices)
     return out
 
 
-def _unravel(flat: int, counts: list[int]) -> list[int]:
+def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
     """The grid index of the flat C-order chunk index ``flat``."""
     index = []
     for count in reversed(counts):
         flat, i = divmod(flat, count)
         index.append(i)
-    return index[::-1]
+    return tuple(index[::-1])
