@@ -44,11 +44,10 @@ from typing import Any
 
 from .._errors import CheckpointBusyError, StorageError
 from .base import LEASE_NAME, Claim
-from .kvio import read_key
 
 __all__ = ["LEASE_NAME", "LEASE_RENEW_S", "LEASE_TTL_S", "MANAGER_LEASE", "MANAGER_LOCK", "MAX_LEASE_S",
            "DirectoryHold", "HeldRoot", "Holder", "Lease", "RootLock", "exclusive_directory", "hold_directory",
-           "live_holder", "read_lease"]
+           "live_holder"]
 
 MANAGER_LOCK = ".arrayckpt-manager.lock"  # local manager root: the file its coordinator holds an exclusive flock on
 MANAGER_LEASE = ".arrayckpt-manager-lease"  # object-storage manager root: its lease object
@@ -308,7 +307,8 @@ class Lease(Claim):
             raise CheckpointBusyError(f"{where}: {what} ({other}; lease {key})")
         self._generation = self._put(self.holder, seen.stamp.generation if seen is not None else b"")
         again = self._read()
-        if self._generation is None or again is None or again.stamp.generation != self._generation:
+        found = Holder.decode(again.value if again is not None else None)
+        if self._generation is None or found is None or found.id != self.holder.id:
             other = live_holder(again.value if again is not None else None)
             raise CheckpointBusyError(f"{where}: {what} ({other or 'another process took the lease at once'}; "
                                       f"lease {key})")
@@ -366,9 +366,10 @@ class Lease(Claim):
         problem = self._lost
         if problem is None and time.monotonic() - self._renewed > self.ttl_s:
             problem = f"its lease could not be renewed for {self.ttl_s:g} s and may have expired"
-        if problem is None:
+        if problem is None:  # (by the id it holds: a renewal may be writing a new generation meanwhile)
             seen = self._read()
-            if seen is None or seen.stamp.generation != self._generation:
+            found = Holder.decode(seen.value if seen is not None else None)
+            if found is None or found.id != self.holder.id:
                 other = live_holder(seen.value if seen is not None else None)
                 problem = f"its lease was taken over ({other})" if other else "its lease was removed"
         if problem is not None:
@@ -385,11 +386,6 @@ class Lease(Claim):
         if generation:
             with contextlib.suppress(Exception):
                 self.store.write(self.key, None, if_equal=generation).result()
-
-
-def read_lease(store: Any, key: str, where: object) -> Holder | None:
-    """The live holder of the lease at ``key`` (``None``: none, or expired)."""
-    return live_holder(read_key(store, key, where))
 
 
 class HeldRoot:
