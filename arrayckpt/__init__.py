@@ -62,7 +62,8 @@ if TYPE_CHECKING:
         TorchNotInstalledError,
     )
     from ._format.codecs import Codec
-    from ._manager import CheckpointManager, Incremental, Interval, Retention
+    from ._manager import CheckpointManager
+    from ._policies import Incremental, Interval, Retention
     from ._read.checkpoint import Checkpoint
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
     from ._read.lazy import LazyArray
@@ -102,8 +103,8 @@ _LAZY: dict[str, str] = {
     "DiffReport": "._tools.inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
-    "Incremental": "._manager",
-    "Interval": "._manager",
+    "Incremental": "._policies",
+    "Interval": "._policies",
     "KeyMismatchError": "._errors",
     "LazyArray": "._read.lazy",
     "LoadResult": "._read.load",
@@ -112,7 +113,7 @@ _LAZY: dict[str, str] = {
     "PickleNotAllowedError": "._errors",
     "Remote": "._tiers",
     "ReplacedCheckpointError": "._errors",
-    "Retention": "._manager",
+    "Retention": "._policies",
     "SaveHandle": "._write.asynchronous",
     "Shard": "._torch.shards",
     "SizeEstimate": "._tools.estimate",

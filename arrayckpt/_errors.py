@@ -92,7 +92,8 @@ class StorageError(ArrayckptError, OSError):
 
 
 class CheckpointBusyError(ArrayckptError, RuntimeError):
-    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running; or a root, or a
+    prefix, is held by another writer: a ``CheckpointManager`` (its lock or lease), a save in progress (spec §9.4)."""
 
 
 class ClosedCheckpointError(ArrayckptError, ValueError):

@@ -416,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(s3://bucket/run: its incomplete checkpoints)")
     gc.add_argument("root", help="directory, or object-storage prefix (s3://bucket/run), holding checkpoints")
     gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
-                    help="only remove leftovers untouched this long (default 3600: never a running save's; on "
-                         "object storage without modification times, memory:// or gs://, only 0 removes)")
+                    help="only remove leftovers untouched this long (default 3600; on object storage without "
+                         "modification times, memory:// or gs://, only 0 removes). A running save's is never "
+                         "removed, at any age: its lock or lease marks it (spec §9.4)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)

@@ -124,16 +124,21 @@ def _dcp_load(src: Path, out: Path) -> None:
             raise next(iter(e.failures.values()))[0] from e
 
 
-def _manager_restore(src: Path, out: Path) -> None:
-    """The crafted checkpoint as the newest step of a manager's root (``out``), restored."""
+def _manager_restore(src: Path, out: Path) -> str:
+    """The crafted checkpoint as the newest step of a manager's root (``out``), restored: the manager must pass it
+    over for the older whole step, with a warning that names why (returned, as the other commands' errors are)."""
     state = _state_of(src)
     arrayckpt.save(state, out / "step-00000001")
     os.rename(src, out / "step-00000002")
     try:
-        arrayckpt.CheckpointManager(out).restore(state, strict=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = arrayckpt.CheckpointManager(out).restore(state, strict=False)
     finally:
         os.rename(out / "step-00000002", src)
         shutil.rmtree(out)
+    assert restored == 1, f"manager-restore restored step {restored} of a crafted checkpoint"
+    return " ".join(str(w.message) for w in caught if "step 2 cannot be restored" in str(w.message))
 
 
 def _read_all(src: Path, out: Path) -> None:
@@ -177,7 +182,7 @@ def refused(command: str, src: Path, out: Path, *names: str, error: type[Excepti
     except error as e:
         message = str(e)
     else:
-        if command not in ("verify", "report", "sync", "info"):
+        if command not in ("verify", "report", "sync", "info", "manager-restore"):
             pytest.fail(f"{command} accepted a crafted checkpoint")
         if command == "report":
             import html

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+import helpers
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -113,6 +114,7 @@ def test_incomplete_prefix_is_reported_and_replaceable(monkeypatch: pytest.Monke
     url = _url()
 
     def crash(self: ObjectWriter, root_document: bytes) -> None:
+        helpers.crash(self)  # its lease is left to expire
         raise KeyboardInterrupt  # the process dies before its commit; abort never runs
 
     monkeypatch.setattr(ObjectWriter, "commit", crash)

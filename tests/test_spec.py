@@ -29,6 +29,7 @@ from policies import small_chunks
 import arrayckpt
 import arrayckpt._layout.chunking as plan
 import arrayckpt._storage.local as storage
+import arrayckpt._storage.renames as durability
 from arrayckpt._errors import FormatError
 from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
 from arrayckpt._format.dtypes import DTYPES
@@ -416,7 +417,7 @@ def test_three_rename_fallback_uses_a_marked_aside_directory(tmp_path, monkeypat
         renames.append((Path(src).name, Path(dst).name))
         real_rename(src, dst)
 
-    monkeypatch.setattr(storage, "_renameat2", lambda src, dst, flags: errno.ENOSYS)  # no renameat2 at all
+    monkeypatch.setattr(durability, "_renameat2", lambda src, dst, flags: errno.ENOSYS)  # no renameat2 at all
     monkeypatch.setattr(storage.os, "rename", recording_rename)
     arrayckpt.save({"v": 2}, path, overwrite=True)
     assert arrayckpt.open(path).plain_values["v"] == 2

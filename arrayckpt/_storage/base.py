@@ -16,6 +16,7 @@ Call order of a save (DCP ``storage.py`` style: who calls what, in which order):
     writer.target.finish_rank_writes()             # non-coordinator ranks: flush their chunks before reporting
     # coordinator, once every rank reported success
     wait()                                         # all metadata written
+    writer.missing(chunks)                         # what the ranks reported written is all still there (else abort)
     writer.commit(root_document)                   # last: the root zarr.json; after it the checkpoint is whole
     writer.abort()                                 # instead, on any failure before the commit: removes the save
 
@@ -36,7 +37,7 @@ import abc
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -46,11 +47,12 @@ from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayck
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
-__all__ = ["ROOT_METADATA", "TEMP_MARKER", "Leftover", "Leftovers", "Location", "Tree", "Writer", "arrayckpt_keys",
-           "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at", "open_writer", "parse_location",
-           "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Tree", "Writer",
+           "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at", "open_writer",
+           "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
+LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
 
 
 class Tree(NamedTuple):
@@ -203,6 +205,14 @@ class Location(abc.ABC):
         """Remove the checkpoint here: the commit (root document) first, so that a deletion cut short leaves
         an incomplete checkpoint, never a damaged committed one. Nothing here is not an error."""
 
+    @abc.abstractmethod
+    def claim(self, patience_s: float = 0.0) -> Claim:
+        """Hold this location as the root of one writer of many checkpoints (a ``CheckpointManager``'s coordinator):
+        locally an exclusive ``flock`` on a lock file in it, on object storage a lease object (spec §9.4), whose
+        holder is watched for up to ``patience_s`` until it expires or is renewed. Raises ``CheckpointBusyError``
+        naming the holder when another one holds it, ``StorageError`` when the storage cannot be reached or
+        written."""
+
 
 class Writer(abc.ABC):
     """One save to one location (see the module docstring for the call order)."""
@@ -222,6 +232,14 @@ class Writer(abc.ABC):
         the commit, where describing the new arrays earlier would mislead readers of the old checkpoint.)"""
 
     @abc.abstractmethod
+    def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
+        """Right before the commit: the files or objects of this save (``chunks``: node path -> the chunk key names
+        the ranks reported written there; and the node documents this writer wrote itself) that are not in
+        :attr:`target` now (removed by something that ignored the save's lock or lease, spec §9.4), as paths
+        relative to it. Locally it also finds a temporary directory that was removed or replaced (everything
+        missing then). Cheap: one directory listing per node locally, one LIST per 1,000 objects on object storage."""
+
+    @abc.abstractmethod
     def commit(self, root_document: bytes) -> None:
         """Write the root document after everything else and make the checkpoint visible and durable: the
         commit. Once it returns, the new checkpoint is the one at the location."""
@@ -230,6 +248,18 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Remove what this save wrote (called instead of :meth:`commit`); a committed checkpoint it was
         going to replace stays whole. Never raises for a failed clean-up (it warns)."""
+
+
+class Claim(abc.ABC):
+    """What :meth:`Location.claim` holds, until :meth:`release`."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise ``CheckpointBusyError`` unless it is still held (cheap: a ``stat``, or one GET)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Let it go (nothing once released)."""
 
 
 class Leftover(abc.ABC):
@@ -332,11 +362,12 @@ _CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
 
 
 def arrayckpt_keys(keys: list[str]) -> list[str]:
-    """Keys shaped like arrayckpt's objects (``zarr.json`` documents and chunk keys), made of plain segments only;
-    others are left alone. An object store keeps ``a/../../b`` as a key of its own, but TensorStore's HTTP client
-    normalises the URL it is sent to (measured with moto: reading, writing or deleting ``run/x/../../victim/zarr.json``
-    reaches ``victim/zarr.json``, outside the prefix), so such a key is never arrayckpt's to touch."""
-    return [k for k in keys if _plain_key(k) and (k.rpartition("/")[2] == ROOT_METADATA
+    """Keys shaped like arrayckpt's objects (``zarr.json`` documents, chunk keys, and a save's lease at the top of a
+    checkpoint's prefix), made of plain segments only; others are left alone. An object store keeps ``a/../../b`` as
+    a key of its own, but TensorStore's HTTP client normalises the URL it is sent to (measured with moto: reading,
+    writing or deleting ``run/x/../../victim/zarr.json`` reaches ``victim/zarr.json``, outside the prefix), so such
+    a key is never arrayckpt's to touch."""
+    return [k for k in keys if _plain_key(k) and (k == LEASE_NAME or k.rpartition("/")[2] == ROOT_METADATA
                                                  or _CHUNK_NAME.fullmatch(k.rpartition("/")[2]))]
 
 

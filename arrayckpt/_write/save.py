@@ -259,6 +259,8 @@ def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SaveP
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
             plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
+        if options.guard is not None:
+            options.guard()
         transaction = begin_write(request.location, options.overwrite)
     except ArrayckptError as e:
         return [e] * size, None, None
@@ -317,6 +319,8 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
                                       str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
+            if request.options.guard is not None:
+                request.options.guard()
             transaction.commit(manifest, plan.consolidated_json)
             return str(manifest.id)
         except ArrayckptError as e:
