@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._convert.dispatch import convert
     from ._errors import (
         ArrayckptError,
+        BaseNotAllowedError,
         CheckpointBusyError,
         CheckpointExistsError,
         CheckpointNotFoundError,
@@ -62,7 +63,8 @@ if TYPE_CHECKING:
         TorchNotInstalledError,
     )
     from ._format.codecs import Codec
-    from ._manager import CheckpointManager, Incremental, Interval, Retention
+    from ._manager import CheckpointManager
+    from ._policies import Incremental, Interval, Retention
     from ._read.checkpoint import Checkpoint
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
     from ._read.lazy import LazyArray
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
 # TYPE_CHECKING imports above (for type checkers and IDEs only) say the same.
 _LAZY: dict[str, str] = {
     "ArrayckptError": "._errors",
+    "BaseNotAllowedError": "._errors",
     "Checkpoint": "._read.checkpoint",
     "CheckpointBusyError": "._errors",
     "CheckpointExistsError": "._errors",
@@ -101,8 +104,8 @@ _LAZY: dict[str, str] = {
     "DiffReport": "._tools.inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
-    "Incremental": "._manager",
-    "Interval": "._manager",
+    "Incremental": "._policies",
+    "Interval": "._policies",
     "KeyMismatchError": "._errors",
     "LazyArray": "._read.lazy",
     "LoadResult": "._read.load",
@@ -112,7 +115,7 @@ _LAZY: dict[str, str] = {
     "PickleWarning": "._errors",
     "Remote": "._tiers",
     "ReplacedCheckpointError": "._errors",
-    "Retention": "._manager",
+    "Retention": "._policies",
     "SaveHandle": "._write.asynchronous",
     "Shard": "._torch.shards",
     "SizeEstimate": "._tools.estimate",

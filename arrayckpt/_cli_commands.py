@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._errors import FormatError
 
 if TYPE_CHECKING:
     from ._read.checkpoint import Checkpoint
@@ -61,19 +64,39 @@ def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int
     try:
         result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                         max_shard_bytes=args.max_shard_size, progress=counter)
+                         max_shard_bytes=args.max_shard_size, select=args.select, tie=dict(args.tie) or None,
+                         config=args.config, progress=counter, base_roots=args.base_root,
+                         param_names=_param_names(args.param_names))
     finally:
         counter.close()
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         print()
         return 0
+    took = f" ({result.selected}* with the prefix stripped)" if result.selected else ""
     print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
-          f"tensors, {human_bytes(result.bytes)}")
+          f"tensors{took}, {human_bytes(result.bytes)}")
+    if result.tied:
+        print("left out as tied: " + ", ".join(f"{alias} (= {name})" for alias, name in result.tied.items()))
     if result.skipped:
-        shown = ", ".join(result.skipped[:10]) + (" ..." if len(result.skipped) > 10 else "")
-        print(f"not converted ({result.target_format} cannot hold them): {shown}", file=sys.stderr)
+        shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10
+                                                  else "")
+        why = "not the model's weights" if result.target_format == "hf" else f"{result.target_format} cannot hold them"
+        print(f"not converted ({why}): {shown}", file=sys.stderr)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _param_names(path: str | None) -> list[str] | None:
+    """``--param-names FILE``: one name per line (blank lines ignored)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read the parameter names: {e.strerror or e}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def per_rank_info(checkpoint: Checkpoint) -> dict[str, list[str]]:

@@ -8,9 +8,11 @@ builtin one (the pattern of zarr-python's ``errors.py``): ``except FileNotFoundE
 from __future__ import annotations
 
 import sys
+import warnings
 
 __all__ = [
     "ArrayckptError",
+    "BaseNotAllowedError",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -27,6 +29,7 @@ __all__ = [
     "StorageError",
     "TorchNotInstalledError",
     "outside_stacklevel",
+    "warn_unpickling",
 ]
 
 TORCH_EXTRA = "pip install 'arrayckpt[torch]'"
@@ -82,13 +85,21 @@ class PickleNotAllowedError(ArrayckptError, PermissionError):
     """A value needs pickle, and ``allow_pickle=True`` was not given."""
 
 
+class BaseNotAllowedError(ArrayckptError, PermissionError):
+    """A delta checkpoint names a base outside the places a reader follows by default (the directory or prefix
+    holding the delta checkpoint): the caller must name a root that holds it (``base_roots=[...]``, CLI
+    ``--base-root``) to have it read. A checkpoint from an untrusted source could otherwise make a reader open
+    any directory or URL, with the delta checkpoint's credentials (spec §10.1, §12)."""
+
+
 class StorageError(ArrayckptError, OSError):
     """Storage could not be used: a write failed (full disk, permissions), or a store could not be reached or
     kept refusing requests past its retries (on reads too: that says nothing about the data)."""
 
 
 class CheckpointBusyError(ArrayckptError, RuntimeError):
-    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running."""
+    """``async_save(..., if_busy="error")`` was called while an earlier async save was still running; or a root, or a
+    prefix, is held by another writer: a ``CheckpointManager`` (its lock or lease), a save in progress (spec §9.4)."""
 
 
 class ClosedCheckpointError(ArrayckptError, ValueError):
@@ -117,6 +128,14 @@ class PickleWarning(UserWarning):
 
         warnings.filterwarnings("ignore", category=arrayckpt.PickleWarning)
     """
+
+
+def warn_unpickling(what: str) -> None:
+    """One :class:`PickleWarning` that ``what`` (``"<path>: unpickling 'a', 'b'"``) is being unpickled with
+    ``allow_pickle=True``, naming the user's line, as ``torch.load(weights_only=False)`` warns."""
+    warnings.warn(f"{what} (allow_pickle=True): unpickling runs whatever code its writer put there; unpickle only "
+                  "from checkpoints you trust (silence: warnings.filterwarnings('ignore', "
+                  "category=arrayckpt.PickleWarning))", PickleWarning, stacklevel=outside_stacklevel() + 1)
 
 
 def outside_stacklevel() -> int:

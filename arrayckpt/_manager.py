@@ -9,6 +9,10 @@ never removes a base that a kept delta checkpoint reads through.
 With a :class:`Remote`, the manager has two tiers: every save commits to the (fast, local) root first, then a
 background uploader copies it to the remote root (``_tiers.py``); ``restore`` takes the newest step from whichever
 tier holds it whole.
+
+One manager per root: its coordinator holds each root (spec §9.4: a ``flock`` locally, a lease on object storage)
+from construction to :meth:`CheckpointManager.close`; a second manager on a root that is held is warned at
+construction, and its saves, clean-ups and uploads are refused (``CheckpointBusyError``) until it can take it.
 """
 
 from __future__ import annotations
@@ -19,24 +23,17 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ._errors import (
-    ArrayckptError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    FormatError,
-    IncompleteCheckpointError,
-    StateError,
-    StorageError,
-)
+from ._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
+from ._policies import Incremental, Interval, Retention
 from ._read.checkpoint import Checkpoint
-from ._read.load import load
 from ._storage import Location, parse_location
-from ._tiers import Remote, StepTree, Uploader
+from ._storage.liveness import LEASE_TTL_S, HeldRoot
+from ._tiers import Remote, StepCopy, StepTree, Uploader, restore_newest
 from ._tools.interval import optimal_interval
 from ._torch.dist import resolve_group
 from ._write.asynchronous import async_save_with
@@ -45,79 +42,13 @@ from ._write.save import save_with
 
 __all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
 
-
-@dataclass(frozen=True)
-class Interval:
-    """When :meth:`CheckpointManager.save` actually saves (any rule that fires is enough).
-
-    ``every_steps``: at every step that is a multiple of it (as Orbax's ``save_interval_steps``), or at the first
-    step called after one was passed by (when ``save`` is not called at every step); an off-interval save (e.g.
-    ``force=True`` at step 17) does not shift the grid: with ``every_steps=5`` the next is 20, not 22.
-    ``every_seconds``: that long after the previous save. ``mtbf_hours``: Daly's optimum from the measured
-    blocking time of the previous save and the given mean time between failures.
-    """
-
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    mtbf_hours: float | None = None
+# Failures of the remote root's first request that no retry mends (TensorStore's status codes, S3's error codes)
+_DEFINITIVE = ("NOT_FOUND", "NoSuchBucket", "PERMISSION_DENIED", "AccessDenied", "UNAUTHENTICATED", "INVALID_ARGUMENT")
 
 
-@dataclass(frozen=True)
-class Retention:
-    """Which committed checkpoints to keep; everything else is deleted after each save.
-
-    ``keep_last`` newest; every step that is a multiple of ``keep_every``; the ``keep_best`` best by
-    ``metric`` (``mode="min"`` or ``"max"``; checkpoints without that metric do not compete).
-    ``None`` everywhere keeps everything.
-    """
-
-    keep_last: int | None = 3
-    keep_every: int | None = None
-    keep_best: int | None = None
-    metric: str | None = None
-    mode: Literal["min", "max"] = "min"
-
-    def keep(self, steps: list[int], metrics: Mapping[int, Mapping[str, float]]) -> set[int]:
-        """The steps to keep out of the committed ``steps`` (sorted ascending)."""
-        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
-            return set(steps)
-        kept = set(steps[-max(1, self.keep_last or 1):])  # the newest is always kept
-        if self.keep_every:
-            kept.update(s for s in steps if s % self.keep_every == 0)
-        if self.keep_best and self.metric:
-            scored = [s for s in steps if self.metric in metrics.get(s, {})]
-            scored.sort(key=lambda s: metrics[s][self.metric], reverse=self.mode == "max")
-            kept.update(scored[: self.keep_best])
-        return kept
-
-
-@dataclass(frozen=True)
-class Incremental:
-    """Delta saves between full ones, with Check-N-Run's intermittent rule for when to start over.
-
-    Each save is a delta against the newest committed checkpoint, until the deltas since the last full
-    checkpoint store more than ``max_chain_ratio`` times what that full checkpoint stores (reading a long
-    chain costs more than it saved) or the chain has ``max_chain_length`` deltas; then a full checkpoint
-    begins a new chain. ``quantize`` (key pattern -> 4 or 8 bits) stores matching tensors' changed rows
-    quantized (lossy; see :func:`arrayckpt.save`). Retention never deletes a base that a kept checkpoint
-    still reads through.
-    """
-
-    max_chain_ratio: float = 1.0
-    max_chain_length: int | None = 16
-    quantize: Mapping[str, int] | None = None
-    keep_copy: bool = False  # asynchronous managers: compare with a kept host copy (2x host memory), not a read
-
-    def wants_full(self, latest: Any) -> bool:
-        """Whether the next save should be full, given the newest committed checkpoint (opened)."""
-        chain = latest.chain()
-        deltas = [c for c in chain if c.manifest.base is not None]
-        full = chain[-1]
-        full_bytes = full.manifest.stored_bytes if full.manifest.stored_bytes is not None else full.nbytes
-        spent = sum(c.manifest.stored_bytes or 0 for c in deltas)
-        if self.max_chain_length is not None and len(deltas) >= self.max_chain_length:
-            return True
-        return spent > self.max_chain_ratio * full_bytes
+def _release(holds: list[HeldRoot]) -> None:
+    for hold in holds:
+        hold.release()
 
 
 class CheckpointManager:
@@ -126,7 +57,8 @@ class CheckpointManager:
     With ``remote`` (a URL, or a :class:`Remote`), every save commits to ``root`` (fast local storage) first, then a
     background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
     :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
-    :meth:`tiers` says which tiers hold each step, and each tier has its own retention.
+    :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
+until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused.
 
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
@@ -165,9 +97,11 @@ class CheckpointManager:
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
         self.process_group = process_group
+        self._held = HeldRoot(self._location)  # the coordinator's hold on the root (spec §9.4)
+        self._remote_held: HeldRoot | None = None
         #: The options every save starts from; each save sets its step, metrics and base on a copy.
         self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
-                                        storage_options=storage_options)
+                                        storage_options=storage_options, guard=self._held.check)
         self._pending: Any = None  # the in-flight SaveHandle of an asynchronous save
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -188,10 +122,41 @@ class CheckpointManager:
             if str(location) == str(self._location):
                 raise ValueError(f"{location}: the remote tier must be another root than the local one")
             self._remote = StepTree(location)
+            self._remote_held = HeldRoot(location)
             if self._is_coordinator():
                 location.make_directory()
+        if self._is_coordinator():
+            self._take_roots()
+            if self._remote is not None and self._remote_held is not None and self.remote is not None:
                 self._uploader = Uploader(self._local, self._remote, self.remote.retention or Retention(),
-                                          self.remote.max_bytes_per_second)
+                                          self.remote.max_bytes_per_second, self._remote_held.check)
+
+    def _take_roots(self) -> None:
+        """Hold the root and the remote root (coordinator), warning loudly when another manager holds one; the hold
+        on the remote root is the check that it exists and is writable (#24): a missing bucket or refused
+        credentials fail here, an unreachable store is warned about (uploads try again)."""
+        busy = self._held.take()
+        holds = [self._held]
+        if self._remote_held is not None:
+            holds.append(self._remote_held)
+            try:
+                busy_remote = self._remote_held.take()
+            except StorageError as e:
+                if any(code in str(e) for code in _DEFINITIVE):
+                    self._held.release()
+                    raise StorageError(f"{self._remote_held.location}: the remote tier cannot be used: {e}") from e
+                warnings.warn(f"{self._remote_held.location}: the remote tier cannot be reached now ({e}); saves go on "
+                              "locally and uploads are tried again", RuntimeWarning, stacklevel=3)
+            else:
+                if busy_remote is not None:
+                    warnings.warn(f"{busy_remote}. This manager's uploads are refused while that manager holds the "
+                                  "remote root", RuntimeWarning, stacklevel=3)
+        weakref.finalize(self, _release, holds)  # a manager dropped without close() lets its roots go
+        if busy is not None:
+            warnings.warn(f"{busy}. This manager can list and restore, but its saves and clean-ups are refused "
+                          "(CheckpointBusyError) while that one holds the root: close it (a crashed process's lock "
+                          f"is gone with it; a lease on object storage expires {LEASE_TTL_S:g} s after its holder "
+                          "stopped), or use another root", RuntimeWarning, stacklevel=3)
 
     # --- where checkpoints are --------------------------------------------------------------------
 
@@ -232,13 +197,16 @@ class CheckpointManager:
 
         In the remote tier too (uploads cut short), except at the steps the local tier holds (the uploader may be
         copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
-        kept because it is not arrayckpt's is also named in a warning. Coordinator only."""
+        kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
+        §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
         self.kept = []
         if not self._is_coordinator():
             return []
+        self._held.check()
         removed, self.kept = self._local.clean_up(min_age_s)
-        if self._remote is not None:
+        if self._remote is not None and self._remote_held is not None:
             try:
+                self._remote_held.check()
                 more, kept = self._remote.clean_up(min_age_s, skip=set(self._local.listed_steps()))
             except ArrayckptError as e:
                 warnings.warn(f"{self._remote.location}: the remote tier could not be cleaned up: {e}", RuntimeWarning,
@@ -246,7 +214,8 @@ class CheckpointManager:
             else:
                 removed += more
                 self.kept += kept
-        foreign = [f"{path} ({why})" for path, why in self.kept if "maybe still being saved" not in why]
+        foreign = [f"{path} ({why})" for path, why in self.kept
+                   if "maybe still being saved" not in why and "a save is running" not in why]
         if foreign:
             warnings.warn(f"{self.root}: clean_up left {len(foreign)} thing(s) that are not known to be arrayckpt's "
                           f"leftovers; look at them and remove them yourself if they are not needed: "
@@ -377,6 +346,11 @@ class CheckpointManager:
         :meth:`StepTree.apply_retention`."""
         if not self._is_coordinator():
             return
+        try:
+            self._held.check()
+        except (CheckpointBusyError, StorageError) as e:  # e.g. a lease lost since the save: delete nothing now
+            warnings.warn(f"retention skipped: {e}", RuntimeWarning, stacklevel=3)
+            return
         protect: set[int] | None = set()
         if self._uploader is not None and self.remote is not None and self.remote.keep_until_uploaded:
             protect = self._uploader.pending()
@@ -388,32 +362,31 @@ class CheckpointManager:
     # --- resuming ---------------------------------------------------------------------------------
 
     def restore(self, state: Mapping[str, Any], step: int | None = None, **load_options: Any) -> int | None:
-        """Load the newest committed checkpoint (or ``step``) into ``state``; returns its step, or
-        ``None`` when there is nothing to resume from (a fresh start). With a remote tier: the newest step of either
-        tier, from the local copy when there is one and it reads back whole, else from the remote copy (a damaged
-        local copy is named in a warning)."""
+        """Load the newest committed step (or ``step``) that reads back whole into ``state``; returns its step, or
+        ``None`` when there is nothing to resume from (a fresh start). Each step is read from its local copy, else
+        (damaged or absent) from its remote copy; a step damaged in every copy is named in a warning and the newest
+        older step is tried (with ``step=``, only that step). Every attempt loads with ``atomic=True`` unless
+        ``load_options`` say otherwise: the reads go to fresh host buffers and the state is written only once all of
+        them passed, so a damaged step never leaves part of itself in ``state``. The cost: host memory for one copy
+        of what this rank restores, and one more memory copy; IO is one read of the step restored (plus the reads a
+        damaged step got through). ``atomic=False`` spares the memory, but a failed attempt may leave some tensors
+        overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
+        all of them restore the same step (see :func:`arrayckpt._tiers.restore_newest`)."""
         tiers = self._restore_tiers()
-        if step is None:
-            if not tiers:
-                return None
-            step = max(tiers)
-        elif step not in tiers:
+        if step is not None and step not in tiers:
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
-        places = [self.path(step)] if "local" in tiers[step] else []
-        if "remote" in tiers[step]:
-            places.append(self.remote_path(step))
-        for place in places:
-            options = self.storage_options if place == self.path(step) else self.remote.storage_options  # type: ignore
-            try:
-                load(state, place, process_group=self.process_group, storage_options=options, **load_options)
-                break
-            except (CorruptCheckpointError, FormatError, CheckpointNotFoundError, IncompleteCheckpointError) as e:
-                if place == places[-1]:
-                    raise
-                warnings.warn(f"{place}: cannot be restored ({e}); restoring step {step} from the remote tier "
-                              "instead", RuntimeWarning, stacklevel=2)
+        order = [step] if step is not None else sorted(tiers, reverse=True)
+        if not order:
+            return None
+        candidates = [(s, [self._copy(s, tier) for tier in tiers[s]]) for s in order]  # local first
+        step = restore_newest(state, candidates, resolve_group(self.process_group), {"atomic": True, **load_options})
         self._last_step, self._last_time = step, time.monotonic()
         return step
+
+    def _copy(self, step: int, tier: str) -> StepCopy:
+        if tier == "local":
+            return StepCopy(self.path(step), self.storage_options, tier)
+        return StepCopy(self.remote_path(step), self.remote.storage_options if self.remote else None, tier)
 
     def _restore_tiers(self) -> dict[int, tuple[str, ...]]:
         """:meth:`tiers`, or only the local one with a warning when the remote tier cannot be listed."""
@@ -423,7 +396,7 @@ class CheckpointManager:
             if self._remote is None:
                 raise
             warnings.warn(f"{self._remote.location}: the remote tier cannot be listed ({e}); restoring from the "
-                          "local tier", RuntimeWarning, stacklevel=2)
+                          "local tier", RuntimeWarning, stacklevel=3)
             return {step: ("local",) for step in self._local.steps()}
 
     # --- preemption -------------------------------------------------------------------------------
@@ -484,13 +457,16 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then stop the
-        uploader."""
+        uploader and let the roots go (another manager may take them)."""
         try:
             self.wait()
             self.wait_for_uploads()
         finally:
             if self._uploader is not None:
                 self._uploader.close()
+            self._held.release()
+            if self._remote_held is not None:
+                self._remote_held.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,15 +34,17 @@ from ._errors import (
 )
 from ._format.manifest import MANIFEST_ATTRIBUTE
 from ._read.checkpoint import Checkpoint, open_checkpoint
+from ._read.load import load
 from ._storage import Location
 from ._storage.gc import incomplete_leftovers
 from ._tools.copy import copy_checkpoint
 from ._tools.pump import Throttle
+from ._torch.dist import Group
 
 if TYPE_CHECKING:
-    from ._manager import Retention
+    from ._policies import Retention
 
-__all__ = ["STEP_RETRY_DELAYS", "Remote", "StepTree", "Uploader"]
+__all__ = ["STEP_RETRY_DELAYS", "Remote", "StepCopy", "StepTree", "Uploader", "restore_newest"]
 
 STEP_DIR = re.compile(r"step-(\d{8,})")
 STEP_RETRY_DELAYS = (2.0, 10.0)  # seconds before each new attempt at a whole step's upload that failed
@@ -227,8 +229,9 @@ class Uploader:
     """The background thread that copies committed local steps to the remote tier (see the module docstring)."""
 
     def __init__(self, local: StepTree, remote: StepTree, retention: Retention,
-                 max_bytes_per_second: float | None) -> None:
+                 max_bytes_per_second: float | None, guard: Callable[[], None] | None = None) -> None:
         self.local, self.remote, self.retention = local, remote, retention
+        self.guard = guard  # raises unless the manager holds the remote root (spec §9.4): checked before each upload
         self._throttle = Throttle(max_bytes_per_second)
         self._cond = threading.Condition()
         self._queue: dict[int, Any] = {}  # step -> the SaveHandle of its local save still running, or None
@@ -352,6 +355,11 @@ class Uploader:
         there = step in self._remote_ids and self._remote_ids[step] == identity
         if identity is None or there or not self._worth(step):
             return None  # deleted, or its save failed (the manager raises that); already there; or not to be kept
+        try:
+            if self.guard is not None:
+                self.guard()  # another manager holds the remote root, or it cannot be reached: not now
+        except ArrayckptError as e:
+            return e
         last: BaseException | None = None
         for delay in (0.0, *STEP_RETRY_DELAYS):
             time.sleep(delay)
@@ -387,3 +395,69 @@ class Uploader:
         if not any(s > step for s in known) or (self.retention.keep_best and self.retention.metric):
             return True
         return step in self.retention.keep(sorted(known | {step}), {})
+
+
+# --- resuming: the newest step that reads whole ------------------------------------------------------------------
+
+_DAMAGE = (CorruptCheckpointError, FormatError, CheckpointNotFoundError, IncompleteCheckpointError)  # worth a fallback
+
+
+@dataclass(frozen=True)
+class StepCopy:
+    """One copy of a step that :func:`restore_newest` may load: where it is, with its storage options."""
+
+    path: Any  # a Path, or an object-storage URL
+    storage_options: Mapping[str, Any] | None
+    tier: str  # "local" or "remote"
+
+
+def restore_newest(state: Mapping[str, Any], candidates: list[tuple[int, list[StepCopy]]], group: Group,
+                   load_options: Mapping[str, Any]) -> int:
+    """Load the first of ``candidates`` (newest first: a step and its copies, local first) that reads whole into
+    ``state``; returns its step. Each copy is loaded with ``load_options`` (``atomic=True`` unless the caller chose
+    otherwise: a damaged copy then leaves ``state`` as it was). A damaged copy (a failed checksum, a missing chunk,
+    an incomplete or unreadable checkpoint) is named in a warning and the next copy, then the next older step, is
+    tried; any other error (the state does not fit the checkpoint, storage unreachable) is raised at once. With
+    several ranks every rank loads its part and they agree (one ``all_gather`` per step tried) before a step counts
+    as restored, so that all of them restore the same step; the remote copy a rank falls back to is opened by that
+    rank alone (``share_root=False``). When no candidate reads whole the newest one's error is raised."""
+    newest: BaseException | None = None
+    for n, (step, copies) in enumerate(candidates):
+        error = _load_copies(state, step, copies, group, load_options)
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        reports = group.all_gather((text, error is not None and not isinstance(error, _DAMAGE)))
+        failed = [(rank, what) for rank, (what, _) in enumerate(reports) if what is not None]
+        if not failed:
+            return step
+        if error is None:  # another rank could not restore this step: neither can the group
+            error = CorruptCheckpointError(f"step {step}: rank {failed[0][0]} could not restore it ({failed[0][1]})")
+        if any(fatal for _, fatal in reports):
+            raise error
+        newest = newest or error
+        if n + 1 == len(candidates):
+            raise newest
+        if group.is_coordinator or text is not None:
+            where = " or ".join(str(c.path) for c in copies)
+            warnings.warn(f"{where}: step {step} cannot be restored ({failed[0][1]}"
+                          f"{f', on rank {failed[0][0]}' if group.size > 1 else ''}); restoring step "
+                          f"{candidates[n + 1][0]}, the newest before it, instead", RuntimeWarning, stacklevel=3)
+    raise CheckpointNotFoundError("nothing to restore")  # (no candidates: the caller returns None before)
+
+
+def _load_copies(state: Mapping[str, Any], step: int, copies: list[StepCopy], group: Group,
+                 options: Mapping[str, Any]) -> BaseException | None:
+    """Load step ``step`` from its first copy that reads whole; the last copy's error if none does (or the first
+    error that is not damage)."""
+    for i, copy in enumerate(copies):
+        more = {"share_root": False} if i and group.size > 1 else {}
+        try:
+            load(state, copy.path, process_group=group, storage_options=copy.storage_options, **{**options, **more})
+            return None
+        except _DAMAGE as e:
+            if i + 1 == len(copies):
+                return e
+            warnings.warn(f"{copy.path}: cannot be restored ({e}); restoring step {step} from the {copies[i + 1].tier} "
+                          "tier instead", RuntimeWarning, stacklevel=4)
+        except ArrayckptError as e:
+            return e
+    return None

@@ -3,7 +3,7 @@
 ``arrayckpt info PATH`` prints a table of tensors (dtype, shape, size, codec) and plain values;
 ``verify PATH`` reads and checks every chunk (exit status 1 on damage); ``show PATH KEY [SLICE]`` prints
 values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when they differ);
-``convert SRC DST`` converts from and to torch.save, safetensors and PyTorch DCP; ``compact SRC DST``
+``convert SRC DST`` converts from and to torch.save, safetensors, PyTorch DCP and DeepSpeed; ``compact SRC DST``
 turns a delta checkpoint and its bases into one full checkpoint; ``estimate`` and ``interval`` size
 checkpoints and their frequency. Paths may be URLs (``s3://bucket/prefix``; endpoint and credentials from
 the standard AWS environment variables). ``--json`` prints JSON for scripts.
@@ -22,10 +22,9 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._cli_commands import info_header, ranks_text
 from ._errors import ArrayckptError
 from ._tools.report_cli import add_report_parser, report_command
-from ._tools.sync_cli import add_sync_parser, sync_command
+from ._tools.sync_cli import add_base_root_option, add_sync_parser, sync_command
 from ._torch import TORCH_EXTRA, is_missing_torch
 from ._units import human_bytes
 
@@ -75,8 +74,9 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
                 "stored": stored_as(a),
                 "chunks": chunk_grid(checkpoint, key),
             }
-            for key, a in checkpoint.items()
+            for key, a in checkpoint.items() if a.key == key  # a tensor stored once, not its aliases
         },
+        "aliases": dict(checkpoint.aliases()),
         "values": values,
         "total_bytes": checkpoint.nbytes,
         "stored_bytes": checkpoint.manifest.stored_bytes,
@@ -128,73 +128,28 @@ def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
     return out
 
 
-def _print_info(info: dict[str, Any]) -> None:
-    print(info_header(info))
-    created = info["created"]
-    if created:
-        print("created   " + ", ".join(f"{k}={v}" for k, v in created.items()))
-    delta = len(info["chain"]) > 1
-    rows = [(k, t["dtype"], "×".join(map(str, t["shape"])) or "scalar", human_bytes(t["nbytes"]), t["codec"],
-             "×".join(map(str, t["chunks"])) or "1", *((t["stored"],) if delta else ()))
-            for k, t in info["tensors"].items()]
-    header = ("key", "dtype", "shape", "size", "codec", "chunks", *(("stored",) if delta else ()))
-    widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
-    print()
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-    print(f"\n{len(rows)} tensor{'' if len(rows) == 1 else 's'}, {human_bytes(info['total_bytes'])}")
-    _print_zarr_hint(t["dtype"] for t in info["tensors"].values())
-    if delta:
-        print(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest first):")
-        for layer in info["chain"]:
-            if "error" in layer:
-                print(f"  {layer['path']}  UNREADABLE: {layer['error']}")
-            else:
-                kind = "delta" if layer["delta"] else "full"
-                stored = human_bytes(layer["stored_bytes"]) if layer["stored_bytes"] is not None else "?"
-                print(f"  {layer['path']}  step {layer['step']}  {kind}, {stored}")
-    if info["per_rank"]:
-        print("\nper-rank entries (`arrayckpt show PATH KEY`: each rank's)")
-        for key, ranks in info["per_rank"].items():
-            print(f"  {key}  {ranks_text(ranks)}")
-    if info["values"]:
-        print("\nvalues")
-        for key, value in info["values"].items():
-            text = repr(value)
-            print(f"  {key} = {text if len(text) < 100 else text[:97] + '...'}")
+def _print_info(info: dict[str, Any], width: int) -> None:
+    from ._cli_text import info_lines, zarr_hint
+
+    note = zarr_hint(t["dtype"] for t in info["tensors"].values())
+    print("\n".join(info_lines(info, width, [note] if note else [])))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
 
-    with open_checkpoint(args.path) as checkpoint:  # closing it closes the bases `chain_info` opened
+    with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:  # closing it closes the bases too
         info = info_dict(checkpoint)
+    from ._cli_text import terminal_width, tree_lines
+
+    width = 0 if args.wide else terminal_width()
     if args.json:
         _print_json(info)
     elif args.tree:
-        _print_tree(info)
+        print("\n".join(tree_lines(info, width)))
     else:
-        _print_info(info)
+        _print_info(info, width)
     return 0
-
-
-def _print_tree(info: dict[str, Any]) -> None:
-    """The keys as a tree of their dotted parts: containers once, leaves with what they hold."""
-    print(info_header(info))
-    leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
-                    f"{t['codec']}") for key, t in info["tensors"].items()}
-    leaves.update({key: f"= {value!r}"[:100] for key, value in info["values"].items()})
-    leaves.update({key: ranks_text(ranks) for key, ranks in info["per_rank"].items()})
-    shown: set[str] = set()
-    for key, text in leaves.items():
-        parts = key.split(".")
-        for depth in range(len(parts) - 1):
-            prefix = ".".join(parts[: depth + 1])
-            if prefix not in shown:
-                shown.add(prefix)
-                print("  " * depth + parts[depth] + "/")
-        print("  " * (len(parts) - 1) + f"{parts[-1]}  {text}")
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
@@ -230,11 +185,15 @@ MAX_DAMAGE_LINES = 50
 
 
 def _print_zarr_hint(dtypes: Iterable[str]) -> None:
-    """One line for bfloat16/float8 arrays, which plain zarr-python cannot read ("No Zarr data type found")."""
-    special = sorted({name for name in dtypes if name == "bfloat16" or name.startswith("float8")})
-    if special:
-        print(f"note: zarr-python reads the {', '.join(special)} arrays only with arrayckpt's data types: install "
-              "arrayckpt (it registers them on `import zarr`) or `import arrayckpt` first")
+    """One note for bfloat16/float8 arrays when zarr-python run without arrayckpt cannot read them here."""
+    import textwrap
+
+    from ._cli_text import terminal_width, zarr_hint
+
+    note = zarr_hint(dtypes)
+    if note:
+        width = terminal_width()
+        print("\n".join(textwrap.wrap(note, width, subsequent_indent="      ")) if width else note)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -242,7 +201,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     counter = _Counter("verify")
     try:
-        report = verify(args.path, progress=counter)
+        report = verify(args.path, progress=counter, base_roots=args.base_root)
     finally:
         counter.close()
     if args.json:
@@ -259,7 +218,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"OK {report.path}: {checked}")
         from ._read.checkpoint import open_checkpoint
 
-        with open_checkpoint(args.path) as checkpoint:
+        with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:
             _print_zarr_hint(array.entry.dtype.name for array in checkpoint.values())
         return 0
     print(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
@@ -283,7 +242,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from ._read.checkpoint import open_checkpoint
     from ._tools.inspect import show
 
-    with open_checkpoint(args.path) as checkpoint:
+    with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:
         entry = checkpoint.manifest.entries.get(args.key)
         if entry is not None and args.key not in checkpoint:  # a plain value: show it as it is
             if isinstance(entry, PickleEntry):
@@ -321,9 +280,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from ._read.checkpoint import open_checkpoint
     from ._tools.inspect import diff
 
-    report = diff(args.a, args.b)
+    roots = args.base_root
+    with open_checkpoint(args.a, base_roots=roots) as a, open_checkpoint(args.b, base_roots=roots) as b:
+        report = diff(a, b)
     if args.json:
         _print_json(report.to_dict())
         return 0 if report.identical else 1
@@ -408,6 +370,14 @@ def _size(text: str) -> int:
     return round(float(match[1]) * base ** " kmgt".index(match[2] or " "))
 
 
+def _tie(text: str) -> tuple[str, str]:
+    """``lm_head.weight=transformer.wte.weight`` -> the two names (for --tie)."""
+    alias, sep, target = text.partition("=")
+    if not (sep and alias.strip() and target.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ALIAS=TARGET (e.g. lm_head.weight=transformer.wte.weight)")
+    return alias.strip(), target.strip()
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from ._cli_commands import cmd_convert
 
@@ -420,7 +390,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     counter = _Counter("compact")
     try:
         kwargs = {} if args.codec is None else {"codec": args.codec}
-        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, **kwargs)
+        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, base_roots=args.base_root,
+                         **kwargs)
     finally:
         counter.close()
     if args.json:
@@ -438,13 +409,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.add_argument("--tree", action="store_true", help="print the keys as a tree of their dotted parts")
+    info.add_argument("--wide", action="store_true", help="print long keys, values and records in full, however "
+                      "wide the terminal (default: every line fits it; --json: everything, for scripts)")
     info.set_defaults(func=_cmd_info)
     gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
                                         "(s3://bucket/run: its incomplete checkpoints)")
     gc.add_argument("root", help="directory, or object-storage prefix (s3://bucket/run), holding checkpoints")
     gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
-                    help="only remove leftovers untouched this long (default 3600: never a running save's; on "
-                         "object storage without modification times, memory:// or gs://, only 0 removes)")
+                    help="only remove leftovers untouched this long (default 3600; on object storage without "
+                         "modification times, memory:// or gs://, only 0 removes). A running save's is never "
+                         "removed, at any age: its lock or lease marks it (spec §9.4)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_cmd_gc)
@@ -487,18 +461,35 @@ def build_parser() -> argparse.ArgumentParser:
     interval.add_argument("--json", action="store_true", help="print JSON")
     interval.set_defaults(func=_cmd_interval)
 
-    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP; from "
-                                  "DeepSpeed ZeRO and Megatron torch_dist")
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
+                                  "torch_dist, DeepSpeed (from ZeRO or Universal, to a Universal Checkpoint); to a "
+                                  "Hugging Face model directory")
     convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
                          "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
-    formats = ["arrayckpt", "dcp", "safetensors", "torch"]
-    convert.add_argument("--from", dest="from_format", choices=[*formats, "deepspeed", "megatron"],
+    formats = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch"]
+    convert.add_argument("--from", dest="from_format", choices=formats,
                          help="source format (default: detected)")
     convert.add_argument("--to", dest="to_format", choices=formats,
-                         help="target format (default: arrayckpt, or from the target's suffix)")
+                         help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
+                              "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
+                              "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
+                              "megatron.core.dist_checkpointing.load loads")
     convert.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
-                         help="safetensors output: shards of at most SIZE (e.g. 5GB) with an index JSON")
+                         help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
+                              "default: 50GB, as save_pretrained)")
+    convert.add_argument("--select", default=None, metavar="PREFIX",
+                         help="hf: the model's key prefix, stripped from the names (default: the one module under "
+                              "a top-level key, e.g. model.; '' for the whole state)")
+    convert.add_argument("--tie", action="append", type=_tie, default=[], metavar="ALIAS=TARGET",
+                         help="hf: ALIAS holds the same tensor as TARGET and is left out (repeatable), e.g. "
+                              "lm_head.weight=transformer.wte.weight")
+    convert.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                         help="hf: config.json to copy into the output (its model's tied weights are left out)")
+    convert.add_argument("--param-names", default=None, metavar="FILE",
+                         help="deepspeed: the module's names of the optimizer's parameters, one per line, in the "
+                              "order its param groups list them (for an optimizer saved by number whose numbers "
+                              "cannot be mapped unambiguously)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
     convert.add_argument("--allow-pickle", action="store_true",
                          help="store/read values only pickle can hold (only for sources you trust)")
@@ -514,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     compact.set_defaults(func=_cmd_compact)
     for add_parser, command in EXTRA_COMMANDS:
         add_parser(commands).set_defaults(func=command)
+    for name in ("info", "verify", "show", "diff", "compact", "convert"):  # sync and report add their own
+        add_base_root_option(commands.choices[name])
     return parser
 
 

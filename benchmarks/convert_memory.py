@@ -1,7 +1,8 @@
 """Peak memory of converting a big checkpoint, against the bound "largest tensor + 512 MiB".
 
 Builds a state of ``--size-gib`` GiB (tensors of ``--tensor-mib`` MiB, bfloat16 and float32), writes it as a
-safetensors file, a torch.save file and a DCP checkpoint, then runs every conversion in a fresh process
+safetensors file, a torch.save file and a DCP checkpoint (and, with fp32 Adam moments, as a training checkpoint for
+the DeepSpeed Universal Checkpoint directions), then runs every conversion in a fresh process
 and reports that process's peak resident memory (``ru_maxrss``: anonymous *and* file-backed pages, the
 strictest reading; Linux ``VmHWM``), the part above the interpreter's own footprint after imports, and whether the
 peak stays within the largest tensor + 512 MiB. Every direction is held to the bound (arrayckpt -> torch.save
@@ -67,8 +68,23 @@ def build_sources(root: Path, size: int, tensor_bytes: int) -> int:
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=root / "dcp", no_dist=True)
     largest = max(t.nbytes for t in state.values())
+    _training_state(root, state)
     del state
     return largest
+
+
+def _training_state(root: Path, weights: dict) -> None:
+    """The weights as a module's with fp32 Adam moments (plain PyTorch's optimizer state: parameters numbered in
+    the module's order, one param group), saved as arrayckpt: the source of a DeepSpeed Universal Checkpoint."""
+    import torch
+
+    import arrayckpt
+
+    state = {i: {"step": torch.tensor(7.0), "exp_avg": t.float(), "exp_avg_sq": t.float().abs()}
+             for i, t in enumerate(weights.values())}
+    arrayckpt.save({"model": weights, "optim": {"state": state, "param_groups": [
+        {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(range(len(state)))}]}},
+        root / "train")
 
 
 def measure(src: Path, dst: Path, to: str | None) -> dict[str, float]:
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             ("arrayckpt   -> safetensors", root / "from_st", root / "out.safetensors", None),
             ("arrayckpt   -> DCP", root / "from_st", root / "out_dcp", "dcp"),
             ("arrayckpt   -> torch.save", root / "from_st", root / "out.pt", None),
+            ("arrayckpt   -> DeepSpeed UC", root / "train", root / "out_uc", "deepspeed"),
+            ("DeepSpeed UC -> arrayckpt", root / "out_uc", root / "from_uc", None),
         ]
         print(f"checkpoint {args.size_gib:g} GiB, largest tensor {largest / MiB:.0f} MiB, bound "
               f"{bound / MiB:.0f} MiB (largest tensor + 512 MiB); peak = whole-process max RSS")

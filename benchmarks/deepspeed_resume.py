@@ -1,7 +1,7 @@
 """Resuming a DeepSpeed ZeRO-2 checkpoint at a new data-parallel degree: arrayckpt against DeepSpeed's universal
 checkpoint, in one run.
 
-A torchrun job of ``--save-ranks`` ranks (DeepSpeed on CPU with gloo, as in ``tests/test_deepspeed.py``) trains a
+A torchrun job of ``--save-ranks`` ranks (DeepSpeed on CPU with gloo, as in ``tests/deepspeed_worker.py``) trains a
 plain MLP of about ``--params-mib`` MiB of fp32 parameters one step with ZeRO-2 and AdamW and saves it with
 ``engine.save_checkpoint``. That checkpoint is then resumed on ``--resume-ranks`` ranks two ways:
 
@@ -38,8 +38,8 @@ from typing import Any
 
 MiB = 1 << 20
 GLOBAL_BATCH = 6
-MICRO_BATCH = {1: 3, 2: 3, 3: 2}  # by world size (tests/test_deepspeed.py): x grad accumulation x ranks = 6
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # DeepSpeed on CPU (tests/test_deepspeed.py)
+MICRO_BATCH = {1: 3, 2: 3, 3: 2}  # by world size (tests/deepspeed_worker.py): x grad accumulation x ranks = 6
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # DeepSpeed on CPU (tests/deepspeed_worker.py)
 LAYERS = 4
 
 

@@ -17,6 +17,18 @@ A kill sweep (``--kills N``) then starts a subprocess that saves, with ``overwri
 (every element of every tensor equal to the iteration number) and SIGKILLs it after a random delay; the path must
 then be absent or one whole saved state ("damaged" otherwise).
 
+Liveness races (``--races N``, spec §9.4): N saves (small chunks: many chunk files) beside a collector that runs
+without a minimum age, in four ways: ``arrayckpt gc`` looping in another process beside local saves; a manager's
+own ``clean_up(min_age_s=0)`` after each asynchronous save; ``gc`` looping in a thread beside first saves on
+``memory://``; and a second ``CheckpointManager`` on the root of one that saves in another process (each of its
+saves must be refused). Each save that returns normally is verified and read back: "damaged" counts those that
+then fail (the target is 0); "refused" the saves that raised, "interleaved" a second manager's saves that went
+through.
+
+The hostile-paths campaign (``benchmarks/faults_paths.py``: crafted node keys, chunk keys, base references and
+symbolic links through every command, a sentinel tree hashed around every trial; ``--no-paths`` skips it, ``--no-s3``
+its moto part) runs last.
+
     python benchmarks/faults.py                          # all kinds, defaults (zarr.json files: every 4th byte)
     python benchmarks/faults.py --kinds full,delta --json-stride 1 --kills 0 --json faults.json
 """
@@ -40,6 +52,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import faults_paths
 import numpy as np
 import torch
 
@@ -458,6 +471,165 @@ def cli_campaign(root: Path, seed: int, mutations: int, timeout: float, findings
     return counts
 
 
+_GC_LOOP = textwrap.dedent("""
+    import sys, arrayckpt
+    print("ready", flush=True)
+    while True:
+        arrayckpt.gc(sys.argv[1], min_age_s=0)
+""")
+
+_HOLDER = textwrap.dedent("""
+    import sys, torch, arrayckpt
+    manager = arrayckpt.CheckpointManager(sys.argv[1], retention=arrayckpt.Retention(keep_last=2))
+    step = 0
+    while True:
+        step += 1
+        manager.save(step, {"a": torch.full((64,), step, dtype=torch.int64), "i": step})
+        print(step, flush=True)
+""")
+
+
+def _race_state(i: int) -> dict[str, Any]:
+    return {"a": torch.full((64,), i, dtype=torch.int64), "b": torch.full((8, 16), float(i)),
+            "c": torch.full((40,), i, dtype=torch.int32), "i": i}
+
+
+def _race_whole(path: Any, i: int) -> bool:
+    """The checkpoint at ``path`` verifies and holds save ``i``'s state exactly."""
+    ckpt = arrayckpt.open(path)
+    return (ckpt.plain_values["i"] == i and all(bool((ckpt[k].numpy() == i).all()) for k in ("a", "b", "c"))
+            and arrayckpt.verify(path).ok)
+
+
+def _race_save(save: Any, path: Any, i: int, counts: dict[str, int], findings: list[dict[str, Any]],
+               race: str) -> None:
+    """One save of a race, classified: refused (it raised), whole, or damaged (returned, then failed)."""
+    try:
+        save()
+    except arrayckpt.ArrayckptError:
+        counts["refused"] += 1
+        return
+    counts["returned"] += 1
+    try:
+        ok, detail = _race_whole(path, i), "verify failed or values differ"
+    except Exception as e:  # noqa: BLE001
+        ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    if not ok:
+        counts["damaged"] += 1
+        findings.append({"kind": race, "file": str(path), "byte": None, "outcome": "damaged", "detail": detail})
+        print(f"  damaged ({race}) after save {i}: {detail}", flush=True)
+
+
+def gc_races(saves: int, root: Path, findings: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The collectors beside saves (see the module docstring); counts per race."""
+    import threading
+    import uuid
+
+    from arrayckpt._layout.chunking import ChunkPolicy
+
+    small = ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)
+    out = {}
+
+    counts = dict.fromkeys(("saves", "returned", "refused", "damaged"), 0)
+    local = root / "race-gc"
+    local.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", _GC_LOOP, str(local)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        for i in range(1, saves + 1):
+            path = local / f"s{i % 4}"
+            counts["saves"] += 1
+            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(overwrite=True, chunking=small)),
+                       path, i, counts, findings, "gc-process")
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    out["gc (another process) beside local saves"] = counts
+
+    counts = dict.fromkeys(("saves", "returned", "refused", "damaged"), 0)
+    manager = arrayckpt.CheckpointManager(root / "race-clean-up", asynchronous=True,
+                                          retention=arrayckpt.Retention(keep_last=3))
+
+    def save_and_clean_up(n: int) -> None:
+        manager.save(n, _race_state(n))  # returns once staged: the save runs in the background ...
+        manager.clean_up(min_age_s=0)  # ... while the clean-up runs
+        manager.wait()
+
+    for i in range(1, saves + 1):
+        counts["saves"] += 1
+        _race_save(lambda n=i: save_and_clean_up(n), manager.path(i), i, counts, findings, "clean-up")
+    manager.close()
+    out["clean_up(min_age_s=0) beside async saves of its manager"] = counts
+
+    counts = dict.fromkeys(("saves", "returned", "refused", "damaged"), 0)
+    bucket = f"memory://race-{uuid.uuid4().hex[:12]}/run"
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not stop.is_set():
+            arrayckpt.gc(bucket, min_age_s=0)
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    try:
+        for i in range(1, saves + 1):
+            path = f"{bucket}/s{i}"
+            counts["saves"] += 1
+            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(chunking=small)),
+                       path, i, counts, findings, "gc-object-storage")
+    finally:
+        stop.set()
+        collector.join()
+    out["gc (a thread) beside first saves on memory://"] = counts
+    return out
+
+
+def manager_race(saves: int, root: Path, findings: list[dict[str, Any]]) -> dict[str, int]:
+    """A second manager on the root of one that saves in another process: each of its saves must be refused, and
+    the first manager's steps must stay whole."""
+    import warnings
+
+    counts = {"saves": 0, "refused": 0, "interleaved": 0, "warned": 0, "holder damaged": 0}
+    where = root / "race-managers"
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(where)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "1"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = arrayckpt.CheckpointManager(where)
+        counts["warned"] = sum("another CheckpointManager holds this root" in str(w.message) for w in caught)
+        for i in range(1, saves + 1):
+            counts["saves"] += 1
+            try:
+                second.save(10**6 + i, {"a": torch.full((64,), -i, dtype=torch.int64), "i": -i})
+            except arrayckpt.CheckpointBusyError:
+                counts["refused"] += 1
+                continue
+            counts["interleaved"] += 1
+            findings.append({"kind": "managers", "file": str(where), "byte": None, "outcome": "interleaved",
+                             "detail": f"a second manager's save {i} went through"})
+        child.stdout.readline()
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    with arrayckpt.CheckpointManager(where) as after:  # (the holder is gone: its lock with it)
+        steps = after.steps()
+    for step in (s for s in steps if s < 10**6):  # the holder's steps (a second manager's would be 10**6 + i)
+        path = where / f"step-{step:08d}"
+        try:
+            ckpt = arrayckpt.open(path)
+            whole = (ckpt.plain_values["i"] == step and bool((ckpt["a"].numpy() == step).all())
+                     and arrayckpt.verify(path).ok)
+        except arrayckpt.ArrayckptError:
+            whole = False
+        counts["holder damaged"] += not whole
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
@@ -467,12 +639,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bit", type=lambda s: int(s, 0), default=0x01, help="xor mask (default 0x01)")
     p.add_argument("--timeout", type=float, default=10.0, help="per-trial seconds before a hang is counted")
     p.add_argument("--kills", type=int, default=20, help="random-kill sweep size (0: none)")
+    p.add_argument("--races", type=int, default=0, help="saves per liveness race (gc, clean_up, two managers; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-print", type=int, default=5, help="findings of each outcome printed")
     p.add_argument("--dir", default=None, help="where the temp dir goes")
     p.add_argument("--json", default=None, help="write results and findings as JSON here")
     p.add_argument("--cli", type=int, default=20, metavar="N",
                    help="CLI garbage-input corpus, with N mutated root documents (-1: skip the corpus)")
+    _add_paths_arguments(p)
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     for k in kinds:
@@ -494,8 +668,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind}: {results[kind]} ({time.perf_counter() - start:.1f} s)", flush=True)
         sweep = kill_sweep(args.kills, root, args.seed, findings) if args.kills else None
         cli = cli_campaign(root, args.seed, args.cli, args.timeout, findings, args.max_print) if args.cli >= 0 else None
+        races = gc_races(args.races, root, findings) if args.races else {}
+        managers = manager_race(args.races, root, findings) if args.races else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    paths, paths_bad = _hostile_paths(args, findings)
     cols = ("trials", "detected", "harmless", "silent", "crash", "hang")
     print()
     print("| kind | " + " | ".join(cols) + " |")
@@ -512,15 +689,47 @@ def main(argv: list[str] | None = None) -> int:
     if cli is not None:
         print("\n| CLI corpus | " + " | ".join(cli) + " |\n" + "|---" * (len(cli) + 1) + "|")
         print("| every command × every bad input | " + " | ".join(str(v) for v in cli.values()) + " |")
+    if races:
+        print()
+        print("| race | saves | returned | refused | damaged |")
+        print("|---|---|---|---|---|")
+        for race, c in races.items():
+            print(f"| {race} | {c['saves']} | {c['returned']} | {c['refused']} | {c['damaged']} |")
+    if managers is not None:
+        print()
+        print("| second manager on a held root | saves | refused | interleaved | warned | holder damaged |")
+        print("|---|---|---|---|---|---|")
+        print(f"| local, the holder saving in another process | {managers['saves']} | {managers['refused']} | "
+              f"{managers['interleaved']} | {managers['warned']} | {managers['holder damaged']} |")
     print(f"\n{time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": vars(args), "results": results, "total": total, "kill_sweep": sweep, "cli": cli,
-            "findings": findings,
+            "args": vars(args), "results": results, "total": total, "kill_sweep": sweep, "races": races,
+            "managers": managers, "cli": cli, "findings": findings, "hostile_paths": paths,
         }, indent=2, default=str))
-    bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0)
+    bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0) + paths_bad
+    bad += sum(c["damaged"] for c in races.values())
+    bad += (managers["interleaved"] + managers["holder damaged"]) if managers else 0
     bad += sum(cli[k] for k in ("unclear", "crash", "hang", "leftover")) if cli else 0
     return 1 if bad else 0
+
+
+# --- hostile paths (issue 23 items 1 and 2): the campaign lives in faults_paths.py --------------------------------
+
+
+def _add_paths_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--paths", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the hostile-paths campaign too (crafted node, chunk and base keys, links; "
+                        "benchmarks/faults_paths.py)")
+    faults_paths.add_arguments(p)
+
+
+def _hostile_paths(args: argparse.Namespace, findings: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, int]:
+    """The hostile-paths campaign's counts by family and its number of bad outcomes (``--no-paths``: none)."""
+    if not args.paths:
+        return None, 0
+    print("\nhostile paths: crafted node keys, chunk keys, base references and links", flush=True)
+    return faults_paths.run(args, findings)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -78,3 +80,18 @@ def sealed(document: object) -> bytes:
 def write_root(path: Path, document: object) -> None:
     """Replace the root ``zarr.json`` of the checkpoint at ``path`` by ``document``, resealed (:func:`sealed`)."""
     (Path(path) / "zarr.json").write_bytes(sealed(document))
+
+
+def crash(writer: object) -> None:
+    """What the death of a save's process leaves, done in this process to an open storage writer: locally its
+    temporary directory's lock is gone; on object storage its lease stops being renewed and is left to expire (here
+    rewritten as expired, as if its TTL had passed)."""
+    hold = getattr(writer, "_hold", None)
+    if hold is not None:
+        hold.release()
+    lease = getattr(writer, "_lease", None)
+    if lease is not None:
+        lease._stop.set()
+        lease._thread.join()
+        lease.store.write(lease.key, dataclasses.replace(lease.holder, expires=time.time() - 1).encode()).result()
+        lease._generation = None  # nothing deletes it now

@@ -39,9 +39,9 @@ LAYERS = [
     ("_write",),
     ("_tools",),
     ("_convert",),
-    ("_manager", "_tiers"),
+    ("_manager", "_tiers", "_policies"),
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
-    ("cli", "_cli_commands", "dcp", "deepspeed", "lightning"),
+    ("cli", "_cli_commands", "_cli_text", "dcp", "deepspeed", "lightning"),
     ("__init__",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
+from thread_ranks import run_thread_ranks
 
 import arrayckpt
+from arrayckpt._cli_text import HOOK_PTH, zarr_hint
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     exe = shutil.which("arrayckpt")
     assert exe, "the arrayckpt console script is not installed (pip install -e .)"
-    return subprocess.run([exe, *args], capture_output=True, text=True)
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=None if env is None else {**os.environ,
+                                                                                                       **env})
 
 
 @pytest.fixture
@@ -48,13 +54,62 @@ def test_info_json_is_machine_readable(saved):
     assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
 
 
-def test_info_and_verify_say_what_zarr_python_needs_for_bfloat16(saved, tmp_path):
-    note = "note: zarr-python reads the bfloat16 arrays only with arrayckpt's data types"
+def test_no_bfloat16_note_where_zarr_python_reads_them_and_a_precise_one_where_not(saved, tmp_path):
+    """arrayckpt installed (its start-up hook in site-packages): plain zarr-python reads bfloat16, so neither
+    ``info`` nor ``verify`` tells the user to install arrayckpt; with the hook turned off, or not installed, the note
+    says which and what to do."""
+    reader = "import sys, zarr; print(zarr.open_array(sys.argv[1], mode='r')[:].dtype)"
+    plain = subprocess.run([sys.executable, "-c", reader, str(saved / "model" / "w")], capture_output=True, text=True)
+    assert plain.stdout.strip() == "bfloat16", plain.stderr  # what the note is about: zarr-python alone reads it
     for command in ("info", "verify"):
         done = _run(command, str(saved))
-        assert done.returncode == 0 and done.stdout.count(note) == 1, done.stdout + done.stderr
+        assert done.returncode == 0 and "note:" not in done.stdout, done.stdout + done.stderr
+        off = _run(command, str(saved), env={"ARRAYCKPT_NO_ZARR_HOOK": "1"})
+        text = " ".join(off.stdout.split())
+        assert text.count("note: zarr-python run without `import arrayckpt` cannot read the bfloat16 arrays") == 1
+        assert "ARRAYCKPT_NO_ZARR_HOOK=1 turns off arrayckpt's start-up hook; unset it" in text, off.stdout
+    missing = zarr_hint(["bfloat16", "float8_e4m3fn", "float32"], sites=[str(tmp_path)])
+    assert missing is not None and "bfloat16, float8_e4m3fn arrays" in missing and str(tmp_path) in missing
+    assert "`pip install arrayckpt`; from a source tree `pip install -e .`" in missing
+    (tmp_path / HOOK_PTH).write_text("import _arrayckpt_zarr_hook\n")
+    assert zarr_hint(["bfloat16"], sites=[str(tmp_path)]) is None and zarr_hint(["float32"], sites=[]) is None
     arrayckpt.save({"w": torch.ones(2)}, tmp_path / "plain")
-    assert "note:" not in _run("info", str(tmp_path / "plain")).stdout + _run("verify", str(tmp_path / "plain")).stdout
+    assert "note:" not in _run("info", str(tmp_path / "plain"), env={"ARRAYCKPT_NO_ZARR_HOOK": "1"}).stdout
+
+
+def test_info_of_a_two_rank_checkpoint_fits_the_terminal(tmp_path):
+    """A save by 2 ranks records which rank wrote each chunk of each array (``created.writers``, a line of
+    thousands of characters before): ``info`` summarises it and fits every line to the terminal (``COLUMNS``), long
+    keys shortened in the middle; ``--wide`` prints them whole and ``--json`` keeps the whole record."""
+    long_key = "model." + "encoder_block_with_a_long_name." * 4 + "weight"
+    weights = {f"layers.{i}.{part}": torch.randn(8, 4) for i in range(40) for part in ("attn", "mlp")}
+    weights[long_key] = torch.randn(8, 4)
+
+    def save_rank(rank: int, group) -> None:
+        rows = slice(4 * rank, 4 * rank + 4)
+        state = {k: arrayckpt.Shard(v[rows].clone(), (8, 4), (4 * rank, 0)) for k, v in weights.items()}
+        arrayckpt.save({**state, "notes": "x" * 300, "step": 3}, tmp_path / "c", process_group=group)
+
+    run_thread_ranks(2, save_rank)
+    with arrayckpt.open(tmp_path / "c") as opened:
+        record = opened.manifest.created["writers"]
+    assert len(record) == 81 and len(json.dumps(record)) > 2000  # what the line used to hold
+    for columns in (60, 80, 132):
+        done = _run("info", str(tmp_path / "c"), env={"COLUMNS": str(columns)})
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert max(map(len, lines)) <= columns, max(lines, key=len)
+        assert "layers.39.mlp" in done.stdout and "step = 3" in done.stdout and "(format v3, step" in done.stdout
+        if columns >= 80:  # the summary is one item, never split
+            assert "writers=2 ranks, 162 chunks (rank 0: 81, rank 1: 81)" in done.stdout
+        tree = _run("info", "--tree", str(tmp_path / "c"), env={"COLUMNS": str(columns)}).stdout.splitlines()
+        assert max(map(len, tree)) <= columns
+    narrow = _run("info", str(tmp_path / "c"), env={"COLUMNS": "80"}).stdout
+    assert long_key not in narrow  # its middle gives way:
+    assert re.search(r"^model\.encoder_block_\S*…\S*_long_name\.weight  float32  8×4", narrow, re.M), narrow
+    wide = _run("info", "--wide", str(tmp_path / "c"), env={"COLUMNS": "80"}).stdout
+    assert long_key in wide and "x" * 300 in wide
+    assert json.loads(_run("info", "--json", str(tmp_path / "c")).stdout)["created"]["writers"] == record
 
 
 def test_info_on_missing_or_incomplete_checkpoint_fails_clearly(tmp_path):
@@ -91,5 +146,6 @@ def test_info_tree_shows_the_nesting(tmp_path):
     arrayckpt.save({"model": model, "step": 3}, tmp_path / "c")
     out = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", "--tree", str(tmp_path / "c")],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[1:4] == ["model/", "  0/", "    weight  float32 3×2  24 B  none"]
+    start = out.index("model/")  # after the header (on two lines when the path is long)
+    assert out[start:start + 3] == ["model/", "  0/", "    weight  float32 3×2  24 B  none"]
     assert "  1/" in out and out[-1] == "step  = 3"

@@ -67,7 +67,8 @@ COMMANDS = [
     ["verify", "{bad}", "--json"], ["show", "{bad}", "w"], ["show", "{bad}", "w", "0:2"], ["diff", "{bad}", "{good}"],
     ["diff", "{good}", "{bad}"], ["compact", "{bad}", "{out}"], ["convert", "{bad}", "{out}"],
     ["convert", "{bad}", "{out}.safetensors"], ["convert", "{bad}", "{out}.pt"],
-    ["convert", "{bad}", "{out}", "--to", "dcp"],
+    ["convert", "{bad}", "{out}", "--to", "dcp"], ["convert", "{bad}", "{out}", "--to", "hf"],
+    ["convert", "{bad}", "{out}", "--to", "megatron"],
 ]
 
 

@@ -195,3 +195,13 @@ def test_export_memory_stays_near_one_tensor(tmp_path: Path) -> None:
     growth = int(done.stdout.split()[-1])
     assert growth < 3 * tensor_bytes, f"peak RSS grew {growth / MiB:.1f} MiB converting {count} x 16 MiB tensors"
     assert (tmp_path / "dcp" / DATA_FILE).stat().st_size > count * tensor_bytes
+
+
+def test_empty_dicts_dcp_leaves_out_are_named_in_the_result(tmp_path: Path) -> None:
+    """DCP's save walks into every dict and saves nothing for an empty one: the export says so by name (issue 28:
+    DeepSpeed's ``shared_params`` vanished from a DCP export without a word)."""
+    arrayckpt.save({"w": torch.ones(2), "shared_params": {}, "ds": {"empty": {}, "n": 1}, "in_list": [{}, 2],
+                    "kept": ({}, 3), "rng": arrayckpt.PerRank(torch.ones(1))}, tmp_path / "ckpt")
+    result = arrayckpt.convert(tmp_path / "ckpt", tmp_path / "dcp", to_format="dcp")
+    assert result.skipped == ("rng", "shared_params", "ds.empty", "in_list.0")
+    assert sorted(read_dcp_metadata(tmp_path / "dcp").state_dict_metadata) == ["ds.n", "in_list.1", "kept", "w"]

@@ -148,7 +148,7 @@ def _save_on_3(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # a save that fails on rank 1 (after the other ranks wrote their chunks): nothing committed anywhere
     report: dict[str, Any] = {}
-    writer = ArrayckptWriter(base / "replaced", overwrite=True)
+    writer = ArrayckptWriter(base / "replaced")  # DCP's default: overwrite
     try:
         dcp.save(state2, storage_writer=writer, planner=_FailOnRank1())
     except CheckpointException as e:
@@ -390,7 +390,7 @@ def test_keys_arrayckpt_cannot_store_are_refused(tmp_path: Path, state: dict, ma
     path = tmp_path / "ckpt"
     old = {"keep": torch.arange(3)}
     dcp.save(old, storage_writer=ArrayckptWriter(path), no_dist=True)
-    writer = ArrayckptWriter(path, overwrite=True, allow_pickle=True)
+    writer = ArrayckptWriter(path, allow_pickle=True)
     with pytest.raises(CheckpointException) as info:
         dcp.save(state, storage_writer=writer, no_dist=True)
     error = _failure(info.value)
@@ -402,8 +402,8 @@ def test_keys_arrayckpt_cannot_store_are_refused(tmp_path: Path, state: dict, ma
 
 def test_writer_refusals(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(2)}, storage_writer=ArrayckptWriter(tmp_path / "c"), no_dist=True)
-    with pytest.raises(CheckpointException) as info:  # a committed checkpoint is replaced only with overwrite=True
-        dcp.save({"w": torch.zeros(2)}, storage_writer=ArrayckptWriter(tmp_path / "c"), no_dist=True)
+    with pytest.raises(CheckpointException) as info:  # with overwrite=False a committed checkpoint stays
+        dcp.save({"w": torch.zeros(2)}, storage_writer=ArrayckptWriter(tmp_path / "c", overwrite=False), no_dist=True)
     assert isinstance(_failure(info.value), arrayckpt.CheckpointExistsError)
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.zeros(2)}, storage_writer=ArrayckptWriter(), no_dist=True)

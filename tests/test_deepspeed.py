@@ -2,13 +2,13 @@
 DeepSpeed's own consolidation and state getters, and resumed at other data-parallel degrees with
 ``arrayckpt.deepspeed.load``.
 
-One 2-rank training job (module fixture) trains a tiny model with ZeRO-2 and ZeRO-3 (fp32), ZeRO-1 (bf16) and
-stage 0 and saves each; the ZeRO-2/3 runs then go on uninterrupted for the reference losses. Each resume job
-(1, 2 and 3 ranks) loads the converted checkpoints into fresh engines and trains the same next steps. The global
-batch (6 samples) is the same at every world size (micro-batch x gradient accumulation x ranks), so the losses
-differ only by the order in which the gradient reduction adds floating-point numbers: measured here, at most
-1.2e-7 (one float32 ulp of a loss near 1) at 3 ranks, none at 1 rank; bit for bit at the saving world size.
-This file is also the torchrun worker (``python -m torch.distributed.run ... test_deepspeed.py MODE DIR``).
+The 2-rank training job (``tests/deepspeed_worker.py``, shared with ``test_deepspeed_matrix.py``) trains a tiny
+model with ZeRO-2 and ZeRO-3 (fp32, torch's AdamW), ZeRO-1 (bf16) and stage 0 and saves each; the ZeRO-2/3 runs
+then go on uninterrupted for the reference losses. Each resume job (1, 2 and 3 ranks) loads the converted
+checkpoints into fresh engines and trains the same next steps. The global batch (6 samples) is the same at every
+world size (micro-batch x gradient accumulation x ranks), so the losses differ only by the order in which the
+gradient reduction adds floating-point numbers: measured here, at most 1.2e-7 (one float32 ulp of a loss near 1)
+at 3 ranks, none at 1 rank; bit for bit at the saving world size.
 """
 
 from __future__ import annotations
@@ -17,170 +17,36 @@ import contextlib
 import importlib
 import importlib.util
 import io
-import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import deepspeed_worker
 import pytest
 import torch
+from deepspeed_worker import RUNS, TRAIN_STEPS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
-GLOBAL_BATCH = 6
-MICRO_BATCH = {1: 3, 2: 3, 3: 2}  # by world size: x gradient accumulation x ranks = GLOBAL_BATCH
-TRAIN_STEPS, NEXT_STEPS = 3, 3
 RESUME_RTOL = 1e-6  # measured: <= 1.2e-7 relative at 3 ranks (reduction order), 0 at 1 and 2 ranks
-RUNS = {"zero2": 2, "zero3": 3}  # checkpoint directory -> ZeRO stage (fp32, resumed); also "zero1_bf16", "stage0"
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # DeepSpeed on CPU; 2 cores for up to 3 ranks
-
-
-# ------------------------------------------------------------------------------------------------ the worker
-
-
-def _model(outputs: int = 3) -> torch.nn.Module:
-    torch.manual_seed(0)
-
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(11, 6)
-            self.fc1 = torch.nn.Linear(6, 9)
-            self.frozen = torch.nn.Linear(9, 9)
-            self.frozen.requires_grad_(False)
-            self.fc2 = torch.nn.Linear(9, outputs)
-            self.register_buffer("counter", torch.arange(4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc2(torch.relu(self.frozen(torch.relu(self.fc1(self.emb(x).mean(1))))))
-
-    return Tiny()
-
-
-def _engine(stage: int, world: int, bf16: bool = False, outputs: int = 3) -> Any:
-    import deepspeed
-
-    model = _model(outputs)
-    micro = MICRO_BATCH[world]
-    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
-              "gradient_accumulation_steps": GLOBAL_BATCH // (micro * world),
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},  # no C++ op to build
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
-    params = [p for p in model.parameters() if p.requires_grad]
-    return deepspeed.initialize(model=model, model_parameters=params, config=config)[0]
-
-
-def _train(engine: Any, first: int, steps: int) -> list[float]:
-    """``steps`` optimizer steps from global step ``first``; the global batch of a step is the same at any world
-    size. Returns each step's loss over the whole global batch (before the step)."""
-    import deepspeed.comm as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for step in range(first, first + steps):
-        generator = torch.Generator().manual_seed(100 + step)
-        x, y = torch.randint(0, 11, (GLOBAL_BATCH, 4), generator=generator), torch.randn(GLOBAL_BATCH, 3,
-                                                                                          generator=generator)
-        total = torch.zeros(())
-        for i in range(accumulation):
-            part = slice((i * world + rank) * micro, (i * world + rank + 1) * micro)
-            loss = ((engine(x[part]).float() - y[part]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        losses.append((total / (accumulation * world)).item())
-    return losses
-
-
-def _full_states(engine: Any) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own view of the full fp32 parameters and Adam moments (collectives: every rank calls it)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    out = {}
-    for name, param in engine.module.named_parameters():
-        if param.requires_grad:
-            out[f"model.{name}"] = safe_get_full_fp32_param(param).cpu()
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"optim.state.{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu()
-    return out
-
-
-def _worker(mode: str, root: Path) -> None:
-    import deepspeed
-    import deepspeed.comm as dist
-
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # gloo only: no shm op to compile
-    deepspeed.init_distributed("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    results: dict[str, Any] = {}
-    if mode == "train":
-        for name, stage in RUNS.items():
-            engine = _engine(stage, world)
-            _train(engine, 0, TRAIN_STEPS)
-            engine.save_checkpoint(str(root / name), client_state={"epoch": 3, "note": "tiny"})
-            full = _full_states(engine)
-            if rank == 0:
-                torch.save(full, root / f"{name}_full.pt")
-            results[name] = _train(engine, TRAIN_STEPS, NEXT_STEPS)
-        for name, stage, bf16 in (("zero1_bf16", 1, True), ("stage0", 0, False)):
-            engine = _engine(stage, world, bf16)
-            _train(engine, 0, 1)
-            engine.save_checkpoint(str(root / name))
-    else:
-        import arrayckpt.deepspeed
-
-        for name, stage in RUNS.items():
-            engine = _engine(stage, world)
-            fresh = ((engine(torch.zeros(1, 4, dtype=torch.long)).float()) ** 2).sum().item()
-            client = arrayckpt.deepspeed.load(engine, root / f"{name}.arrayckpt")
-            loaded = ((engine(torch.zeros(1, 4, dtype=torch.long)).float()) ** 2).sum().item()
-            results[name] = {"client": client, "global_steps": engine.global_steps, "changed": fresh != loaded,
-                             "losses": _train(engine, TRAIN_STEPS, NEXT_STEPS)}
-        if world == 1:  # a checkpoint of another model: refused before anything changes
-            engine = _engine(2, world, outputs=4)
-            try:
-                arrayckpt.deepspeed.load(engine, root / "zero2.arrayckpt")
-            except arrayckpt.ArrayckptError as e:
-                results["refused"] = f"{type(e).__name__}: {e}"
-    if rank == 0:
-        (root / f"{mode}.json").write_text(json.dumps(results))
-    dist.barrier()
-
-
-# ------------------------------------------------------------------------------------------------ the tests
-
-
-def _torchrun(ranks: int, mode: str, root: Path) -> dict[str, Any]:
-    env = {**os.environ, **ENV, "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           __file__, mode, str(root)], env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        pytest.fail(f"torchrun {mode} on {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return json.loads((root / f"{mode}.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """One 2-rank job: every run's checkpoint, DeepSpeed's full states, the uninterrupted runs' next losses."""
-    root = tmp_path_factory.mktemp("deepspeed")
-    return root, _torchrun(2, "train", root)
+    """The 2-rank job: every run's checkpoint, DeepSpeed's full states, the uninterrupted runs' next losses."""
+    jobs = deepspeed_worker.jobs(tmp_path_factory)
+    return jobs.root, jobs.trained()["runs"]
 
 
 @pytest.fixture(scope="module")
-def converted(trained: tuple[Path, dict[str, Any]]) -> Path:
-    import arrayckpt
-
-    root, _ = trained
+def converted(tmp_path_factory: pytest.TempPathFactory, trained: tuple[Path, dict[str, Any]]) -> Path:
+    """The root, with every run converted (``<name>.arrayckpt``)."""
+    done = deepspeed_worker.jobs(tmp_path_factory).trained()["converted"]
     for name in (*RUNS, "zero1_bf16"):
-        result = arrayckpt.convert(root / name, root / f"{name}.arrayckpt")
-        assert result.source_format == "deepspeed" and result.target_format == "arrayckpt"
-    return root
+        assert done[name] == ["deepspeed", "arrayckpt"], name
+    return trained[0]
 
 
 def _zero_to_fp32(directory: Path) -> dict[str, torch.Tensor]:
@@ -243,9 +109,9 @@ def test_bf16_module_weights_are_the_master_weights_cast(converted):
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_resume_at_another_data_parallel_degree(trained, converted, ranks):
-    root, reference = trained
-    results = _torchrun(ranks, "resume", root)
+def test_resume_at_another_data_parallel_degree(tmp_path_factory, trained, converted, ranks):
+    _, reference = trained
+    results = deepspeed_worker.jobs(tmp_path_factory).resumed(ranks)["runs"]
     for name in RUNS:
         got = results[name]
         assert got["client"] == {"epoch": 3, "note": "tiny"} and got["global_steps"] == TRAIN_STEPS and got["changed"]
@@ -350,7 +216,3 @@ def test_cli_converts_and_reports_errors_in_one_line(converted, broken, tmp_path
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "missing zero_pp_rank_0" in done.stderr
     assert not (tmp_path / "bad").exists()
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]))

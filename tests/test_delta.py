@@ -236,8 +236,10 @@ def test_cli_info_shows_the_chain(tmp_path: Path) -> None:
     arrayckpt.save({"w": w}, tmp_path / "a", step=1)
     w[7] = 1
     arrayckpt.save({"w": w}, tmp_path / "b", base=tmp_path / "a", step=2)
+    # output into a pipe is not cut to a terminal's width (pytest's children inherit COLUMNS=80 from curses: unset)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     out = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", str(tmp_path / "b")], capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, env=env).stdout
     assert "1 rows" in out and "chain (newest first)" in out and str(tmp_path / "a") in out
     data = json.loads(subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", "--json", str(tmp_path / "b")],
                                      capture_output=True, text=True, check=True).stdout)

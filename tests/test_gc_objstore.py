@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import torch
-from helpers import assert_bit_equal
+from helpers import assert_bit_equal, crash
 from s3_server import S3Server
 
 import arrayckpt
@@ -34,8 +34,10 @@ def _state(seed: int = 0) -> dict:
 
 
 def _interrupted_save(url: str, monkeypatch: pytest.MonkeyPatch, **options: object) -> None:
-    """Save up to the commit, then "die": every chunk and document is written, no root zarr.json, nothing removed."""
+    """Save up to the commit, then "die": every chunk and document is written, no root zarr.json, nothing removed; the
+    save's lease (spec §9.4) stays, expired."""
     def die(self: ObjectWriter, root_document: bytes) -> None:
+        crash(self)
         raise Died
 
     with monkeypatch.context() as patch:
@@ -72,8 +74,8 @@ def root() -> str:
 def test_memory_removes_incomplete_checkpoints_only(root, monkeypatch):
     arrayckpt.save(_state(0), f"{root}/step-1")
     _interrupted_save(f"{root}/step-2", monkeypatch)
-    assert _keys(f"{root}/step-2") == ["model/b/c.0", "model/b/zarr.json", "model/w/c.0.0", "model/w/zarr.json",
-                                       "model/zarr.json"]
+    assert _keys(f"{root}/step-2") == [".arrayckpt-lease", "model/b/c.0", "model/b/zarr.json", "model/w/c.0.0",
+                                       "model/w/zarr.json", "model/zarr.json"]
     _put(f"{root}/logs", "app.log", b"not a checkpoint")  # foreign objects
     _put(f"{root}/numbered", "0", b"x")  # chunk-shaped names, but no arrayckpt metadata
     _put(f"{root}/numbered", "1", b"y")
@@ -117,7 +119,7 @@ def test_memory_a_commit_after_the_listing_keeps_the_checkpoint(root, monkeypatc
     (leftover,), _ = find_object_garbage(parse_object_url(root), 0)
     _put(f"{root}/step-2", "zarr.json", b"{}")  # the save committed after all, after the listing
     assert leftover.remove() is False
-    assert len(_keys(f"{root}/step-2")) == 6
+    assert len(_keys(f"{root}/step-2")) == 7
 
 
 def test_memory_root_that_is_or_lies_in_a_checkpoint_is_refused(root, monkeypatch):

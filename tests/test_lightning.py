@@ -326,17 +326,125 @@ def test_remove_checkpoint_removes_only_arrayckpt_files(tmp_path):
 
 
 def test_keys_too_long_for_a_directory_are_folded(tmp_path):
-    """ModelCheckpoint's state key grows with the monitor name, ``best_k_models`` is keyed by paths: a dict holding
-    tensors under a key over 255 bytes once escaped is stored folded, and comes back as it was."""
+    """A dict holding tensors under a key over 255 bytes once escaped is stored folded, and comes back as it was;
+    callback states are plain values under readable keys, however long their state key or ``best_k_models`` paths."""
     long_path = "/" + "/".join(["d" * 60] * 5) + "/epoch=3-step=40.ckpt"
     state_key = "ModelCheckpoint{'monitor': '" + "val/" * 30 + "loss', 'mode': 'min'}"
     checkpoint = {"callbacks": {state_key: {"best_k_models": {long_path: torch.tensor(0.5)}, "kth_value": torch.tensor(
-        0.5), "dirpath": "/x"}, "Other": {"n": torch.tensor(1)}}, "state_dict": {"w": torch.ones(2)}, "epoch": 3}
+        0.5), "dirpath": "/x"}, "Other": {"n": torch.tensor(1)}}, "state_dict": {"w": torch.ones(2)}, "epoch": 3,
+                  "extra": {long_path: torch.ones(3)}}
     io = ArrayckptIO()
     io.save_checkpoint(checkpoint, tmp_path / "c.ckpt")
     assert not _diff(checkpoint, io.load_checkpoint(tmp_path / "c.ckpt"))
     with arrayckpt.open(tmp_path / "c.ckpt") as opened:
-        assert "state_dict.w" in opened and any(lightning_io.FOLDED in key for key in opened)
+        assert "state_dict.w" in opened and [key for key in opened if lightning_io.FOLDED in key] == [
+            f"extra.{lightning_io.FOLDED}.0.1"]
+        assert {"callbacks.ModelCheckpoint", "callbacks.Other"} <= set(opened.plain_values)
+
+
+def _keys(path: pathlib.Path) -> list[str]:
+    """Every key of an arrayckpt checkpoint: arrays, plain values, per-rank entries."""
+    with arrayckpt.open(path) as opened:
+        return list(opened.manifest.entries)
+
+
+class _StateAtStart(pl.Callback):
+    """Records the state of a callback once the trainer has restored it (at the start of training)."""
+
+    def __init__(self, watched: pl.Callback) -> None:
+        self.watched = watched
+        self.state: dict | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = _copy(self.watched.state_dict())
+
+
+def test_callback_states_are_readable_and_resume_exactly(tmp_path):
+    """ModelCheckpoint (monitor, top-k) and EarlyStopping: each callback's state is one plain value under
+    ``callbacks.<ClassName>`` (no key holds a state key's ``{...}`` or a checkpoint path), the dict Lightning saved
+    comes back exactly, and ``fit(ckpt_path="last")`` restores both states and carries on with top-k."""
+    seen: list[dict] = []
+
+    class Recording(ArrayckptIO):
+        def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+            seen.append(_copy(checkpoint))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    ckpts = tmp_path / "ckpts"
+
+    def callbacks() -> list[pl.Callback]:
+        return [_checkpointing(ckpts, monitor="train_loss", save_top_k=2, save_last=True),
+                pl.callbacks.EarlyStopping(monitor="train_loss", patience=50)]
+
+    first = callbacks()
+    _fit(tmp_path / "run", 3, io=Recording(), callbacks=first)
+    keys = _keys(ckpts / "last.ckpt")
+    assert "callbacks.ModelCheckpoint" in keys and "callbacks.EarlyStopping" in keys
+    assert not [key for key in keys if key.startswith("callbacks.") and key.count(".") > 1], keys
+    assert not [key for key in keys if "{" in key or "/" in key or ".ckpt" in key], keys
+    with arrayckpt.open(ckpts / "last.ckpt") as opened:
+        state, state_key, _ = opened.value("callbacks.ModelCheckpoint")
+        assert state_key == first[0].state_key and state["monitor"] == "train_loss"
+        assert state["best_k_models"] == {p: s.item() for p, s in first[0].best_k_models.items()}  # plain numbers
+    assert not _diff(seen[-1], ArrayckptIO().load_checkpoint(ckpts / "last.ckpt"))  # tensors back, dtypes and all
+
+    second = callbacks()
+    watch = _StateAtStart(second[0]), _StateAtStart(second[1])
+    _fit(tmp_path / "run", 5, io=ArrayckptIO(), callbacks=[*second, *watch], ckpt_path="last")
+    saved = seen[-1]["callbacks"]
+    restored = {**saved[first[0].state_key], "current_score": None}  # (ModelCheckpoint does not restore that one)
+    assert not _diff(restored, watch[0].state) and not _diff(saved[first[1].state_key], watch[1].state)
+    assert len(second[0].best_k_models) == 2 and second[0].best_model_score == min(second[0].best_k_models.values())
+    kept = sorted(os.path.basename(p) for p in second[0].best_k_models)
+    assert sorted(os.listdir(ckpts)) == sorted([*kept, "last.ckpt"])  # top-k went on: older ones removed
+
+
+def test_checkpoints_with_callback_states_under_lightning_keys_still_load(tmp_path):
+    """Checkpoints written before readable callback keys (states under Lightning's state keys, folded where a key
+    was too long for a directory) load as they were saved."""
+    long_path = "/" + "/".join(["d" * 60] * 5) + "/epoch=3-step=40.ckpt"
+    checkpoint = {"callbacks": {
+        "ModelCheckpoint{'monitor': '" + "val/" * 30 + "loss', 'mode': 'min'}": {
+            "best_k_models": {long_path: torch.tensor(0.5)}, "best_model_score": torch.tensor(0.5), "dirpath": "/x"},
+        "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}": {"best_score": torch.tensor(0.25), "wait_count": 1}},
+        "state_dict": {"w": torch.ones(2)}, "global_step": 4}
+    short = {**checkpoint, "callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": {
+        "best_k_models": {"/runs/a/epoch=0-step=4.ckpt": torch.tensor(0.5)}, "kth_value": torch.tensor(float("inf"))}}}
+    for name, old in (("folded", checkpoint), ("plain", short)):
+        arrayckpt.save(lightning_io._fold(old), tmp_path / name, step=4)  # what ArrayckptIO wrote then
+        assert any(("callbacks." + lightning_io.FOLDED if name == "folded" else "ModelCheckpoint{") in key
+                   for key in _keys(tmp_path / name))
+        assert not _diff(old, ArrayckptIO().load_checkpoint(tmp_path / name))
+
+
+def test_callback_states_with_large_tensors_keep_them_as_arrays(tmp_path):
+    """A callback state with a tensor too large to be part of a plain value (or a value JSON cannot hold) keeps its
+    tensors as arrays, under the same readable key; both come back exactly, next to inline ones."""
+    checkpoint = {"callbacks": {
+        "Averaging{'every': 2}": {"buffer": torch.arange(100, dtype=torch.float64), "n": 3},
+        "Averaging{'every': 4}": {"scores": [torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor([1, 2])],
+                                  "pair": (torch.tensor(True), "x"), "empty": torch.zeros(0, 3)},
+        "Complex": {"z": torch.tensor([1 + 2j])}}}
+    io = ArrayckptIO()
+    io.save_checkpoint(checkpoint, tmp_path / "c.ckpt")
+    keys = _keys(tmp_path / "c.ckpt")
+    assert {"callbacks.Averaging.state.buffer", "callbacks.Averaging.arrayckpt_state_key", "callbacks.Averaging_2",
+            "callbacks.Complex.state.z"} <= set(keys), keys
+    assert not _diff(checkpoint, io.load_checkpoint(tmp_path / "c.ckpt"))
+
+
+@pytest.mark.parametrize(("tensors", "error"), [
+    ([[["missing"], "float32", []]], "leads nowhere"),
+    ([[["a"], "not-a-dtype", []]], "not a not-a-dtype tensor"),
+    ([[["a"], "float32", [2]]], "1 values for shape"),
+    ([["a", "float32"]], "not a .path, dtype, shape. record"),
+])
+def test_crafted_callback_records_are_errors_that_name_the_checkpoint(tensors, error):
+    from arrayckpt._integrations.lightning_callbacks import restore_callbacks
+
+    loaded = {"callbacks": {"Thing": ({"a": 1.0}, "Thing{}", tensors)}}
+    with pytest.raises(arrayckpt.FormatError, match=f"ckpt-path: callbacks.Thing.*{error}"):
+        restore_callbacks(loaded, "ckpt-path")
 
 
 def test_object_storage_paths_get_storage_options(s3_server, s3_bucket):

@@ -127,7 +127,8 @@ def test_clean_up_removes_incomplete_steps_and_old_leftovers(tmp_path):
     assert manager.steps() == [1, 3]
     removed = manager.clean_up()
     assert sorted(removed) == sorted([str(tmp_path / "step-00000002"), str(leftover)])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000000", "step-00000001", "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".arrayckpt-manager.lock", "step-00000000", "step-00000001",
+                                                         "step-00000003"]  # (the lock: the manager is open)
 
 
 def test_interval_steps_stay_aligned_after_an_off_interval_save(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+import helpers
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -113,6 +114,7 @@ def test_incomplete_prefix_is_reported_and_replaceable(monkeypatch: pytest.Monke
     url = _url()
 
     def crash(self: ObjectWriter, root_document: bytes) -> None:
+        helpers.crash(self)  # its lease is left to expire
         raise KeyboardInterrupt  # the process dies before its commit; abort never runs
 
     monkeypatch.setattr(ObjectWriter, "commit", crash)
@@ -191,6 +193,14 @@ def test_storage_options_and_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match="go together"):
         parse_object_url("s3://bkt/p", {"key": "AK"}).kvstore()
     assert parse_object_url("gs://bkt/p").kvstore("a") == {"driver": "gcs", "bucket": "bkt", "path": "p/a/"}
+    # keys in the environment: TensorStore's environment provider, which opens no ~/.aws files (the default chain
+    # would, logging an error line for each one missing); a profile named in the environment: the default chain
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SK")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    assert parse_object_url("s3://bkt/p").kvstore()["aws_credentials"] == {"type": "environment"}
+    monkeypatch.setenv("AWS_PROFILE", "work")
+    assert "aws_credentials" not in parse_object_url("s3://bkt/p").kvstore()
     with pytest.raises(ValueError, match="object-storage URLs only"):
         arrayckpt.open("/tmp/x", storage_options={"anon": True})
 

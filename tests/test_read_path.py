@@ -30,6 +30,12 @@ def _url(name: str = "ckpt") -> str:
     return f"memory://readpath-{uuid.uuid4().hex[:8]}/{name}"
 
 
+def _urls(*names: str) -> list[str]:
+    """Locations side by side in one fresh ``memory://`` bucket."""
+    bucket = f"memory://readpath-{uuid.uuid4().hex[:8]}"
+    return [f"{bucket}/{name}" for name in names]
+
+
 def _state(k: int) -> dict[str, Any]:
     """State ``k``: every element of every array is ``k``."""
     return {"w": torch.full((64, 8), float(k)), "b": torch.full((17,), k, dtype=torch.int32),
@@ -83,7 +89,7 @@ def test_compact_refuses_a_source_replaced_between_its_batches(tmp_path: Path, m
 
 
 def test_compact_of_a_delta_whose_base_is_replaced_meanwhile(tmp_path: Path) -> None:
-    base, delta = _url("base"), _url("delta")
+    base, delta = _urls("base", "delta")  # one bucket: a base beside its delta is followed (spec §10.1)
     _save(1, base)
     state = _state(1)
     state["w"][3] = -1.0
@@ -97,7 +103,7 @@ def test_compact_of_a_delta_whose_base_is_replaced_meanwhile(tmp_path: Path) -> 
 
 
 def test_compact_of_an_unchanged_object_storage_chain_still_works(tmp_path: Path) -> None:
-    base, delta = _url("base"), _url("delta")
+    base, delta = _urls("base", "delta")  # one bucket: a base beside its delta is followed (spec §10.1)
     _save(1, base)
     state = _state(1)
     state["w"][3] = -1.0
@@ -144,7 +150,7 @@ def test_every_read_of_a_replaced_checkpoint_is_refused(tmp_path: Path, how: str
 
 @pytest.mark.parametrize("how", ["slice", "torch", "load"])
 def test_a_delta_read_through_a_base_replaced_mid_read_is_refused(how: str) -> None:
-    base, delta = _url("base"), _url("delta")
+    base, delta = _urls("base", "delta")  # one bucket: a base beside its delta is followed (spec §10.1)
     _save(1, base)
     state = _state(1)
     state["w"][3] = -1.0  # a rows delta: the rest of w is read from the base

@@ -18,6 +18,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import matplotlib.image as matplotlib_image  # noqa: E402  (matplotlib: the test extra)
+import numpy as np
 import pytest
 import torch
 from policies import small_chunks  # noqa: E402
@@ -333,3 +334,74 @@ def test_missing_matplotlib_is_an_error_that_says_what_to_install(made, tmp_path
     assert not (tmp_path / "r.html").exists()
     with pytest.raises(SystemExit):
         parser.parse_args(["report", str(made["full"]), "--grids", "-1"])
+
+
+def _drawn(monkeypatch: pytest.MonkeyPatch, data) -> dict:
+    """The matplotlib figures of a report's pictures by section, caught as each is saved to PNG."""
+    from arrayckpt._tools import report_figures
+
+    caught: list = []
+    save = report_figures._png
+    monkeypatch.setattr(report_figures, "_png", lambda figure: caught.append(figure) or save(figure))
+    images = report_figures.figures(data)
+    assert len(images) == len(caught)
+    return dict(zip(images, caught, strict=True))
+
+
+def _grid_axes(figure) -> dict[str, object]:
+    """The chunk grid pictures of a figure by tensor key (the first line of each title)."""
+    return {ax.get_title().split("\n")[0]: ax for ax in figure.axes if ax.get_visible() and ax.collections}
+
+
+def _cell_colours(ax) -> set[tuple[float, ...]]:
+    return {tuple(np.round(c, 3)) for c in ax.collections[0].get_facecolor()}
+
+
+def test_chunk_grids_have_a_key_from_colour_to_rank(made, monkeypatch):
+    with open_checkpoint(made["full"]) as checkpoint:
+        figure = _drawn(monkeypatch, collect(checkpoint, histograms=0, grids=3))["grids"]
+    (legend,) = figure.legends
+    assert legend.get_title().get_text() == "chunk colour: the rank that wrote it"
+    assert [text.get_text() for text in legend.get_texts()] == ["rank 0", "rank 1"]
+    swatches = [tuple(np.round(patch.get_facecolor(), 3)) for patch in legend.legend_handles]
+    emb = _grid_axes(figure)["model.emb.weight"]  # rows 0-31 from rank 0, rows 32-63 from rank 1
+    assert [tuple(np.round(c, 3)) for c in emb.collections[0].get_facecolor()] == [swatches[0]] * 2 + [swatches[1]] * 2
+
+
+def test_a_delta_saved_by_one_rank_shows_who_wrote_the_chunks_its_bases_store(made, monkeypatch):
+    """``later`` (saved by one rank against ``full``, saved by two) stores a few chunks: the others are drawn in
+    their base's writer's colour, lighter, never all grey."""
+    from matplotlib.colors import to_rgba
+
+    with open_checkpoint(made["later"]) as checkpoint:
+        data = collect(checkpoint, histograms=0, grids=6)
+    grids = {g.key: g for g in data.grids}
+    partly = grids["model.layers.0.mlp.w"]  # a chunks delta storing its first (read) chunk of 8
+    assert partly.counts == (8, 1) and partly.in_base == frozenset(range(1, 8))
+    assert partly.writers == (0, 1, 1, 1, 0, 0, 0, 0)  # chunk 0 by the delta's rank; the base's 2 outer chunks: 1, 0
+    unchanged = grids["model.layers.1.mlp.w"]
+    assert unchanged.in_base == frozenset(range(8)) and unchanged.writers == (0, 0, 0, 0, 1, 1, 1, 1)
+    figure = _drawn(monkeypatch, data)["grids"]
+    (legend,) = figure.legends
+    assert [text.get_text() for text in legend.get_texts()] == ["rank 0", "rank 1",
+                                                                "lighter: stored by a base checkpoint"]
+    grey = tuple(np.round(to_rgba("#dddddd"), 3))  # a chunk whose writer is unknown
+    for key, ax in _grid_axes(figure).items():
+        assert _cell_colours(ax) != {grey}, f"{key} is all grey"
+    assert len(_cell_colours(_grid_axes(figure)["model.layers.0.mlp.w"])) == 3  # rank 0 here, ranks 1, 0 in base
+
+
+def test_the_colour_bar_reads_when_one_tensor_changed(tmp_path, monkeypatch):
+    """One changed tensor made a log colour scale spanning nothing (labels such as 4.906×10⁻¹ over each other):
+    a few plain, distinct labels instead."""
+    weights = {f"layers.{i}.w": torch.full((4, 4), float(i + 1)) for i in range(3)}
+    arrayckpt.save(weights, tmp_path / "a")
+    arrayckpt.save({**weights, "layers.1.w": weights["layers.1.w"] * 1.5}, tmp_path / "b")
+    with open_checkpoint(tmp_path / "b") as b, open_checkpoint(tmp_path / "a") as a:
+        figure = _drawn(monkeypatch, collect(b, a, histograms=0, grids=0))["layers"]
+    figure.canvas.draw()
+    bar = figure.axes[-1]
+    labels = [t.get_text() for t in bar.get_yticklabels() if t.get_text()]
+    assert all(len(label) <= 5 and "times" not in label for label in labels), labels
+    assert len(labels) >= 3 and len(set(labels)) == len(labels) and not bar.get_yticklabels(minor=True)
+    assert bar.get_ylabel() == "relative change"

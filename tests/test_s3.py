@@ -84,15 +84,19 @@ def test_save_open_load_and_zarr_python_read(s3_server: S3Server, s3_proxy: Faul
     state = _state(1)
     arrayckpt.save(state, url, storage_options=options, step=1)
     # a fresh prefix: probe the root of each prefix above (the bucket's, run/: no checkpoint to lie inside) and
-    # its own, list the prefix, then one PUT per chunk and per document, the root last; nothing is listed or
-    # deleted after the commit (there was nothing to replace)
+    # its own, list the prefix, take the save's lease (spec §9.4: a GET, a conditional PUT, a GET to read it
+    # back), then one PUT per chunk and per document; list the prefix once more (every chunk still there), PUT the
+    # root and delete the lease (HEAD, DELETE: conditional); nothing else is listed or deleted after the commit
+    # (there was nothing to replace)
     keys = sorted(s3_server.list_keys(s3_bucket))
     arrays = {"model/w", "model/b", "bf", "count"}
     assert {k.rpartition("/")[0] for k in keys} == {"run/step-1"} | {f"run/step-1/{a}" for a in arrays} | {
         "run/step-1/model"}
-    assert s3_proxy.counts == {"GET": 4, "PUT": len(keys)}, s3_proxy.counts
-    assert s3_proxy.log[-1][:2] == ("PUT", f"/{s3_bucket}/run/step-1/zarr.json"), "the root must be written last"
-    assert s3_proxy.count("GET", lists=True) == 1
+    assert s3_proxy.counts == {"GET": 7, "HEAD": 1, "PUT": len(keys) + 1, "DELETE": 1}, s3_proxy.counts
+    assert s3_proxy.log[-3][:2] == ("PUT", f"/{s3_bucket}/run/step-1/zarr.json"), "the root must be written last"
+    assert [r[:2] for r in s3_proxy.log[-2:]] == [(m, f"/{s3_bucket}/run/step-1/.arrayckpt-lease")
+                                                 for m in ("HEAD", "DELETE")]  # (a conditional DELETE)
+    assert s3_proxy.count("GET", lists=True) == 2
 
     _same(url, state, options)
     report = arrayckpt.verify(url, storage_options=options)
@@ -169,9 +173,10 @@ def test_two_rank_save_and_resharded_loads(s3_server: S3Server, s3_proxy: FaultP
     # PUT the store saw came from one of them; the root document came last
     data = 12 * 16 * 4 + 9 * 8 * 2 + 40 * 8
     assert all(puts > 0 for puts, _ in writes) and 0 < writes[1][1] < data, writes  # rank 0 also wrote metadata
-    assert sum(puts for puts, _ in writes) == s3_proxy.counts["PUT"]
+    # (TensorStore counts the DELETE of the save's lease after the commit as a write)
+    assert sum(puts for puts, _ in writes) == s3_proxy.counts["PUT"] + s3_proxy.counts["DELETE"]
     assert s3_proxy.count("PUT", path_contains="/dist/zarr.json") == 1
-    assert s3_proxy.log[-1][:2] == ("PUT", f"/{s3_bucket}/dist/zarr.json")
+    assert [r[:2] for r in s3_proxy.log if r[0] == "PUT"][-1] == ("PUT", f"/{s3_bucket}/dist/zarr.json")
 
     full = _global()
     ckpt = arrayckpt.open(url, storage_options=_options(s3_server))
@@ -332,7 +337,7 @@ def test_transient_failures_are_retried(s3_proxy: FaultProxy, s3_bucket: str) ->
 def test_permanent_failure_commits_nothing(s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str) -> None:
     url, options = f"s3://{s3_bucket}/ckpt", _options(s3_proxy, max_retries=1)
     s3_proxy.fail_puts_always = True
-    failed = rf"s3://{s3_bucket}/ckpt: tensor '[\w.]+': write failed.*SlowDown"
+    failed = rf"s3://{s3_bucket}/ckpt: writing \.arrayckpt-lease failed: .*SlowDown"  # its first PUT: the lease
     with pytest.raises(arrayckpt.StorageError, match=failed):
         arrayckpt.save(_state(1), url, storage_options=options)
     tried = {path for m, path, _, _ in s3_proxy.log if m == "PUT"}
@@ -379,10 +384,11 @@ def test_overwrite_keeps_old_checkpoint_until_commit(s3_server: S3Server, s3_pro
     monkeypatch.setattr(ObjectWriter, "commit", commit)
     arrayckpt.save(new, url, storage_options=options, overwrite=True)
     assert seen and seen[0] and not any(k.endswith("zarr.json") for k in seen[0]), seen
-    # the commit: the root, then the node documents, one LIST, and one DELETE per old chunk (nothing else)
+    # the commit: the root, then the node documents, and one DELETE per old chunk (nothing else: the sweep reuses the
+    # listing of the check right before the commit)
     stale = {k for k in before if not k.endswith("zarr.json")}
     assert s3_proxy.log[0][:2] == ("PUT", f"/{s3_bucket}/ckpt/zarr.json")
-    assert s3_proxy.count("GET", lists=True) == 1 and s3_proxy.count("GET", lists=False) == 0
+    assert s3_proxy.count("GET", lists=True) == 0 and s3_proxy.count("GET", lists=False) == 0
     assert {path.removeprefix(f"/{s3_bucket}/") for m, path, _, _ in s3_proxy.log if m == "DELETE"} == stale
     assert s3_proxy.counts["DELETE"] == len(stale)
     after = set(s3_server.list_keys(s3_bucket))
@@ -483,7 +489,8 @@ def test_incremental_manager_on_s3(s3_server: S3Server, s3_proxy: FaultProxy, s3
     assert manager.steps() == [4, 5]
     assert arrayckpt.open(manager.path(5), storage_options=options).manifest.base.path == "../step-00000004"
     keys = s3_server.list_keys(s3_bucket, "run/")
-    assert {k.split("/")[1] for k in keys} == {"step-00000004", "step-00000005"}
+    assert {k.split("/")[1] for k in keys} == {"step-00000004", "step-00000005",
+                                               ".arrayckpt-manager-lease"}  # (the manager is open: its lease)
     # an interrupted save of step 3's kind left objects but no commit at an older step
     s3_server.client.put_object(Bucket=s3_bucket, Key="run/step-00000003/emb/c.0.0", Body=b"partial")
     assert manager.steps() == [4, 5] and manager.latest_step() == 5
@@ -492,7 +499,8 @@ def test_incremental_manager_on_s3(s3_server: S3Server, s3_proxy: FaultProxy, s3
     document = s3_server.client.get_object(Bucket=s3_bucket, Key="run/step-00000004/emb/zarr.json")["Body"].read()
     s3_server.client.put_object(Bucket=s3_bucket, Key="run/step-00000003/emb/zarr.json", Body=document)
     assert manager.clean_up(min_age_s=0) == [f"{root}/step-00000003"]
-    assert {k.split("/")[1] for k in s3_server.list_keys(s3_bucket, "run/")} == {"step-00000004", "step-00000005"}
+    assert {k.split("/")[1] for k in s3_server.list_keys(s3_bucket, "run/")} == {"step-00000004", "step-00000005",
+                                                                                ".arrayckpt-manager-lease"}
     restored = {"emb": torch.zeros(1000, 4)}
     assert arrayckpt.CheckpointManager(root, storage_options=options).restore(restored) == 5
     assert torch.equal(restored["emb"], emb)
@@ -505,3 +513,44 @@ def test_checkpoints_never_nest(s3_server: S3Server, s3_bucket: str) -> None:
     from test_objstore import check_checkpoints_never_nest
 
     check_checkpoints_never_nest(f"s3://{s3_bucket}/run/outer", _options(s3_server))
+
+
+_QUIET_RUN = """
+import sys, torch, arrayckpt
+url, options = sys.argv[1], eval(sys.argv[2])
+arrayckpt.save({"w": torch.arange(6.0)}, url, storage_options=options)
+target = {"w": torch.zeros(6)}
+arrayckpt.load(target, url, storage_options=options)
+assert torch.equal(target["w"], torch.arange(6.0))
+with arrayckpt.open(url, storage_options=options) as opened:
+    assert opened["w"][2:4].tolist() == [2.0, 3.0]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("credentials", ["environment", "storage_options"])
+def test_a_run_with_credentials_prints_nothing_to_stderr(s3_server: S3Server, s3_bucket: str, tmp_path,
+                                                         credentials: str) -> None:
+    """TensorStore's default AWS chain logs ``E... Failed to open file '~/.aws/config'`` (and credentials) to stderr
+    on every run where those files are missing, even when the keys are in the environment: given keys (in the
+    environment or in ``storage_options``) must leave stderr empty. A fresh process, so that its stderr is all
+    TensorStore's; ``HOME`` without ``.aws``, as on a training node configured through the environment."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **s3_server.env, "HOME": str(tmp_path)}
+    env.pop("AWS_PROFILE", None)
+    options: dict = {"endpoint_url": s3_server.endpoint}
+    if credentials == "storage_options":
+        options.update(key=env.pop("AWS_ACCESS_KEY_ID"), secret=env.pop("AWS_SECRET_ACCESS_KEY"))
+    url = f"s3://{s3_bucket}/quiet"
+    done = subprocess.run([sys.executable, "-c", _QUIET_RUN, url, repr(options)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stdout + done.stderr
+    assert done.stderr == "", done.stderr
+    if credentials == "environment":  # the command line too (endpoint from the environment)
+        done = subprocess.run([sys.executable, "-m", "arrayckpt.cli", "info", url], capture_output=True, text=True,
+                              env={**env, "AWS_ENDPOINT_URL": s3_server.endpoint}, timeout=120)
+        assert done.returncode == 0 and "1 tensor" in done.stdout, done.stdout + done.stderr
+        assert done.stderr == "", done.stderr

@@ -13,6 +13,7 @@ import pickle
 import re
 import shutil
 import uuid
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from policies import small_chunks
 import arrayckpt
 import arrayckpt._layout.chunking as plan
 import arrayckpt._storage.local as storage
+import arrayckpt._storage.renames as durability
 from arrayckpt._errors import FormatError
 from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
 from arrayckpt._format.dtypes import DTYPES
@@ -48,8 +50,8 @@ from arrayckpt._layout.box import Box
 from arrayckpt._layout.delta import plan_delta
 from arrayckpt._layout.digests import stored_chunks
 from arrayckpt._layout.saveplan import plan_save
+from arrayckpt._storage import follow_base, parse_location
 from arrayckpt._storage import object as _objstore
-from arrayckpt._storage import parse_location
 from arrayckpt._storage.local import LocalWriter
 from arrayckpt._torch.dtypes import torch_dtype
 from arrayckpt._write.changes import base_ref, find_changes, rows_jobs
@@ -415,7 +417,7 @@ def test_three_rename_fallback_uses_a_marked_aside_directory(tmp_path, monkeypat
         renames.append((Path(src).name, Path(dst).name))
         real_rename(src, dst)
 
-    monkeypatch.setattr(storage, "_renameat2", lambda src, dst, flags: errno.ENOSYS)  # no renameat2 at all
+    monkeypatch.setattr(durability, "_renameat2", lambda src, dst, flags: errno.ENOSYS)  # no renameat2 at all
     monkeypatch.setattr(storage.os, "rename", recording_rename)
     arrayckpt.save({"v": 2}, path, overwrite=True)
     assert arrayckpt.open(path).plain_values["v"] == 2
@@ -558,12 +560,36 @@ def test_object_storage_interrupted_saves(monkeypatch):
 
 
 def test_base_path_examples():
-    for delta_cell, base_cell, path_cell in _table("base-paths"):
+    """Section 10.1's table: what writers write, where it resolves, and whether readers follow it by default (the
+    writer warns when they will not) or inside the root the table names."""
+    for delta_cell, base_cell, path_cell, followed_cell in _table("base-paths"):
         delta, base = parse_location(_code(delta_cell)), parse_location(_code(base_cell))
         checkpoint = SimpleNamespace(location=base, manifest=SimpleNamespace(id="0" * 32, step=100))
-        ref = base_ref(checkpoint, delta)  # type: ignore[arg-type]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = base_ref(checkpoint, delta)  # type: ignore[arg-type]
         assert (ref.path, ref.id, ref.step) == (_code(path_cell), "0" * 32, 100), delta_cell
         assert str(delta.resolve(ref.path)) == str(base), delta_cell
+        followed = followed_cell == "yes"
+        assert bool(caught) is not followed, delta_cell
+        if followed:
+            assert str(follow_base(delta, ref.path)) == str(base)
+        else:
+            with pytest.raises(arrayckpt.BaseNotAllowedError, match=re.escape(repr(ref.path))):
+                follow_base(delta, ref.path)
+            root = parse_location(re.search(r"root `([^`]+)`", followed_cell).group(1))
+            assert str(follow_base(delta, ref.path, [root])) == str(base), delta_cell
+
+
+def test_base_references_readers_refuse():
+    """Section 10.1's second table: malformed references are format errors, the rest are not followed."""
+    for path_cell, why_cell in _table("base-refusals"):
+        reference = _code(path_cell)
+        delta = parse_location("s3://bucket/step-2" if "bucket" in why_cell else "/ckpt/run/step-2")
+        kind = FormatError if why_cell.startswith("format") else arrayckpt.BaseNotAllowedError
+        with pytest.raises(kind, match=re.escape(repr(reference)[:30])):
+            Manifest.from_dict({"format_version": 2, "entries": {}, "base": {"path": reference, "id": "0" * 32}})
+            follow_base(delta, reference)
 
 
 @pytest.mark.parametrize(("delta", "base", "error"), [

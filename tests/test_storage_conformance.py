@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import tensorstore as ts
 import torch
+from helpers import crash
 
 import arrayckpt
 import arrayckpt._storage.local as local_storage
 import arrayckpt._storage.object as object_storage
+from arrayckpt._errors import FormatError
 from arrayckpt._format.zarr import chunk_key
 from arrayckpt._storage import ROOT_METADATA, Location, Writer, parse_location
 
@@ -221,7 +223,12 @@ class TestStorage:
         sibling = storage.at("step-1")
         _save(storage, sibling, 1.0)
         writer = storage.at("step-2").open_writer(overwrite=False)
-        _write_data(writer)  # ... and the process dies: no commit, no abort
+        _write_data(writer)
+        for min_age in (3600, 0):  # a live save is kept whatever the minimum age (its lock or lease, spec §9.4)
+            found, kept = storage.root.leftovers(min_age)
+            assert found == [] and len(kept) == 1 and "step-2" in kept[0][0]
+            assert "a save is running" in kept[0][1]
+        crash(writer)  # ... and the process dies: no commit, no abort
 
         found, kept = storage.root.leftovers(3600)
         assert found == [] and len(kept) == 1 and "step-2" in kept[0][0]  # too recent: maybe still running
@@ -245,6 +252,7 @@ class TestStorage:
         other = {**_array_document(writer.key_encoding), "attributes": {"arrayckpt": {"key": "v"}}}
         writer.write_documents({"v": json.dumps(other).encode()})()
         _write_data(writer)  # "w" with its chunk; "v" without: then the process dies (no commit, no abort)
+        crash(writer)
         _save(storage, location, 4.0, overwrite=True)
         assert _value(storage, location) == 4.0
         assert arrayckpt.verify(location.native, storage_options=storage.options).ok
@@ -272,8 +280,12 @@ class TestStorage:
         assert base.reference_from(delta) == "../base"
         assert base.reference_from(deep) == "../../base"
         assert base.reference_from(base) == "."
-        for here in (delta, deep, base):
+        for here in (delta, deep):
             assert here.resolve(base.reference_from(here)) == base
+        with pytest.raises(FormatError, match="does not begin with '../'"):  # spec §10.1: never the checkpoint itself
+            base.resolve(base.reference_from(base))
+        with pytest.raises(FormatError, match="climbs"):  # resolved on segments, never clamped at the storage's root
+            base.resolve("../" * (len(base.tree.parts) + 1) + "x")
         # across kinds of storage: absolute, and resolved without this storage's options
         assert base.reference_from(elsewhere) == str(base) and elsewhere.reference_from(base) == str(elsewhere)
         assert str(elsewhere.resolve(str(base))) == str(base)

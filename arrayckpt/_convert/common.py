@@ -5,8 +5,10 @@ Every converter streams: the source's index (safetensors header, DCP ``.metadata
 torch.save file) gives the structure first, then tensors are read one at a time and written by
 ``_write/stream.py::write_streaming`` (into arrayckpt) or appended to the target file (out of it). Bit
 patterns are kept exactly (bfloat16 and float8 included); nothing is cast. ``dispatch.py`` chooses the
-converter; ``torch_save.py``, ``safetensors.py`` and ``dcp.py`` are the formats, ``deepspeed.py`` (with
-``deepspeed_files.py``) and ``megatron.py`` (over ``dcp.py``) the read-only ones.
+converter; ``torch_save.py``, ``safetensors.py``, ``dcp.py`` and ``megatron.py`` (over ``dcp.py``) are the
+formats; DeepSpeed is read by ``deepspeed.py`` (ZeRO, with ``deepspeed_files.py``) and
+``deepspeed_universal_read.py``, written by ``deepspeed_universal.py`` (its Universal Checkpoint, from
+``universal_plan.py``'s choice of tensors).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._errors import ArrayckptError, CheckpointExistsError, StorageError
-from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry
+from .._format.manifest import PerRankEntry, PickleEntry
 from .._read.checkpoint import Checkpoint
 
 __all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically",
@@ -33,7 +35,14 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What a conversion wrote, and the entries of the source the target format could not hold."""
+    """What a conversion wrote, and the entries of the source the target format could not hold.
+
+    A Hugging Face export (``to_format="hf"``) also says which tensors it took (``selected``: the key prefix it
+    stripped, ``"model."``; ``""`` for the whole state), which names it left out as ties of others (``tied``:
+    alias -> the name written, ``{"lm_head.weight": "transformer.wte.weight"}``), and what the caller should
+    know before publishing (``notes``: e.g. names the config's model expects that the export lacks). ``skipped``
+    then lists every entry outside the selection (optimizer state, values).
+    """
 
     source_format: str
     target_format: str
@@ -41,9 +50,13 @@ class ConvertResult:
     bytes: int
     files: tuple[str, ...]
     skipped: tuple[str, ...] = ()  # keys left out (e.g. plain values going to safetensors)
+    selected: str | None = None  # the key prefix a Hugging Face export took and stripped (None: other targets)
+    tied: Mapping[str, str] = field(default_factory=dict)  # names left out as ties: alias -> the name written
+    notes: tuple[str, ...] = ()  # warnings about the output, in words
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped)}
+        return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped), "tied": dict(self.tied),
+                "notes": list(self.notes)}
 
 
 def refusal_reason(error: BaseException) -> str:
@@ -109,18 +122,23 @@ def write_failure(error: BaseException, path: Path | str) -> StorageError | None
 def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The checkpoint's state rebuilt as nested dicts/lists/tuples; ``tensor(key)`` gives each array leaf.
 
-    Per-rank entries have no place in a single-process format and are skipped (returned).
+    An alias (tied weights) gets the very object its target gets (``tensor`` is asked once), so that a format which
+    shares objects, as ``torch.save`` does, stores it once and loads it tied. Per-rank entries have no place in a
+    single-process format and are skipped (returned).
     """
     root: dict[Any, Any] = {}
     skipped = []
     entries = checkpoint.manifest.entries
     pickled = checkpoint.unpickle([k for k, e in entries.items() if isinstance(e, PickleEntry)])  # one warning
+    made: dict[str, Any] = {}  # by the key of the stored tensor
     for key, entry in entries.items():
         if isinstance(entry, PerRankEntry):
             skipped.append(key)
             continue
-        value = tensor(key) if isinstance(entry, ArrayEntry) else pickled[key] if key in pickled else \
-            checkpoint.value(key)
+        array = checkpoint.manifest.array_entry(key)  # an alias: its target's
+        if array is not None and array.key not in made:
+            made[array.key] = tensor(array.key)
+        value = made[array.key] if array is not None else pickled[key] if key in pickled else checkpoint.value(key)
         node = root
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})

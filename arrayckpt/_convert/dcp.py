@@ -18,19 +18,21 @@ reading the next one).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, PickleWarning, outside_stacklevel
-from .._format.manifest import ArrayEntry, PickleEntry
+from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, warn_unpickling
+from .._format.manifest import PickleEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
@@ -38,7 +40,8 @@ from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
 
-__all__ = ["MetadataUnpickler", "from_dcp", "read_dcp_metadata", "to_dcp"]
+__all__ = ["MetadataUnpickler", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata", "refuse_pickles",
+           "stream_into_dcp", "to_dcp"]
 
 METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
@@ -190,14 +193,16 @@ def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
 def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
              allow_pickle: bool = False, progress: Progress | None = None,
              chunking: ChunkPolicy = DEFAULT_CHUNKING, extra: dict[str, Any] | None = None,
-             label: str = "dcp", trusted_values: bool = False) -> ConvertResult:
+             label: str = "dcp", trusted_values: bool = False,
+             created: dict[str, Any] | None = None) -> ConvertResult:
     """A DCP checkpoint (saved by any number of ranks) into arrayckpt, one whole tensor at a time.
 
     The nesting of the saved state dict is rebuilt from DCP's planner data, so keys, lists and plain values
     come out as ``arrayckpt.save`` would have written the original state (``{"model": ..., "optim": ...}``).
     For formats built on DCP (Megatron's ``torch_dist``): ``extra`` top-level values are added (a key DCP has
-    too is an error), ``label`` names the source format, and ``trusted_values`` unpickles DCP's non-tensor
-    values fully instead of with ``weights_only=True``.
+    too is an error), ``label`` names the source format, ``trusted_values`` unpickles DCP's non-tensor
+    values fully instead of with ``weights_only=True``, and ``created`` goes into the manifest's provenance (the
+    source's own metadata, ``{"source": ...}``).
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -207,10 +212,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
     values: dict[str, Any] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
     if values:
         if trusted_values:  # loaded with weights_only=False: say so, as torch.load does
-            warnings.warn(f"{src}: unpickling values {', '.join(map(repr, list(values)[:10]))} fully "
-                          "(allow_pickle=True): unpickling runs whatever code their writer put there; convert it "
-                          "only if you trust it (silence: warnings.filterwarnings('ignore', "
-                          "category=arrayckpt.PickleWarning))", PickleWarning, stacklevel=outside_stacklevel())
+            warn_unpickling(f"{src}: unpickling values {', '.join(map(repr, list(values)[:10]))} fully")
         _dcp_load(values, src, metadata, trusted_values)  # small: the plain values, with weights_only=True
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     skeleton: dict[Any, Any] = {}
@@ -239,7 +241,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
 
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
     write_streaming(skeleton, fetch, dst, options,
-                    source=f"{label}: {Path(src).name}", progress=progress)
+                    source=f"{label}: {Path(src).name}", progress=progress, created=created)
     nbytes = sum(torch.empty((), dtype=i.properties.dtype).element_size() * i.size.numel() for _, i in tensors.values())
     return ConvertResult(label, "arrayckpt", len(tensors), nbytes, (str(dst),))
 
@@ -250,22 +252,65 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
 
     DCP is given the nested state with meta tensors; each tensor is read from arrayckpt only when DCP's
     writer asks for it and is appended to the one ``__0_0.distcp`` file, so memory stays near one tensor.
-    Per-rank entries are skipped (DCP has no such notion); pickled values need the checkpoint opened with
-    ``allow_pickle=True``.
+    Per-rank entries are skipped (DCP has no such notion), and so are empty dicts (DCP's save walks into dicts
+    and saves nothing for an empty one); both are named in the result. Pickled values need the checkpoint
+    opened with ``allow_pickle=True``. A tensor stored once under two keys (tied weights) is written under both
+    (DCP's planner writes every key of the state it is given), so DCP loads it into tied and untied models alike.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
     target = Path(dst)
     if target.exists() and any(target.iterdir()):
         refuse_existing(target, overwrite)
+    refuse_pickles(checkpoint)
+    state, skipped = nested_state(checkpoint, lambda key: meta_tensor(checkpoint, key))
+    keys = frozenset(k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None)
+    with new_directory(target, (METADATA_FILE,)) as temporary:
+        total = stream_into_dcp(checkpoint, state, keys, temporary, flatten=True, progress=progress)
+    files = tuple(sorted(str(p) for p in target.iterdir()))
+    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
+
+
+def _left_out_by_dcp(value: Any, path: tuple[Any, ...] = ()) -> tuple[str, ...]:
+    """The dotted names of the empty dicts in ``value`` that DCP's flattening save leaves out: it walks into every
+    dict, and into every list holding a dict or a tensor (``_traverse.traverse_state_dict``), and saves nothing
+    for an empty dict it meets that way."""
+    if isinstance(value, Mapping):
+        if not value:
+            return (".".join(map(str, path)),)
+        return tuple(name for k, v in value.items() for name in _left_out_by_dcp(v, (*path, k)))
+    if isinstance(value, list) and not _saved_whole(value):
+        return tuple(name for i, v in enumerate(value) for name in _left_out_by_dcp(v, (*path, i)))
+    return ()
+
+
+def _saved_whole(value: list[Any]) -> bool:
+    """Whether DCP saves this list as one value (``_traverse``'s ``_is_terminal``): no dict, tensor, or such a
+    list inside."""
+    return not any(isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and not _saved_whole(v))
+                   for v in value)
+
+
+def refuse_pickles(checkpoint: Checkpoint) -> None:
+    """A pickled value can only be exported from a checkpoint opened with ``allow_pickle=True``: say so first."""
     for key, entry in checkpoint.manifest.entries.items():
         if isinstance(entry, PickleEntry) and not checkpoint.allow_pickle:
             raise PickleNotAllowedError(f"{checkpoint.location}: value {key!r} is pickled; converting it needs "
                                         "allow_pickle=True (--allow-pickle), only for checkpoints you trust")
-    state, skipped = nested_state(checkpoint, lambda key: torch.empty(checkpoint[key].shape,
-                                                                       dtype=checkpoint[key].dtype, device="meta"))
-    keys = {k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry)}
+
+
+def meta_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:
+    """The shape and dtype of array ``key``, without its data: what DCP plans with."""
+    return torch.empty(checkpoint[key].shape, dtype=checkpoint[key].dtype, device="meta")
+
+
+def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, Any], keys: frozenset[str], directory: Path, *,
+                    flatten: bool, progress: Progress | None = None) -> int:
+    """DCP's own save of ``state`` into the new ``directory``, one rank: its meta tensors under ``keys`` (the
+    arrayckpt keys, which are also DCP's names: dotted paths when ``flatten``, else the state's own keys) read
+    from ``checkpoint`` only when DCP's writer reaches them, one at a time; other values saved as DCP saves
+    them (``torch.save`` bytes). Returns the bytes of tensors written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
     total = sum(checkpoint[k].nbytes for k in keys)
     done = [0]
 
@@ -282,14 +327,24 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
                 progress(done[0], total)
             return tensor
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=_writer(directory, False), planner=StreamingPlanner(flatten_state_dict=flatten),
+                 no_dist=True)
+    return total
+
+
+@contextlib.contextmanager
+def new_directory(target: Path, markers: tuple[str, ...]) -> Iterator[Path]:
+    """A temporary directory beside ``target`` to write a checkpoint into; once the block succeeds it becomes
+    ``target`` (:func:`_move_into_place`; ``markers``: the files that make the directory a checkpoint, in the
+    order they are put in place, last of all). On failure nothing partial is left, and DCP's wrapped error is
+    raised as itself (:func:`_dcp_cause`)."""
     temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            writer = _writer(temporary, False)
-            dcp.save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
-        _move_into_place(temporary, target)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException: nothing partial is left either way
+        yield temporary
+        _move_into_place(temporary, target, markers)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         shutil.rmtree(temporary, ignore_errors=True)
         cause = _dcp_cause(e)
         failure = write_failure(cause, target)  # a full disk: torch's zip writer says "unexpected pos"
@@ -298,20 +353,20 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
         if cause is e:
             raise
         raise cause from None
-    files = tuple(sorted(str(p) for p in target.iterdir()))
-    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped)
 
 
-def _move_into_place(temporary: Path, target: Path) -> None:
-    """A complete DCP checkpoint written to ``temporary`` to ``target``: renamed there in one step when nothing
-    (or an empty directory) is there, else (``overwrite=True``) its files moved in one by one, DCP's
-    ``.metadata`` (what makes a DCP checkpoint) removed first and put back last; the other files there are
-    left alone."""
+def _move_into_place(temporary: Path, target: Path, markers: tuple[str, ...]) -> None:
+    """A complete checkpoint written to ``temporary`` to ``target``: renamed there in one step when nothing (or an
+    empty directory) is there, else (``overwrite=True``) its files moved in one by one, the ``markers`` (what
+    makes it a checkpoint: DCP's ``.metadata``; Megatron's ``metadata.json`` too) removed first, the last one
+    first, and put back last, in order; the other files there are left alone."""
     if not target.exists() or (target.is_dir() and not any(target.iterdir())):
         os.replace(temporary, target)
         return
-    (target / METADATA_FILE).unlink(missing_ok=True)
-    for item in sorted(temporary.iterdir(), key=lambda p: p.name == METADATA_FILE):
+    for marker in reversed(markers):
+        (target / marker).unlink(missing_ok=True)
+    rank = {name: i + 1 for i, name in enumerate(markers)}
+    for item in sorted(temporary.iterdir(), key=lambda p: rank.get(p.name, 0)):
         os.replace(item, target / item.name)
     temporary.rmdir()
 

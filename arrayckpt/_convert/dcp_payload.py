@@ -223,7 +223,7 @@ def _overlap(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
 
 def _payload_file(src: Path, relative: Any) -> Path:
     """The ``.distcp`` file a ``_StorageInfo`` names, which must lie inside the checkpoint directory."""
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or \
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or "\x00" in relative or \
             os.path.normpath(relative).split(os.sep)[0] == "..":
         raise FormatError(f"{src}: the metadata names a data file outside the checkpoint: {relative!r}")
     return src / relative

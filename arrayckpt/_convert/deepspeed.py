@@ -4,8 +4,10 @@ What comes out (every parameter under the name the module gives it)::
 
     model.<name>              trainable parameters: the fp32 master weights, the ranks' partitions joined and the
                               padding stripped; frozen parameters and buffers: as the module holds them (dtype kept)
-    optim.state.<name>.<k>    the optimizer state of each trainable parameter (``exp_avg``, ``exp_avg_sq``: joined
-                              like the master weights; ``step``: its group's step)
+    optim.state.<name>.<k>    the optimizer state of each trainable parameter (``exp_avg``, ``exp_avg_sq``, or what
+                              the optimizer keeps: joined like the master weights; ``step``: its group's step, a
+                              0-d array where the optimizer keeps a tensor (torch's), a plain int where it keeps an
+                              int (DeepSpeed's FusedAdam, DeepSpeedCPUAdam))
     optim.param_groups        the optimizer's hyper-parameters, each group's ``params`` given as parameter names
     deepspeed.<k>             DeepSpeed's own bookkeeping: ``global_steps``, ``global_samples``, ``skipped_steps``,
                               ``dp_world_size``, ``ds_config``, ``ds_version``, ``lr_scheduler``, ``zero_stage``,
@@ -56,18 +58,22 @@ from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress
-from .deepspeed_files import FragmentAddress, find_zero_files, load_pt, model_states_file, plain_scaler, tag_directory
+from .deepspeed_files import (
+    DEEPSPEED_KEYS,
+    LAYOUT_KEYS,
+    OPTIMIZER_KEYS,
+    FragmentAddress,
+    find_zero_files,
+    load_pt,
+    model_states_file,
+    plain_scaler,
+    tag_directory,
+)
+from .deepspeed_universal_read import from_universal, is_universal
 from .torch_save import _release_pages
 
 __all__ = ["FlatParam", "Piece", "from_deepspeed", "zero12_layout", "zero3_layout"]
 
-# model-state keys that are DeepSpeed's (kept as deepspeed.<key>) or that describe the layout (used, not kept);
-# every other top-level key is the client state.
-DEEPSPEED_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
-                  "checkpoint_parallel_dimensions", "ds_config", "ds_version", "lr_scheduler", "data_sampler",
-                  "random_ltd", "buffer_names", "shared_params", "universal_checkpoint_info")
-LAYOUT_KEYS = ("module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments")
-OPTIMIZER_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 
 @dataclass(frozen=True)
@@ -238,11 +244,16 @@ def from_deepspeed(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                    allow_pickle: bool = False, progress: Progress | None = None,
                    chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
     """A DeepSpeed ZeRO checkpoint (its directory, whose ``latest`` names the tag, or a tag directory) into
-    arrayckpt; the keys are in this module's docstring."""
+    arrayckpt; the keys are in this module's docstring. A Universal Checkpoint (a tag directory with
+    ``zero/optimizer_state.pt``, or a directory whose ``latest_universal`` names one) goes to
+    ``deepspeed_universal_read.py``, which gives the same keys."""
     root = Path(src)
     if not root.is_dir():
         raise FormatError(f"{src}: not a directory; give a DeepSpeed checkpoint or tag directory")
     tag_dir = tag_directory(root)
+    if is_universal(tag_dir):
+        return from_universal(tag_dir, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress,
+                              chunking=chunking)
     first = load_pt(model_states_file(tag_dir), mmap=True)
     files = find_zero_files(tag_dir, first)
     models = [first, *(load_pt(f, mmap=True) for f in files.model_files[1:])]

@@ -29,7 +29,16 @@ import torch
 from .._errors import FormatError
 from .common import refusal_reason
 
-__all__ = ["ZeroFiles", "find_zero_files", "load_pt", "model_states_file", "plain_scaler", "tag_directory"]
+__all__ = ["DEEPSPEED_KEYS", "LAYOUT_KEYS", "OPTIMIZER_KEYS", "ZeroFiles", "find_zero_files", "load_pt", "load_value",
+           "model_states_file", "plain_scaler", "tag_directory"]
+
+# model-state keys that are DeepSpeed's (kept as deepspeed.<key>) or that describe the layout (used, not kept);
+# every other top-level key is the client state.
+DEEPSPEED_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
+                  "checkpoint_parallel_dimensions", "ds_config", "ds_version", "lr_scheduler", "data_sampler",
+                  "random_ltd", "buffer_names", "shared_params", "universal_checkpoint_info")
+LAYOUT_KEYS = ("module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments")
+OPTIMIZER_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -67,15 +76,24 @@ ALLOW_LIST: list[tuple[Any, str]] = [
 
 
 def load_pt(path: Path, *, mmap: bool = False) -> dict[str, Any]:
-    """A DeepSpeed ``.pt`` file, unpickled with ``weights_only=True`` and :data:`ALLOW_LIST` only."""
+    """A DeepSpeed ``.pt`` file holding a dict, unpickled with ``weights_only=True`` and :data:`ALLOW_LIST` only."""
+    state = load_value(path, mmap=mmap)
+    if not isinstance(state, dict):
+        raise FormatError(f"{path}: holds a {type(state).__name__}, not DeepSpeed's state dict")
+    return state
+
+
+def load_value(path: Path, *, mmap: bool = False) -> Any:
+    """What a DeepSpeed ``.pt`` file holds (a dict, or a tensor or number: a universal checkpoint's per-parameter
+    files), unpickled with ``weights_only=True`` and :data:`ALLOW_LIST` only."""
     try:
         with torch.serialization.safe_globals(ALLOW_LIST):
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as e:
                 if not mmap or "zip" not in str(e).lower():
                     raise
-                state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format: cannot be mapped
+                return torch.load(path, map_location="cpu", weights_only=True)  # legacy format: cannot be mapped
     except FileNotFoundError:
         raise FormatError(f"{path}: missing; the DeepSpeed checkpoint is incomplete (a rank's save did not "
                           "finish, or the file was removed)") from None
@@ -84,9 +102,6 @@ def load_pt(path: Path, *, mmap: bool = False) -> dict[str, Any]:
                           f"arrayckpt never runs code from a checkpoint): {refusal_reason(e)}") from e
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise FormatError(f"{path}: not a readable torch.save file: {e}") from e
-    if not isinstance(state, dict):
-        raise FormatError(f"{path}: holds a {type(state).__name__}, not DeepSpeed's state dict")
-    return state
 
 
 def plain_scaler(value: Any) -> Any:
@@ -95,13 +110,15 @@ def plain_scaler(value: Any) -> Any:
 
 
 def tag_directory(src: Path) -> Path:
-    """The tag directory of ``src``: ``src`` itself when it holds model-state files, else the tag ``latest`` names."""
+    """The tag directory of ``src``: ``src`` itself when it holds model-state files, else the tag ``latest`` names
+    (or, without it, ``latest_universal``: a Universal Checkpoint's root)."""
     if any(MODEL_STATES.fullmatch(p.name) for p in src.iterdir()):
         return src
-    latest = src / "latest"
+    latest = src / "latest" if (src / "latest").is_file() else src / "latest_universal"
     if not latest.is_file():
         raise FormatError(f"{src}: neither a DeepSpeed tag directory (no *_model_states.pt) nor a checkpoint "
-                          "directory with a 'latest' file; give the tag directory (e.g. .../global_step100)")
+                          "directory with a 'latest' (or 'latest_universal') file; give the tag directory (e.g. "
+                          ".../global_step100)")
     tag = latest.read_text().strip()
     if not tag or "/" in tag or tag in (".", ".."):
         raise FormatError(f"{latest}: names {tag!r}, not a tag directory")

@@ -1,9 +1,11 @@
 """``convert``: detect the formats and hand over to the converter of each (``torch_save``, ``safetensors``,
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
-DeepSpeed and Megatron are read only (a DeepSpeed engine resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``). Only
-arrayckpt -> safetensors runs without torch; the other converters are imported when used, after checking that
-torch is there."""
+DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
+(``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
+Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
+safetensors it is. Only arrayckpt -> safetensors and hf run without torch; the other converters are imported
+when used, after checking that torch is there."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
@@ -21,12 +23,13 @@ from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
 from .._whatis import checkpoint_steps, explain_path
 from .common import ConvertResult, Progress
+from .hf import HfOptions, refuse_earlier_export, to_hf
 from .safetensors import to_safetensors
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "deepspeed", "megatron", "safetensors", "torch")
-READ_ONLY = ("deepspeed", "megatron")  # formats converted into arrayckpt, never written
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -39,8 +42,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
         if (p / ".metadata").is_file():
             return "dcp"
-        if (p / "latest").is_file() or list(p.glob("*_model_states.pt")):
-            return "deepspeed"  # a DeepSpeed checkpoint directory ('latest' names the tag) or a tag directory
+        if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
+            return "deepspeed"  # a DeepSpeed checkpoint directory ('latest[_universal]' names the tag) or a tag
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
             return "safetensors"
         return None
@@ -68,7 +71,7 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
     implied = _target_format(dst)
     if implied is not None and implied != target:
         raise FormatError(f"{dst}: its name says {implied} but the target format is {target}; name the target "
-                          f"for what it holds{' (a directory)' if target in ('arrayckpt', 'dcp') else ''}")
+                          f"for what it holds{' (a directory)' if target in DIRECTORIES else ''}")
     if target == "torch" and implied is None:
         raise FormatError(f"{dst}: a torch.save target is a file named .pt, .pth or .bin")
     if target == "safetensors" and implied is None and max_shard_bytes is None and not Path(dst).is_dir():
@@ -78,16 +81,34 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_format: str | None = None,
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
-            max_shard_bytes: int | None = None, progress: Progress | None = None) -> ConvertResult:
-    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors and dcp into any of them,
-    and deepspeed (a ZeRO checkpoint or tag directory) or megatron (Megatron-Core ``torch_dist``) into any of them.
+            max_shard_bytes: int | None = None, select: str | None = None, tie: Mapping[str, str] | None = None,
+            config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
+            base_roots: Sequence[str | os.PathLike[str]] | None = None,
+            param_names: Sequence[str] | None = None) -> ConvertResult:
+    """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
+    megatron (Megatron-Core ``torch_dist``) into any of them. deepspeed is read from a ZeRO checkpoint (stage 1, 2
+    or 3; its directory or a tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
     The source format is detected unless given; the target format is ``to_format``, or what ``dst``'s suffix says
     (``.safetensors``; ``.pt``, ``.pth``, ``.bin``: torch), or arrayckpt (a directory). A suffix that contradicts
     ``to_format`` is refused before anything is written. ``max_shard_bytes`` splits safetensors output into shards
-    with a ``model.safetensors.index.json``.
+    with a ``model.safetensors.index.json``. ``base_roots``: where an arrayckpt delta source's bases may be besides
+    the directory holding it (as for :func:`arrayckpt.open`).
+
+    ``to_format="hf"`` writes the directory ``dst`` for people who publish weights: the model's tensors only
+    (``select``: their key prefix, ``"model."``, stripped from the names; found when there is one module under
+    a top-level key), tied duplicates left out as ``save_pretrained`` leaves them (``tie``: alias -> target, and
+    the ties of the model ``config`` describes), dtypes kept, ``model.safetensors`` or shards (``max_shard_bytes``,
+    default 50 GB) with their index, and ``config`` copied as ``config.json``. ``from_pretrained`` loads it.
+
+    ``to_format="deepspeed"`` writes the directory ``dst`` as a DeepSpeed Universal Checkpoint (``latest_universal``
+    and one tag directory) that ``engine.load_checkpoint(dst)`` resumes with ``"checkpoint": {"load_universal": true}``
+    at any data-parallel degree and ZeRO stage: the module under ``model``, with one optimizer's state. An optimizer
+    saved by ``state_dict()`` numbers its parameters; where that does not say which of the module's tensors they are
+    (frozen parameters, buffers, ties, several param groups), ``param_names`` names them, in the order the param
+    groups list them. Read back with ``convert(dst, ...)`` (``from_format`` detected as deepspeed).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -98,8 +119,17 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     4
     >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")).target_format
     'safetensors'
+    >>> arrayckpt.save({"model": torch.nn.Linear(2, 2), "step": 4}, os.path.join(d, "train"))
+    >>> done = arrayckpt.convert(os.path.join(d, "train"), os.path.join(d, "hf"), to_format="hf")
+    >>> done.selected, sorted(os.listdir(os.path.join(d, "hf"))), done.skipped
+    ('model.', ['model.safetensors'], ('step',))
     """
-    source = from_format or detect_format(src)
+    hf = HfOptions(select, dict(tie or {}), config)
+    if (select is not None or tie or config is not None) and to_format != "hf":
+        raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
+    if param_names is not None and to_format != "deepspeed":
+        raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
+    source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
     if source is None:
         if not os.path.exists(src):
             raise CheckpointNotFoundError(f"{src}: nothing here to convert")
@@ -108,13 +138,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, safetensors, torch)")
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, deepspeed, hf, megatron, "
+                          "safetensors, torch)")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
-    if target in READ_ONLY:
-        resume = "; resume DeepSpeed with arrayckpt.deepspeed.load(engine, path)" if target == "deepspeed" else ""
-        raise FormatError(f"converting to {target} is not supported: {target} checkpoints are read only{resume}")
     _check_target(dst, target, max_shard_bytes)
     if source == "arrayckpt" and target == "arrayckpt":
         raise FormatError(f"{src} is already an arrayckpt checkpoint (to change its chunking or codec: "
@@ -124,9 +152,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                       max_shard_bytes=max_shard_bytes, progress=progress)
+                       max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, base_roots=base_roots,
+                       param_names=param_names)
     into = _converter(_INTO[source], f"converting {source} to {target}")
-    if os.path.exists(dst) and not overwrite:  # refused before the (long) first half
+    if target == "hf":  # refused before the (long) first half
+        refuse_earlier_export(Path(dst), overwrite)
+    elif os.path.exists(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
     parent = Path(dst).absolute().parent
     if not parent.is_dir():
@@ -135,7 +166,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     try:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
         result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                         max_shard_bytes=max_shard_bytes, progress=progress)
+                         max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return dataclasses.replace(result, source_format=first.source_format,
@@ -143,21 +174,28 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
 
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
-            allow_pickle: bool, max_shard_bytes: int | None, progress: Progress | None) -> ConvertResult:
+            allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions,
+            progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None,
+            param_names: Sequence[str] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
+    if target == "hf":
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
+            return to_hf(checkpoint, dst, hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
     if target == "safetensors":
-        with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                                   progress=progress)
     out_of = _converter(_OUT_OF[target], f"converting arrayckpt to {target}")
-    with open_checkpoint(src, allow_pickle=allow_pickle) as checkpoint:
-        return out_of(checkpoint, dst, overwrite=overwrite, progress=progress)
+    extra = {"param_names": param_names} if target == "deepspeed" else {}
+    with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
+        return out_of(checkpoint, dst, overwrite=overwrite, progress=progress, **extra)
 
 
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
          "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
-_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp"}
+_OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal",
+           "megatron": "megatron:to_megatron"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:

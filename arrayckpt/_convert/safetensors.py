@@ -33,12 +33,12 @@ import numpy as np
 
 from .._errors import ArrayckptError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
-from .._format.manifest import ArrayEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
 
-__all__ = ["ST_DTYPES", "ST_NAMES", "from_safetensors", "source_record", "to_safetensors"]
+__all__ = ["DEFAULT_FILE_METADATA", "SAFETENSORS_INDEX", "ST_DTYPES", "ST_NAMES", "check_storable", "cut_shards",
+           "from_safetensors", "shard_files", "source_record", "to_safetensors", "write_file"]
 
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # the safetensors library's own limit on the JSON header
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -207,7 +207,7 @@ def _safetensors_source(src: Path) -> _StSource:
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise FormatError(f"{src}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        if not all(isinstance(n, str) and "/" not in n and n not in ("", ".", "..") for n in names):
+        if not all(isinstance(n, str) and "/" not in n and "\x00" not in n and n not in ("", ".", "..") for n in names):
             raise FormatError(f"{src}: weight_map names files outside its directory: {names!r}")
         metadata = index.get("metadata")
         return _StSource([src.parent / n for n in names], metadata if isinstance(metadata, dict) else {})
@@ -289,29 +289,29 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
 
     ``dst`` is the file (``model.safetensors``); with shards (``max_shard_bytes`` exceeded) it is a directory.
     Tensors are written one at a time, read as numpy (no torch needed). Plain values have no place in
-    safetensors and are skipped.
+    safetensors and are skipped. safetensors cannot alias, so a tensor stored once under two keys (tied weights)
+    is written under both, its bytes twice: every key of the state is in the file, for any reader and for
+    ``load_state_dict(strict=True)`` of a model that does not tie them (an export for a library that re-ties them
+    itself, as Hugging Face's ``from_pretrained`` does, can leave out ``checkpoint.aliases()``' keys).
     """
-    keys = [k for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry) and e.kind == "tensor"]
+    manifest = checkpoint.manifest
+    keys = [k for k in manifest.entries if (e := manifest.array_entry(k)) is not None and e.kind == "tensor"]
     skipped = tuple(k for k in checkpoint.manifest.entries if k not in keys)
-    for key in keys:
-        if checkpoint[key].entry.dtype.name not in ST_NAMES:
-            raise StateError(f"{checkpoint.location}: tensor {key!r} is {checkpoint[key].entry.dtype.name}, which "
-                             f"safetensors cannot store ({', '.join(ST_DTYPES)})")
-    shards = _shard(keys, checkpoint, max_shard_bytes)
+    check_storable(checkpoint, keys)
+    shards = cut_shards({k: checkpoint[k].nbytes for k in keys}, max_shard_bytes)
     target = Path(dst)
     if len(shards) == 1 and not target.is_dir():
         files = [target]
     else:
         target.mkdir(parents=True, exist_ok=True)
-        files = [target / (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
-                           else "model.safetensors") for i in range(len(shards))]
+        files = shard_files(target, len(shards))
     for file in files:
         refuse_existing(file, overwrite)
     total = sum(checkpoint[k].nbytes for k in keys)
     file_metadata, index_metadata = _carried_metadata(checkpoint)
-    done = [0]
+    done = 0
     for file, names in zip(files, shards, strict=True):
-        _write_safetensors(checkpoint, names, file, file_metadata, done, total, progress)
+        done = write_file(checkpoint, {k: k for k in names}, file, file_metadata, done, total, progress)
     written = [str(f) for f in files]
     if len(files) > 1:
         totals = {"total_size": total, "total_parameters": sum(math.prod(checkpoint[k].shape) for k in keys)}
@@ -325,12 +325,28 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
     return ConvertResult("arrayckpt", "safetensors", len(keys), total, tuple(written), skipped)
 
 
-def _shard(keys: list[str], checkpoint: Checkpoint, limit: int | None) -> list[list[str]]:
-    """Keys in order, cut into shards of at most ``limit`` bytes (a bigger tensor gets a shard of its own)."""
+def check_storable(checkpoint: Checkpoint, keys: list[str]) -> None:
+    """Refuse, before anything is written, a tensor whose dtype safetensors has no name for."""
+    for key in keys:
+        if checkpoint[key].entry.dtype.name not in ST_NAMES:
+            raise StateError(f"{checkpoint.location}: tensor {key!r} is {checkpoint[key].entry.dtype.name}, which "
+                             f"safetensors cannot store ({', '.join(ST_DTYPES)})")
+
+
+def shard_files(directory: Path, count: int) -> list[Path]:
+    """The files of ``count`` shards as transformers names them: ``model.safetensors`` alone, else
+    ``model-00001-of-00003.safetensors`` ..."""
+    if count == 1:
+        return [directory / "model.safetensors"]
+    return [directory / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def cut_shards(sizes: Mapping[str, int], limit: int | None) -> list[list[str]]:
+    """Names in order (``sizes``: name -> bytes), cut into shards of at most ``limit`` bytes (a bigger tensor gets
+    a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
-    for key in keys:
-        nbytes = checkpoint[key].nbytes
+    for key, nbytes in sizes.items():
         if limit is not None and shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -352,24 +368,28 @@ def _carried_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], dict[str,
     return DEFAULT_FILE_METADATA | strings, dict(index) if isinstance(index, dict) else {}
 
 
-def _write_safetensors(checkpoint: Checkpoint, keys: list[str], file: Path, metadata: dict[str, str],
-                       done: list[int], total: int, progress: Progress | None) -> None:
-    """Header first (every offset is known from the metadata), then each tensor's bytes as it is read."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+def write_file(checkpoint: Checkpoint, tensors: Mapping[str, str], file: Path, metadata: Mapping[str, str],
+               done: int, total: int, progress: Progress | None) -> int:
+    """Write ``tensors`` (name in the file -> key in the checkpoint, in file order) as one safetensors file,
+    replaced atomically: header first (every offset is known from the metadata), then each tensor's bytes as it
+    is read, one tensor in memory at a time. ``done`` bytes were written before (of ``total``, for
+    ``progress``); returns the count after this file."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    for key in keys:
+    for name, key in tensors.items():
         array = checkpoint[key]
-        header[key] = {"dtype": ST_NAMES[array.entry.dtype.name], "shape": list(array.shape),
-                       "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {"dtype": ST_NAMES[array.entry.dtype.name], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
     with replaced_atomically(file) as temp, open(temp, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
-        for key in keys:
+        for key in tensors.values():
             data = np.ascontiguousarray(checkpoint[key].numpy())
             f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
-            done[0] += data.nbytes
+            done += data.nbytes
             del data
             if progress is not None:
-                progress(done[0], total)
+                progress(done, total)
+    return done

@@ -18,6 +18,7 @@ import torch
 from .._errors import FormatError, PickleNotAllowedError, StateError
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
+from .._torch.aliases import tensor_identity
 from .._torch.state import walk
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
@@ -101,13 +102,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _meta_skeleton(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
-    """A copy of nested dicts/lists/tuples with every tensor replaced by a meta tensor (and a map back)."""
+    """A copy of nested dicts/lists/tuples with every tensor replaced by a meta tensor (and a map back); tensors
+    that are one (tied weights, sharing their memory) get one meta tensor, which the save then stores once."""
     real: dict[int, torch.Tensor] = {}
+    made: dict[Any, torch.Tensor] = {}
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
-            real[id(meta)] = value
+            identity = tensor_identity(value)
+            meta = made.get(identity) if identity is not None else None
+            if meta is None:
+                meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+                real[id(meta)] = value
+                if identity is not None:
+                    made[identity] = meta
             return meta
         if isinstance(value, dict):
             return {k: copy(v) for k, v in value.items()}

@@ -14,7 +14,7 @@ import re
 
 from .._errors import FormatError
 
-__all__ = ["Key", "array_path", "dotted", "parse_array_path", "parse_key_parts"]
+__all__ = ["Key", "array_path", "dotted", "parse_array_path", "parse_key_parts", "valid_segment"]
 
 Key = tuple[str | int, ...]
 
@@ -40,6 +40,12 @@ def _escape_segment(segment: str) -> str:
 def array_path(key: str) -> str:
     """The array path of a flattened key: dot-separated segments, each escaped (cached: called often)."""
     return "/".join(_escape_segment(s) for s in key.split("."))
+
+
+def valid_segment(segment: str) -> bool:
+    """Whether ``segment`` is one escaped path segment (spec §3.2): ``%`` alone, or safe characters and upper-case
+    ``%XX`` escapes, not beginning with ``__``."""
+    return bool(_SEGMENT.fullmatch(segment)) and not segment.startswith("__")
 
 
 def parse_array_path(path: object, key: str) -> str:

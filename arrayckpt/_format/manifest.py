@@ -3,7 +3,8 @@
 The manifest lives in the root group's ``zarr.json`` under ``attributes["arrayckpt"]``, next to the
 consolidated metadata of every array, so opening a checkpoint is one read. Writing that document is the
 commit. Parsing is strict: unknown versions, wrong types and unsafe paths raise :class:`FormatError`
-naming the entry, and unknown entry kinds are refused rather than skipped. See ``spec/FORMAT.md``.
+naming the entry, and unknown entry kinds are refused rather than skipped; an alias must name a tensor entry of the
+same checkpoint (``alias.py``). See ``spec/FORMAT.md``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._errors import FormatError
+from .alias import AliasEntry, alias_problem, parse_alias
 from .dtypes import DType, dtype_by_name
 from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
 from .keys import Key, array_path, parse_array_path, parse_key_parts
+from .paths import BaseRef, check_node_paths
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_ATTRIBUTE",
+    "AliasEntry",
     "ArrayEntry",
     "BaseRef",
     "Delta",
@@ -31,6 +35,7 @@ __all__ = [
     "PickleEntry",
     "Quantization",
     "ValueEntry",
+    "array_nodes",
     "encode_root_document",
     "is_arrayckpt_root",
     "parse_root_document",
@@ -71,6 +76,13 @@ class Delta:
     present: tuple[int, ...] = ()
     rows: int = 0  # number of changed rows (rows mode)
     quantized: Quantization | None = None
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The names of the arrays a rows delta stores below the entry's path (none for a chunks delta)."""
+        if self.mode == "chunks":
+            return ()
+        return ("rows", "values") if self.quantized is None else ("rows", "codes", "scale", "offset")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
@@ -171,30 +183,7 @@ def _per_rank_item(item: ValueEntry | ArrayEntry) -> dict[str, Any]:
     return {"dtype": item.dtype.name, "shape": list(item.shape), "kind": item.kind}
 
 
-Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry
-
-
-@dataclass(frozen=True)
-class BaseRef:
-    """The checkpoint a delta checkpoint was saved against: where it is (relative to the delta's own location,
-    e.g. ``../step-100``, when both are local or in the same bucket; else absolute) and its id, so that a
-    replaced base is detected."""
-
-    path: str
-    id: str
-    step: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "id": self.id, "step": self.step}
-
-    @classmethod
-    def from_dict(cls, data: object) -> BaseRef:
-        if not (isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]
-                and isinstance(data.get("id"), str) and data["id"]
-                and (data.get("step") is None or (isinstance(data["step"], int)
-                                                  and not isinstance(data["step"], bool)))):
-            raise FormatError(f"manifest 'base' must be {{path, id, step}}, got {data!r}")
-        return cls(data["path"], data["id"], data.get("step"))
+Entry = ArrayEntry | ValueEntry | PickleEntry | PerRankEntry | AliasEntry
 
 
 @dataclass(frozen=True)
@@ -237,6 +226,19 @@ class Manifest:
         if self.format_version >= INTEGRITY_VERSION or self.chunk_digests:
             out["chunk_digests"] = dict(self.chunk_digests)
         return out
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Every alias key and the key of the tensor it names (spec §4.3): a tensor the state held under both keys
+        (tied weights), stored once under the target. ``{}`` when the checkpoint has none."""
+        return {key: entry.target for key, entry in self.entries.items() if isinstance(entry, AliasEntry)}
+
+    def array_entry(self, key: str) -> ArrayEntry | None:
+        """The tensor or ndarray entry of ``key``, through an alias to its target; ``None`` for other keys."""
+        entry = self.entries.get(key)
+        if isinstance(entry, AliasEntry):
+            entry = self.entries.get(entry.target)
+        return entry if isinstance(entry, ArrayEntry) else None
 
     @classmethod
     def from_dict(cls, data: object) -> Manifest:
@@ -338,9 +340,10 @@ def parse_entry(key: object, data: object) -> Entry:
         if not isinstance(ranks, list) or not ranks:
             raise FormatError(f"entry {key!r}: 'ranks' must be a non-empty list")
         return PerRankEntry(key, parts, tuple(_parse_per_rank_item(key, parts, item) for item in ranks))
-    raise FormatError(
-        f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle, per_rank"
-    )
+    if kind == "alias":
+        return parse_alias(key, parts, data)
+    raise FormatError(f"entry {key!r} has unknown kind {kind!r}; this arrayckpt knows tensor, ndarray, value, pickle, "
+                      "per_rank and alias (a newer arrayckpt may know more: upgrade)")
 
 
 def _nonneg_int(value: object) -> bool:
@@ -392,7 +395,11 @@ def _parse_per_rank_item(key: str, parts: Key, item: object) -> ValueEntry | Arr
 
 def _check_structure(entries: Mapping[str, Entry], containers: Mapping[str, str]) -> None:
     """What writers guarantee across entries (spec §3.3, §4.3): every per-rank entry has one item per rank of
-    the same saving group; every container prefix holds entries; no array node lies inside another."""
+    the same saving group; every container prefix holds entries; no array node lies inside another; every alias
+    names a tensor or ndarray entry (so no alias of an alias, and no cycle)."""
+    for entry in entries.values():
+        if isinstance(entry, AliasEntry) and not isinstance(entries.get(entry.target), ArrayEntry):
+            raise FormatError(alias_problem(entry, entries.get(entry.target)))
     counts = {len(e.items) for e in entries.values() if isinstance(e, PerRankEntry)}
     if len(counts) > 1:
         raise FormatError(f"per-rank entries disagree on the number of ranks that saved ({sorted(counts)}); every "
@@ -448,8 +455,25 @@ def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[st
     metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
+    check_node_paths(metadata, array_nodes(manifest.entries), where)
     _check_digested(manifest, metadata, where)
     return manifest, metadata
+
+
+def array_nodes(entries: Mapping[str, Entry]) -> dict[str, str]:
+    """Every array node the entries imply, by path, with the name of the entry it belongs to (spec §2): the arrays
+    of ``tensor``/``ndarray``/``pickle`` entries, a rows delta's arrays below its entry's path, and the per-rank
+    arrays. Built from validated names only: the one list of node paths a reader may turn into file names."""
+    out: dict[str, str] = {}
+    for name, entry in entries.items():
+        if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "rows":
+            out.update((f"{entry.path}/{array}", name) for array in entry.delta.arrays)
+        elif isinstance(entry, (ArrayEntry, PickleEntry)):
+            out[entry.path] = name
+        elif isinstance(entry, PerRankEntry):
+            out.update((per_rank_path(name, rank), name) for rank, item in enumerate(entry.items)
+                       if isinstance(item, ArrayEntry))
+    return out
 
 
 def _check_digested(manifest: Manifest, nodes: dict[str, Any], where: str) -> None:

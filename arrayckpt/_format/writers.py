@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["expand_runs", "ranks_at", "writer_runs"]
+__all__ = ["expand_runs", "ranks_at", "writer_counts", "writer_runs"]
 
 
 def writer_runs(ranks: Sequence[int] | np.ndarray) -> list[list[int]]:
@@ -91,3 +91,45 @@ def ranks_at(runs: object, count: int, positions: np.ndarray) -> np.ndarray | No
     k = np.searchsorted(np.asarray(starts, dtype=np.int64), where, side="right") - 1
     first, step, each = table[k, 0], table[k, 1], table[k, 3]
     return first + step * ((where - np.asarray(starts, dtype=np.int64)[k]) // each)
+
+
+MAX_COUNTED = 1 << 24  # rank entries `writer_counts` expands at most (a record is informational: a bigger one is not)
+
+
+def writer_counts(record: object) -> dict[int, int] | None:
+    """How many chunks each rank wrote, over every array of a ``created.writers`` record (``{node path: runs}``),
+    for a summary (``arrayckpt info``); ``None`` when the record is not one. A run of one rank costs nothing; a
+    run over many ranks one entry per rank, at most ``MAX_COUNTED`` in all.
+
+    >>> writer_counts({"model/w": [[0, 1, 2, 2]], "model/b": [[0, 0, 1, 1]]})
+    {0: 3, 1: 2}
+    """
+    if not isinstance(record, dict):
+        return None
+    counts: dict[int, int] = {}
+    ranks: list[np.ndarray] = []
+    weights: list[np.ndarray] = []
+    expanded = 0
+    for runs in record.values():
+        if not isinstance(runs, list):
+            return None
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 4 and all(type(v) is int for v in run)) or min(run[2:]) < 1:
+                return None
+            first, step, n, each = run
+            if first < 0 or first + step * (n - 1) < 0:
+                return None
+            if step == 0:  # one rank: n blocks of `each`
+                counts[first] = counts.get(first, 0) + n * each
+                continue
+            expanded += n
+            if expanded > MAX_COUNTED:
+                return None
+            ranks.append(first + step * np.arange(n, dtype=np.int64))
+            weights.append(np.full(n, each, dtype=np.int64))
+    if ranks:
+        unique, index = np.unique(np.concatenate(ranks), return_inverse=True)
+        for rank, total in zip(unique.tolist(), np.bincount(index, weights=np.concatenate(weights)).tolist(),
+                               strict=True):
+            counts[rank] = counts.get(rank, 0) + int(total)
+    return dict(sorted(counts.items()))

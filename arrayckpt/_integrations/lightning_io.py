@@ -25,10 +25,12 @@
 - **One writer.** Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only, and
   ``load_checkpoint`` on every rank: each call here is a single-process save or load, with no collectives.
 
-Keys are those of Lightning's dict (``state_dict.layer.weight``, ``optimizer_states.0.state.0.exp_avg``). A dict
-holding tensors whose key cannot name a directory (``ModelCheckpoint``'s state key with a long monitor name, or a
-long path in its ``best_k_models``: over 255 bytes once escaped) is stored as a list of ``[key, value]`` pairs under
-one key, :data:`FOLDED`, and unfolded on load.
+Keys are those of Lightning's dict (``state_dict.layer.weight``, ``optimizer_states.0.state.0.exp_avg``), except the
+callback states: each is one plain value under ``callbacks.<ClassName>`` (``callbacks.ModelCheckpoint``), which
+holds Lightning's own state key and is given back exactly on load (``lightning_callbacks.py``). A dict holding
+tensors whose key cannot name a directory (over 255 bytes once escaped; before readable callback keys,
+``ModelCheckpoint``'s state key with a long monitor name, or a long path in its ``best_k_models``) is stored as a
+list of ``[key, value]`` pairs under one key, :data:`FOLDED`, and unfolded on load.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 from .._convert.common import restore_containers
 from .._errors import CheckpointNotFoundError, PickleNotAllowedError
 from .._format.keys import array_path
-from .._format.manifest import ArrayEntry, PerRankEntry
+from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry
 from .._layout.saveplan import MAX_SEGMENT_BYTES
 from .._read.checkpoint import open_checkpoint
 from .._read.load import load
@@ -56,6 +58,7 @@ from .._torch.dtypes import torch_dtype
 from .._torch.shards import PerRank
 from .._write.asynchronous import SaveHandle, async_save
 from .._write.save import save
+from .lightning_callbacks import readable_callbacks, restore_callbacks
 
 __all__ = ["FOLDED", "LIGHTNING_EXTRA", "ArrayckptIO"]
 
@@ -121,7 +124,7 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         options = {"overwrite": True, "allow_pickle": self.allow_pickle, "codec": self.codec,
                    "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
                    "storage_options": self._options(target, storage_options), "process_group": _SINGLE}
-        state = _fold(checkpoint)
+        state = _fold(readable_callbacks(checkpoint))
         if (local := _local_path(target)) is not None:  # the parent exists on return, as with TorchCheckpointIO
             os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)  # (save_last="link" links in it)
         try:
@@ -177,7 +180,8 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         except PickleNotAllowedError as e:
             fix = "it was loaded with weights_only=True" if self.allow_pickle else "use ArrayckptIO(allow_pickle=True)"
             raise PickleNotAllowedError(f"{e}; with Lightning: {fix}") from None
-        return _unfold(_mapped(restore_containers(_unwrap(template), (), containers), map_location))
+        loaded = restore_callbacks(_unfold(restore_containers(_unwrap(template), (), containers)), target)
+        return _mapped(loaded, map_location)
 
     # --- removing -----------------------------------------------------------------------------------------------
 
@@ -262,9 +266,12 @@ def _unfold(value: Any) -> Any:
 
 
 def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
-    """Nested dicts for ``load`` to fill: an empty tensor (or array) per array entry, ``None`` for each plain value
-    (replaced by it), rank 0's value of a per-rank entry; lists and tuples as dicts by index for now."""
+    """Nested dicts for ``load`` to fill: an empty tensor (or array) per array entry, the same tensor again for its
+    aliases (tied weights: one tensor under both keys, as saved), ``None`` for each plain value (replaced by it), rank
+    0's value of a per-rank entry; lists and tuples as dicts by index for now."""
     root: dict[Any, Any] = {}
+    made: dict[str, Any] = {}
+    ties: list[tuple[dict[Any, Any], Any, str]] = []  # (container, slot, target) of each alias, filled last
     for entry in entries.values():
         node = root
         for part in entry.parts[:-1]:
@@ -277,7 +284,11 @@ def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
             leaf = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         else:
             leaf = None
-        node[entry.parts[-1]] = leaf
+            if isinstance(entry, AliasEntry):
+                ties.append((node, entry.parts[-1], entry.target))
+        node[entry.parts[-1]] = made[entry.key] = leaf
+    for node, slot, target in ties:
+        node[slot] = made[target]
     return root
 
 

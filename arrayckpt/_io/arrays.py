@@ -110,11 +110,11 @@ def check_chunk_files(job: ArrayIO, where: str) -> None:
     for grid_index in grid_indices(ranges):
         path = kvstore["path"] + chunk_key(metadata, grid_index)
         try:
-            mode = os.stat(path).st_mode
+            mode = os.lstat(path).st_mode  # a link is refused, never followed (spec §12)
         except OSError:
             continue
         if not stat.S_ISREG(mode):
-            raise _not_regular(path, job.key, where)
+            raise _not_regular(path, job.key, where, stat.S_ISLNK(mode))
 
 
 def _check_array_directory(spec: dict[str, Any], key: str, where: str) -> None:
@@ -131,19 +131,22 @@ def _check_array_directory(spec: dict[str, Any], key: str, where: str) -> None:
             continue
         for entry in entries:
             try:
-                is_dir, is_file = entry.is_dir(), entry.is_file()
-            except OSError:  # gone meanwhile, or a link that cannot be followed: TensorStore reports it
+                is_dir, is_file, is_link = entry.is_dir(follow_symlinks=False), \
+                    entry.is_file(follow_symlinks=False), entry.is_symlink()
+            except OSError:  # gone meanwhile: TensorStore reports it
                 continue
             if is_dir and (entry.name == "c" or entry.name.isdigit()):
                 pending.append(entry.path)
-            elif not (is_dir or is_file or entry.is_symlink()):  # a dangling link is a missing chunk
-                raise _not_regular(entry.path, key, where)
+            elif not (is_dir or is_file):  # a link (never followed, spec §12), a FIFO, a device
+                raise _not_regular(entry.path, key, where, is_link)
 
 
-def _not_regular(path: str, key: str, where: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(user_paths(f"{where}: tensor {key!r}: chunk file {path} is not a regular file "
-                                             "(a pipe or device in its place); the checkpoint is damaged: restore "
-                                             "the file from a copy"))
+def _not_regular(path: str, key: str, where: str, link: bool = False) -> CorruptCheckpointError:
+    what = "a symbolic link (arrayckpt never follows a link inside a checkpoint: one from an untrusted source " \
+        "could name any file of this machine)" if link else "not a regular file (a pipe or device in its place)"
+    kind = "file" if path.endswith("/zarr.json") else "chunk file"
+    return CorruptCheckpointError(user_paths(f"{where}: tensor {key!r}: {kind} {path} is {what}; the checkpoint is "
+                                             "damaged: restore the file from a copy"))
 
 
 def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:

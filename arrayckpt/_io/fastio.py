@@ -14,6 +14,7 @@ TensorStore. Tests check both directions against TensorStore and zarr-python.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import os
@@ -34,8 +35,8 @@ from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
 from .._format.integrity import crc_combine
 
-__all__ = ["STATS", "RowLayout", "forget_pin", "read_regular_file", "read_rows", "remember_pin", "row_layout",
-           "user_paths", "write_rows"]
+__all__ = ["STATS", "RowLayout", "check_no_links", "forget_pin", "read_checkpoint_file", "read_regular_file",
+           "read_rows", "remember_pin", "row_layout", "user_paths", "write_rows"]
 
 MISSING = 2**64 - 1  # index entry of an inner chunk that is not stored
 # Bytes this process moved through the fast path (benchmarks and tests read them).
@@ -64,10 +65,11 @@ def forget_pin(pinned: str) -> None:
     _PINS.pop(pinned, None)
 
 
-def read_regular_file(path: str | os.PathLike[str], name: str) -> bytes:
+def read_regular_file(path: str | os.PathLike[str], name: str, follow: bool = True) -> bytes:
     """The bytes of a (metadata) file, refusing anything but a regular file: a FIFO in a hostile checkpoint would
-    block a plain read forever. Opened without blocking, checked with ``fstat``; ``name`` names it in the error."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    block a plain read forever. Opened without blocking, checked with ``fstat``; ``name`` names it in the error.
+    ``follow=False``: a symbolic link at ``path`` is refused too (:func:`read_checkpoint_file`)."""
+    fd = _open_nonblocking(path, follow, name)
     try:
         mode = os.fstat(fd).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # reading a directory raises IsADirectoryError below
@@ -77,6 +79,45 @@ def read_regular_file(path: str | os.PathLike[str], name: str) -> bytes:
             return file.read()
     finally:
         os.close(fd)
+
+
+def check_no_links(root: str, relative: str, where: str) -> None:
+    """Refuse a symbolic link at any level of ``relative`` below the checkpoint directory ``root`` (which may be one:
+    the user's choice); stop quietly at the first level that does not exist (whoever reads it reports that). A
+    checkpoint holds directories and regular files only (spec §12): a link inside one could name any file of this
+    machine, which a reader would read and ``copy`` would write elsewhere. One ``lstat`` per segment, lexically."""
+    path = root.rstrip("/")
+    for segment in relative.split("/"):
+        if not segment:
+            continue
+        path = f"{path}/{segment}"
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISLNK(mode):
+            raise CorruptCheckpointError(user_paths(f"{where}: {path} {_LINK}"))
+
+
+def read_checkpoint_file(root: str, relative: str, name: str) -> bytes:
+    """The bytes of the regular file ``relative`` below the checkpoint directory ``root``, reached without following
+    a link at any level below ``root`` (``FileNotFoundError`` when it is absent); ``name`` names it in errors."""
+    check_no_links(root, relative.rpartition("/")[0], name)
+    return read_regular_file(f"{root.rstrip('/')}/{relative}", name, follow=False)
+
+
+_LINK = ("is a symbolic link; arrayckpt never follows a link inside a checkpoint (one from an untrusted source could "
+         "name any file of this machine): replace it by what it points to")
+
+
+def _open_nonblocking(path: str | os.PathLike[str], follow: bool, name: str) -> int:
+    """A non-blocking read descriptor of ``path``; without ``follow``, a symbolic link there is damage."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise CorruptCheckpointError(user_paths(f"{name} {_LINK}")) from None
+        raise
 
 
 def user_paths(text: str) -> str:
@@ -313,7 +354,7 @@ def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], wher
 def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], target: memoryview) -> None:
     """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks: a FIFO in a chunk's place is refused below
+        fd = _open_nonblocking(path, False, f"chunk file {path}")  # no link; never blocks: a FIFO is refused below
     except FileNotFoundError:
         raise _missing(path) from None
     try:

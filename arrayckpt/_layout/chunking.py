@@ -73,6 +73,7 @@ class ArrayPlan:
     codec: Codec
     key_encoding: str = "default"  # "v2" only where a save must not reuse the chunk keys of the one it replaces
     dimension_names: tuple[str, ...] | None = None  # None: the default names of the path (``_format.zarr``)
+    aliases: tuple[str, ...] = ()  # other keys of this tensor (tied weights), listed in its attributes for Zarr readers
 
     def __post_init__(self) -> None:
         """Never plan a grid readers refuse (spec §12): whatever chose the chunks (the planner's fallback of one
@@ -206,5 +207,5 @@ def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
         "chunk_key_encoding": {"name": plan.key_encoding, "configuration": {"separator": CHUNK_KEY_SEPARATOR}},
         "fill_value": plan.dtype.fill_value,
         "codecs": codecs,
-        "attributes": {"arrayckpt": {"key": plan.key}},
+        "attributes": {"arrayckpt": {"key": plan.key, **({"aliases": list(plan.aliases)} if plan.aliases else {})}},
     }

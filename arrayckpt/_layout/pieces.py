@@ -131,12 +131,15 @@ class LocalDescription:
     """Everything one rank holds, as metadata (plain values travel encoded; array data never travels).
 
     ``arrays`` may be given as any sequence of :class:`ArrayDescription`; it is kept as an :class:`ArrayTable`.
+    ``aliases``: the keys of ``arrays`` whose piece is one tensor with an earlier key's (tied weights), mapped to
+    that key; the coordinator stores them once where every rank holding them agrees (``planner.py``).
     """
 
     arrays: Sequence[ArrayDescription] = ()
     values: tuple[ValueEntry, ...] = ()
     per_rank: tuple[ValueEntry | ArrayEntry, ...] = ()
     containers: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.arrays, ArrayTable):
@@ -151,8 +154,8 @@ class LocalDescription:
 def fingerprint(description: LocalDescription) -> bytes:
     """A digest of everything in ``description`` the array layout of a save depends on: every piece (key, key
     path, kind, dtype, global shape, box, replica id), the per-rank entries (key, key path, and dtype and shape for
-    tensors), the keys and key paths of the plain values and their order, and the containers. Not the plain
-    values, which every save collects afresh."""
+    tensors), the keys and key paths of the plain values and their order, the containers and the aliases. Not the
+    plain values, which every save collects afresh."""
     table = description.table
     h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
     for chunk in (
@@ -161,6 +164,7 @@ def fingerprint(description: LocalDescription) -> bytes:
         repr([(i.key, i.parts, i.dtype.name, i.shape, i.kind) if isinstance(i, ArrayEntry) else (i.key, i.parts)
               for i in description.per_rank]),
         repr(sorted(description.containers.items())),
+        repr(sorted(description.aliases.items())),
     ):
         h.update(chunk.encode("utf-8", "surrogatepass"))
         h.update(b"\xff")

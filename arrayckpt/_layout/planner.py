@@ -13,12 +13,18 @@ readers' chunk-size limit. Writers: a box held by one rank is written by it; a r
 runs of whole outer chunks (one per replica at most) and each run goes to its least-loaded replica, biggest
 first, after the loads of the unreplicated boxes are counted (Megatron's fully-parallel save, Orbax's
 replica-parallel writes).
+
+Aliases (tied weights, ``_format/alias.py``): a key that ranks report as one tensor with an earlier key's is stored
+as an alias of it only where every rank holding either key holds both and reports that same alias (so the boxes are
+the same tensor's on every rank); otherwise it is planned as an array of its own. An alias's pieces are dropped
+before anything is laid out: it has no array, no task and no bytes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +35,7 @@ from .._errors import StateError
 from .._format.codecs import Codec, CodecChoice, resolve_codec
 from .._format.dtypes import dtype_by_name
 from .._format.keys import array_path
-from .._format.manifest import ArrayEntry, Entry, PickleEntry, per_rank_path
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PickleEntry, per_rank_path
 from .._format.zarr import MAX_CHUNK_BYTES
 from .box import Box, cover_problem, distinct_rows, shard_steps
 from .chunking import ArrayPlan, ChunkPolicy, choose_chunks
@@ -156,6 +162,12 @@ def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, ch
     :class:`StateError` naming the key and ranks of the first problem."""
     s = _stack(descriptions)
     _check_agreement(s)
+    aliases, alias_order = _aliases(s, descriptions)
+    if aliases:
+        s = _without(s, set(aliases))
+    named_by: dict[str, list[str]] = defaultdict(list)  # target -> its aliases, in the order of the state
+    for alias in sorted(aliases, key=alias_order.__getitem__):
+        named_by[aliases[alias].target].append(alias)
     ndim = s.meta[:, NDIM]
     pad = np.arange(s.shape.shape[1])[None, :] >= ndim[:, None]
     size = np.prod(s.shape, axis=1)
@@ -201,7 +213,8 @@ def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, ch
                              f"chunk would be {list(inner)}); shard it so that rank boundaries have a common divisor, "
                              "e.g. torch.chunk-style even splits")
         plans.append(ArrayPlan(name, array_path(name), dtype, shape, outer, inner,
-                               resolve_codec(None if kind == "pickle" else codec, name)))
+                               resolve_codec(None if kind == "pickle" else codec, name),
+                               aliases=tuple(named_by.get(name, ()))))
         itemsizes[k], outers[k, :nd] = dtype.itemsize, outer
         if nd and math.prod(shape) == 0:  # an empty tensor's boxes may be empty too
             nonempty = np.prod(shapes, axis=1) > 0
@@ -214,7 +227,57 @@ def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, ch
     per_rank = _per_rank_arrays(descriptions, plans, codec, chunking, loads)
     tasks = _tasks(s, single, [replicated, per_rank], plans, len(descriptions))
     order = {name: (int(s.rank[f]), 0, int(s.local[f])) for name, f in zip(s.keys, s.first.tolist(), strict=True)}
+    entries.update(aliases)
+    order.update(alias_order)
     return ArrayLayout(entries, {p.path: p for p in plans}, tasks, tuple(loads), boxes, order)
+
+
+def _aliases(s: _Stacked, descriptions: Sequence[LocalDescription]
+             ) -> tuple[dict[str, AliasEntry], dict[str, tuple[int, int, int]]]:
+    """The alias entries of the save, and where each key was first seen: a key every rank reports as one tensor with
+    the same target, where the ranks holding the key are exactly those holding the target (a key tied on one rank
+    but not on another, or whose pieces are not all the target's, is stored as an array of its own). No alias names
+    an alias."""
+    claims: dict[str, dict[int, str]] = defaultdict(dict)  # alias -> {rank: its target there}
+    for rank, description in enumerate(descriptions):
+        for alias, target in description.aliases.items():
+            claims[alias][rank] = target
+    if not claims:
+        return {}, {}
+    ids = {name: i for i, name in enumerate(s.keys)}
+    wanted = sorted({ids[k] for alias, by in claims.items() for k in (alias, *by.values()) if k in ids})
+    rows = np.flatnonzero(np.isin(s.key, wanted))
+    holders: dict[str, set[int]] = defaultdict(set)
+    for k, rank in zip(s.key[rows].tolist(), s.rank[rows].tolist(), strict=True):
+        holders[s.keys[k]].add(rank)
+    agreed = {}
+    for alias, by in claims.items():
+        targets = set(by.values())
+        target = min(targets)
+        if len(targets) == 1 and set(by) == holders[alias] == holders[target] and \
+                s.meta[s.first[ids[target]], KIND] != PICKLE:
+            agreed[alias] = target
+    entries, order = {}, {}
+    for alias, target in agreed.items():
+        if target in agreed:  # ranks walking their states in different orders: keep the tie out of it
+            continue
+        row = int(s.first[ids[alias]])
+        rank, local = int(s.rank[row]), int(s.local[row])
+        entries[alias] = AliasEntry(alias, descriptions[rank].table.parts_of(local), target)
+        order[alias] = (rank, 0, local)
+    return entries, order
+
+
+def _without(s: _Stacked, dropped: set[str]) -> _Stacked:
+    """``s`` without the rows of the keys ``dropped`` (aliases: stored as their targets), the remaining keys numbered
+    afresh in the same order; rows keep their place in their rank's description (``local``)."""
+    kept = np.fromiter((name not in dropped for name in s.keys), bool, len(s.keys))
+    renumbered = np.cumsum(kept) - 1
+    rows = kept[s.key]
+    key = renumbered[s.key[rows]]
+    seen_before = np.maximum.accumulate(np.concatenate(([-1], key[:-1]))) if len(key) else key
+    return _Stacked([name for name in s.keys if name not in dropped], key, s.rank[rows], s.local[rows], s.meta[rows],
+                    s.gshape[rows], s.offset[rows], s.shape[rows], s.dtypes, np.flatnonzero(key > seen_before))
 
 
 def _check_agreement(s: _Stacked) -> None:

@@ -9,6 +9,9 @@ For a box of a key, a layer answers:
 - ``rows`` delta: the base answers for the whole box, then this layer's changed rows that fall inside the
   box are written over it.
 
+An alias (tied weights, ``_format/alias.py``) is answered by its target in the same layer, so a key that is an
+alias in one layer and a tensor of its own in another reads right, whichever is the delta.
+
 The plain reads of one box never overlap, so they run concurrently; overlays run after them. Bit-exact by
 construction: every byte comes from the newest layer that stored it. This module only plans; the reads run in
 ``_read/reader.py`` (the one read path), which also runs the overlays (they read the rows they write).
@@ -31,16 +34,18 @@ from .._layout.box import Box, grid_cells
 if TYPE_CHECKING:
     from .._read.checkpoint import Checkpoint
 
-__all__ = ["Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "delta_rows", "plan_box", "read_plan"]
+__all__ = ["Dense", "Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "delta_rows", "plan_box",
+           "read_plan"]
 
 Overlay = Callable[[], None]
 
 
 def _entry(checkpoint: Checkpoint, key: str, above: ArrayEntry | None = None) -> ArrayEntry:
-    """``key``'s entry in ``checkpoint``; with ``above`` (the entry of the delta reading through it), it must
-    be a tensor of the same dtype and shape, or the chain is inconsistent."""
-    entry = checkpoint.manifest.entries.get(key)
-    if not isinstance(entry, ArrayEntry):
+    """``key``'s entry in ``checkpoint`` (an alias's target: its ``key`` is then the target's); with ``above`` (the
+    entry of the delta reading through it), it must be a tensor of the same dtype and shape, or the chain is
+    inconsistent."""
+    entry = checkpoint.manifest.array_entry(key)
+    if entry is None:
         raise CorruptCheckpointError(f"{checkpoint.location}: a delta checkpoint reads tensor {key!r} through this "
                                      "base, which does not hold it")
     if above is not None and (entry.dtype != above.dtype or entry.shape != above.shape):
@@ -50,20 +55,29 @@ def _entry(checkpoint: Checkpoint, key: str, above: ArrayEntry | None = None) ->
     return entry
 
 
-def dense_layer(checkpoint: Checkpoint, key: str) -> Checkpoint:
+class Dense(NamedTuple):
+    """Where a key's data is stored as an array of its own shape: the layer, and the key of that array there (an
+    alias's target, where the key is an alias in that layer or in one above it)."""
+
+    layer: Checkpoint
+    key: str
+
+
+def dense_layer(checkpoint: Checkpoint, key: str) -> Dense:
     """The nearest layer of the chain (``checkpoint`` itself or a base) that stores ``key`` as an array of its
     own shape: a full array or a chunks delta (a rows delta has only rows)."""
     layer, entry = checkpoint, _entry(checkpoint, key)
     while entry.delta is not None and entry.delta.mode == "rows":
         layer = layer.base
-        entry = _entry(layer, key, entry)
-    return layer
+        entry = _entry(layer, entry.key, entry)
+    return Dense(layer, entry.key)
 
 
 def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
     """The read-chunk shape of the nearest dense layer of ``key`` (inner chunks when sharded): the grid a
     delta of ``key`` against this checkpoint compares and stores chunks on."""
-    metadata = dense_layer(checkpoint, key)[key].metadata
+    dense = dense_layer(checkpoint, key)
+    metadata = dense.layer[dense.key].metadata
     codecs = metadata.get("codecs", [])
     if codecs and codecs[0].get("name") == "sharding_indexed":
         return tuple(codecs[0]["configuration"]["chunk_shape"])
@@ -83,6 +97,7 @@ def plan_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray, jobs: 
     """Append to ``jobs`` the plain reads, and to ``overlays`` the overlays (to run after them, in order), that
     fill ``out`` with ``box`` of ``key``. A tensor stored whole costs one ``ArrayIO`` (``load``'s hot path)."""
     entry = _entry(checkpoint, key)
+    key = entry.key  # an alias reads its target, here and through the chain
     if entry.delta is None:
         jobs.append(ArrayIO(key, checkpoint[key]._read_spec, out, box.slices() if box.shape else None))
         return

@@ -27,14 +27,14 @@ import numpy as np
 
 from .._errors import (
     ArrayckptError,
+    BaseNotAllowedError,
     CheckpointNotFoundError,
     ClosedCheckpointError,
     CorruptCheckpointError,
     FormatError,
     PickleNotAllowedError,
-    PickleWarning,
     ReplacedCheckpointError,
-    outside_stacklevel,
+    warn_unpickling,
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import DTYPES, DType, dtype_by_name
@@ -43,11 +43,12 @@ from .._format.quant import packed_columns
 from .._format.values import decode_value
 from .._format.zarr import check_array_metadata, grid_counts
 from .._io.arrays import ArrayIO, array_spec
+from .._io.fastio import check_no_links
 from .._layout.box import Box
 from .._read.chain import dense_grid, dense_layer, read_plan
 from .._read.lazy import LazyArray
 from .._read.reader import ChainRead, read
-from .._storage import Location, kvstore_at, parse_location
+from .._storage import Location, follow_base, kvstore_at, parse_location, parse_roots
 
 __all__ = ["Checkpoint", "LazyArray", "open_checkpoint", "opened"]
 
@@ -69,12 +70,11 @@ class _Values(Mapping[str, Any]):
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self._checkpoint = checkpoint
-        self._entries = {
-            k: e for k, e in checkpoint.manifest.entries.items() if isinstance(e, (ValueEntry, PickleEntry))
-        }
+        self._entries = [k for k, e in checkpoint.manifest.entries.items() if isinstance(e, (ValueEntry, PickleEntry))]
+        self._keys = frozenset(self._entries)
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._entries:
+        if key not in self._keys:
             raise KeyError(key)
         return self._checkpoint.value(key)
 
@@ -91,22 +91,28 @@ _CONTEXT_LOCK = threading.Lock()
 class Checkpoint(Mapping[str, LazyArray]):
     """A committed checkpoint, read-only: dotted key -> :class:`LazyArray`.
 
-    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`. Close it when done (``with
+    Plain values are in :attr:`plain_values`, the manifest in :attr:`manifest`. A tensor the state held under two
+    keys (tied weights) is stored once: the second key is an alias (:meth:`aliases`), and ``checkpoint[alias]``
+    is the target's :class:`LazyArray`. Close it when done (``with
     arrayckpt.open(path) as ckpt:``, or :meth:`close`) to release what it holds on storage. After closing, what is
     in memory keeps working (keys, shapes, dtypes, :attr:`manifest`, :attr:`step`, :attr:`metrics`, plain values
     that are not pickled), as a closed file's name does; reading data (slicing, ``.numpy()``, ``.torch()``,
     ``read_into``, :meth:`per_rank`, pickled values, opening a base) raises :class:`ClosedCheckpointError`.
     """
 
-    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None) -> None:
+    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None,
+                 base_roots: tuple[Location, ...] = ()) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
+        self.base_roots = base_roots  # where bases may be besides the directory holding each layer (spec §10.1)
         self._above: frozenset[str | None] = frozenset()  # ids of the deltas that read through this checkpoint
         where = str(location)
         # ``opened``: what location.open_committed() gives, from a root document another rank read
         document, self._base, release, self._generation = opened or location.open_committed()
         try:
             self.manifest, self._nodes = parse_root_document(document, where)
+            if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
+                follow_base(location, self.manifest.base.path, base_roots)
             self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
@@ -116,6 +122,9 @@ class Checkpoint(Mapping[str, LazyArray]):
                     if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
                         self._check_present(key, entry.delta.present[-1], metadata)
                     self._arrays[key] = LazyArray(self, entry, metadata)
+            aliases = self.manifest.aliases  # an alias is its target's array, in the order of the entries
+            self._arrays = {key: self._arrays[aliases.get(key, key)] for key in self.manifest.entries
+                            if aliases.get(key, key) in self._arrays}
         except BaseException:
             release()
             raise
@@ -180,16 +189,19 @@ class Checkpoint(Mapping[str, LazyArray]):
     @cached_property
     def base(self) -> Checkpoint:
         """The checkpoint this delta checkpoint was saved against (opened on first use, and checked to be the
-        very one: a base replaced since is refused)."""
+        very one: a base replaced since is refused). Only where spec §10.1 lets a reader go: the directory holding
+        this checkpoint, or one of :attr:`base_roots` (:class:`arrayckpt.BaseNotAllowedError` otherwise)."""
 
         ref = self.manifest.base
         if ref is None:
             raise ValueError(f"{self.location}: a full checkpoint; it has no base")
         self._check_open()
-        location = self.location.resolve(ref.path)
+        location = follow_base(self.location, ref.path, self.base_roots)
         try:
-            base = Checkpoint(location, self.allow_pickle)
-        except ArrayckptError as e:
+            base = Checkpoint(location, self.allow_pickle, base_roots=self.base_roots)
+        except BaseNotAllowedError:
+            raise
+        except (ArrayckptError, OSError) as e:  # OSError: the system's own (a path too long, ...): named here too
             kind = CheckpointNotFoundError if isinstance(e, CheckpointNotFoundError) else CorruptCheckpointError
             raise kind(f"{self.location}: its base checkpoint {location} (step {ref.step}) cannot be read: {e}") from e
         base._unclosed.clear()  # closed with this checkpoint; collected with it, this one warns for both
@@ -252,8 +264,11 @@ class Checkpoint(Mapping[str, LazyArray]):
         return MappingProxyType(self._nodes)
 
     def node_kvstore(self, path: str) -> dict[str, Any]:
-        """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage)."""
+        """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage, whose
+        node directories must not be symbolic links: spec §12)."""
         self._check_open()
+        if self._base.get("driver") == "file":
+            check_no_links(self._base["path"], path, str(self.location))
         return kvstore_at(self._base, path)
 
     def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -264,7 +279,8 @@ class Checkpoint(Mapping[str, LazyArray]):
     def dense_metadata(self, key: str) -> dict[str, Any]:
         """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its
         shape (this checkpoint, or a base for a rows delta)."""
-        return dense_layer(self, key)[key].metadata
+        layer, stored = dense_layer(self, key)
+        return layer[stored].metadata
 
     def dense_grid(self, key: str) -> tuple[int, ...]:
         """The read-chunk shape of :meth:`dense_metadata` (the grid a delta of ``key`` compares chunks on)."""
@@ -344,7 +360,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         entry = self.manifest.entries[key]
         if not isinstance(entry, PickleEntry):
             raise KeyError(f"{self.location}: {key!r} is not a pickled value")
-        return self.array_spec(entry.path, key, _uint8(), (entry.nbytes,))
+        return self.array_spec(entry.path, key, DTYPES["uint8"], (entry.nbytes,))
 
     def pickle_bytes(self, key: str) -> bytes:
         """The stored bytes of pickled value ``key``, read (checksum checked) but never unpickled."""
@@ -387,6 +403,12 @@ class Checkpoint(Mapping[str, LazyArray]):
     def step(self) -> int | None:
         return self.manifest.step
 
+    def aliases(self) -> Mapping[str, str]:
+        """Every alias key and the key of the tensor it names, stored once under that target (e.g.
+        ``{"lm_head.weight": "transformer.wte.weight"}`` for tied weights); ``{}`` when there are none. An export that
+        drops tied duplicates keeps the targets."""
+        return self.manifest.aliases
+
     @property
     def metrics(self) -> Mapping[str, float]:
         """The metrics recorded at save (``save(..., metrics={"val_loss": 1.9})``)."""
@@ -403,11 +425,8 @@ class Checkpoint(Mapping[str, LazyArray]):
         if isinstance(entry, ValueEntry):
             return decode_value(entry.value, key)
         if isinstance(entry, PickleEntry):
-            return self._unpickle(entry)
+            return self.unpickle([key])[key]
         raise KeyError(f"{key!r} is an array, not a plain value; use checkpoint[{key!r}]")
-
-    def _unpickle(self, entry: PickleEntry) -> Any:
-        return self.unpickle([entry.key])[entry.key]
 
     def unpickle(self, keys: Sequence[str]) -> dict[str, Any]:
         """The pickled values ``keys``, unpickled (with ``allow_pickle=True`` only) with one
@@ -416,16 +435,11 @@ class Checkpoint(Mapping[str, LazyArray]):
         if not keys:
             return {}
         if not self.allow_pickle:
-            raise PickleNotAllowedError(
-                f"{self.location}: value {keys[0]!r} is pickled; unpickling can run arbitrary code, so it "
-                "needs allow_pickle=True (only for checkpoints you trust)"
-            )
+            raise PickleNotAllowedError(f"{self.location}: value {keys[0]!r} is pickled; unpickling can run arbitrary "
+                                        "code, so it needs allow_pickle=True (only for checkpoints you trust)")
         raw = {key: self.pickle_bytes(key) for key in keys}  # every checksum checked before anything runs
-        shown = ", ".join(repr(k) for k in keys[:10]) + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else "")
-        warnings.warn(f"{self.location}: unpickling {shown} (allow_pickle=True): unpickling runs whatever code "
-                      "the checkpoint's writer put there; load pickled values only from checkpoints you trust "
-                      "(silence: warnings.filterwarnings('ignore', category=arrayckpt.PickleWarning))",
-                      PickleWarning, stacklevel=outside_stacklevel())
+        warn_unpickling(f"{self.location}: unpickling " + ", ".join(repr(k) for k in keys[:10])
+                        + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else ""))
         return {key: pickle.loads(data) for key, data in raw.items()}
 
     def __getitem__(self, key: str) -> LazyArray:
@@ -443,23 +457,26 @@ class Checkpoint(Mapping[str, LazyArray]):
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
-        return (f"arrayckpt.Checkpoint({str(self.location)!r}, {len(self)} arrays, {len(self.plain_values)} "
-                f"values{closed})")
+        aliases = len(self.manifest.aliases)
+        stored = f"{len(self) - aliases} arrays" + (f" (+{aliases} aliases)" if aliases else "")
+        return f"arrayckpt.Checkpoint({str(self.location)!r}, {stored}, {len(self.plain_values)} values{closed})"
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays.values())
-
-
-def _uint8() -> DType:
-    return DTYPES["uint8"]
+        """The bytes of the tensors, each stored tensor counted once (an alias adds none)."""
+        return sum(a.nbytes for key, a in self._arrays.items() if a.key == key)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+                    storage_options: Mapping[str, Any] | None = None,
+                    base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Checkpoint:
     """Open a committed checkpoint read-only: a local path or an object-storage URL (``s3://bucket/prefix``,
     with ``storage_options`` as for :func:`arrayckpt.save`). Opening reads one object, the root ``zarr.json``.
     Use it as a context manager (or call :meth:`Checkpoint.close`) to release what it holds when done.
+
+    A delta checkpoint's bases are read from the directory (prefix) holding it, as saves write them; a base
+    elsewhere is read only inside one of ``base_roots`` (directories or URLs you trust), else opening the delta
+    raises :class:`arrayckpt.BaseNotAllowedError` naming its reference (spec §10.1).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -470,7 +487,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
     >>> ckpt.closed, sorted(ckpt)  # closed: data can no longer be read, what is in memory can
     (True, ['w'])
     """
-    return Checkpoint(parse_location(path, storage_options), allow_pickle)
+    return Checkpoint(parse_location(path, storage_options), allow_pickle,
+                      base_roots=parse_roots(base_roots, storage_options))
 
 
 def opened(source: Checkpoint | str | os.PathLike[str], **kwargs: Any) -> AbstractContextManager[Checkpoint]:

@@ -1,7 +1,14 @@
-"""``load``: read a checkpoint in place into the tensors of a state, then hand state dicts back."""
+"""``load``: read a checkpoint in place into the tensors of a state, then hand state dicts back.
+
+An alias (a tensor the saved state held under two keys, stored once: tied weights) fills the state's leaf of its key
+from its target's array. Where the state's leaves of the alias and of its target are themselves one tensor (the
+model being loaded ties them too), the alias's leaf is filled by the target's read and not read again; where they
+are distinct tensors, each is filled.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -14,14 +21,15 @@ import torch
 from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from .._format.dtypes import dtype_of_numpy
 from .._format.keys import dotted
-from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, Execute, Request, read
-from .._storage import Location, parse_location
+from .._storage import Location, parse_location, parse_roots
 from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
+from .._torch.aliases import same_tensor
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import torch_dtype
 from .._torch.readonce import split_reads
@@ -51,6 +59,7 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     atomic: bool = False,
     share_root: bool = True,
+    base_roots: Sequence[str | os.PathLike[str]] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -73,7 +82,8 @@ def load(
     process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
     ``storage_options`` as for :func:`arrayckpt.save`; with several ranks the coordinator then reads the root
     document once and sends it to the others, each checking its checksum (``share_root=False``: every rank reads
-    it itself; either way every rank must call ``load``, as for any collective).
+    it itself; either way every rank must call ``load``, as for any collective). A delta checkpoint's bases are read
+    from the directory (prefix) holding it, or inside one of ``base_roots`` (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -87,7 +97,7 @@ def load(
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
-    with Checkpoint(location, allow_pickle, opened) as checkpoint:
+    with Checkpoint(location, allow_pickle, opened, parse_roots(base_roots, storage_options)) as checkpoint:
         return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
 
 
@@ -124,12 +134,21 @@ def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, str
     with collector_paused():
         plan = _LoadPlan(checkpoint, group.rank, group.size, atomic)
         for key, leaf in walked.leaves.items():
-            if key in entries:
+            if key in entries and not _filled_by_target(entries[key], leaf, walked.leaves):
                 plan.add(entries[key], leaf)
         plan.unpickle_values()
         plan.run(group if read_once and group.size > 1 else None)
     _hand_back(walked.statefuls, checkpoint.manifest.containers, created)
     return LoadResult(missing, unexpected)
+
+
+def _filled_by_target(entry: Entry, leaf: Leaf, leaves: Mapping[str, Leaf]) -> bool:
+    """Whether ``entry`` is an alias whose target's leaf in the state is the same tensor as ``leaf`` (a tied model):
+    reading the target fills it."""
+    if not isinstance(entry, AliasEntry):
+        return False
+    target = leaves.get(entry.target)
+    return target is not None and same_tensor(leaf.value, target.value)
 
 
 def _few(keys: list[str], limit: int = 10) -> str:
@@ -171,6 +190,9 @@ class _LoadPlan:
 
     def add(self, entry: Entry, leaf: Leaf) -> None:
         target = leaf.value
+        if isinstance(entry, AliasEntry):  # its target's array (parsed: a tensor), read under the alias's name
+            entry = dataclasses.replace(self.checkpoint.manifest.entries[entry.target], key=entry.key,  # type: ignore[type-var]
+                                        parts=entry.parts)
         if isinstance(entry, PerRankEntry) or isinstance(target, PerRank):
             self._per_rank(entry, leaf)
         elif isinstance(entry, ArrayEntry) and isinstance(target, (torch.Tensor, Shard, np.ndarray)):
@@ -347,11 +369,17 @@ def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> set[int]:
         for key, entry in entries.items():
             if key in walked.leaves or entry.parts[:depth] != node.parts or len(entry.parts) == depth:
                 continue
-            _insert(walked, node, entry, created)
+            _insert(walked, node, entry, created, _array_of(entry, entries))
     return created
 
 
-def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int]) -> None:
+def _array_of(entry: Entry, entries: Mapping[str, Entry]) -> ArrayEntry | None:
+    """The array entry whose data ``entry`` holds: itself, or an alias's target."""
+    found = entries.get(entry.target) if isinstance(entry, AliasEntry) else entry
+    return found if isinstance(found, ArrayEntry) else None
+
+
+def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int], array: ArrayEntry | None) -> None:
     container: Any = node.state_dict
     for i in range(len(node.parts), len(entry.parts) - 1):
         part = entry.parts[i]
@@ -367,7 +395,7 @@ def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int]) -
     slot = entry.parts[-1]
     if not isinstance(container, dict) or slot in container:
         return
-    container[slot] = _empty_like_entry(entry) if isinstance(entry, ArrayEntry) else None
+    container[slot] = _empty_like_entry(array) if array is not None else None
     walked.leaves[entry.key] = Leaf(entry.parts, container[slot], container, slot)
 
 

@@ -16,9 +16,11 @@ from .base import (
     Location,
     Writer,
     finish_rank_writes,
+    follow_base,
     kvstore_at,
     open_writer,
     parse_location,
+    parse_roots,
 )
 from .gc import collect_garbage
 from .local import LocalLocation, LocalWriter
@@ -37,8 +39,10 @@ __all__ = [
     "Writer",
     "collect_garbage",
     "finish_rank_writes",
+    "follow_base",
     "kvstore_at",
     "open_writer",
     "parse_location",
     "parse_object_url",
+    "parse_roots",
 ]

@@ -16,6 +16,7 @@ Call order of a save (DCP ``storage.py`` style: who calls what, in which order):
     writer.target.finish_rank_writes()             # non-coordinator ranks: flush their chunks before reporting
     # coordinator, once every rank reported success
     wait()                                         # all metadata written
+    writer.missing(chunks)                         # what the ranks reported written is all still there (else abort)
     writer.commit(root_document)                   # last: the root zarr.json; after it the checkpoint is whole
     writer.abort()                                 # instead, on any failure before the commit: removes the save
 
@@ -36,20 +37,39 @@ import abc
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from .._errors import ArrayckptError, CorruptCheckpointError
+from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError
 from .._format.integrity import check_root_integrity
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
+from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
-__all__ = ["ROOT_METADATA", "TEMP_MARKER", "Leftover", "Leftovers", "Location", "Writer", "arrayckpt_keys",
-           "check_child_name", "finish_rank_writes", "kvstore_at", "open_writer", "parse_location", "parse_root_bytes",
-           "register_scheme"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Tree", "Writer",
+           "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at", "open_writer",
+           "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
+LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
+
+
+class Tree(NamedTuple):
+    """Where a location lies, lexically: its storage (``file``, ``s3://bucket``) and the segments of its path below
+    that storage's root. Compared without IO and without following links, as spec §10.1 resolves references."""
+
+    storage: str
+    parts: tuple[str, ...]
+
+    def holds(self, other: Tree, strictly: bool = False) -> bool:
+        """Whether ``other`` is this tree's location or lies below it (``strictly``: below it only)."""
+        n = len(self.parts)
+        return other.storage == self.storage and other.parts[:n] == self.parts and len(other.parts) >= n + strictly
+
+    @property
+    def parent(self) -> Tree:
+        return Tree(self.storage, self.parts[:-1])
 
 
 class Location(abc.ABC):
@@ -138,11 +158,22 @@ class Location(abc.ABC):
         (:meth:`Leftover.remove`). Raises ``CheckpointNotFoundError`` or ``StateError`` when this location
         cannot hold checkpoints (not a directory; inside a checkpoint or another Zarr hierarchy)."""
 
+    @property
+    def tree(self) -> Tree:
+        """Where this location lies, lexically (its path normalised, links not followed), from ``str(self)``: a
+        local path, or ``scheme://bucket/prefix``."""
+        scheme, separator, rest = str(self).partition("://")
+        if not separator:
+            return Tree("file", tuple(s for s in os.path.normpath(scheme).split("/") if s))
+        bucket, _, prefix = rest.partition("/")
+        return Tree(f"{scheme}://{bucket}", tuple(s for s in prefix.split("/") if s))
+
     @abc.abstractmethod
     def resolve(self, reference: str) -> Location:
         """The location that ``reference``, written in a checkpoint at this location, names: a path relative
-        to this location, or an absolute path or URL (which gets this location's storage options when it is
-        on the same kind of storage)."""
+        to this location (spec §10.1's grammar, resolved on segments; ``FormatError`` when it climbs above the
+        storage's root), or an absolute path or URL (which gets this location's storage options when it is
+        on the same kind of storage). Says nothing about whether a reader may follow it: :func:`follow_base`."""
 
     @abc.abstractmethod
     def reference_from(self, other: Location) -> str:
@@ -174,6 +205,14 @@ class Location(abc.ABC):
         """Remove the checkpoint here: the commit (root document) first, so that a deletion cut short leaves
         an incomplete checkpoint, never a damaged committed one. Nothing here is not an error."""
 
+    @abc.abstractmethod
+    def claim(self, patience_s: float = 0.0) -> Claim:
+        """Hold this location as the root of one writer of many checkpoints (a ``CheckpointManager``'s coordinator):
+        locally an exclusive ``flock`` on a lock file in it, on object storage a lease object (spec §9.4), whose
+        holder is watched for up to ``patience_s`` until it expires or is renewed. Raises ``CheckpointBusyError``
+        naming the holder when another one holds it, ``StorageError`` when the storage cannot be reached or
+        written."""
+
 
 class Writer(abc.ABC):
     """One save to one location (see the module docstring for the call order)."""
@@ -193,6 +232,14 @@ class Writer(abc.ABC):
         the commit, where describing the new arrays earlier would mislead readers of the old checkpoint.)"""
 
     @abc.abstractmethod
+    def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
+        """Right before the commit: the files or objects of this save (``chunks``: node path -> the chunk key names
+        the ranks reported written there; and the node documents this writer wrote itself) that are not in
+        :attr:`target` now (removed by something that ignored the save's lock or lease, spec §9.4), as paths
+        relative to it. Locally it also finds a temporary directory that was removed or replaced (everything
+        missing then). Cheap: one directory listing per node locally, one LIST per 1,000 objects on object storage."""
+
+    @abc.abstractmethod
     def commit(self, root_document: bytes) -> None:
         """Write the root document after everything else and make the checkpoint visible and durable: the
         commit. Once it returns, the new checkpoint is the one at the location."""
@@ -201,6 +248,18 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Remove what this save wrote (called instead of :meth:`commit`); a committed checkpoint it was
         going to replace stays whole. Never raises for a failed clean-up (it warns)."""
+
+
+class Claim(abc.ABC):
+    """What :meth:`Location.claim` holds, until :meth:`release`."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise ``CheckpointBusyError`` unless it is still held (cheap: a ``stat``, or one GET)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Let it go (nothing once released)."""
 
 
 class Leftover(abc.ABC):
@@ -231,6 +290,52 @@ def check_child_name(name: str, where: object) -> None:
         raise ValueError(f"{where}: {name!r} is not the name of a location right below it")
 
 
+def parse_roots(roots: Iterable[str | os.PathLike[str] | Location] | None,
+                storage_options: Mapping[str, Any] | None = None) -> tuple[Location, ...]:
+    """The ``base_roots`` a caller passed, as locations (object-storage ones with ``storage_options``)."""
+    if roots is None:
+        return ()
+    if isinstance(roots, (str, os.PathLike, Location)):
+        roots = [roots]
+    out = []
+    for root in roots:
+        location = root if isinstance(root, Location) else parse_location(
+            root, storage_options if "://" in os.fspath(root) else None)
+        out.append(location)
+    return tuple(out)
+
+
+def relative_parts(location: Location, reference: str) -> tuple[str, ...]:
+    """The path segments (below the storage's root) that a relative base reference written in the checkpoint at
+    ``location`` leads to: spec §10.1's grammar and lexical resolution (``_format/paths.py``)."""
+    where = str(location)
+    return resolve_relative(location.tree.parts, parse_relative_reference(reference, where), where)
+
+
+def follow_base(delta: Location, reference: str, roots: Iterable[Location] = ()) -> Location:
+    """Where the delta checkpoint at ``delta`` finds the base its ``base.path`` names, if a reader may go there
+    (spec §10.1): a relative reference that stays inside the directory (prefix) holding ``delta``, or any
+    reference inside one of ``roots``, the places the caller named; never ``delta`` itself or a place inside it.
+    Raises :class:`BaseNotAllowedError` naming the reference and the fix, or ``FormatError`` for a reference that
+    is malformed or climbs above the root of its storage."""
+    target = delta.resolve(reference)
+    where, own = target.tree, delta.tree
+    if own.holds(where):
+        raise FormatError(f"{delta}: its base reference {shown(reference)} names the checkpoint itself or a place "
+                          "inside it; it was damaged or crafted")
+    if any(root.tree.holds(where) for root in roots):
+        return target
+    if not is_location_reference(reference) and own.parent.holds(where, strictly=True):
+        return target
+    place = "outside the directory holding it" if not is_location_reference(reference) else \
+        "an absolute location, which is followed only inside a root you name"
+    suggestion = str(target).rstrip("/").rpartition("/")[0] or "/"  # the directory (prefix) holding the base
+    raise BaseNotAllowedError(
+        f"{delta}: its base reference {shown(reference)} leads to {target}, {place}; a delta checkpoint from an "
+        f"untrusted source could name any place this way. If you trust it, name a root that holds its base: "
+        f"base_roots=[{suggestion!r}] (command line: --base-root {suggestion})")
+
+
 def kvstore_at(base: dict[str, Any], subpath: str) -> dict[str, Any]:
     """The kvstore spec of ``subpath`` inside the checkpoint whose (directory) kvstore spec is ``base``."""
     if not subpath:
@@ -257,8 +362,18 @@ _CHUNK_NAME = re.compile(r"c(\.\d+)*|\d+(\.\d+)*")
 
 
 def arrayckpt_keys(keys: list[str]) -> list[str]:
-    """Keys shaped like arrayckpt's objects (``zarr.json`` documents and chunk keys); others are left alone."""
-    return [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA or _CHUNK_NAME.fullmatch(k.rpartition("/")[2])]
+    """Keys shaped like arrayckpt's objects (``zarr.json`` documents, chunk keys, and a save's lease at the top of a
+    checkpoint's prefix), made of plain segments only; others are left alone. An object store keeps ``a/../../b`` as
+    a key of its own, but TensorStore's HTTP client normalises the URL it is sent to (measured with moto: reading,
+    writing or deleting ``run/x/../../victim/zarr.json`` reaches ``victim/zarr.json``, outside the prefix), so such
+    a key is never arrayckpt's to touch."""
+    return [k for k in keys if _plain_key(k) and (k == LEASE_NAME or k.rpartition("/")[2] == ROOT_METADATA
+                                                 or _CHUNK_NAME.fullmatch(k.rpartition("/")[2]))]
+
+
+def _plain_key(key: str) -> bool:
+    """Whether ``key`` is plain segments joined by ``/``: none empty, ``.`` or ``..``, no backslash or NUL."""
+    return "\\" not in key and "\x00" not in key and all(s not in ("", ".", "..") for s in key.split("/"))
 
 
 # --- from what the user passed to a location ----------------------------------------------------------------

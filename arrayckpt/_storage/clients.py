@@ -30,8 +30,10 @@ DEFAULT_RETRIES = 10
 DEFAULT_CONCURRENCY = 64
 
 
-def driver_spec(scheme: str, bucket: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The TensorStore kvstore spec of a bucket, without its path (``memory``: the process's in-memory store)."""
+def driver_spec(scheme: str, bucket: str, options: Mapping[str, Any],
+                environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The TensorStore kvstore spec of a bucket, without its path (``memory``: the process's in-memory store);
+    ``environ``: the environment variables that say where credentials come from."""
     if scheme == "memory":
         return {"driver": "memory"}
     if scheme == "gs":
@@ -41,16 +43,21 @@ def driver_spec(scheme: str, bucket: str, options: Mapping[str, Any]) -> dict[st
         spec["endpoint"] = options["endpoint_url"]
     if options.get("region"):
         spec["aws_region"] = options["region"]
-    credentials = _aws_credentials(options)
+    credentials = _aws_credentials(options, environ)
     if credentials is not None:
         spec["aws_credentials"] = credentials
     return spec
 
 
-def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any] | None:
+def _aws_credentials(options: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any] | None:
     """TensorStore's ``aws_credentials`` for the given options (``None``: its default chain, which reads the
     standard AWS environment variables and files). TensorStore takes no literal keys, so explicit ``key`` and
-    ``secret`` go through a private credentials file of this process."""
+    ``secret`` go through a private credentials file of this process.
+
+    Keys in the environment (``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``, no ``AWS_PROFILE``) are what the
+    default chain would use first, as botocore does; naming the ``environment`` provider says so directly. The
+    default chain would also look for ``~/.aws/config`` and ``~/.aws/credentials`` and log an error line to stderr
+    for each that is missing, on every run; with the keys in the environment those files are never wanted."""
     if options.get("anon"):
         return {"type": "anonymous"}
     if options.get("key") or options.get("secret"):
@@ -60,6 +67,8 @@ def _aws_credentials(options: Mapping[str, Any]) -> dict[str, Any] | None:
         return {"type": "profile", "profile": "arrayckpt", "credentials_file": credentials, "config_file": config}
     if options.get("profile"):
         return {"type": "profile", "profile": options["profile"]}
+    if environ.get("AWS_ACCESS_KEY_ID") and environ.get("AWS_SECRET_ACCESS_KEY") and not environ.get("AWS_PROFILE"):
+        return {"type": "environment"}  # (TensorStore's environment provider reads AWS_SESSION_TOKEN too)
     return None
 
 

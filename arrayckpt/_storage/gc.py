@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
-from .base import ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
+from .base import LEASE_NAME, ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
 from .files import directory_files, remove_arrayckpt_files
+from .liveness import Holder, live_holder
 from .local import LocalLocation
 
 if TYPE_CHECKING:
@@ -36,9 +37,10 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
 
     In a local directory: the temporary directories of interrupted saves (paths). Under an object-storage
     prefix (``s3://bucket/run``, ``memory://...``): the incomplete checkpoints right below it (URLs), see
-    :func:`object_leftovers`. Only leftovers untouched for ``min_age_s`` seconds are removed, so a
-    save still running next to them is not disturbed. Committed checkpoints are never touched, nor any
-    object that is not arrayckpt's.
+    :func:`object_leftovers`. What a running save holds is never removed, whatever ``min_age_s`` says (its
+    ``flock`` on its temporary directory, its lease in a new prefix: spec §9.4); of the rest, only leftovers
+    untouched for ``min_age_s`` seconds are removed. Committed checkpoints are never touched, nor any object that
+    is not arrayckpt's.
 
     >>> import arrayckpt, tempfile
     >>> arrayckpt.gc(tempfile.mkdtemp())
@@ -57,9 +59,9 @@ class ObjectLeftover(Leftover):
     age_s: float | None  # seconds since its newest object was written (None: the store gives no times)
 
     def remove(self) -> bool:
-        """Delete the objects found, unless a root document has appeared meanwhile (a save committed after all:
-        then nothing is deleted and ``False`` is returned)."""
-        if self.location.node_document("") is not None:
+        """Delete the objects found, unless a root document or a live save's lease has appeared meanwhile (a save
+        committed after all, or began again: then nothing is deleted and ``False`` is returned)."""
+        if self.location.node_document("") is not None or _live_lease(self.location) is not None:
             return False
         self.location.delete_objects(list(self.keys))
         return True
@@ -71,7 +73,10 @@ def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
 
     A prefix ``P`` below the root is removed only when all of these hold (spec §9.3):
 
-    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched);
+    - ``P/zarr.json`` does not exist (a committed checkpoint, or a foreign Zarr hierarchy, is never touched), nor
+      does the root document of a committed checkpoint anywhere below ``P`` (a prefix holding checkpoints, such
+      as a manager's root, is not an incomplete checkpoint);
+    - no live save lease ``P/.arrayckpt-lease`` is there (a first save is running: spec §9.4), whatever its age;
     - every object under ``P`` is arrayckpt-shaped (a ``zarr.json`` or a chunk name), and its ``zarr.json``
       documents are Zarr v3 groups or arrays, at least one of them an array that arrayckpt wrote
       (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,
@@ -115,6 +120,10 @@ def _prefix_leftovers(where: ObjectLocation, min_age_s: float) -> Leftovers:
     if not entries:
         return Leftovers([], [])  # removed meanwhile
     keys = [k for k, _ in entries]
+    holder = _live_lease(where) if LEASE_NAME in keys else None
+    if holder is not None:
+        return Leftovers([], [(str(where), f"incomplete checkpoint: a save is running in it (its lease, held by "
+                                           f"{holder}, spec §9.4)")])
     times = [t for _, t in entries]
     newest = None if any(t is None for t in times) else max(times)  # type: ignore[type-var]
     no_times = (f"{where.scheme}:// gives no modification times here, so its objects count as just "
@@ -173,6 +182,11 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
         raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
 
 
+def _live_lease(where: ObjectLocation) -> Holder | None:
+    """The live holder of the save lease in ``where``'s prefix (one GET; ``None``: none, or expired)."""
+    return live_holder(where.read_objects([LEASE_NAME]).get(LEASE_NAME))
+
+
 def _not_arrayckpt_documents(read_documents: Reader, documents: list[str]) -> str | None:
     """Why the ``zarr.json`` documents ``documents`` (read through ``read_documents``) do not show an
     interrupted arrayckpt save (``None``: they do)."""
@@ -189,6 +203,8 @@ def _not_arrayckpt_documents(read_documents: Reader, documents: list[str]) -> st
         node = document.get("node_type") if isinstance(document, dict) else None
         if not isinstance(document, dict) or document.get("zarr_format") != 3 or node not in ("group", "array"):
             return f"{name} is not a Zarr v3 group or array document: not arrayckpt's"
+        if node == "group" and is_arrayckpt_root(document):  # a committed checkpoint below: never removed
+            return f"holds the committed checkpoint whose root document is {name}: not a leftover"
         if node == "array":
             attributes = document.get("attributes")
             if not (isinstance(attributes, dict) and isinstance(attributes.get("arrayckpt"), dict)):

@@ -11,15 +11,12 @@ The interface and the call order of a save are in ``_storage/base.py``.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,7 @@ from .._errors import (
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
-from .._io.fastio import forget_pin, read_regular_file, remember_pin
+from .._io.fastio import forget_pin, read_checkpoint_file, read_regular_file, remember_pin
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -45,8 +42,11 @@ from .base import (
     parse_location,
     parse_root_bytes,
     register_scheme,
+    relative_parts,
 )
 from .files import remove_arrayckpt_files
+from .liveness import RootLock, exclusive_directory, hold_directory
+from .renames import exchange, fsync_dir, make_durable, rename_noreplace
 
 __all__ = [
     "LocalLeftover",
@@ -124,7 +124,7 @@ class LocalLocation(Location):
     def node_document(self, node_path: str) -> bytes | None:
         """A node's own ``zarr.json`` (``None`` when absent)."""
         try:
-            return read_regular_file(self.path / node_path / ROOT_METADATA, f"{self}: {node_path}/{ROOT_METADATA}")
+            return read_checkpoint_file(str(self.path), f"{node_path}/zarr.json", f"{self}: {node_path}/zarr.json")
         except (FileNotFoundError, NotADirectoryError):
             return None
 
@@ -152,7 +152,8 @@ class LocalLocation(Location):
 
     def leftovers(self, min_age_s: float) -> Leftovers:
         """Temporary directories of interrupted saves right below this directory (``.<name>.arrayckpt-tmp-*``)
-        whose newest file is at least ``min_age_s`` old; younger ones are kept (a save may still be running)."""
+        whose newest file is at least ``min_age_s`` old. Kept: those a live save holds (its lock, spec §9.4), at
+        any age, and younger ones (where the filesystem has no ``flock``, the age is all that protects a save)."""
         if not self.path.is_dir():
             raise CheckpointNotFoundError(f"{self.path}: not a directory")
         now = time.time()
@@ -161,6 +162,12 @@ class LocalLocation(Location):
         for path in sorted(self.path.glob(f".*{TEMP_MARKER}*")):
             if not path.is_dir():
                 continue
+            if not path.is_symlink():
+                with exclusive_directory(path) as busy:
+                    if busy is not None:
+                        if "gone" not in busy:
+                            kept.append((str(path), f"temporary directory of a save: {busy}"))
+                        continue
             try:
                 age = now - _newest_mtime(path)
             except FileNotFoundError:  # gone meanwhile: its save committed (renamed it) or gave up
@@ -175,7 +182,7 @@ class LocalLocation(Location):
     def resolve(self, reference: str) -> Location:
         if "://" in reference or os.path.isabs(reference):
             return parse_location(reference)  # a URL gets no options from a local location: it has none
-        return LocalLocation(type(self.path)(os.path.normpath(self.path / reference)))
+        return LocalLocation(type(self.path)("/", *relative_parts(self, reference)))  # spec §10.1, never clamped
 
     def reference_from(self, other: Location) -> str:
         if isinstance(other, LocalLocation):
@@ -206,6 +213,9 @@ class LocalLocation(Location):
             pass
         remove_arrayckpt_files(self.path)
 
+    def claim(self, patience_s: float = 0.0) -> RootLock:
+        return RootLock(self.path)  # (a flock dies with its holder: nothing to wait for)
+
     def _temporary_siblings(self) -> list[Path]:
         """Temporary directories of (possibly interrupted) saves to this path."""
         parent = self.path.parent
@@ -222,12 +232,16 @@ class LocalLeftover(Leftover):
     age_s: float
 
     def remove(self) -> bool:
-        """Delete the directory (a save that committed meanwhile renamed it away: nothing of it is touched); a link
-        is removed as a link, never followed. Whether nothing is left at its path now."""
+        """Delete the directory while holding its exclusive lock, unless a live save holds it (spec §9.4: then
+        nothing is touched and ``False`` is returned; a save that committed meanwhile renamed it away); a link is
+        removed as a link, never followed. Whether nothing is left at its path now."""
         path = self.location.path
         if path.is_symlink():
             path.unlink(missing_ok=True)
-        else:
+            return not os.path.lexists(path)
+        with exclusive_directory(path) as busy:
+            if busy is not None:
+                return not os.path.lexists(path)
             shutil.rmtree(path, ignore_errors=True)
         return not os.path.lexists(path)
 
@@ -304,7 +318,7 @@ def read_root_json(location: LocalLocation, directory: str | None = None) -> dic
     one), or a clear error saying what is there instead."""
     root = Path(directory or location.path) / ROOT_METADATA
     try:
-        data = read_regular_file(root, f"{location}: {ROOT_METADATA}")
+        data = read_regular_file(root, f"{location}: {ROOT_METADATA}", follow=False)  # no link inside (spec §12)
     except FileNotFoundError:
         if location.path.is_dir():
             raise IncompleteCheckpointError(
@@ -331,8 +345,17 @@ class LocalWriter(Writer):
         self.overwrite = overwrite
         _check_replaceable(location, overwrite)
         location.path.parent.mkdir(parents=True, exist_ok=True)
-        self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
-        self.temp.mkdir()
+        for _ in range(_OPEN_ATTEMPTS):  # a gc may remove a new T between its mkdir and its lock: take another
+            self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
+            self.temp.mkdir()
+            hold = hold_directory(self.temp)  # the mark of a live save (spec §9.4), until the commit or abort
+            if hold is not None:
+                self._hold = hold
+                break
+        else:
+            raise StorageError(f"{location}: the save's temporary directory was removed {_OPEN_ATTEMPTS} times as "
+                               "soon as it was made (a gc without the minimum age is running); try again")
+        self._documents: list[str] = []  # node paths whose zarr.json this writer wrote
         self.target = LocalLocation(self.temp)  # where the ranks write
         self.key_encoding = "default"
 
@@ -343,6 +366,7 @@ class LocalWriter(Writer):
         import threading
 
         errors: list[str] = []
+        self._documents = list(documents)
 
         def run() -> None:
             root = str(self.temp)
@@ -368,25 +392,53 @@ class LocalWriter(Writer):
 
         return wait
 
+    def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
+        """The chunk files (and node documents) of this save not in its temporary directory now: one listing of
+        each node's directory, and a ``stat`` of each name not listed (a shared filesystem's client may list a
+        directory from its cache). Everything, when the directory was removed or replaced."""
+        expected = {path: set(names) for path, names in chunks.items()}
+        for path in self._documents:
+            if path:
+                expected.setdefault(path, set()).add(ROOT_METADATA)
+        if not self._hold.still_at(self.temp):
+            return sorted(f"{path}/{name}" for path, names in expected.items() for name in names) or ["."]
+        gone = []
+        for path, names in expected.items():
+            directory = f"{self.temp}/{path}" if path else str(self.temp)
+            try:
+                listed = set(os.listdir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                listed = set()
+            gone.extend(f"{path}/{name}" for name in sorted(names - listed)
+                        if not os.path.lexists(f"{directory}/{name}"))
+        return gone
+
     def commit(self, root_document: bytes) -> None:
-        """Write the (serialised) root metadata, make everything durable, then make it visible at the path."""
+        """Write the (serialised) root metadata, make everything durable, then make it visible at the path: only if
+        the temporary directory is still the one this save made (a ``stat``, right before the rename)."""
         (self.temp / ROOT_METADATA).write_bytes(root_document)
         make_durable(self.temp)
+        if not self._hold.still_at(self.temp):
+            raise StorageError(f"{self.location}: the save's temporary directory {self.temp} was removed or replaced "
+                               "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
-        if _rename_noreplace(self.temp, target):
-            _fsync_dir(target.parent)
+        if rename_noreplace(self.temp, target):
+            fsync_dir(target.parent)
+            self._hold.release()
             return
         _check_replaceable(self.location, self.overwrite)  # something appeared meanwhile
         if _is_empty_dir(target):
             target.rmdir()
             os.rename(self.temp, target)
         else:
-            _exchange(self.temp, target)  # self.temp now holds the old checkpoint
+            exchange(self.temp, target)  # self.temp now holds the old checkpoint
             shutil.rmtree(self.temp, ignore_errors=True)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
+        self._hold.release()
 
     def abort(self) -> None:
         shutil.rmtree(self.temp, ignore_errors=True)
+        self._hold.release()
 
 
 def _write_file(path: str, data: bytes) -> None:
@@ -421,79 +473,3 @@ def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
         f"{location}: the directory exists and is not an arrayckpt checkpoint; "
         "refusing to replace it (remove it yourself, or choose another path)"
     )
-
-
-# --- durability and atomic renames (Linux fast paths, portable fallbacks) -----------------------
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> int:
-    """``renameat2(2)``; returns 0 or the errno (ENOSYS/EINVAL where unsupported)."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return errno.ENOSYS
-    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
-    return 0 if rc == 0 else ctypes.get_errno()
-
-
-def _rename_noreplace(src: Path, dst: Path) -> bool:
-    """Rename ``src`` to ``dst`` only if ``dst`` does not exist; False if it does."""
-    err = _renameat2(src, dst, _RENAME_NOREPLACE)
-    if err == 0:
-        return True
-    if err == errno.EEXIST:
-        return False
-    if err not in (errno.ENOSYS, errno.EINVAL):
-        raise OSError(err, os.strerror(err), str(dst))
-    if dst.exists():
-        return False
-    os.rename(src, dst)
-    return True
-
-
-def _exchange(new: Path, old: Path) -> None:
-    """Atomically swap two directories where the OS can; otherwise two renames (a short gap)."""
-    err = _renameat2(new, old, _RENAME_EXCHANGE)
-    if err == 0:
-        return
-    if err not in (errno.ENOSYS, errno.EINVAL):
-        raise OSError(err, os.strerror(err), str(old))
-    aside = old.parent / f".{old.name}{TEMP_MARKER}old-{uuid.uuid4().hex[:8]}"  # found by gc if we crash
-    os.rename(old, aside)
-    os.rename(new, old)
-    os.rename(aside, new)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_durable(root: Path) -> None:
-    """Flush everything written below ``root``: one ``syncfs`` on Linux, else fsync file by file.
-
-    TensorStore is told not to fsync each chunk (``file_io_sync: false``); one filesystem-wide flush
-    before the commit rename is far cheaper than thousands of per-file fsyncs.
-    """
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        syncfs = getattr(_libc, "syncfs", None)
-        if syncfs is not None and syncfs(fd) == 0:
-            return
-    finally:
-        os.close(fd)
-    for directory, _, files in os.walk(root):
-        for name in files:
-            file_fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(file_fd)
-            finally:
-                os.close(file_fd)
-        _fsync_dir(Path(directory))

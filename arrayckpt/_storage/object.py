@@ -23,7 +23,7 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from .._errors import (
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .base import (
+    LEASE_NAME,
     ROOT_METADATA,
     Leftovers,
     Location,
@@ -45,9 +46,16 @@ from .base import (
     parse_location,
     parse_root_bytes,
     register_scheme,
+    relative_parts,
 )
 from .clients import driver_spec, object_context
 from .gc import hierarchies_above, object_leftovers
+from .kvio import delete_keys as _delete
+from .kvio import list_keys as _list
+from .kvio import read_key as _read
+from .kvio import wait_all as _wait
+from .kvio import write_key as _write
+from .liveness import MANAGER_LEASE, Lease
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url",
            "stale_keys"]
@@ -135,7 +143,7 @@ class ObjectLocation(Location):
             raise StorageError(f"{self}: reading {ROOT_METADATA} failed: {e}") from e
         data = result.value if result.state == "value" else None
         if data is None:
-            if _any_key(store, self):
+            if _list(store, self):
                 raise IncompleteCheckpointError(
                     f"{self}: incomplete checkpoint (objects but no root zarr.json: its save never committed; "
                     "save again with overwrite=True to replace it)")
@@ -245,8 +253,7 @@ class ObjectLocation(Location):
             # this location's storage options (credentials) go only to one on the same kind of storage
             same = "://" in reference and reference.partition("://")[0] == self.scheme
             return parse_location(reference, self.option if same and self.options else None)
-        prefix = posixpath.normpath(posixpath.join("/" + self.prefix, reference)).strip("/")
-        return dataclasses.replace(self, prefix=prefix)
+        return dataclasses.replace(self, prefix="/".join(relative_parts(self, reference)))  # spec §10.1
 
     def reference_from(self, other: Location) -> str:
         if isinstance(other, ObjectLocation) and (other.scheme, other.bucket) == (self.scheme, self.bucket):
@@ -257,6 +264,10 @@ class ObjectLocation(Location):
 
     def open_writer(self, overwrite: bool) -> ObjectWriter:
         return ObjectWriter(self, overwrite)
+
+    def claim(self, patience_s: float = 0.0) -> Lease:
+        return Lease(self.open_store(), MANAGER_LEASE, str(self), "another CheckpointManager holds this root",
+                     patience_s)
 
     def delete(self) -> None:
         """Remove the checkpoint: the commit first (so a half-deleted one reads as incomplete), then the rest."""
@@ -291,43 +302,6 @@ def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None
 
 for _scheme in OBJECT_SCHEMES:
     register_scheme(_scheme, parse_object_url)
-
-
-# --- kvstore helpers (each names the checkpoint in its errors) -----------------------------------
-
-
-def _read(store: Any, key: str, where: object) -> bytes | None:
-    try:
-        result = store.read(key).result()
-    except Exception as e:
-        raise StorageError(f"{where}: reading {key} failed: {e}") from e
-    return result.value if result.state == "value" else None
-
-
-def _write(store: Any, key: str, data: bytes, where: object) -> Any:
-    try:
-        return store.write(key, data)
-    except Exception as e:
-        raise StorageError(f"{where}: writing {key} failed: {e}") from e
-
-
-def _list(store: Any, where: object) -> list[str]:
-    try:
-        return [k.decode() for k in store.list().result()]
-    except Exception as e:
-        raise StorageError(f"{where}: listing failed: {e}") from e
-
-
-def _any_key(store: Any, where: object) -> bool:
-    return bool(_list(store, where))
-
-
-def _delete(store: Any, keys: list[str], where: object) -> None:
-    # One DELETE per object: writing None deletes a single key (``delete_range`` over a one-key range
-    # would first LIST that range on S3/GCS, doubling the requests of every clean-up).
-    _wait([(key, store.write(key, None)) for key in keys], where, "deleting")
-
-
 
 
 def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
@@ -367,6 +341,9 @@ class ObjectWriter(Writer):
         self._deferred: Mapping[str, bytes] = {}
         self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
         self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
+        self._lease: Lease | None = None  # a save to a prefix without a committed checkpoint holds one (spec §9.4)
+        self._written: list[str] = []  # node paths whose zarr.json was written before the commit
+        self._listed: list[str] | None = None  # the listing of the check before the commit (reused by the sweep)
         for here, ours in hierarchies_above(location, itself=False):  # one GET per prefix above
             if ours:  # its overwrite or deletion would delete this checkpoint's objects as its own stale ones
                 raise CheckpointExistsError(
@@ -403,6 +380,7 @@ class ObjectWriter(Writer):
             # Nothing was here: after the commit there is nothing stale to find, and listing a large
             # checkpoint costs a LIST per 1,000 objects (anything else found would be another writer's).
             self._sweep = bool(keys)
+            self._lease = Lease(self.store, LEASE_NAME, str(location), "a save is writing here")
         old = _encoding_of(self._old_nodes) if self._old_nodes is not None else KEY_ENCODINGS[1]
         self.key_encoding = KEY_ENCODINGS[1 - KEY_ENCODINGS.index(old)] if old in KEY_ENCODINGS else KEY_ENCODINGS[0]
 
@@ -412,7 +390,7 @@ class ObjectWriter(Writer):
         delete its objects as stale. Only the ``zarr.json`` documents of nodes without chunks are read (groups;
         an arrayckpt root is one), concurrently; when replacing, only those of nodes the old one lacks."""
         chunked = {key.rpartition("/")[0] for key in arrayckpt_keys(keys) if key.rpartition("/")[2] != ROOT_METADATA}
-        candidates = [key for key in keys if key.endswith(f"/{ROOT_METADATA}")
+        candidates = [key for key in arrayckpt_keys(keys) if key.endswith(f"/{ROOT_METADATA}")
                       and (node := key[:-len(ROOT_METADATA) - 1]) not in chunked
                       and (self._old_nodes is None or node not in self._old_nodes)]
         for key, data in sorted(self.location.read_objects(candidates).items()) if candidates else ():
@@ -434,6 +412,7 @@ class ObjectWriter(Writer):
         if self._old_nodes is not None:
             self._deferred = documents
             return lambda: None
+        self._written = list(documents)
         pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
                                  self.location)) for path, doc in documents.items()]
 
@@ -442,21 +421,33 @@ class ObjectWriter(Writer):
 
         return wait
 
+    def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
+        """The chunk objects (and node documents written before the commit) of this save not under the prefix now:
+        one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it)."""
+        self._listed = _list(self.store, self.location)
+        there = set(self._listed)
+        expected = [f"{path}/{name}" if path else name for path, names in chunks.items() for name in names]
+        expected += [f"{path}/{ROOT_METADATA}" for path in self._written if path]
+        return [key for key in expected if key not in there]
+
     def commit(self, root_document: bytes) -> None:
-        """Write the root document (the commit), then the deferred node documents, then delete what the new
-        checkpoint no longer needs. Failures after the commit only warn: the checkpoint is committed."""
+        """Write the root document (the commit), then release the save's lease, write the deferred node documents and
+        delete what the new checkpoint no longer needs. Failures after the commit only warn: it is committed."""
         try:
             self.store.write(ROOT_METADATA, root_document).result()
         except Exception as e:
             if not self._landed(root_document, e):
                 raise StorageError(f"{self.location}: writing the root zarr.json (the commit) failed: {e}") from e
         try:
+            if self._lease is not None:
+                self._lease.release()
             pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
                                      self.location)) for path, doc in self._deferred.items()]
             _wait(pending, self.location, "writing metadata")
-            if self._sweep:
+            if self._sweep:  # (what the listing before the commit missed is this save's own: never stale)
                 nodes = json.loads(root_document)["consolidated_metadata"]["metadata"]
-                _delete(self.store, stale_keys(_list(self.store, self.location), nodes), self.location)
+                listed = self._listed if self._listed is not None else _list(self.store, self.location)
+                _delete(self.store, stale_keys(listed, nodes), self.location)
         except Exception as e:  # noqa: BLE001 - committed; leftovers are only untidy
             warnings.warn(f"{self.location}: committed, but tidying up after the commit failed ({e}); a later save "
                           "with overwrite=True removes what is left", RuntimeWarning, stacklevel=2)
@@ -477,6 +468,8 @@ class ObjectWriter(Writer):
 
     def abort(self) -> None:
         """Remove what this save wrote; a committed checkpoint being replaced keeps all its objects."""
+        if self._lease is not None:
+            self._lease.release()
         if self._outcome_unknown:  # the new root may be the commit: its chunks must stay; a later save tidies up
             return
         try:
@@ -486,14 +479,3 @@ class ObjectWriter(Writer):
         except StorageError as e:
             warnings.warn(f"{e} (while removing an aborted save's objects)", RuntimeWarning, stacklevel=2)
 
-
-def _wait(pending: list[tuple[str, Any]], where: object, what: str) -> None:
-    """Wait for every (name, future), then raise one error naming the first failure and how many failed."""
-    errors = []
-    for name, future in pending:
-        try:
-            future.result()
-        except Exception as e:
-            errors.append(f"{name or '/'}: {e}")
-    if errors:
-        raise StorageError(f"{where}: {what} failed: {errors[0]} ({len(errors)} object(s) failed)")

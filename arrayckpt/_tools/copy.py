@@ -17,7 +17,9 @@ What is checked, before anything is committed:
   already checked by the store: TensorStore signs every PUT with the SHA-256 of its payload).
 
 Delta checkpoints are copied as deltas. A base named by a relative path (what saves write when a delta and its base
-are on the same storage, e.g. ``../step-100``) goes to the same relative place at the destination, and is copied
+are on the same storage, e.g. ``../step-100``) goes to the same relative place at the destination, if that place is
+in the directory (prefix) holding the destination or inside one of ``base_roots`` (spec §10.1: the same rule that
+decides which bases a reader follows, so a crafted reference never places a checkpoint elsewhere), and is copied
 there first unless the checkpoint there already is that base (same id: then it, and the chain below it, are not
 copied again). Base references are never rewritten: the copied root documents hold the same manifests (the same
 ids), so the copied chain is checked like the original. A base named by an absolute path or URL is not copied:
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +48,10 @@ from .._errors import (
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from .._format.paths import is_location_reference
 from .._format.zarr import check_array_metadata
-from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._storage import Location, parse_location
+from .._read.checkpoint import Checkpoint
+from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
 from .pump import ArrayCopy, Progress, Pump, Throttle
 
@@ -78,17 +81,18 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
          storage_options: Mapping[str, Any] | None = None, src_options: Mapping[str, Any] | None = None,
          dst_options: Mapping[str, Any] | None = None, max_bytes_per_second: float | None = None,
          read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
-         progress: Progress | None = None) -> CopyResult:
+         progress: Progress | None = None, base_roots: Sequence[str | os.PathLike[str]] | None = None) -> CopyResult:
     """Copy the committed checkpoint at ``src`` (with its chain of bases, if it is a delta) to ``dst``, streaming
     its files as stored, checking every chunk on the way, and committing ``dst`` last (see the module docstring).
 
     ``storage_options`` serve both ends; ``src_options`` / ``dst_options`` override them for one end (e.g. two S3
     endpoints). ``max_bytes_per_second`` caps the transfer rate; ``concurrency`` is the number of chunk files in
     flight (at most 256 MiB of them); ``progress(done, total)`` is called in array bytes, for each checkpoint of the
-    chain in turn. Raises
-    ``CorruptCheckpointError`` for damage in the source (nothing is committed), ``CheckpointExistsError`` when a
-    committed checkpoint is at ``dst`` (without ``overwrite``) or another one at a base's place, ``StorageError``
-    when either storage fails past its retries.
+    chain in turn. ``base_roots``: directories or URLs, at either end, where bases outside the directory holding
+    their delta checkpoint may be read and written (spec §10.1). Raises :class:`BaseNotAllowedError` for a base
+    elsewhere, ``CorruptCheckpointError`` for damage in the source (nothing is committed),
+    ``CheckpointExistsError`` when a committed checkpoint is at ``dst`` (without ``overwrite``) or another one at a
+    base's place, ``StorageError`` when either storage fails past its retries.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -104,24 +108,27 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
     """
     source = parse_location(src, src_options if src_options is not None else storage_options)
     target = parse_location(dst, dst_options if dst_options is not None else storage_options)
+    roots = parse_roots(base_roots, src_options if src_options is not None else storage_options) + \
+        parse_roots(base_roots, dst_options if dst_options is not None else storage_options)
     return copy_checkpoint(source, target, overwrite=overwrite, throttle=Throttle(max_bytes_per_second),
-                           read_back=read_back, concurrency=concurrency, progress=progress)
+                           read_back=read_back, concurrency=concurrency, progress=progress, base_roots=roots)
 
 
 def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, throttle: Throttle,
                     read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
-                    progress: Progress | None = None) -> CopyResult:
+                    progress: Progress | None = None, base_roots: tuple[Location, ...] = ()) -> CopyResult:
     """:func:`copy` between two locations, with a ``throttle`` that several copies may share (the manager's
     uploader)."""
-    if str(target) == str(source) or str(target).startswith(str(source).rstrip("/") + "/"):
+    if source.tree.holds(target.tree):
         raise ValueError(f"{target}: cannot copy a checkpoint onto itself or into itself ({source})")
-    with open_checkpoint(source) as checkpoint:
+    with Checkpoint(source, base_roots=base_roots) as checkpoint:
         layers = [(checkpoint, target)]
         skipped: list[str] = []
         if _holds(target, checkpoint.manifest.id, base=False):
             return CopyResult(str(source), str(target), checkpoint.manifest.id, (), (str(target),), 0, 0)
-        while (ref := layers[-1][0].manifest.base) is not None and not _absolute(ref.path):
-            place = layers[-1][1].resolve(ref.path)
+        while (ref := layers[-1][0].manifest.base) is not None and not is_location_reference(ref.path):
+            follow_base(layers[-1][0].location, ref.path, base_roots)  # may the source's base be read at all?
+            place = follow_base(layers[-1][1], ref.path, base_roots)  # and placed there (never anywhere else)
             if _holds(place, ref.id, base=True):
                 skipped.append(str(place))
                 break
@@ -139,10 +146,6 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
             objects, stored = objects + moved.objects, stored + moved.stored_bytes
         return CopyResult(str(source), str(target), checkpoint.manifest.id, tuple(copied), tuple(skipped), objects,
                           stored)
-
-
-def _absolute(reference: str) -> bool:
-    return "://" in reference or os.path.isabs(reference)
 
 
 def _holds(place: Location, identity: str | None, base: bool) -> bool:

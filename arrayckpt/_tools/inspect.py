@@ -7,6 +7,7 @@ parsed from numpy-style text (``0:4,::2``, ``...,-1``) by a small grammar, never
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .._format.manifest import ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, opened
 from .._read.reader import read_boxes
@@ -287,7 +288,8 @@ def diff(a: str | os.PathLike[str] | Checkpoint, b: str | os.PathLike[str] | Che
     """Compare two checkpoints: keys only in one, changed dtypes/shapes/kinds, tensor and value differences.
 
     Tensors are compared chunk by chunk (memory stays bounded); differences are bitwise, so NaN == NaN and
-    -0.0 != +0.0.
+    -0.0 != +0.0. An alias (tied weights, stored once) is compared as the tensor it names, so a checkpoint of a
+    tied model and one of the same weights untied are identical.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -302,16 +304,20 @@ def diff(a: str | os.PathLike[str] | Checkpoint, b: str | os.PathLike[str] | Che
 
 
 def _diff(left: Checkpoint, right: Checkpoint) -> DiffReport:
-    ea, eb = left.manifest.entries, right.manifest.entries
+    ea, eb = _resolved(left), _resolved(right)
     changed: dict[str, str] = {}
     tensors: list[TensorDiff] = []
     values: dict[str, tuple[Any, Any]] = {}
+    compared: dict[tuple[str, str], TensorDiff] = {}  # by the arrays compared: tied keys are compared once
     for key in (k for k in ea if k in eb):
         da, db = _describe(ea[key]), _describe(eb[key])
         if da != db and not (isinstance(ea[key], ValueEntry) and isinstance(eb[key], ValueEntry)):
             changed[key] = f"{da} -> {db}"
         elif isinstance(ea[key], ArrayEntry):
-            tensors.append(_diff_tensor(left, right, key))
+            pair = (ea[key].key, eb[key].key)
+            if pair not in compared:
+                compared[pair] = _diff_tensor(left, right, key)
+            tensors.append(dataclasses.replace(compared[pair], key=key))
         elif isinstance(ea[key], ValueEntry) and ea[key].value != eb[key].value:  # type: ignore[union-attr]
             values[key] = (left.value(key), right.value(key))
         elif isinstance(ea[key], PerRankEntry) and not _same_per_rank(left, right, key):
@@ -320,6 +326,13 @@ def _diff(left: Checkpoint, right: Checkpoint) -> DiffReport:
             values[key] = ("pickled value of a", "pickled value of b")
     return DiffReport(str(left.location), str(right.location), tuple(k for k in ea if k not in eb),
                       tuple(k for k in eb if k not in ea), changed, tuple(tensors), values)
+
+
+def _resolved(checkpoint: Checkpoint) -> dict[str, Entry]:
+    """The checkpoint's entries with every alias replaced by the tensor entry it names (whose ``key`` is the
+    target's)."""
+    return {key: checkpoint.manifest.array_entry(key) or entry if isinstance(entry, AliasEntry) else entry
+            for key, entry in checkpoint.manifest.entries.items()}
 
 
 def _describe(entry: Entry) -> str:

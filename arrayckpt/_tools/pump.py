@@ -27,7 +27,7 @@ from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.stored import stored_content_crc
 from .._format.zarr import chunk_key, grid_counts, grid_indices
 from .._io.decode import ChunkDecoder
-from .._io.fastio import read_regular_file
+from .._io.fastio import read_checkpoint_file
 from .._storage import Location
 
 __all__ = ["IN_FLIGHT_BYTES", "RETRY_DELAYS", "ArrayCopy", "Pump", "Throttle"]
@@ -209,7 +209,7 @@ class Pump:
         """A chunk file's bytes as stored; a missing one is damage of the source."""
         if self._local is not None:
             try:
-                return read_regular_file(f"{self._local}{file}", f"{self._where}/{file}")
+                return read_checkpoint_file(self._local, file, f"{self._where}/{file}")  # never through a link
             except (FileNotFoundError, NotADirectoryError):
                 raise CorruptCheckpointError(f"{self._where}/{file}: chunk file is missing") from None
             except ArrayckptError:

@@ -14,13 +14,15 @@ accumulates them (so the numbers are ``show``'s), histograms are counts of a ran
 checkpoints. Images are PNGs embedded as base64; nothing is fetched when the file is opened.
 
 **Chunk grids are coloured by the rank that wrote each chunk**, from the manifest's ``created.writers`` (spec §4.2;
-arrayckpt records it at every save with more than one rank). Checkpoints without it (written before it was recorded) are
-drawn with a colour per chunk, and the report says the writers are not recorded.
+arrayckpt records it at every save with more than one rank), with a key from colour to rank above them (a colour bar
+from 20 ranks on). In a delta checkpoint, the chunks its bases store are drawn lighter, in the colour of the rank that
+wrote them there. Checkpoints without the record (written before it was recorded) are drawn with a colour per chunk,
+and the report says the writers are not recorded.
 
 What a report shows is a set of values (``report_data.py``); chunk grids, the chain and what a delta stores come
 from metadata (``report_layout.py``); the HTML is written by ``report_html.py`` and the pictures drawn by
-``report_figures.py`` (matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``report_cli.py`` is
-the command line.
+``report_figures.py`` and ``report_grids.py`` (the chunk pictures), in ``report_style.py``'s shared style
+(matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``report_cli.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import ArrayckptError
-from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
+from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._read.checkpoint import Checkpoint, LazyArray, opened
 from .inspect import _Stats, normalize_index, selection_blocks
@@ -56,7 +58,8 @@ LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
 def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathLike[str] | Checkpoint | None = None,
            output: str | os.PathLike[str] = "report.html", overview: str | os.PathLike[str] | None = None,
            storage_options: Mapping[str, Any] | None = None, max_tensors: int | None = None,
-           histograms: int = HISTOGRAMS, grids: int = GRIDS) -> Path:
+           histograms: int = HISTOGRAMS, grids: int = GRIDS,
+           base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Path:
     """Write a self-contained HTML report of checkpoint ``path`` to ``output`` and return its path.
 
     ``against``: another checkpoint; the report then ranks the tensors by their relative change
@@ -73,7 +76,7 @@ def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathL
     'ckpt.html'
     """
     return write_report(path, against=against, output=output, overview=overview, storage_options=storage_options,
-                        max_tensors=max_tensors, histograms=histograms, grids=grids).path
+                        max_tensors=max_tensors, histograms=histograms, grids=grids, base_roots=base_roots).path
 
 
 class Written(NamedTuple):
@@ -87,13 +90,14 @@ def write_report(path: str | os.PathLike[str] | Checkpoint, *,
                  against: str | os.PathLike[str] | Checkpoint | None = None,
                  output: str | os.PathLike[str] = "report.html", overview: str | os.PathLike[str] | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_tensors: int | None = None,
-                 histograms: int = HISTOGRAMS, grids: int = GRIDS) -> Written:
+                 histograms: int = HISTOGRAMS, grids: int = GRIDS,
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Written:
     """:func:`report`, returning what the report shows too (the command line exits 1 when a tensor could not be
     read). Missing parent directories of ``output`` and ``overview`` are created, as ``save`` creates them."""
     from . import report_figures, report_html  # matplotlib: only here
 
     report_figures.require_matplotlib()
-    options = {"storage_options": storage_options}
+    options = {"storage_options": storage_options, "base_roots": base_roots}
     with opened(path, **options) as checkpoint, (nullcontext() if against is None else opened(against, **options)) \
             as other:
         data = collect(checkpoint, other, max_tensors=max_tensors, histograms=histograms, grids=grids)
@@ -115,10 +119,12 @@ def collect(checkpoint: Checkpoint, other: Checkpoint | None = None, *, max_tens
     manifest = checkpoint.manifest
     data = ReportData(str(checkpoint.location), manifest.format_version, step_of(checkpoint),
                       dict(manifest.created), [], against=None if other is None else str(other.location))
-    by_size = sorted(checkpoint, key=lambda k: -checkpoint[k].nbytes)  # largest first
+    stored = [key for key, array in checkpoint.items() if array.key == key]  # not aliases: listed with the values
+    by_size = sorted(stored, key=lambda k: -checkpoint[k].nbytes)  # largest first
     chosen = set(by_size if max_tensors is None else by_size[:max_tensors])
     sampled = set([k for k in by_size if k in chosen and _histogram_kind(checkpoint[k])][:histograms])
-    for key, array in checkpoint.items():
+    for key in stored:
+        array = checkpoint[key]
         if key not in chosen:
             data.tensors.append(TensorStats(key, array.entry.dtype.name, array.shape, array.nbytes, stored_text(array)))
             continue
@@ -236,7 +242,9 @@ def _magnitudes(values: np.ndarray, signed: bool = False) -> np.ndarray:
 
 
 def _describe_value(checkpoint: Checkpoint, entry: Any) -> str:
-    """A short text for a plain value, a pickled value (never unpickled) or a per-rank entry."""
+    """A short text for a plain value, a pickled value (never unpickled), a per-rank entry or an alias."""
+    if isinstance(entry, AliasEntry):
+        return f"alias of tensor {entry.target} (one tensor saved under both keys, e.g. tied weights: stored once)"
     if isinstance(entry, PickleEntry):
         return f"pickled value, {entry.nbytes} bytes (not unpickled)"
     if isinstance(entry, PerRankEntry):

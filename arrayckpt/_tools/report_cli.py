@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from .sync_cli import add_base_root_option
+
 __all__ = ["add_report_parser", "report_command"]
 
 
@@ -42,6 +44,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--grids", type=_count, default=6, metavar="N",
                         help="chunk grid pictures of the N largest tensors (default 6)")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+    add_base_root_option(parser)
     parser.set_defaults(func=report_command)
     return parser
 
@@ -54,7 +57,8 @@ def report_command(args: argparse.Namespace) -> int:
 
     try:
         output, data = write_report(args.path, against=args.against, output=args.output, overview=args.png,
-                                    max_tensors=args.max_tensors, histograms=args.histograms, grids=args.grids)
+                                    max_tensors=args.max_tensors, histograms=args.histograms, grids=args.grids,
+                                    base_roots=args.base_root)
     except ModuleNotFoundError as e:
         if e.name != "matplotlib":
             raise

@@ -122,9 +122,12 @@ class ChunkGrid:
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     inner: tuple[int, ...] | None
-    # The rank that wrote the first chunk of each drawn cell (:meth:`drawn_chunks`), in C order (-1: stored in a
-    # base); None: not recorded
+    # The rank that wrote the first chunk of each drawn cell (:meth:`drawn_chunks`), in C order of the cells, in
+    # whichever checkpoint of a delta chain stores it (-1: not recorded there); None: not recorded
     writers: tuple[int, ...] | None = None
+    # The drawn cells (positions in :meth:`drawn_chunks`) whose first chunk a base checkpoint of the chain stores,
+    # rather than this one
+    in_base: frozenset[int] = frozenset()
 
     @property
     def counts(self) -> tuple[int, ...]:

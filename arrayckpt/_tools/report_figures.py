@@ -1,8 +1,9 @@
 """The pictures of ``report``, drawn with matplotlib (an optional extra) and returned as base64 PNGs.
 
-Every picture is drawn by a ``draw_*`` function into given axes, so that a report's section figures and its
-one-image overview (``report(..., overview=...)``) draw the same things. Figures are made with
-``matplotlib.figure.Figure`` and saved through the Agg canvas: no pyplot, no global state, no display needed.
+Every picture is drawn by a ``draw_*`` function into given axes (the chunk pictures' in ``report_grids.py``), so
+that a report's section figures and its one-image overview (``report(..., overview=...)``) draw the same things.
+Figures are made with ``matplotlib.figure.Figure`` and saved through the Agg canvas: no pyplot, no global state, no
+display needed.
 """
 
 from __future__ import annotations
@@ -16,33 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .report_data import (
-    MAX_CELLS,
-    Change,
-    ChunkGrid,
-    DeltaPart,
-    Histogram,
-    ReportData,
-    SizeNode,
-    human_bytes,
-    printable,
-    size_tree,
-    squarify,
-)
+from .report_data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
+from .report_grids import draw_delta, draw_grid, draw_rank_legend, top_rank
+from .report_style import DPI, FONT, colormap, lighten, short_key
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["MATPLOTLIB_EXTRA", "figures", "grid_view", "overview", "require_matplotlib"]
+__all__ = ["MATPLOTLIB_EXTRA", "figures", "overview", "require_matplotlib"]
 
 MATPLOTLIB_EXTRA = "pip install 'arrayckpt[report]'"
-DPI = 90
 MAX_BARS = 40  # tensors in the relative-change bar chart
 MAX_HEAT_ROWS = 60  # parameter names in the layer heat map
+LOG_SPAN = 10.0  # the heat map's colour scale is logarithmic when the changes span this factor or more
 MAX_CHAIN = 30  # checkpoints of a chain drawn (the newest; the table lists them all)
+LEGEND_BAND = 0.55  # inches above a figure's panels for their shared legend
 TREE_DEPTH = 3  # key parts the treemap nests
-FONT = 7
 
 
 def require_matplotlib() -> None:
@@ -67,16 +58,20 @@ def _png(figure: Figure) -> str:
 
 
 def _panels(count: int, columns: int, draw: Callable[[Axes, int], None], width: float = 3.4,
-            height: float = 2.6) -> str:
+            height: float = 2.6, legend: Callable[[Figure, float], None] | None = None) -> str:
     """``count`` small pictures in rows of ``columns``, as one PNG (laid out by hand: constrained layout costs
-    more than the drawing)."""
+    more than the drawing); ``legend(figure, top)``, when given, draws a legend for all of them in a band of
+    ``LEGEND_BAND`` inches above them (``top``: the band's lower edge, in figure coordinates)."""
     from matplotlib.figure import Figure
 
     rows = math.ceil(count / columns)
     columns = min(columns, count)
-    figure = Figure(figsize=(width * columns, height * rows), dpi=DPI)
+    band = LEGEND_BAND if legend is not None else 0.0
+    total = height * rows + band
+    figure = Figure(figsize=(width * columns, total), dpi=DPI)
+    top = 1 - (0.45 + band) / total
     figure.subplots_adjust(left=0.75 / (width * columns), right=1 - 0.15 / (width * columns),
-                           bottom=0.5 / (height * rows), top=1 - 0.45 / (height * rows), wspace=0.42, hspace=0.62)
+                           bottom=0.5 / total, top=top, wspace=0.42, hspace=0.62)
     axes = figure.subplots(rows, columns, squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i < count:
@@ -84,6 +79,8 @@ def _panels(count: int, columns: int, draw: Callable[[Axes, int], None], width: 
             _few_ticks(ax)
         else:
             ax.set_visible(False)
+    if legend is not None:
+        legend(figure, 1 - band / total)
     return _png(figure)
 
 
@@ -114,7 +111,10 @@ def figures(data: ReportData) -> dict[str, str]:
         out["histograms"] = _panels(len(data.histograms), 4, lambda ax, i: draw_histogram(ax, data.histograms[i]),
                                     width=2.6, height=2.0)
     if data.grids:
-        out["grids"] = _panels(len(data.grids), 3, lambda ax, i: draw_grid(ax, data.grids[i]))
+        recorded = any(g.writers is not None for g in data.grids)
+        highest = top_rank(data.grids)  # one colour per rank across the pictures
+        key = (lambda fig, edge: draw_rank_legend(fig, data.grids, edge)) if recorded else None
+        out["grids"] = _panels(len(data.grids), 3, lambda ax, i: draw_grid(ax, data.grids[i], highest), legend=key)
     if data.changes:
         figure = _figure(10, max(2.0, 0.2 * min(len(data.changes), MAX_BARS) + 0.9))
         draw_changes(figure.subplots(), data.changes)
@@ -153,7 +153,7 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
     if data.chain:
         small.append(lambda ax: draw_chain(ax, data, compact=True))
     small += [lambda ax, d=d: draw_delta(ax, d) for d in drawn[:1]]
-    small += [lambda ax, g=g: draw_grid(ax, g) for g in data.grids[:2]]
+    small += [lambda ax, g=g: draw_grid(ax, g, top_rank(data.grids[:2]), legend=True) for g in data.grids[:2]]
     small += [lambda ax, h=h: draw_histogram(ax, h) for h in data.histograms[1:3]]
     heat = _heat(data.changes)
     if data.changes:
@@ -180,12 +180,6 @@ def _tail(location: str) -> str:
 # --------------------------------------------------------------------------------------------- sizes
 
 
-def _lighten(colour: Any, amount: float) -> tuple[float, ...]:
-    from matplotlib.colors import to_rgb
-
-    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
-
-
 def draw_treemap(ax: Axes, tree: SizeNode) -> None:
     """Bytes by key prefix: one colour per top-level part, nested rectangles for the next parts."""
     from matplotlib.patches import Patch, Rectangle
@@ -204,7 +198,7 @@ def draw_treemap(ax: Axes, tree: SizeNode) -> None:
             tone = palette[i % len(palette)] if level == 0 else colour
             if level == 0:
                 handles.append(Patch(color=tone, label=f"{child.name}  {human_bytes(child.nbytes)}"))
-            ax.add_patch(Rectangle((x, y), w, h, facecolor=_lighten(tone, 0.18 * level), edgecolor="white",
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=lighten(tone, 0.18 * level), edgecolor="white",
                                    linewidth=max(0.4, 2.0 - 0.6 * level)))
             inner = (x + 0.003, y + 0.003, w - 0.006, h - 0.006)
             if child.children and level + 1 < TREE_DEPTH and w > 0.01 and h > 0.01:
@@ -259,24 +253,12 @@ def draw_dtypes(ax: Axes, data: ReportData) -> None:
 # ---------------------------------------------------------------------------------------- values
 
 
-def _short(key: str, width: int = 38) -> str:
-    """``key`` in at most ``width`` characters: its first part, an ellipsis and as much of its end as fits.
-
-    >>> _short("optim.state.layers.*.mlp.down_proj.weight.exp_avg", 31)
-    'optim.…down_proj.weight.exp_avg'
-    """
-    if len(key) <= width:
-        return key
-    head = key.split(".", 1)[0][:width // 3] + "."
-    return head + "…" + key[-(width - len(head) - 1):]
-
-
 def draw_histogram(ax: Axes, histogram: Histogram) -> None:
     """A tensor's value histogram (log counts), from its sample."""
     ax.stairs(histogram.counts, histogram.edges, fill=True, color="C0")
     ax.set_yscale("log")
     source = "all values" if histogram.sampled >= histogram.count else f"{histogram.sampled:,} sampled"
-    ax.set_title(f"{_short(histogram.key, 34)}\n{source} of {histogram.count:,}", fontsize=FONT)
+    ax.set_title(f"{short_key(histogram.key, 34)}\n{source} of {histogram.count:,}", fontsize=FONT)
     ax.tick_params(labelsize=FONT - 1)
 
 
@@ -288,7 +270,7 @@ def draw_changes(ax: Axes, changes: list[Change]) -> None:
     values = [c.relative if math.isfinite(c.relative) else top for c in shown]
     colours = ["C0" if math.isfinite(c.relative) else "red" for c in shown]
     log = bool(finite) and min(finite) > 0 and top / min(finite) > 100
-    ax.barh([_short(c.key, 60) for c in shown], values, color=colours)
+    ax.barh([short_key(c.key, 60) for c in shown], values, color=colours)
     for i, change in enumerate(shown):
         if not math.isfinite(change.relative):
             ax.text(values[i], i, " NaN/inf changed", va="center", color="red", fontsize=FONT)
@@ -325,15 +307,12 @@ def _heat(changes: list[Change]) -> Heat | None:
 def draw_layers(ax: Axes, heat: Heat, compact: bool = False) -> None:
     """The relative change of every per-layer tensor as a heat map: parameter names by layer number; grey cells
     are unchanged (or absent), red crosses NaN or inf."""
-    from matplotlib.colors import LogNorm
-
     rows, layers, grid = heat
     positive = grid[np.isfinite(grid) & (grid > 0)]
-    low, high = (float(positive.min()), float(positive.max())) if positive.size else (1e-12, 1.0)
     shown = np.ma.masked_invalid(np.where(np.isfinite(grid) & (grid > 0), grid, np.nan))
-    cmap = _colormap("viridis", bad="#dddddd")
-    image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap,
-                      norm=LogNorm(vmin=low, vmax=max(high, low * 1.0001)))
+    cmap = colormap("viridis", bad="#dddddd")
+    norm, formatter = _change_scale(positive)
+    image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
     bad = np.argwhere(np.isinf(grid))
     if len(bad):
         ax.scatter(bad[:, 1], bad[:, 0], marker="x", color="red", s=20)
@@ -341,7 +320,23 @@ def draw_layers(ax: Axes, heat: Heat, compact: bool = False) -> None:
     ax.set_yticks(range(len(rows)), _row_labels(rows, 44 if compact else 70), fontsize=FONT - (1 if compact else 0))
     ax.set_xlabel("layer", fontsize=FONT + 1)
     ax.set_title("relative change by layer (grey: unchanged)", fontsize=9)
-    ax.figure.colorbar(image, ax=ax, shrink=0.8).ax.tick_params(labelsize=FONT)
+    bar = ax.figure.colorbar(image, ax=ax, shrink=0.8, format=formatter)
+    bar.ax.tick_params(labelsize=FONT)
+    bar.ax.minorticks_off()
+    bar.set_label("relative change", fontsize=FONT)
+
+
+def _change_scale(positive: np.ndarray) -> tuple[Any, Any]:
+    """The colour scale of the heat map and the format of its colour bar's labels: logarithmic when the changes
+    span a factor of ``LOG_SPAN`` or more, else linear from 0 (one changed tensor, or changes alike, would make a
+    log scale of less than a decade, with labels like 4.906×10⁻¹ crowding each other)."""
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.ticker import FormatStrFormatter, LogFormatterSciNotation
+
+    low, high = (float(positive.min()), float(positive.max())) if positive.size else (0.0, 1.0)
+    if low > 0 and high / low >= LOG_SPAN:
+        return LogNorm(vmin=low, vmax=high), LogFormatterSciNotation()
+    return Normalize(vmin=0.0, vmax=high), FormatStrFormatter("%.3g")
 
 
 def _row_labels(rows: list[str], width: int) -> list[str]:
@@ -357,111 +352,7 @@ def _row_labels(rows: list[str], width: int) -> list[str]:
     for head, _, tail in parts:
         tail = tail.lstrip(".") or head
         labels.append(f"{head.split('.', 1)[0]}: {tail}" if len(heads) > 1 else tail)
-    return [_short(label, width) for label in labels]
-
-
-def _colormap(name: str, bad: str | None = None) -> Any:
-    from matplotlib import colormaps
-
-    return colormaps[name] if bad is None else colormaps[name].with_extremes(bad=bad)
-
-
-# ---------------------------------------------------------------------------------------- chunks
-
-
-def grid_view(grid: ChunkGrid) -> tuple[tuple[int, ...], list[np.ndarray], int]:
-    """How a chunk grid is drawn (:attr:`ChunkGrid.view`): the dimensions drawn, the cell edges along each (in
-    elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
-    dims, group = grid.view
-    edges = [np.append(np.arange(0, grid.shape[d], grid.chunk[d] * group), grid.shape[d]) for d in dims]
-    return dims, edges, group
-
-
-def _mesh(ax: Axes, edges: list[np.ndarray], values: np.ndarray, **kwargs: Any) -> None:
-    if len(edges) == 1:  # one dimension: a strip
-        ax.pcolormesh(edges[0], [0, 1], values.reshape(1, -1), **kwargs)
-        ax.set_yticks([])
-    else:
-        ax.pcolormesh(edges[1], edges[0], values, **kwargs)
-        ax.invert_yaxis()
-    ax.tick_params(labelsize=FONT - 1)
-
-
-def _axis_labels(ax: Axes, grid: ChunkGrid, dims: tuple[int, ...]) -> None:
-    if len(dims) == 1:
-        ax.set_xlabel(f"dim {dims[0]} ({grid.shape[dims[0]]})", fontsize=FONT)
-    else:
-        ax.set_ylabel(f"dim {dims[0]} ({grid.shape[dims[0]]})", fontsize=FONT)
-        ax.set_xlabel(f"dim {dims[1]} ({grid.shape[dims[1]]})", fontsize=FONT)
-
-
-def draw_grid(ax: Axes, grid: ChunkGrid) -> None:
-    """A tensor's outer chunks coloured by the rank that wrote each (grey: stored in a base), or, when the
-    checkpoint does not record it, each chunk in a colour of its own."""
-    dims, edges, group = grid_view(grid)
-    cells = [len(e) - 1 for e in edges]
-    edge = {"edgecolor": "white" if max(cells) <= 48 else "face", "linewidth": 0.6}
-    if grid.writers is not None:
-        ranks = np.asarray(grid.writers, float).reshape(cells)
-        ranks[ranks < 0] = np.nan
-        top = max(int(np.nanmax(ranks)) if np.isfinite(ranks).any() else 0, 1)
-        cmap = _colormap("tab10" if top < 10 else "tab20" if top < 20 else "turbo", bad="#dddddd")
-        bounds = {"vmin": -0.5, "vmax": 9.5} if top < 10 else {"vmin": -0.5, "vmax": 19.5} if top < 20 else \
-            {"vmin": 0, "vmax": top}
-        _mesh(ax, edges, np.ma.masked_invalid(ranks), cmap=cmap, **bounds, **edge)
-        shown = sorted({int(r) for r in ranks[np.isfinite(ranks)].ravel()})
-        by = f"rank{'s' if len(shown) != 1 else ''} " + (", ".join(map(str, shown)) if len(shown) <= 8 else
-                                                         f"{shown[0]}–{shown[-1]}")
-    else:
-        index = np.arange(math.prod(cells)).reshape(cells)
-        colours = (index % cells[-1] + 7 * (index // cells[-1])) % 10 if len(cells) == 2 else index % 10
-        _mesh(ax, edges, colours, cmap=_colormap("tab10"), vmin=-0.5, vmax=9.5, **edge)
-        by = "writers not recorded"
-    if grid.inner and group == 1:  # inner chunks (the read unit) as thin lines, when few enough to see
-        for position, d in enumerate(dims):
-            cuts = np.setdiff1d(np.arange(0, grid.shape[d], grid.inner[d]), edges[position])
-            if not 0 < len(cuts) <= 4 * MAX_CELLS:
-                continue
-            if len(dims) == 2 and position == 0:
-                ax.hlines(cuts, 0, grid.shape[dims[1]], color="white", linewidth=0.3)
-            else:
-                ax.vlines(cuts, 0, 1 if len(dims) == 1 else grid.shape[dims[0]], color="white", linewidth=0.3)
-    counts = "×".join(map(str, grid.counts))
-    inner = f", inner {'×'.join(map(str, grid.inner))}" if grid.inner else ""
-    grouped = f"; {group} per cell" if group > 1 else ""
-    ax.set_title(f"{_short(grid.key, 34)}\n{counts} chunks of {'×'.join(map(str, grid.chunk))}{inner}{grouped}"
-                 f"\nby writer: {by}", fontsize=FONT)
-    _axis_labels(ax, grid, dims)
-
-
-def draw_delta(ax: Axes, part: DeltaPart) -> None:
-    """What a delta stores of one tensor: its stored chunks (coloured; grey ones are read from the base), or the
-    fraction of rows it stores along the rows."""
-    title = f"{_short(part.key, 34)}\n{part.stored}, {human_bytes(part.stored_bytes)} stored"
-    if part.row_density is not None:
-        bins = len(part.row_density)
-        ax.stairs(part.row_density, np.linspace(0, 1, bins + 1), fill=True,
-                  color="C3", edgecolor="C3", linewidth=0.8)
-        ax.set_xlabel("position along dim 0 (fraction)", fontsize=FONT)
-        ax.set_ylim(0, max(float(part.row_density.max(initial=0.0)) * 1.15, 1e-9))
-        ax.set_ylabel("fraction of rows stored", fontsize=FONT)
-        ax.tick_params(labelsize=FONT - 1)
-        ax.set_title(title, fontsize=FONT)
-        return
-    assert part.grid is not None
-    dims, edges, group = grid_view(part.grid)
-    counts = part.grid.counts
-    stored = np.zeros([len(e) - 1 for e in edges])
-    for flat in part.present:
-        position = np.unravel_index(flat, counts)
-        stored[tuple(position[d] // group for d in dims)] += 1
-    per_cell = math.prod(counts) / max(1, stored.size)
-    shown = np.ma.masked_equal(stored / per_cell, 0)
-    cmap = _colormap("Reds", bad="#e4e4e4")
-    _mesh(ax, edges, shown, cmap=cmap, vmin=0, vmax=1, edgecolor="white" if max(stored.shape) <= 48 else "face",
-          linewidth=0.6)
-    ax.set_title(title, fontsize=FONT)
-    _axis_labels(ax, part.grid, dims)
+    return [short_key(label, width) for label in labels]
 
 
 def draw_chain(ax: Axes, data: ReportData, compact: bool = False) -> None:

@@ -220,7 +220,9 @@ def _grids(data: ReportData, images: dict[str, str]) -> str:
     saved = f"saved by {ranks} rank{'s' if ranks != 1 else ''}" if ranks is not None else "saved by an unknown number"
     recorded = any(g.writers is not None for g in data.grids)
     whom = ("Each chunk is coloured by the rank that wrote it (recorded in the manifest's <code>created.writers"
-            "</code>; grey: stored in a base checkpoint), so the picture is the sharding at save time."
+            "</code>; the key above the pictures gives each rank's colour; lighter: a chunk a base checkpoint stores, "
+            "in the colour of the rank that wrote it there; grey: writer unknown), so the picture is the "
+            "sharding at save time."
             if recorded else "<strong>Which rank wrote each chunk is not recorded in the checkpoint</strong> (older "
             "checkpoints), so each chunk has a colour of its own rather than a rank's.")
     out = [f"<p>The outer chunk grids (one chunk file each) of the largest tensors; the checkpoint was {saved}. "

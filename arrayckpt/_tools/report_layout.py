@@ -6,9 +6,9 @@ indices are read in blocks of ``ROWS_BLOCK`` and only counted.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -57,22 +57,59 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     if not array.shape or not array.size:
         return None
     try:
-        layer = dense_layer(checkpoint, key)
+        layer, stored = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    grid = _grid(key, layer[key].metadata)
-    return dataclasses.replace(grid, writers=_writers(layer, key, grid))
+    grid = _grid(stored, layer[stored].metadata)
+    grid = _writers_from_bases(layer, replace(grid, writers=_writers(layer, stored, grid)))
+    if layer is not checkpoint and grid.writers is not None:  # a rows delta: its chunks are all its base's
+        grid = replace(grid, in_base=frozenset(i for i, rank in enumerate(grid.writers) if rank >= 0))
+    return replace(grid, key=key)  # an alias: the chunks of the tensor it names, under the key asked for
 
 
-def _writers(layer: Checkpoint, key: str, grid: ChunkGrid) -> tuple[int, ...] | None:
-    """Who wrote the first chunk of each drawn cell of ``key``'s array in ``layer`` (:meth:`ChunkGrid.drawn_chunks`),
-    from the manifest's ``created.writers`` (one rank: rank 0 wrote all); ``None`` when the checkpoint does not
-    say (older ones, DCP's writer, a bad record). Looked up for the drawn chunks only: never a list of the grid."""
+def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
+    """``grid`` with the writers of the drawn chunks that ``layer`` (a chunks delta) leaves to its bases: each from
+    the base down the chain that stores it. A delta's chunks are its base's read chunks (the inner chunks of a
+    sharded array), so each takes the writer of the base chunk that holds its first element. Only the drawn
+    chunks are looked up (a few thousand, whatever the grid's size)."""
+    if grid.writers is None or -1 not in grid.writers:
+        return grid
+    writers = np.asarray(grid.writers, np.int64)
+    in_base = np.zeros(writers.size, bool)
+    origins = np.stack(np.unravel_index(grid.drawn_chunks(), grid.counts), axis=1) * np.asarray(grid.chunk)
+    entry = layer.manifest.entries.get(grid.key)
+    while (writers < 0).any() and isinstance(entry, ArrayEntry) and entry.delta is not None and \
+            entry.delta.mode == "chunks":
+        try:
+            layer = layer.base
+        except ArrayckptError:  # the report's chain section says why
+            break
+        entry = layer.manifest.entries.get(grid.key)
+        if not isinstance(entry, ArrayEntry) or (entry.delta is not None and entry.delta.mode != "chunks"):
+            break
+        below = _grid(grid.key, layer[grid.key].metadata)
+        if below.shape != grid.shape:
+            break
+        holders = np.ravel_multi_index(tuple((origins // np.asarray(below.chunk)).T), below.counts)
+        found = _writers(layer, grid.key, below, holders.astype(np.int64))
+        if found is None:
+            break
+        found_ranks = np.asarray(found, np.int64)
+        fill = (writers < 0) & (found_ranks >= 0)
+        writers[fill], in_base[fill] = found_ranks[fill], True
+    return replace(grid, writers=tuple(writers.tolist()), in_base=frozenset(np.flatnonzero(in_base).tolist()))
+
+
+def _writers(layer: Checkpoint, key: str, grid: ChunkGrid, drawn: np.ndarray | None = None) -> tuple[int, ...] | None:
+    """Who wrote the chunks ``drawn`` (flat C-order indices; by default the first chunk of each drawn cell,
+    :meth:`ChunkGrid.drawn_chunks`) of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
+    rank: rank 0 wrote all; -1: stored in a base); ``None`` when the checkpoint does not say (older ones, DCP's
+    writer, a bad record). Looked up for those chunks only: never a list of the grid."""
     entry = layer.manifest.entries.get(key)
     if not isinstance(entry, ArrayEntry):
         return None
     total = math.prod(grid.counts)
-    drawn = grid.drawn_chunks()
+    drawn = grid.drawn_chunks() if drawn is None else drawn
     if entry.delta is not None and entry.delta.mode == "chunks":  # positions in `present` order (-1: the base's)
         present = entry.delta.present
         if any(not 0 <= i < total for i in present):
@@ -96,13 +133,13 @@ def _writers(layer: Checkpoint, key: str, grid: ChunkGrid) -> tuple[int, ...] | 
     return tuple(ranks.tolist())
 
 
-def _grid(key: str, metadata: Mapping[str, Any], writers: tuple[int, ...] | None = None) -> ChunkGrid:
+def _grid(key: str, metadata: Mapping[str, Any]) -> ChunkGrid:
     chunk = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
     codecs = metadata.get("codecs", [])
     inner = None
     if codecs and codecs[0].get("name") == "sharding_indexed":
         inner = tuple(codecs[0]["configuration"]["chunk_shape"])
-    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner, writers)
+    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner)
 
 
 def chain_of(checkpoint: Checkpoint) -> list[Layer]:
@@ -127,7 +164,9 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
     rows deltas that store anything carry what their picture needs (present chunks, or row density)."""
     out = []
     drawn = 0
-    for array in checkpoint.values():
+    for key, array in checkpoint.items():
+        if array.key != key:  # an alias: stored as its target
+            continue
         entry = array.entry
         stored = _stored_bytes(checkpoint, array)
         out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_sync_parser", "sync_command"]
+__all__ = ["add_base_root_option", "add_sync_parser", "sync_command"]
 
 
 def add_sync_parser(commands: Any) -> Any:
@@ -22,8 +22,17 @@ def add_sync_parser(commands: Any) -> Any:
                       help="at most this many bytes per second (e.g. 100MB, 1GiB)")
     sync.add_argument("--read-back", action="store_true", help="read every copied file back and compare it")
     sync.add_argument("--json", action="store_true", help="print JSON")
+    add_base_root_option(sync)
     sync.set_defaults(func=sync_command)
     return sync
+
+
+def add_base_root_option(parser: argparse.ArgumentParser) -> None:
+    """``--base-root DIR_OR_URL`` (repeatable), for the commands that read a delta checkpoint's chain of bases:
+    where bases may be besides the directory (prefix) holding each checkpoint (spec §10.1)."""
+    parser.add_argument("--base-root", action="append", default=None, metavar="DIR_OR_URL",
+                        help="also read (and, for sync, place) a delta checkpoint's bases inside this directory or "
+                             "URL; repeatable (by default only bases beside the checkpoint are read: spec §10.1)")
 
 
 def sync_command(args: argparse.Namespace) -> int:
@@ -40,7 +49,7 @@ def sync_command(args: argparse.Namespace) -> int:
         from .copy import copy
 
         result = copy(args.src, args.dst, overwrite=args.overwrite, max_bytes_per_second=args.max_rate,
-                      read_back=args.read_back, progress=progress if show else None)
+                      read_back=args.read_back, progress=progress if show else None, base_roots=args.base_root)
     finally:
         if show:
             print("\r\033[K", end="", file=sys.stderr, flush=True)

@@ -15,12 +15,13 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import (
     ArrayckptError,
+    BaseNotAllowedError,
     CorruptCheckpointError,
     FormatError,
     IncompleteCheckpointError,
@@ -32,8 +33,8 @@ from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import check_array_metadata
-from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._storage import ROOT_METADATA, Location, parse_location
+from .._read.checkpoint import Checkpoint
+from .._storage import ROOT_METADATA, Location, parse_location, parse_roots
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
 
 __all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
@@ -81,7 +82,8 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
-           batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+           batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None,
+           base_roots: Sequence[str | os.PathLike[str]] | None = None) -> VerifyReport:
     """Read every chunk of every array of the checkpoint at ``path`` and check it; return all damage found.
 
     Checks: the commit (root ``zarr.json``) exists, parses and matches its checksum; every array's and group's
@@ -92,9 +94,10 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     (``ok`` says nothing about what was not checked). A missing checkpoint
     raises :class:`arrayckpt.CheckpointNotFoundError`, storage that cannot be read at all (its retries used
     up, access refused) :class:`arrayckpt.StorageError`, and a checkpoint (or base) replaced or removed while it
-    is being verified :class:`arrayckpt.ReplacedCheckpointError`, since those say nothing about the data;
-    everything else is reported, not raised (each damaged chunk by file, up to 100 per array: then the array's
-    other chunks are skipped, and a damage on the array says so).
+    is being verified :class:`arrayckpt.ReplacedCheckpointError`, and a base outside the directory holding its
+    delta checkpoint and outside ``base_roots`` :class:`arrayckpt.BaseNotAllowedError` (spec §10.1), since those
+    say nothing about the data; everything else is reported, not raised (each damaged chunk by file, up to 100 per
+    array: then the array's other chunks are skipped, and a damage on the array says so).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -106,7 +109,7 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     location = parse_location(path, storage_options)
     where = str(location)
     try:
-        checkpoint = open_checkpoint(location)
+        checkpoint = Checkpoint(location, base_roots=parse_roots(base_roots, storage_options))
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
     with checkpoint:  # closing it closes the bases the layer walk opened
@@ -150,6 +153,8 @@ def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
         return None
     try:
         return layer.base
+    except BaseNotAllowedError:  # not damage: the caller has to say whether the base may be read
+        raise
     except ArrayckptError as e:
         damage.append(Damage(None, f"{layer.manifest.base.path} (base)", _short(str(e), str(layer.location))))
         return None
@@ -235,7 +240,12 @@ def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
                 except ArrayckptError as e:
                     damage.append(Damage(key, f"{entry.path}/{name}/{ROOT_METADATA}", _short(str(e), str(location))))
         elif isinstance(entry, ArrayEntry):
-            yield key, entry.path, checkpoint[key].spec
+            try:
+                spec = checkpoint[key].spec
+            except ArrayckptError as e:  # e.g. its directory is a link (spec §12): damage, reported
+                damage.append(Damage(key, entry.path, _short(str(e), str(location))))
+                continue
+            yield key, entry.path, spec
         elif isinstance(entry, PerRankEntry):
             for rank, item in enumerate(entry.items):
                 if isinstance(item, ArrayEntry):

@@ -12,6 +12,7 @@ to store each key (``_layout/delta.py``) and every rank writes its share (:func:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import StateError
+from .._errors import BaseNotAllowedError, FormatError, StateError
 from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, BaseRef
 from .._format.quant import max_abs_error, quantize_rows
@@ -30,7 +31,7 @@ from .._layout.box import Box, grid_cells
 from .._layout.delta import PieceChange, RowsTask
 from .._layout.saveplan import SavePlan
 from .._read.checkpoint import Checkpoint
-from .._storage import Location
+from .._storage import Location, follow_base
 
 __all__ = ["DeltaRequest", "Reference", "chunk_jobs", "find_changes", "rows_jobs"]
 
@@ -66,7 +67,18 @@ def base_ref(base: Checkpoint, delta: Location) -> BaseRef:
     if base.manifest.id is None:
         raise StateError(f"{where}: this checkpoint has no id (saved by an older arrayckpt) and cannot be a base; "
                          "save a full checkpoint first")
-    return BaseRef(where.reference_from(delta), base.manifest.id, base.manifest.step)
+    reference = where.reference_from(delta)
+    try:
+        follow_base(delta, reference)
+    except BaseNotAllowedError:  # written all the same: a caller who saves it there knows where it is
+        warnings.warn(f"{delta}: its base {where} is not in the directory holding the delta checkpoint, so readers "
+                      f"will follow its reference {reference!r} only inside a root they name (base_roots=[...], "
+                      "command line --base-root; spec §10.1); save deltas beside their bases to need none",
+                      UserWarning, stacklevel=7)  # the caller of arrayckpt.save
+    except FormatError:
+        raise StateError(f"{delta}: its base {where} would lie inside the delta checkpoint or above it, which no "
+                         "reader follows (spec §10.1); save the delta checkpoint beside its base") from None
+    return BaseRef(reference, base.manifest.id, base.manifest.step)
 
 
 def _bits(data: np.ndarray) -> np.ndarray:
@@ -123,16 +135,20 @@ Reference = Callable[[str, Box], "np.ndarray | None"]  # (array path, box) -> th
 
 
 def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], request: DeltaRequest,
-                 reference: Reference | None = None) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
+                 reference: Reference | None = None, aliases: Mapping[str, str] | None = None,
+                 ) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
     """Compare this rank's pieces (those it would write: replica 0) with the base — a kept host copy of its
     bytes where ``reference`` has one, else the base read back — and return the findings for the coordinator
-    and, by key, the changed global row indices this rank keeps for writing rows."""
+    and, by key, the changed global row indices this rank keeps for writing rows. Keys in ``aliases`` (tied to an
+    earlier key: stored as its alias) are not compared, their target is; one the coordinator does not alias after
+    all, having no findings, is stored whole. A key that is an alias in the base is compared with its target
+    there."""
     findings: list[PieceChange] = []
     rows_by_key: dict[str, np.ndarray] = {}
     for description in arrays:
         key, box, shape = description.key, description.box, description.global_shape
-        base_entry = request.base.manifest.entries.get(key)
-        if (description.kind == "pickle" or description.replica_id != 0 or box.size == 0
+        base_entry = request.base.manifest.array_entry(key)
+        if (key in (aliases or {}) or description.kind == "pickle" or description.replica_id != 0 or box.size == 0
                 or not isinstance(base_entry, ArrayEntry) or base_entry.dtype.name != description.dtype
                 or base_entry.shape != shape or base_entry.kind != description.kind):
             continue

@@ -1,8 +1,8 @@
 """``compact``: materialise a delta chain into one standalone full checkpoint, bit for bit.
 
 Every array is read through the chain (as ``load`` would read it) and written whole, in batches of bounded
-size; plain values, per-rank entries and pickled values (as bytes, never unpickled) are carried over; the
-new checkpoint has no base. Each tensor keeps the compression of the array it was stored in.
+size; plain values, per-rank entries, aliases and pickled values (as bytes, never unpickled) are carried over;
+the new checkpoint has no base. Each tensor keeps the compression of the array it was stored in.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +54,14 @@ _KEEP = object()
 
 def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
             codec: CodecChoice | object = _KEEP, storage_options: Mapping[str, Any] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> CompactResult:
+            progress: Callable[[int, int], None] | None = None,
+            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> CompactResult:
     """Write the checkpoint at ``src`` (a delta chain, or a full checkpoint) as a full checkpoint at ``dst``.
 
     Loading ``dst`` gives exactly what loading ``src`` gives. ``codec`` overrides the compression (default:
     each tensor keeps its own). ``dst`` may be on other storage than ``src`` (e.g. compact an S3 chain to a
-    local directory).
+    local directory). ``base_roots``: where bases may be besides the directory holding each checkpoint of the chain
+    (as for :func:`arrayckpt.open`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -72,7 +74,7 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
     >>> with arrayckpt.open(f"{d}/full") as full: full["w"][1].tolist(), full.manifest.base is None
     ([1.0, 1.0, 1.0], True)
     """
-    with opened(src, storage_options=storage_options) as checkpoint:  # a Checkpoint passed in stays open
+    with opened(src, storage_options=storage_options, base_roots=base_roots) as checkpoint:  # one passed in stays open
         return _compact(checkpoint, dst, overwrite, codec, storage_options, progress)
 
 
@@ -102,11 +104,14 @@ def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
     entries: dict[str, Entry] = {}
     arrays: dict[str, ArrayPlan] = {}
     sources: dict[str, Source] = {}
+    named_by: dict[str, tuple[str, ...]] = {}  # a tensor's aliases, listed in its array's attributes
+    for alias, target in checkpoint.aliases().items():
+        named_by[target] = (*named_by.get(target, ()), alias)
 
     def add(key: str, path: str, dtype_name: str, shape: tuple[int, ...], kept: Codec, source: Source) -> None:
         chosen = kept if codec is _KEEP else resolve_codec(codec, key)  # type: ignore[arg-type]
         plan = plan_array(key, path, dtype_by_name(dtype_name), shape, chosen)
-        arrays[path] = dataclasses.replace(plan, key_encoding=encoding)
+        arrays[path] = dataclasses.replace(plan, key_encoding=encoding, aliases=named_by.get(key, ()))
         sources[path] = source
 
     for key, entry in checkpoint.manifest.entries.items():

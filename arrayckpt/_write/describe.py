@@ -2,7 +2,9 @@
 
 Every writer starts here (``save``, ``async_save``, the streaming writer): the state is walked into a
 :class:`LocalDescription` (keys, dtypes, shapes, the box of each tensor this rank holds; plain values encoded)
-and, beside it, the host memory of each array, which never leaves the rank.
+and, beside it, the host memory of each array, which never leaves the rank. Leaves that are one tensor (tied
+weights, ``_torch/aliases.py``) are described as usual and also reported as aliases; they share one host view, so an
+asynchronous save stages a tied tensor once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .._format.manifest import MAX_NDIM, ArrayEntry, ValueEntry, per_rank_path
 from .._format.values import NotJSONable, encode_value
 from .._layout.box import Box
 from .._layout.saveplan import ArrayDescription, LocalDescription
+from .._torch.aliases import find_aliases
 from .._torch.dtypes import dtype_of_torch
 from .._torch.shards import PerRank, Shard, local_piece
 from .._torch.state import walk
@@ -55,6 +58,8 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
     for a synchronous save (:func:`host_view`), a staged copy for an asynchronous one.
     """
     walked = walk(state)
+    aliases = find_aliases({key: leaf.value for key, leaf in walked.leaves.items()
+                            if isinstance(leaf.value, (torch.Tensor, Shard))})
     arrays: list[ArrayDescription] = []
     values: list[ValueEntry] = []
     per_rank: list[ValueEntry | ArrayEntry] = []
@@ -69,7 +74,9 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
             dt = dtype_of_torch(piece.tensor.dtype, key)
             arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
                                            piece.replica_id))
-            data[array_path(key)] = (piece.box, host(key, array_path(key), piece.tensor, dt))
+            target = aliases.get(key)  # one tensor with an earlier key's: the same memory, viewed (staged) once
+            data[array_path(key)] = data[array_path(target)] if target is not None else \
+                (piece.box, host(key, array_path(key), piece.tensor, dt))
         elif isinstance(value, np.ndarray) and (dt := dtype_of_numpy(value.dtype)) is not None:
             _check_ndim(key, value.shape)
             arrays.append(ArrayDescription(key, leaf.parts, "ndarray", dt.name, value.shape, Box.whole(value.shape),
@@ -83,7 +90,8 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
                 data[array_path(key)] = (Box.whole(shape), encoded)
             else:
                 values.append(ValueEntry(key, leaf.parts, encoded))
-    return LocalState(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers), data)
+    return LocalState(LocalDescription(tuple(arrays), tuple(values), tuple(per_rank), walked.containers, aliases),
+                      data)
 
 
 def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,

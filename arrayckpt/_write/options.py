@@ -8,7 +8,7 @@ streaming writer) takes the options object. ``CheckpointManager`` keeps one and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,3 +39,6 @@ class SaveOptions:
     changed_rows: Mapping[str, Any] | None = None  # incremental: key -> global row indices changed since the base
     quantize: Mapping[str, int] | None = None  # incremental: key pattern -> 4 or 8 bits
     chunking: ChunkPolicy = DEFAULT_CHUNKING
+    # Called by the coordinator before the save begins writing and again right before its commit; raising stops the
+    # save on every rank (a CheckpointManager checks that it still holds its root, spec §9.4).
+    guard: Callable[[], None] | None = None

@@ -88,7 +88,10 @@ def save(
     through to the base. Change detection reads the base back, except for keys in ``changed_rows``
     (key -> global row indices, e.g. from an embedding's sparse gradient), whose other rows the caller
     vouches are unchanged. ``quantize`` (key pattern -> 4 or 8 bits) stores the changed rows of matching
-    floating-point tensors quantized (lossy; the manifest records the largest error).
+    floating-point tensors quantized (lossy; the manifest records the largest error). Readers follow a base
+    beside the delta (in the same directory or prefix); one elsewhere is written all the same, with a warning that
+    its readers will need to name its root (``base_roots``, spec §10.1). A base whose own chain leads elsewhere is
+    opened from a path by those rules too: pass it opened, ``arrayckpt.open(path, base_roots=[...])``.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
@@ -166,7 +169,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     where, delta = str(request.location), request.delta
     changes: Any = ([], {})
     if delta is not None and local is not None and error is None:
-        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference))
+        found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference,
+                                                       local.description.aliases))
         changes = found or changes
     agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
     coordinator: list[Any] = [None, None]  # the coordinator's plan and write transaction, from planning to the commit
@@ -255,6 +259,8 @@ def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SaveP
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
             plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
+        if options.guard is not None:
+            options.guard()
         transaction = begin_write(request.location, options.overwrite)
     except ArrayckptError as e:
         return [e] * size, None, None
@@ -313,6 +319,8 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
                                       str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
+            if request.options.guard is not None:
+                request.options.guard()
             transaction.commit(manifest, plan.consolidated_json)
             return str(manifest.id)
         except ArrayckptError as e:
@@ -370,7 +378,7 @@ def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location, chan
         if array.ndim != 1 or array.dtype.kind not in "iu":
             raise StateError(f"changed_rows[{key!r}] must be a 1-D integer tensor or array of row indices")
         rows[key] = np.unique(array.astype(np.int64))
-        entry = checkpoint.manifest.entries.get(key)
+        entry = checkpoint.manifest.array_entry(key)
         if isinstance(entry, ArrayEntry) and entry.shape and len(rows[key]) and not (
                 0 <= rows[key][0] and rows[key][-1] < entry.shape[0]):
             raise StateError(f"changed_rows[{key!r}] has rows outside 0..{entry.shape[0] - 1}")

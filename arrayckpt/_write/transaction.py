@@ -23,20 +23,30 @@ was interrupted (``KeyboardInterrupt``, ``SystemExit``) inside the storage's com
 unknown, and removing the save could damage the checkpoint just committed (on object storage its chunks are
 "what this save wrote"); what is left is an incomplete save, for ``arrayckpt.gc``. A storage commit that
 *raises an error* did not take effect, or knows that it cannot tell (then its abort removes nothing).
+
+The check before the commit (``Writer.missing``) is the last line of defence against a save's files removed after
+the ranks reported them written (a gc that ignored the save's lock or lease, spec §9.4; a person): the chunk keys
+come from the manifest and the consolidated metadata (every chunk of every array; a chunks delta's present ones),
+so a save never commits chunks it cannot see. Its cost: naming the keys (1–3 µs each), then one directory listing
+per node locally, or one LIST per 1,000 objects on object storage. For 10,000 chunks in 10 arrays (tmpfs, 2 busy
+cores): 25 ms to name them and 50 ms to list them, beside a save of 7.8 s; on S3, 10 LISTs beside 10,000 PUTs.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ArrayckptError, StorageError
-from .._format.manifest import Manifest, encode_root_document
+from .._format.manifest import ArrayEntry, Manifest, encode_root_document
+from .._format.zarr import chunk_keys, grid_counts
 
 if TYPE_CHECKING:
     from .._storage.base import Location, Writer
 
-__all__ = ["WriteTransaction", "begin_write"]
+__all__ = ["WriteTransaction", "begin_write", "stored_chunk_keys"]
 
 
 def begin_write(location: Location, overwrite: bool) -> WriteTransaction:
@@ -82,6 +92,12 @@ class WriteTransaction:
         commit failed; the transaction is then still open, to be aborted."""
         self._check_open("commit")
         self._wait_for_documents()
+        gone = self._writer.missing(stored_chunk_keys(manifest, json.loads(consolidated_json)))
+        if gone:
+            raise StorageError(f"{self.location}: not committed: {len(gone)} file(s) this save wrote are gone from "
+                               f"{self.target} (e.g. {', '.join(gone[:3])}): removed after they were written, by "
+                               "something that ignored the save's lock or lease (an old arrayckpt gc, a person); "
+                               "save again")
         root_document = encode_root_document(manifest, consolidated_json)
         self._state = "committing"  # stays so if interrupted inside the storage's commit: outcome unknown
         try:
@@ -122,3 +138,28 @@ class WriteTransaction:
     def _check_open(self, what: str) -> None:
         if self._state != "open":
             raise RuntimeError(f"{self.location}: cannot {what} a save that was {self._state}")
+
+
+def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The chunk key names every array of a checkpoint stores, by array path (``nodes``: its consolidated node
+    metadata): every chunk of its grid, or for a chunks delta those in ``present``."""
+    present = {entry.path: entry.delta.present for entry in manifest.entries.values()
+               if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks"}
+    out = {}
+    for path, metadata in nodes.items():
+        if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
+            continue
+        counts = grid_counts(metadata)
+        flat = present.get(path)
+        indices = itertools.product(*map(range, counts)) if flat is None else (_unravel(i, counts) for i in flat)
+        out[path] = chunk_keys(metadata, indices)
+    return out
+
+
+def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
+    """The grid index of the flat C-order chunk index ``flat``."""
+    index = []
+    for count in reversed(counts):
+        flat, i = divmod(flat, count)
+        index.append(i)
+    return tuple(index[::-1])
