@@ -135,7 +135,7 @@ def warn_unpickling(what: str) -> None:
     ``allow_pickle=True``, naming the user's line, as ``torch.load(weights_only=False)`` warns."""
     warnings.warn(f"{what} (allow_pickle=True): unpickling runs whatever code its writer put there; unpickle only "
                   "from checkpoints you trust (silence: warnings.filterwarnings('ignore', "
-                  "category=arrayckpt.PickleWarning))", PickleWarning, stacklevel=outside_stacklevel() + 1)
+                  "category=arrayckpt.PickleWarning))", PickleWarning, stacklevel=outside_stacklevel())
 
 
 def outside_stacklevel() -> int:
