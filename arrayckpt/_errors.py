@@ -1,4 +1,4 @@
-"""Exceptions raised by arrayckpt.
+"""Exceptions raised by arrayckpt, and the one warning category of its own (:class:`PickleWarning`).
 
 Every error has a builtin base as well, so callers can catch either the arrayckpt class or the
 builtin one (the pattern of zarr-python's ``errors.py``): ``except FileNotFoundError`` keeps working for
@@ -6,6 +6,9 @@ builtin one (the pattern of zarr-python's ``errors.py``): ``except FileNotFoundE
 """
 
 from __future__ import annotations
+
+import sys
+import warnings
 
 __all__ = [
     "ArrayckptError",
@@ -20,10 +23,13 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeyMismatchError",
     "PickleNotAllowedError",
+    "PickleWarning",
     "ReplacedCheckpointError",
     "StateError",
     "StorageError",
     "TorchNotInstalledError",
+    "outside_stacklevel",
+    "warn_unpickling",
 ]
 
 TORCH_EXTRA = "pip install 'arrayckpt[torch]'"
@@ -112,3 +118,31 @@ class TorchNotInstalledError(ArrayckptError, ModuleNotFoundError):
     def needed_by(cls, what: str) -> TorchNotInstalledError:
         """The error for ``what`` (``arrayckpt.save``, ``converting torch to arrayckpt``)."""
         return cls(f"{what} requires PyTorch: {TORCH_EXTRA}", name="torch")
+
+
+class PickleWarning(UserWarning):
+    """A load unpickled values of a checkpoint (it was opened with ``allow_pickle=True``): unpickling runs whatever
+    code the checkpoint's writer put in it, so it is only safe for checkpoints you trust. Emitted once per load,
+    and once per read of a pickled value of an open checkpoint, naming the keys (as ``torch.load`` warns about
+    ``weights_only=False``). Silence it where you trust the source::
+
+        warnings.filterwarnings("ignore", category=arrayckpt.PickleWarning)
+    """
+
+
+def warn_unpickling(what: str) -> None:
+    """One :class:`PickleWarning` that ``what`` (``"<path>: unpickling 'a', 'b'"``) is being unpickled with
+    ``allow_pickle=True``, naming the user's line, as ``torch.load(weights_only=False)`` warns."""
+    warnings.warn(f"{what} (allow_pickle=True): unpickling runs whatever code its writer put there; unpickle only "
+                  "from checkpoints you trust (silence: warnings.filterwarnings('ignore', "
+                  "category=arrayckpt.PickleWarning))", PickleWarning, stacklevel=outside_stacklevel())
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, in the function that calls this one, of the first caller outside
+    arrayckpt: the warning then names the user's line (which the default filter shows once), not arrayckpt's."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "arrayckpt":
+        frame, level = frame.f_back, level + 1
+    return level

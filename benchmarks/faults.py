@@ -48,6 +48,7 @@ import tempfile
 import textwrap
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,222 @@ def kill_sweep(kills: int, root: Path, seed: int, findings: list[dict[str, Any]]
     return counts
 
 
+# --- the CLI garbage-input corpus (issue 23): every command on every bad input, no traceback ---------------------
+
+CLI_COMMANDS = [
+    ["info", "{bad}"], ["info", "{bad}", "--json"], ["info", "{bad}", "--tree"], ["verify", "{bad}"],
+    ["verify", "{bad}", "--json"], ["show", "{bad}", "w"], ["show", "{bad}", "w", "0:2"], ["diff", "{bad}", "{good}"],
+    ["diff", "{good}", "{bad}"], ["compact", "{bad}", "{out}"], ["convert", "{bad}", "{out}"],
+    ["convert", "{bad}", "{out}.safetensors"], ["convert", "{bad}", "{out}.pt"], ["convert", "{bad}", "{out}",
+                                                                                  "--to", "dcp"],
+    ["report", "{bad}", "-o", "{out}.html", "--histograms", "1"], ["sync", "{bad}", "{out}"],
+    ["gc", "{bad}", "--dry-run"],
+]
+CLI_ARGUMENTS = [  # argument values, not files: each must be a one-line usage error or a result
+    ["estimate", "--params", "1e400"], ["estimate", "--params", "-5"], ["estimate", "--params", "nan"],
+    ["estimate", "--params", "1e18", "--ranks", "0"], ["estimate", "--params", "7B", "--ranks", "-3"],
+    ["interval", "--blocking-seconds", "inf", "--mtbf-hours", "1"], ["interval", "--blocking-seconds", "1e308",
+                                                                      "--mtbf-hours", "1e-308"],
+    ["show", "{good}", "w", "::-1"], ["show", "{good}", "w", "9999"], ["show", "{good}", "w", "[0]"],
+    ["show", "{good}", "nope"], ["convert", "{good}", "{out}", "--max-shard-size", "-1GB"],
+    ["report", "{good}", "-o", "{out}.html", "--grids", "-1"], ["gc", "{good}", "--min-age", "nan"],
+]
+
+
+def _crafted_grid(path: Path, chunks: int) -> None:
+    """A 1 KB checkpoint whose one tensor claims ``chunks`` one-element chunks, root re-sealed, chunks gone."""
+    from arrayckpt._format.integrity import INTEGRITY_MEMBER, PLACEHOLDER, seal
+
+    arrayckpt.save({"w": torch.ones(4)}, path)
+    document = json.loads((path / "zarr.json").read_text())
+    manifest, metadata = document["attributes"]["arrayckpt"], document["consolidated_metadata"]["metadata"]["w"]
+    manifest["entries"]["w"]["shape"] = metadata["shape"] = [chunks]
+    metadata["chunk_grid"]["configuration"]["chunk_shape"] = [1]
+    manifest[INTEGRITY_MEMBER] = PLACEHOLDER
+    (path / "zarr.json").write_bytes(seal(json.dumps(document).encode()))
+    (path / "w" / "zarr.json").write_text(json.dumps(metadata))
+    (path / "w" / "c.0").unlink()
+
+
+def cli_corpus(root: Path, seed: int, mutations: int) -> dict[str, Path]:
+    """The bad inputs: random bytes, empty and truncated files of every format, lying headers, a malicious pickle,
+    a truncated ``.distcp``, crafted chunk grids (over and at the limit), a directory whose name is not UTF-8, a
+    symlink loop, and ``mutations`` checkpoints whose root document had a random JSON value put somewhere (root
+    re-sealed)."""
+    import os
+    import struct
+
+    import torch.distributed.checkpoint as dcp
+
+    rng = random.Random(seed)
+    root.mkdir(parents=True)
+    good = root / "good"
+    arrayckpt.save({"w": torch.arange(8.0), "step": 1}, good)
+    corpus: dict[str, Path] = {"missing": root / "missing"}
+    (corpus.setdefault("empty-dir", root / "empty-dir")).mkdir()
+    for name, data in (("empty.pt", b""), ("random.bin", rng.randbytes(4096)), ("zip-header.pt", b"PK\x03\x04" * 8),
+                       ("huge-header.safetensors", struct.pack("<Q", 2**62) + b"{}"),
+                       ("lying.safetensors", _safetensors_header(json.dumps({"w": {
+                           "dtype": "F32", "shape": [10**9], "data_offsets": [0, 4 * 10**9]}}).encode())),
+                       ("nested.safetensors", _safetensors_header(b"[" * 100_000 + b"]" * 100_000))):
+        corpus[name] = root / name
+        corpus[name].write_bytes(data)
+    whole = root / "whole.pt"
+    torch.save({"w": torch.ones(100), "b": torch.zeros(3)}, whole)
+    data = whole.read_bytes()
+    for i, n in enumerate(sorted(rng.sample(range(1, len(data)), 6))):
+        corpus[f"truncated-{i}.pt"] = root / f"truncated-{i}.pt"
+        corpus[f"truncated-{i}.pt"].write_bytes(data[:n])
+    torch.save({"x": _Evil(str(root / "pwned"))}, root / "evil.pt")
+    corpus["evil.pt"] = root / "evil.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(16, 4), "cfg": {"lr": 0.5}}, checkpoint_id=root / "dcp-truncated", no_dist=True)
+    for file in (root / "dcp-truncated").glob("*.distcp"):
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    corpus["dcp-truncated"] = root / "dcp-truncated"
+    for name, chunks in (("grid-over-limit", 2**26), ("grid-at-limit", 2**24)):
+        _crafted_grid(root / name, chunks)
+        corpus[name] = root / name
+    odd = Path(os.fsdecode(bytes(root) + b"/odd\xff"))
+    arrayckpt.save({"w": torch.ones(3)}, odd / "ckpt")
+    corpus["non-utf8-dir"] = odd / "ckpt"
+    (root / "loop").symlink_to(root / "loop")
+    corpus["symlink-loop"] = root / "loop"
+    document = json.loads((good / "zarr.json").read_text())
+    for i in range(mutations):
+        path = root / f"mutated-{i}"
+        shutil.copytree(good, path)
+        _cli_mutate(path, document, rng)
+        corpus[f"mutated-{i}"] = path
+    corpus["good"] = good
+    return corpus
+
+
+def _safetensors_header(raw: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * 16
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _cli_mutate(path: Path, document: dict[str, Any], rng: random.Random) -> None:
+    """Put a random or hostile JSON value at a random place of the root document and re-seal it."""
+    import copy
+
+    from arrayckpt._format.integrity import INTEGRITY_MEMBER, PLACEHOLDER, seal
+
+    mutated = copy.deepcopy(document)
+    places: list[tuple[Any, Any]] = []
+
+    def collect(node: Any) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            places.append((node, key))
+            collect(value)
+
+    collect(mutated)
+    node, key = rng.choice(places)
+    node[key] = rng.choice([None, True, -1, 0, 2**63, 2**70, 1e308, "", "../../etc", "/abs", "%", [], {},
+                            [2**40] * 3, "bfloat16", "pickle", {"$tuple": 1}, [[[[]]]], "\udcff", 0.5])
+    manifest = mutated.get("attributes", {}).get("arrayckpt") if isinstance(mutated.get("attributes"), dict) else None
+    if isinstance(manifest, dict):
+        manifest[INTEGRITY_MEMBER] = PLACEHOLDER
+        try:
+            raw = seal(json.dumps(mutated).encode())
+        except (AssertionError, UnicodeEncodeError):
+            raw = json.dumps(mutated, ensure_ascii=True).encode()
+    else:
+        raw = json.dumps(mutated, ensure_ascii=True).encode()
+    (path / "zarr.json").write_bytes(raw)
+
+
+def _listing(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if not p.is_symlink()} if root.exists() else set()
+
+
+def cli_trial(argv: list[str], timeout: float) -> tuple[str, str]:
+    """(outcome, detail) of one command run in this process: ``ok`` (status 0), ``refused`` (status 1 or 2 and
+    one line ``arrayckpt: error: …``, or argparse's usage error), ``unclear`` (another status, or other stderr),
+    ``crash`` (an exception escaped ``main``: a traceback), ``hang`` (no answer within ``timeout``)."""
+    import contextlib
+    import io
+
+    from arrayckpt.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                return main(argv)
+            except SystemExit as e:  # argparse: usage errors
+                return int(e.code or 0)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        code = pool.submit(run).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        return "hang", f"no answer in {timeout} s"
+    except BaseException as e:  # noqa: BLE001 - what escaped main is the finding
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f"  [at {tb[-1].filename}:{tb[-1].lineno}]" if tb else ""
+        return "crash", f"{type(e).__name__}: {e}".splitlines()[0][:300] + where
+    finally:
+        pool.shutdown(wait=False)
+    text = err.getvalue()
+    if code == 0:
+        return "ok", ""
+    lines = text.strip().splitlines()
+    usage = bool(lines) and lines[0].startswith("usage:") and lines[-1].startswith("arrayckpt") \
+        and ": error: " in lines[-1]  # argparse: the usage (wrapped), then one line
+    if code in (1, 2) and "Traceback" not in text and (usage or (len(lines) == 1 and lines[0].startswith(
+            "arrayckpt: error: ")) or (code == 1 and not lines)):
+        return "refused", lines[-1][:300] if lines else "damage reported"
+    return "unclear", f"status {code}: {text.strip()[:300]!r}"
+
+
+def cli_campaign(root: Path, seed: int, mutations: int, timeout: float, findings: list[dict[str, Any]],
+                 max_print: int) -> dict[str, int]:
+    """Every command of ``CLI_COMMANDS`` on every input of :func:`cli_corpus`, and ``CLI_ARGUMENTS``: counts of
+    each outcome of :func:`cli_trial`, plus ``leftover`` (a failed command left files, or a pickle ran)."""
+    corpus = cli_corpus(root / "cli", seed, mutations)
+    good = corpus.pop("good")
+    out = root / "cli-out" / "target"
+    counts = dict.fromkeys(("trials", "ok", "refused", "unclear", "crash", "hang", "leftover"), 0)
+    trials = [(command, name) for command in CLI_COMMANDS for name in corpus]
+    trials += [(command, "good") for command in CLI_ARGUMENTS]
+    for command, name in trials:
+        shutil.rmtree(out.parent, ignore_errors=True)
+        fill = {"bad": str(corpus.get(name, good)), "good": str(good), "out": str(out)}
+        argv = [part.format(**fill) for part in command]
+        before = _listing(root / "cli")
+        outcome, detail = cli_trial(argv, timeout)
+        counts["trials"] += 1
+        counts[outcome] += 1
+        left = _listing(out.parent) if outcome != "ok" else set()
+        if command[0] == "report" and ("could not be read" in detail or "no tensor could be read" in detail):
+            left -= {out.name + ".html"}  # status 1: the picture is written, and lists the damage
+        if outcome != "hang" and (left or _listing(root / "cli") != before or (root / "cli" / "pwned").exists()):
+            counts["leftover"] += 1
+            outcome, detail = "leftover", f"left {sorted(left)[:3]} (or changed the corpus, or ran a pickle)"
+        if outcome in ("unclear", "crash", "hang", "leftover"):
+            findings.append({"kind": "cli", "file": name, "byte": None, "outcome": outcome,
+                             "detail": f"{' '.join(command)}: {detail}"})
+            if sum(f["outcome"] == outcome for f in findings) <= max_print:
+                print(f"  {outcome}: arrayckpt {' '.join(command)} ({name}): {detail}", flush=True)
+    return counts
+
+
 _GC_LOOP = textwrap.dedent("""
     import sys, arrayckpt
     print("ready", flush=True)
@@ -427,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-print", type=int, default=5, help="findings of each outcome printed")
     p.add_argument("--dir", default=None, help="where the temp dir goes")
     p.add_argument("--json", default=None, help="write results and findings as JSON here")
+    p.add_argument("--cli", type=int, default=20, metavar="N",
+                   help="CLI garbage-input corpus, with N mutated root documents (-1: skip the corpus)")
     _add_paths_arguments(p)
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -448,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_print)
             print(f"{kind}: {results[kind]} ({time.perf_counter() - start:.1f} s)", flush=True)
         sweep = kill_sweep(args.kills, root, args.seed, findings) if args.kills else None
+        cli = cli_campaign(root, args.seed, args.cli, args.timeout, findings, args.max_print) if args.cli >= 0 else None
         races = gc_races(args.races, root, findings) if args.races else {}
         managers = manager_race(args.races, root, findings) if args.races else None
     finally:
@@ -466,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         print("| kill sweep | kills | whole | absent | damaged |")
         print("|---|---|---|---|---|")
         print(f"| save loop, SIGKILL | {sweep['kills']} | {sweep['whole']} | {sweep['absent']} | {sweep['damaged']} |")
+    if cli is not None:
+        print("\n| CLI corpus | " + " | ".join(cli) + " |\n" + "|---" * (len(cli) + 1) + "|")
+        print("| every command × every bad input | " + " | ".join(str(v) for v in cli.values()) + " |")
     if races:
         print()
         print("| race | saves | returned | refused | damaged |")
@@ -482,11 +705,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "results": results, "total": total, "kill_sweep": sweep, "races": races,
-            "managers": managers, "findings": findings, "hostile_paths": paths,
+            "managers": managers, "cli": cli, "findings": findings, "hostile_paths": paths,
         }, indent=2, default=str))
     bad = total["silent"] + total["crash"] + total["hang"] + (sweep["damaged"] if sweep else 0) + paths_bad
     bad += sum(c["damaged"] for c in races.values())
     bad += (managers["interleaved"] + managers["holder damaged"]) if managers else 0
+    bad += sum(cli[k] for k in ("unclear", "crash", "hang", "leftover")) if cli else 0
     return 1 if bad else 0
 
 

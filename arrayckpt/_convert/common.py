@@ -14,6 +14,7 @@ formats; DeepSpeed is read by ``deepspeed.py`` (ZeRO, with ``deepspeed_files.py`
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import uuid
@@ -22,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointExistsError
-from .._format.manifest import PerRankEntry
+from .._errors import ArrayckptError, CheckpointExistsError, StorageError
+from .._format.manifest import PerRankEntry, PickleEntry
 from .._read.checkpoint import Checkpoint
 
-__all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically"]
+__all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically",
+           "write_failure"]
 
 Progress = Callable[[int, int], None]
 
@@ -81,15 +83,40 @@ def refuse_existing(path: Path, overwrite: bool) -> None:
 def replaced_atomically(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write the new file to; once the block succeeds the file is made durable
     (fsync) and renamed over ``path`` in one step, so ``path`` is never seen half-written. On failure the
-    temporary file is removed and ``path`` is untouched."""
+    temporary file is removed and ``path`` is untouched; a failed write (a full disk) is a :class:`StorageError`
+    naming ``path``. Missing parent directories are created, as ``save``, ``compact`` and ``sync`` create them."""
     temp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield temp
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, path)
+    except Exception as e:
+        failure = write_failure(e, path)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         temp.unlink(missing_ok=True)
+
+
+def write_failure(error: BaseException, path: Path | str) -> StorageError | None:
+    """``error`` as a :class:`StorageError` naming ``path`` when it is a failed write: an ``OSError`` such as
+    ENOSPC, or torch's zip writer failing on one (``[enforce fail at inline_container.cc] unexpected pos``: the
+    ``OSError`` is only in its context, or lost when torch wrote the file itself); ``None`` for anything else."""
+    if isinstance(error, ArrayckptError):
+        return None
+    text = str(error)
+    torch_writer = isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text)
+    cause = error if isinstance(error, OSError) else error.__context__ if torch_writer else None
+    if isinstance(cause, OSError):
+        what = "no space left on the device" if cause.errno == errno.ENOSPC else (cause.strerror or str(cause))
+        return StorageError(f"{path}: writing failed: {what}; nothing was written there")
+    if torch_writer:
+        return StorageError(f"{path}: writing failed (torch's file writer: {text.splitlines()[0].strip()}): "
+                            "the disk is probably full; nothing was written there")
+    return None
 
 
 def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -101,15 +128,17 @@ def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[
     """
     root: dict[Any, Any] = {}
     skipped = []
+    entries = checkpoint.manifest.entries
+    pickled = checkpoint.unpickle([k for k, e in entries.items() if isinstance(e, PickleEntry)])  # one warning
     made: dict[str, Any] = {}  # by the key of the stored tensor
-    for key, entry in checkpoint.manifest.entries.items():
+    for key, entry in entries.items():
         if isinstance(entry, PerRankEntry):
             skipped.append(key)
             continue
         array = checkpoint.manifest.array_entry(key)  # an alias: its target's
         if array is not None and array.key not in made:
             made[array.key] = tensor(array.key)
-        value = made[array.key] if array is not None else checkpoint.value(key)
+        value = made[array.key] if array is not None else pickled[key] if key in pickled else checkpoint.value(key)
         node = root
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})

@@ -31,13 +31,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .._errors import ArrayckptError, FormatError, PickleNotAllowedError
+from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, warn_unpickling
 from .._format.manifest import PickleEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
-from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing
+from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
 
 __all__ = ["MetadataUnpickler", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata", "refuse_pickles",
@@ -141,9 +141,35 @@ def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any
                 raise PickleNotAllowedError(f"{path}: a saved value holds pickled content that weights_only loading "
                                             f"refuses ({refusal_reason(cause)}); it needs allow_pickle=True "
                                             "(--allow-pickle), only for checkpoints you trust") from None
+            if isinstance(cause, (RuntimeError, EOFError, ValueError)) and not isinstance(cause, ArrayckptError):
+                # torch's reader on a truncated or damaged .distcp ("PytorchStreamReader failed reading zip archive")
+                reason = str(cause).splitlines()[0].split(". ")[0].strip() if str(cause) else type(cause).__name__
+                raise FormatError(f"{path}: DCP could not read its data ({reason}){_short_files(path, metadata)}: "
+                                  "the DCP checkpoint is damaged or truncated") from None
             if cause is e:
                 raise
             raise cause from None
+
+
+def _short_files(path: str | os.PathLike[str], metadata: Any) -> str:
+    """`` (__0_0.distcp has 100 bytes, its items reach 4000)`` for every data file shorter than its items reach
+    (or missing), from ``.metadata``'s storage data: which file a failed read was cut short in."""
+    reach: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None)
+    for info in (storage.values() if isinstance(storage, dict) else ()):
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            reach[name] = max(reach.get(name, 0), offset + length)
+    short = []
+    for name, end in sorted(reach.items()):
+        try:
+            size = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            short.append(f"{name} is missing")
+            continue
+        if size < end:
+            short.append(f"{name} has {size} bytes, its items reach {end}")
+    return f" ({'; '.join(short)})" if short else ""
 
 
 def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
@@ -185,6 +211,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
     storage = storage_index(metadata)
     values: dict[str, Any] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
     if values:
+        if trusted_values:  # loaded with weights_only=False: say so, as torch.load does
+            warn_unpickling(f"{src}: unpickling values {', '.join(map(repr, list(values)[:10]))} fully")
         _dcp_load(values, src, metadata, trusted_values)  # small: the plain values, with weights_only=True
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     skeleton: dict[Any, Any] = {}
@@ -319,6 +347,9 @@ def new_directory(target: Path, markers: tuple[str, ...]) -> Iterator[Path]:
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         shutil.rmtree(temporary, ignore_errors=True)
         cause = _dcp_cause(e)
+        failure = write_failure(cause, target)  # a full disk: torch's zip writer says "unexpected pos"
+        if failure is not None:
+            raise failure from None
         if cause is e:
             raise
         raise cause from None

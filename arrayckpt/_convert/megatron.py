@@ -58,7 +58,7 @@ from typing import IO, Any
 
 import torch
 
-from .._errors import FormatError, PickleNotAllowedError
+from .._errors import FormatError, PickleNotAllowedError, warn_unpickling
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
@@ -127,6 +127,7 @@ def _common(directory: Path, allow_pickle: bool) -> dict[str, Any]:
             raise PickleNotAllowedError(f"{file}: holds pickled content that weights_only loading refuses "
                                         f"({refusal_reason(e)}); converting it needs allow_pickle=True "
                                         "(--allow-pickle), only for checkpoints you trust") from e
+        warn_unpickling(f"{file}: unpickling it fully (weights_only loading refused it: {refusal_reason(e)})")
         common = torch.load(file, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise FormatError(f"{file}: not a readable torch.save file: {e}") from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import pickle
@@ -84,7 +85,13 @@ def _load_weights_only(src: str | os.PathLike[str]) -> Any:
         raise PickleNotAllowedError(f"{src}: refused to unpickle it ({reason}): a torch.save file is read "
                                     "as plain data only (weights_only=True); re-save it with tensors and plain values "
                                     "only, from a process that can load it") from None
-    except (OSError, MemoryError):
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        if e.errno == errno.EINVAL:  # torch's zip reader seeking outside a truncated file
+            raise FormatError(f"{src}: not a readable torch.save file: {e.strerror} (truncated or damaged)") from None
+        raise OSError(e.errno, e.strerror, os.fspath(src)) from None  # torch's errors name no file
+    except MemoryError:
         raise
     except Exception as e:  # whatever torch's unpickler trips over in a damaged file (struct, value, index errors)
         raise FormatError(f"{src}: not a readable torch.save file: {refusal_reason(e)}") from None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["expand_runs", "writer_counts", "writer_runs"]
+__all__ = ["expand_runs", "ranks_at", "writer_counts", "writer_runs"]
 
 
 def writer_runs(ranks: Sequence[int] | np.ndarray) -> list[list[int]]:
@@ -65,6 +65,32 @@ def expand_runs(runs: object, count: int) -> list[int] | None:
         ranks = range(first, first + step * n, step) if step else [first] * n
         out.extend(rank for rank in ranks for _ in range(each))
     return out if len(out) == count else None
+
+
+def ranks_at(runs: object, count: int, positions: np.ndarray) -> np.ndarray | None:
+    """The ranks of the chunks at ``positions`` (in digest order) of ``count`` chunks, from a ``writer_runs``
+    record, without expanding it (a record of a few runs may stand for millions of chunks, of which a picture
+    shows a few thousand); ``None`` when the record is not one, as :func:`expand_runs` decides."""
+    if not isinstance(runs, list):
+        return None
+    starts, total = [], 0
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 4 and all(type(v) is int for v in run)) or min(run[2:]) < 1:
+            return None
+        first, step, n, each = run
+        if first < 0 or first + step * (n - 1) < 0 or total + n * each > count:
+            return None
+        starts.append(total)
+        total += n * each
+    if total != count:
+        return None
+    where = np.asarray(positions, dtype=np.int64)
+    if where.size and (where.min() < 0 or where.max() >= count):
+        raise ValueError(f"positions must lie in 0..{count - 1}")
+    table = np.asarray(runs, dtype=np.int64).reshape(-1, 4)
+    k = np.searchsorted(np.asarray(starts, dtype=np.int64), where, side="right") - 1
+    first, step, each = table[k, 0], table[k, 1], table[k, 3]
+    return first + step * ((where - np.asarray(starts, dtype=np.int64)[k]) // each)
 
 
 MAX_COUNTED = 1 << 24  # rank entries `writer_counts` expands at most (a record is informational: a bigger one is not)

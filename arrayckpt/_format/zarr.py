@@ -8,16 +8,17 @@ on it (:func:`check_array_metadata`); chunk keys follow Zarr's ``default`` or ``
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import FormatError
 from .dtypes import dtype_by_name
 
-__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "ROOT_METADATA", "check_array_metadata", "chunk_key", "chunk_keys",
-           "dimension_names",
-           "grid_counts", "node_documents", "parse_chunk_key"]
+__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "MAX_GRID_CHUNKS", "ROOT_METADATA", "check_array_metadata", "check_grid",
+           "chunk_key", "chunk_keys", "dimension_names", "grid_counts", "grid_indices", "node_documents",
+           "parse_chunk_key"]
 
 ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
 
@@ -87,15 +88,17 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
     codecs = metadata.get("codecs")
     if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs):
         raise bad(f"codecs {codecs!r} are not a list of codec objects")
+    outer, inner = grid["configuration"]["chunk_shape"], None
     if codecs and codecs[0].get("name") == "sharding_indexed":
         config = codecs[0].get("configuration")
         if not (isinstance(config, dict) and _positive_ints(config.get("chunk_shape"), len(shape))
-                and all(o % i == 0 for o, i in zip(grid["configuration"]["chunk_shape"], config["chunk_shape"],
-                                                   strict=True))):
+                and all(o % i == 0 for o, i in zip(outer, config["chunk_shape"], strict=True))):
             raise bad(f"sharding configuration {config!r} has inner chunks that do not divide the outer chunks")
-        _check_chunk_sizes(grid["configuration"]["chunk_shape"], config["chunk_shape"], shape, data_type, bad)
-    else:
-        _check_chunk_sizes(grid["configuration"]["chunk_shape"], None, shape, data_type, bad)
+        inner = config["chunk_shape"]
+    _check_chunk_sizes(outer, inner, shape, data_type, bad)
+    problem = check_grid(shape, outer, inner)
+    if problem is not None:
+        raise bad(f"{problem}; the metadata is damaged or crafted")
     return metadata
 
 
@@ -110,6 +113,54 @@ def _check_dimension_names(metadata: dict[str, Any], ndim: int, bad: Callable[[s
     labels = [n for n in names if n]
     if len(set(labels)) != len(labels):
         raise bad(f"dimension_names {names!r} name a dimension twice")
+
+
+# Chunks in one array's (outer) grid, and inner chunks in one outer chunk, at most (spec §12, "Limits"). Everything
+# that walks a grid (verify, copy, compact, report) runs in time proportional to it, and a grid is described by a
+# few bytes of metadata: without a limit, a 1 KB crafted checkpoint claims 2**26 chunks and more. No real checkpoint
+# comes near: at the planner's chunk targets (64 MiB outer, at least 32 KiB inner) 2**24 chunks are a 1 PiB array,
+# and 2**24 inner chunks (a 256 MiB shard index) would need 512 GiB outer chunks.
+MAX_GRID_CHUNKS = 2**24
+
+
+def check_grid(shape: tuple[int, ...] | list[int], outer: tuple[int, ...] | list[int],
+               inner: tuple[int, ...] | list[int] | None = None) -> str | None:
+    """Why an array's chunk grid is over :data:`MAX_GRID_CHUNKS` (``None``: it is not): its outer grid, or the
+    inner chunks of one outer chunk. Readers refuse such metadata and writers never plan it."""
+    counts = [-(-n // c) for n, c in zip(shape, outer, strict=True)]
+    total = math.prod(counts)
+    if total > MAX_GRID_CHUNKS:
+        across = f" ({' x '.join(map(str, counts))})" if len(counts) > 1 else ""
+        return (f"chunk grid of {total} chunks{across} exceeds the limit of {MAX_GRID_CHUNKS} chunks per array "
+                "(spec §12)")
+    per_outer = math.prod(o // i for o, i in zip(outer, inner, strict=True)) if inner else 1
+    if per_outer > MAX_GRID_CHUNKS:
+        return (f"{per_outer} inner chunks per outer chunk exceed the limit of {MAX_GRID_CHUNKS} (spec §12)")
+    return None
+
+
+def grid_indices(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    """Every index of the grid ``ranges`` spans, in C order, lazily: memory does not grow with the grid
+    (``itertools.product`` first copies every range into a tuple: 2 GB for a range of 2**26; it is used only
+    where that copy is small)."""
+    if sum(len(r) for r in ranges) <= _SMALL_RANGES:
+        return itertools.product(*ranges)
+    return _lazy_product(ranges)
+
+
+_SMALL_RANGES = 1 << 16  # ranges whose copy itertools.product may make (a few hundred KB)
+
+
+def _lazy_product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    if len(ranges) == 1:
+        for i in ranges[0]:
+            yield (i,)
+        return
+    if any(len(r) == 0 for r in ranges[1:]):
+        return
+    for head in ranges[0]:
+        for tail in grid_indices(ranges[1:]):
+            yield (head, *tail)
 
 
 MAX_CHUNK_BYTES = 2**34  # a decoded chunk (what TensorStore allocates at once to read any of it) at most this big

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
+import math
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +23,7 @@ import numpy as np
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
 from .._format.integrity import chunk_crc
-from .._format.zarr import chunk_key
+from .._format.zarr import chunk_key, grid_indices
 from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
 from .._layout.box import Box, grid_cells
 
@@ -83,10 +83,14 @@ def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: 
     return _result(_start_open(spec, context, key, where), key, where, "open")
 
 
+STAT_CHUNKS = 1024  # chunk files a read checks one by one; more, and one scan of the array's directory does
+
+
 def check_chunk_files(job: ArrayIO, where: str) -> None:
     """Refuse, before TensorStore reads them, chunk files of a local array that are not regular files: TensorStore's
     ``file`` kvstore would block forever opening a FIFO. One ``stat`` per chunk file the read touches (missing
-    ones are left to TensorStore to report)."""
+    ones are left to TensorStore to report), or, when it touches more than ``STAT_CHUNKS`` (a crafted grid claims
+    millions), one scan of the array's directory."""
     kvstore = job.spec.get("kvstore", {})
     if kvstore.get("driver") != "file":
         return
@@ -100,7 +104,10 @@ def check_chunk_files(job: ArrayIO, where: str) -> None:
         if stop <= start:
             return
         ranges.append(range(start // c, -(-stop // c)))
-    for grid_index in itertools.product(*ranges):
+    if math.prod(len(r) for r in ranges) > STAT_CHUNKS:  # one scandir of the array beats a stat per chunk file
+        _check_array_directory(job.spec, job.key, where)
+        return
+    for grid_index in grid_indices(ranges):
         path = kvstore["path"] + chunk_key(metadata, grid_index)
         try:
             mode = os.lstat(path).st_mode  # a link is refused, never followed (spec §12)

@@ -15,6 +15,7 @@ TensorStore. Tests check both directions against TensorStore and zarr-python.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import re
@@ -245,17 +246,20 @@ def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, dict[int, 
     plans guarantee it). Returns the indices of jobs it could not take (not C-contiguous), which the
     caller writes through TensorStore.
     """
-    work, declined = [], []
-    for n, (key, directory, layout, first, data, sums) in enumerate(jobs):
-        raw = _row_bytes_view(data, layout)
-        if raw is None:
-            declined.append(n)
-            continue
-        stop = first + (data.shape[0] if layout.ndim else 1)
-        for index, lo, hi in _pieces(layout, first, stop):
-            part = raw[(lo - first) * layout.row_bytes:(hi - first) * layout.row_bytes]
-            work.append((key, os.path.join(directory, layout.chunk_key(index)), layout, sums, index, part))
-    _run(work, _write_chunk, where, "write")
+    declined: list[int] = []
+
+    def work() -> Iterator[tuple]:
+        for n, (key, directory, layout, first, data, sums) in enumerate(jobs):
+            raw = _row_bytes_view(data, layout)
+            if raw is None:
+                declined.append(n)
+                continue
+            stop = first + (data.shape[0] if layout.ndim else 1)
+            for index, lo, hi in _pieces(layout, first, stop):
+                part = raw[(lo - first) * layout.row_bytes:(hi - first) * layout.row_bytes]
+                yield key, os.path.join(directory, layout.chunk_key(index)), layout, sums, index, part
+
+    _run_all(work(), _write_chunk, where, "write")
     return declined
 
 
@@ -329,18 +333,21 @@ def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], wher
 
     Returns the indices of jobs it could not take (destination not C-contiguous), for TensorStore.
     """
-    work, declined = [], []
-    for n, (key, directory, layout, first, dest, _) in enumerate(jobs):
-        raw = _row_bytes_view(dest, layout)
-        if raw is None or not dest.flags.writeable:
-            declined.append(n)
-            continue
-        stop = first + (dest.shape[0] if layout.ndim else 1)
-        for index, lo, hi in _pieces(layout, first, stop):
-            a, b = max(lo, first), min(hi, stop)
-            target = raw[(a - first) * layout.row_bytes:(b - first) * layout.row_bytes]
-            work.append((key, os.path.join(directory, layout.chunk_key(index)), layout, (a - lo, b - lo), target))
-    _run(work, _read_chunk, where, "read")
+    declined: list[int] = []
+
+    def work() -> Iterator[tuple]:
+        for n, (key, directory, layout, first, dest, _) in enumerate(jobs):
+            raw = _row_bytes_view(dest, layout)
+            if raw is None or not dest.flags.writeable:
+                declined.append(n)
+                continue
+            stop = first + (dest.shape[0] if layout.ndim else 1)
+            for index, lo, hi in _pieces(layout, first, stop):
+                a, b = max(lo, first), min(hi, stop)
+                target = raw[(a - first) * layout.row_bytes:(b - first) * layout.row_bytes]
+                yield key, os.path.join(directory, layout.chunk_key(index)), layout, (a - lo, b - lo), target
+
+    _run_all(work(), _read_chunk, where, "read")
     return declined
 
 
@@ -424,8 +431,22 @@ def _missing(path: str, inner: int | None = None) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"chunk file {path}{what} is missing")
 
 
+WINDOW = 1 << 14  # chunk transfers listed at once: their bookkeeping stays small, however many chunks a job has
+
+
+def _run_all(work: Iterator[tuple], fn: Any, where: str, action: str) -> None:
+    """:func:`_run` over ``work`` taken ``WINDOW`` items at a time (one item per chunk file: a job of millions of
+    tiny chunks must not list them all at once)."""
+    while True:
+        window = list(itertools.islice(work, WINDOW))
+        if not window:
+            return
+        _run(window, fn, where, action)
+
+
 def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
-    """Run chunk transfers on a few threads (IO and crc32c release the GIL); raise the first failure.
+    """Run chunk transfers on a few threads (IO and crc32c release the GIL); raise the first failure, stopping
+    the others there (a job of millions of missing chunks fails at the first, not after trying them all).
 
     The work is dealt into a few batches balanced by bytes rather than one task per chunk: with
     thousands of small tensors, per-task executor overhead would cost more than the IO.
@@ -438,8 +459,9 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
         i = loads.index(min(loads))
         batches[i].append(item)
         loads[i] += len(item[-1]) + 4096  # every file costs something, however small
+    failed = threading.Event()
     with ThreadPoolExecutor(len(batches)) as pool:
-        failures = [f for batch in pool.map(lambda b: _run_batch(b, fn), batches) for f in batch]
+        failures = [f for batch in pool.map(lambda b: _run_batch(b, fn, failed), batches) for f in batch]
     if failures:
         key, error = failures[0]
         if isinstance(error, CorruptCheckpointError):
@@ -450,11 +472,14 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
         raise error
 
 
-def _run_batch(batch: list[tuple], fn: Any) -> list[tuple[str, BaseException]]:
-    failures = []
+def _run_batch(batch: list[tuple], fn: Any, failed: threading.Event) -> list[tuple[str, BaseException]]:
+    """Run one thread's transfers until one fails (returned) or another thread's did (``failed``)."""
     for item in batch:
+        if failed.is_set():
+            break
         try:
             fn(*item)
         except Exception as e:  # reported by _run, naming the tensor
-            failures.append((item[0], e))
-    return failures
+            failed.set()
+            return [(item[0], e)]
+    return []

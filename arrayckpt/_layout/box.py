@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .._format.zarr import grid_indices
 
 __all__ = ["Box", "cover_problem", "distinct_rows", "grid_cells", "shard_steps"]
 
@@ -51,18 +53,16 @@ class Box:
         return cls((0,) * len(shape), shape)
 
 
-def grid_cells(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, Box]]:
+def grid_cells(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, Box]]:
     """The chunks of the regular grid ``grid`` over an array of ``shape`` that meet ``box``: (flat C-order index,
-    the chunk's box clipped to the array)."""
+    the chunk's box clipped to the array), in C order, lazily (memory does not grow with the number of chunks)."""
     counts = [math.ceil(n / c) for n, c in zip(shape, grid, strict=True)]
     ranges = [range(o // c, math.ceil(e / c)) for o, e, c in zip(box.offset, box.stop, grid, strict=True)]
-    out = []
-    for index in itertools.product(*ranges):
+    for index in grid_indices(ranges):
         start = tuple(i * c for i, c in zip(index, grid, strict=True))
         stop = tuple(min(s + c, n) for s, c, n in zip(start, grid, shape, strict=True))
         flat = int(np.ravel_multi_index(index, counts)) if counts else 0
-        out.append((flat, Box(start, tuple(e - s for s, e in zip(start, stop, strict=True)))))
-    return out
+        yield flat, Box(start, tuple(e - s for s, e in zip(start, stop, strict=True)))
 
 
 # --- many boxes at once (the coordinator's planning): int64 arrays, one row per box ------------------------------

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from .._errors import StateError
 from .._format.codecs import Codec, codec_pipeline, sharded_pipeline
 from .._format.dtypes import DType
+from .._format.zarr import check_grid
 from .._format.zarr import dimension_names as default_dimension_names
 from .._layout.box import Box
 
@@ -72,6 +74,17 @@ class ArrayPlan:
     key_encoding: str = "default"  # "v2" only where a save must not reuse the chunk keys of the one it replaces
     dimension_names: tuple[str, ...] | None = None  # None: the default names of the path (``_format.zarr``)
     aliases: tuple[str, ...] = ()  # other keys of this tensor (tied weights), listed in its attributes for Zarr readers
+
+    def __post_init__(self) -> None:
+        """Never plan a grid readers refuse (spec §12): whatever chose the chunks (the planner's fallback of one
+        chunk per shard when shard boundaries have no common divisor near the target, a delta on its base's grid,
+        a tiny ``ChunkPolicy``), the save fails before anything is written."""
+        problem = check_grid(self.shape, self.outer_chunk, self.inner_chunk if self.sharded else None)
+        if problem is not None:
+            raise StateError(f"tensor {self.key!r} of shape {list(self.shape)}: {problem}, which readers refuse; "
+                             f"this layout (chunks of {list(self.inner_chunk)}) cannot be saved: shard the tensor so "
+                             "that the ranks' boundaries have a common divisor near the chunk size (e.g. "
+                             "torch.chunk-style even splits), or save it with larger chunks")
 
     @cached_property
     def metadata(self) -> dict[str, Any]:

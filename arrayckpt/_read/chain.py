@@ -19,6 +19,7 @@ construction: every byte comes from the newest layer that stored it. This module
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -107,21 +108,77 @@ def plan_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray, jobs: 
         overlays.append(lambda: _overlay_rows(checkpoint, entry, box, out))
         return
     grid = tuple(checkpoint[key].metadata["chunk_grid"]["configuration"]["chunk_shape"])
-    present = checkpoint.present_chunks(key)
-    cells = grid_cells(box, grid, entry.shape) if box.size else []
-    if not any(flat in present for flat, _ in cells):
+    stored = _present_in(checkpoint.present_chunks(key), box, grid, entry.shape) if box.size else []
+    if not stored:
         plan_box(base, key, box, out, jobs, overlays)
         return
-    spec = checkpoint[key]._read_spec
-    for flat, cell in cells:
-        part = cell.intersect(box)
-        if part is None:
-            continue
-        view = out[part.relative_to(box)]
-        if flat in present:
-            jobs.append(ArrayIO(key, spec, view, part.slices()))
-        else:
-            plan_box(base, key, part, view, jobs, overlays)
+    _plan_chunks(_Layer(base, key, checkpoint[key]._read_spec, grid), box, out, stored, 0, jobs, overlays)
+
+
+class _Layer(NamedTuple):
+    """A chunks delta being read: its base, the key, its array's spec and chunk shape."""
+
+    base: Checkpoint
+    key: str
+    spec: dict[str, Any]
+    grid: tuple[int, ...]
+
+
+def _plan_chunks(layer: _Layer, box: Box, out: np.ndarray, stored: list[tuple[int, ...]], dim: int,
+                 jobs: list[ArrayIO], overlays: list[Overlay]) -> None:
+    """Rule 2 of spec §10.6 for ``box``, which lies within one chunk along dimensions ``< dim``; ``stored``: the
+    grid indices of the present chunks that meet it. Along ``dim``, each run of chunks none of which is present is
+    filled from the base at once, so a read costs reads in proportion to the chunks present, not to the grid (a
+    crafted grid claims millions of chunks where the delta stores one)."""
+    if dim == len(box.shape):  # one chunk, present: read its part of the box from this layer
+        jobs.append(ArrayIO(layer.key, layer.spec, out, box.slices() if box.shape else None))
+        return
+    c = layer.grid[dim]
+    by_chunk: dict[int, list[tuple[int, ...]]] = {}
+    for index in stored:
+        by_chunk.setdefault(index[dim], []).append(index)
+    position, stop = box.offset[dim], box.stop[dim]
+    for i in sorted(by_chunk):
+        lo, hi = max(i * c, box.offset[dim]), min((i + 1) * c, stop)
+        if position < lo:  # the run of chunks before this one stores nothing here: the base's
+            _fill(layer, box, out, dim, position, lo, jobs, overlays, None)
+        _fill(layer, box, out, dim, lo, hi, jobs, overlays, by_chunk[i])
+        position = hi
+    if position < stop:
+        _fill(layer, box, out, dim, position, stop, jobs, overlays, None)
+
+
+def _fill(layer: _Layer, box: Box, out: np.ndarray, dim: int, lo: int, hi: int, jobs: list[ArrayIO],
+          overlays: list[Overlay], stored: list[tuple[int, ...]] | None) -> None:
+    """Fill the part ``[lo, hi)`` along ``dim`` of ``box``: from the base (``stored`` is ``None``), or chunk-wise
+    along the next dimension."""
+    part = Box((*box.offset[:dim], lo, *box.offset[dim + 1:]), (*box.shape[:dim], hi - lo, *box.shape[dim + 1:]))
+    view = out[part.relative_to(box)]
+    if stored is None:
+        plan_box(layer.base, layer.key, part, view, jobs, overlays)
+    else:
+        _plan_chunks(layer, part, view, stored, dim + 1, jobs, overlays)
+
+
+def _present_in(present: frozenset[int], box: Box, grid: tuple[int, ...],
+                shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The grid indices of the chunks of ``present`` (flat indices) that meet ``box``, found by whichever is fewer:
+    the box's cells, or the stored chunks (a crafted grid claims millions of cells while the delta stores one)."""
+    counts = [-(-n // c) for n, c in zip(shape, grid, strict=True)]
+    first = [o // c for o, c in zip(box.offset, grid, strict=True)]
+    last = [-(-e // c) for e, c in zip(box.stop, grid, strict=True)]
+    if math.prod(b - a for a, b in zip(first, last, strict=True)) <= len(present):
+        return [_unravel(flat, counts) for flat, _ in grid_cells(box, grid, shape) if flat in present]
+    found = [_unravel(flat, counts) for flat in present]
+    return sorted(i for i in found if all(a <= x < b for x, a, b in zip(i, first, last, strict=True)))
+
+
+def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
+    index = []
+    for n in reversed(counts):
+        flat, i = divmod(flat, n)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def delta_rows(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:

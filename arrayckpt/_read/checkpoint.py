@@ -34,6 +34,7 @@ from .._errors import (
     FormatError,
     PickleNotAllowedError,
     ReplacedCheckpointError,
+    warn_unpickling,
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import DTYPES, DType, dtype_by_name
@@ -69,12 +70,11 @@ class _Values(Mapping[str, Any]):
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self._checkpoint = checkpoint
-        self._entries = {
-            k: e for k, e in checkpoint.manifest.entries.items() if isinstance(e, (ValueEntry, PickleEntry))
-        }
+        self._entries = [k for k, e in checkpoint.manifest.entries.items() if isinstance(e, (ValueEntry, PickleEntry))]
+        self._keys = frozenset(self._entries)
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._entries:
+        if key not in self._keys:
             raise KeyError(key)
         return self._checkpoint.value(key)
 
@@ -360,7 +360,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         entry = self.manifest.entries[key]
         if not isinstance(entry, PickleEntry):
             raise KeyError(f"{self.location}: {key!r} is not a pickled value")
-        return self.array_spec(entry.path, key, _uint8(), (entry.nbytes,))
+        return self.array_spec(entry.path, key, DTYPES["uint8"], (entry.nbytes,))
 
     def pickle_bytes(self, key: str) -> bytes:
         """The stored bytes of pickled value ``key``, read (checksum checked) but never unpickled."""
@@ -425,17 +425,22 @@ class Checkpoint(Mapping[str, LazyArray]):
         if isinstance(entry, ValueEntry):
             return decode_value(entry.value, key)
         if isinstance(entry, PickleEntry):
-            return self._unpickle(entry)
+            return self.unpickle([key])[key]
         raise KeyError(f"{key!r} is an array, not a plain value; use checkpoint[{key!r}]")
 
-    def _unpickle(self, entry: PickleEntry) -> Any:
+    def unpickle(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The pickled values ``keys``, unpickled (with ``allow_pickle=True`` only) with one
+        :class:`arrayckpt.PickleWarning` naming them all: ``load`` unpickles a state's values in one call."""
         self._check_open()
+        if not keys:
+            return {}
         if not self.allow_pickle:
-            raise PickleNotAllowedError(
-                f"{self.location}: value {entry.key!r} is pickled; unpickling can run arbitrary code, so it "
-                "needs allow_pickle=True (only for checkpoints you trust)"
-            )
-        return pickle.loads(self.pickle_bytes(entry.key))
+            raise PickleNotAllowedError(f"{self.location}: value {keys[0]!r} is pickled; unpickling can run arbitrary "
+                                        "code, so it needs allow_pickle=True (only for checkpoints you trust)")
+        raw = {key: self.pickle_bytes(key) for key in keys}  # every checksum checked before anything runs
+        warn_unpickling(f"{self.location}: unpickling " + ", ".join(repr(k) for k in keys[:10])
+                        + (f", … ({len(keys) - 10} more)" if len(keys) > 10 else ""))
+        return {key: pickle.loads(data) for key, data in raw.items()}
 
     def __getitem__(self, key: str) -> LazyArray:
         try:
@@ -460,10 +465,6 @@ class Checkpoint(Mapping[str, LazyArray]):
     def nbytes(self) -> int:
         """The bytes of the tensors, each stored tensor counted once (an alias adds none)."""
         return sum(a.nbytes for key, a in self._arrays.items() if a.key == key)
-
-
-def _uint8() -> DType:
-    return DTYPES["uint8"]
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,

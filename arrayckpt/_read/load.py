@@ -21,7 +21,7 @@ import torch
 from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from .._format.dtypes import dtype_of_numpy
 from .._format.keys import dotted
-from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
@@ -136,6 +136,7 @@ def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, str
         for key, leaf in walked.leaves.items():
             if key in entries and not _filled_by_target(entries[key], leaf, walked.leaves):
                 plan.add(entries[key], leaf)
+        plan.unpickle_values()
         plan.run(group if read_once and group.size > 1 else None)
     _hand_back(walked.statefuls, checkpoint.manifest.containers, created)
     return LoadResult(missing, unexpected)
@@ -168,6 +169,7 @@ class _LoadPlan:
         self.in_place: list[str] = []  # keys read straight into the state's memory (not staged)
         self.copies: list[tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] = []  # (target, staged)
         self.replacements: list[tuple[Leaf, Any]] = []
+        self.pickled: list[tuple[Leaf, str]] = []  # (leaf, key) of the pickled values the state takes
 
     def run(self, share_with: Group | None = None) -> None:
         """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
@@ -201,13 +203,26 @@ class _LoadPlan:
             raise StateError(
                 f"{self.where}: {entry.key!r} is a plain value in the checkpoint but an array in the state"
             )
+        elif isinstance(entry, PickleEntry):  # unpickled together, with one warning (see unpickle_values)
+            self._replaceable(leaf)
+            self.pickled.append((leaf, entry.key))
         else:
             self._replace(leaf, self.checkpoint.value(entry.key))
 
+    def unpickle_values(self) -> None:
+        """Unpickle every pickled value the state takes in one call: one :class:`arrayckpt.PickleWarning` naming
+        them all (a refusal without ``allow_pickle=True`` comes before anything is read)."""
+        values = self.checkpoint.unpickle([key for _, key in self.pickled])
+        for leaf, key in self.pickled:
+            self._replace(leaf, values[key])
+
     def _replace(self, leaf: Leaf, value: Any) -> None:
+        self._replaceable(leaf)
+        self.replacements.append((leaf, value))
+
+    def _replaceable(self, leaf: Leaf) -> None:
         if isinstance(leaf.parent, tuple):
             raise StateError(f"{self.where}: cannot replace {dotted(leaf.parts)!r} inside a tuple; use a list")
-        self.replacements.append((leaf, value))
 
     def _fresh(self, entry: ArrayEntry, spec: dict[str, Any] | None) -> torch.Tensor | np.ndarray:
         fresh = _empty_like_entry(entry)

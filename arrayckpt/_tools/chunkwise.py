@@ -9,7 +9,6 @@ while it was being read.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._format.dtypes import dtype_by_name
-from .._format.zarr import chunk_key
+from .._format.zarr import chunk_key, grid_indices
 from .._io.arrays import ArrayIO
 from .._read.reader import read
 
@@ -67,7 +66,7 @@ def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
         return
     chunk = chunk_shape(metadata)
     counts = [math.ceil(n / c) for n, c in zip(shape, chunk, strict=True)]
-    grid: Iterable[tuple[int, ...]] = itertools.product(*(range(n) for n in counts))
+    grid: Iterable[tuple[int, ...]] = grid_indices([range(n) for n in counts])
     if flat is not None:
         grid = (_unravel(i, counts) for i in flat)
     for grid_index in grid:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 __all__ = ["SizeEstimate", "estimate_size", "parse_count"]
@@ -17,6 +18,7 @@ __all__ = ["SizeEstimate", "estimate_size", "parse_count"]
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_BYTES = {"adam": 8, "sgd": 4, "none": 0}  # fp32 state per parameter: Adam m and v; SGD momentum
 MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
+MAX_PARAMS = 10**18  # a million times the largest models: a larger count is a typo (1e400 overflowed a float)
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -29,7 +31,13 @@ def parse_count(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmbgt]?)\s*", text.lower())
     if match is None:
         raise ValueError(f"{text!r} is not a parameter count; write e.g. 7B, 405e9 or 125000000")
-    return round(float(match[1]) * _SUFFIXES[match[2]])
+    exponent = match[1].partition("e")[2]
+    if exponent and int(exponent) > 30:  # before building the number: 1e999999999 would take minutes
+        raise ValueError(f"{text!r} parameters is more than the {MAX_PARAMS:.0e} this estimate takes")
+    count = round(Fraction(match[1]) * _SUFFIXES[match[2]])  # exact: a float turns 1e300 into 1000...0525
+    if count > MAX_PARAMS:
+        raise ValueError(f"{text!r} parameters is more than the {MAX_PARAMS:.0e} this estimate takes")
+    return count
 
 
 @dataclass(frozen=True)

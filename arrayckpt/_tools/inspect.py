@@ -27,6 +27,7 @@ from .._tools.chunkwise import ChunkRef, iter_chunks
 __all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "selection_blocks", "show"]
 
 BLOCK_BYTES = 32 << 20  # selection read at once for statistics, and chunks compared at once by diff
+BLOCK_CHUNKS = 4096  # and at most so many chunks compared at once
 MAX_VALUES = 1000  # selections up to this many elements have their values returned
 
 Index = tuple[int | slice, ...]
@@ -364,11 +365,14 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
             max_abs, max_rel = max(max_abs, worst_abs), max(max_rel, worst_rel)
         batch.clear()
 
+    held = 0
     for chunk in iter_chunks(key, left[key].entry.path, {"metadata": dense_a}):
         chunks += 1
         batch.append(chunk)
-        if sum(c.nbytes for c in batch) >= BLOCK_BYTES:
+        held += chunk.nbytes
+        if held >= BLOCK_BYTES or len(batch) >= BLOCK_CHUNKS:  # tiny chunks: bounded by count too
             flush()
+            held = 0
     if batch:
         flush()
     return TensorDiff(key, differing, max_abs, max_rel, nonfinite, chunks, differing_chunks)

@@ -10,7 +10,6 @@ storage client's own retries); damage in the source is never retried.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
@@ -26,7 +25,7 @@ from .._errors import ArrayckptError, CorruptCheckpointError, StorageError
 from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.stored import stored_content_crc
-from .._format.zarr import chunk_key, grid_counts
+from .._format.zarr import chunk_key, grid_counts, grid_indices
 from .._io.decode import ChunkDecoder
 from .._io.fastio import read_checkpoint_file
 from .._storage import Location
@@ -99,7 +98,7 @@ class ArrayCopy:
         if math.prod(self.source["shape"]) == 0:
             return iter(())
         if self.present is None:
-            return itertools.product(*(range(n) for n in counts))
+            return grid_indices([range(n) for n in counts])
         return (tuple(int(i) for i in np.unravel_index(flat, counts)) if counts else () for flat in self.present)
 
     def extent(self, grid_index: tuple[int, ...]) -> tuple[slice, ...]:

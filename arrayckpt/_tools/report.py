@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,10 +43,10 @@ from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry, PickleEntry
 from .._format.values import decode_value
 from .._read.checkpoint import Checkpoint, LazyArray, opened
 from .inspect import _Stats, normalize_index, selection_blocks
-from .report_data import Change, Histogram, ReportData, TensorStats
+from .report_data import Change, Histogram, ReportData, TensorStats, printable
 from .report_layout import chain_of, deltas_of, grid_of, step_of, stored_text
 
-__all__ = ["collect", "layer_of", "report"]
+__all__ = ["Written", "collect", "layer_of", "report", "write_report"]
 
 SAMPLE = 1 << 16  # values sampled per tensor for its histogram (exact below this size)
 BINS = 64  # histogram bins
@@ -75,6 +75,25 @@ def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathL
     >>> report(os.path.join(d, "ckpt"), output=os.path.join(d, "ckpt.html"), histograms=0, grids=0).name
     'ckpt.html'
     """
+    return write_report(path, against=against, output=output, overview=overview, storage_options=storage_options,
+                        max_tensors=max_tensors, histograms=histograms, grids=grids, base_roots=base_roots).path
+
+
+class Written(NamedTuple):
+    """What :func:`write_report` wrote, and what it shows (``data.tensors[i].error``: a tensor it could not read)."""
+
+    path: Path
+    data: ReportData
+
+
+def write_report(path: str | os.PathLike[str] | Checkpoint, *,
+                 against: str | os.PathLike[str] | Checkpoint | None = None,
+                 output: str | os.PathLike[str] = "report.html", overview: str | os.PathLike[str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None, max_tensors: int | None = None,
+                 histograms: int = HISTOGRAMS, grids: int = GRIDS,
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Written:
+    """:func:`report`, returning what the report shows too (the command line exits 1 when a tensor could not be
+    read). Missing parent directories of ``output`` and ``overview`` are created, as ``save`` creates them."""
     from . import report_figures, report_html  # matplotlib: only here
 
     report_figures.require_matplotlib()
@@ -83,10 +102,12 @@ def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathL
             as other:
         data = collect(checkpoint, other, max_tensors=max_tensors, histograms=histograms, grids=grids)
     out = Path(output)
-    out.write_text(report_html.render(data, report_figures.figures(data)), encoding="utf-8")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(printable(report_html.render(data, report_figures.figures(data))).encode("utf-8"))
     if overview is not None:
+        Path(overview).parent.mkdir(parents=True, exist_ok=True)
         report_figures.overview(data, overview)
-    return out
+    return Written(out, data)
 
 
 def collect(checkpoint: Checkpoint, other: Checkpoint | None = None, *, max_tensors: int | None = None,

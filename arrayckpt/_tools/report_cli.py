@@ -50,23 +50,33 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    """Run ``arrayckpt report``; 0 when written, 2 when matplotlib is missing (errors of reading the checkpoints
+    """Run ``arrayckpt report``; 0 when written, 1 when written but some tensor could not be read (damage: said on
+    stderr, as ``verify`` exits 1 on damage), 2 when matplotlib is missing (errors of reading the checkpoints
     propagate to ``cli.main``, which prints them)."""
-    from .report import report
+    from .report import write_report
 
     try:
-        output = report(args.path, against=args.against, output=args.output, overview=args.png,
-                        max_tensors=args.max_tensors, histograms=args.histograms, grids=args.grids,
-                        base_roots=args.base_root)
+        output, data = write_report(args.path, against=args.against, output=args.output, overview=args.png,
+                                    max_tensors=args.max_tensors, histograms=args.histograms, grids=args.grids,
+                                    base_roots=args.base_root)
     except ModuleNotFoundError as e:
         if e.name != "matplotlib":
             raise
         print(f"arrayckpt: error: {e}", file=sys.stderr)
         return 2
-    written = {"output": str(output), "bytes": output.stat().st_size, **({"png": args.png} if args.png else {})}
+    unreadable = [t for t in data.tensors if t.error]
+    written = {"output": str(output), "bytes": output.stat().st_size, **({"png": args.png} if args.png else {}),
+               "unreadable": [t.key for t in unreadable]}
     if args.json:
         print(json.dumps(written))
     else:
         extra = f" and {args.png}" if args.png else ""
         print(f"wrote {output} ({written['bytes'] / 1024:.0f} KiB){extra}")
-    return 0
+    if not unreadable:
+        return 0
+    first = unreadable[0]
+    what = ("no tensor could be read" if len(unreadable) == len(data.tensors) else
+            f"{len(unreadable)} of {len(data.tensors)} tensors could not be read")
+    print(f"arrayckpt: error: {what} (the report lists them; `arrayckpt verify` names every damaged chunk): "
+          f"{first.key!r}: {' '.join(str(first.error).split())}", file=sys.stderr)
+    return 1

@@ -16,8 +16,18 @@ import numpy as np
 
 from .._units import human_bytes
 
-__all__ = ["Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode", "TensorStats",
-           "human_bytes", "size_tree", "squarify"]
+__all__ = ["MAX_CELLS", "Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode",
+           "TensorStats", "human_bytes", "printable", "size_tree", "squarify"]
+
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode as U+FFFD: a path whose name is not UTF-8 reaches Python with
+    surrogate escapes (``os.fsdecode``), which neither the page (UTF-8) nor matplotlib's text can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -99,23 +109,47 @@ class ReportData:
         return sum(t.nbytes for t in self.tensors)
 
 
+MAX_CELLS = 128  # chunks drawn per dimension of a grid picture (more are drawn in groups)
+
+
 @dataclass(frozen=True)
 class ChunkGrid:
-    """A tensor's outer chunk grid (and inner chunks when sharded), from its array metadata."""
+    """A tensor's outer chunk grid (and inner chunks when sharded), from its array metadata. A picture draws the
+    (at most two) dimensions with the most chunks, in cells of ``group`` chunks per dimension when there are more
+    than ``MAX_CELLS`` (:attr:`view`); everything drawn is a few thousand values, whatever the grid's size."""
 
     key: str
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     inner: tuple[int, ...] | None
-    # The rank that wrote each outer chunk, in C order, in whichever checkpoint of a delta chain stores it (-1: not
-    # recorded there); None: not recorded
+    # The rank that wrote the first chunk of each drawn cell (:meth:`drawn_chunks`), in C order of the cells, in
+    # whichever checkpoint of a delta chain stores it (-1: not recorded there); None: not recorded
     writers: tuple[int, ...] | None = None
-    # The chunks (flat C-order indices) that a base checkpoint of the chain stores, rather than this one
+    # The drawn cells (positions in :meth:`drawn_chunks`) whose first chunk a base checkpoint of the chain stores,
+    # rather than this one
     in_base: frozenset[int] = frozenset()
 
     @property
     def counts(self) -> tuple[int, ...]:
         return tuple(math.ceil(n / c) for n, c in zip(self.shape, self.chunk, strict=True))
+
+    @property
+    def view(self) -> tuple[tuple[int, ...], int]:
+        """The dimensions drawn (at most two, those with the most chunks) and the chunks per cell along each."""
+        counts = self.counts
+        dims = tuple(sorted(sorted(range(len(counts)), key=lambda d: -counts[d])[:2]))
+        return dims, max(1, max((math.ceil(counts[d] / MAX_CELLS) for d in dims), default=1))
+
+    def drawn_chunks(self) -> np.ndarray:
+        """The flat C-order index of the first chunk of each drawn cell, in C order of the cells (the other
+        dimensions at their first chunk)."""
+        counts = self.counts
+        dims, group = self.view
+        axes = [np.arange(0, n, group) if d in dims else np.zeros(1, np.int64) for d, n in enumerate(counts)]
+        if not axes:
+            return np.zeros(1, np.int64)
+        mesh = np.meshgrid(*axes, indexing="ij")
+        return np.ravel_multi_index([m.ravel() for m in mesh], counts).astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .report_data import Change, Histogram, ReportData, SizeNode, human_bytes, size_tree, squarify
+from .report_data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
 from .report_grids import draw_delta, draw_grid, draw_rank_legend, top_rank
 from .report_style import DPI, FONT, colormap, lighten, short_key
 
@@ -172,6 +172,7 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
 
 def _tail(location: str) -> str:
     """The last two parts of a long location (``…/run/step-200``)."""
+    location = printable(location)
     parts = location.rstrip("/").split("/")
     return location if len(location) <= 32 or len(parts) <= 2 else "…/" + "/".join(parts[-2:])
 
@@ -366,7 +367,7 @@ def draw_chain(ax: Axes, data: ReportData, compact: bool = False) -> None:
     ax.barh(range(len(layers)), sizes, color=["red" if lay.error else "C1" if lay.delta else "C0" for lay in layers])
     share = "%" if compact else "% of the state"
     for i, (layer, size) in enumerate(zip(layers, sizes, strict=True)):
-        text = layer.error[:80] if layer.error else f"{human_bytes(size)} ({100 * size / total:.1f}{share})"
+        text = printable(layer.error[:80]) if layer.error else f"{human_bytes(size)} ({100 * size / total:.1f}{share})"
         ax.text(size, i, f"  {text}", va="center", fontsize=FONT)
     ax.set_yticks(range(len(layers)), labels, fontsize=FONT)
     ax.set_xlim(0, max(max(sizes, default=0), total) * (2.2 if compact else 1.5))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .report_data import ChunkGrid, DeltaPart, human_bytes
+from .report_data import MAX_CELLS, ChunkGrid, DeltaPart, human_bytes
 from .report_style import FONT, colormap, lighten, short_key
 
 if TYPE_CHECKING:
@@ -20,18 +20,15 @@ if TYPE_CHECKING:
 
 __all__ = ["draw_delta", "draw_grid", "draw_rank_legend", "grid_view", "top_rank"]
 
-MAX_CELLS = 128  # chunks drawn per dimension of a grid picture (more are drawn in groups)
 LISTED_RANKS = 20  # ranks a legend names one by one (more: a colour bar)
 UNKNOWN = "#dddddd"  # a chunk whose writer is not recorded
 BASE_TINT = 0.6  # how much lighter a chunk a base checkpoint stores is drawn (towards white)
 
 
 def grid_view(grid: ChunkGrid) -> tuple[tuple[int, ...], list[np.ndarray], int]:
-    """How a chunk grid is drawn: the (at most two) dimensions with the most chunks, the cell edges along each
-    (in elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
-    counts = grid.counts
-    dims = tuple(sorted(sorted(range(len(counts)), key=lambda d: -counts[d])[:2]))
-    group = max(1, max(math.ceil(counts[d] / MAX_CELLS) for d in dims))
+    """How a chunk grid is drawn (:attr:`ChunkGrid.view`): the dimensions drawn, the cell edges along each (in
+    elements; chunks grouped ``group`` at a time when there are more than ``MAX_CELLS``), and ``group``."""
+    dims, group = grid.view
     edges = [np.append(np.arange(0, grid.shape[d], grid.chunk[d] * group), grid.shape[d]) for d in dims]
     return dims, edges, group
 
@@ -71,29 +68,21 @@ def top_rank(grids: list[ChunkGrid]) -> int:
     return max([max(g.writers) for g in grids if g.writers] + [1])
 
 
-def _writer_colours(grid: ChunkGrid, dims: tuple[int, ...], group: int, top: int) -> np.ndarray:
+def _writer_colours(grid: ChunkGrid, cells: list[int], top: int) -> np.ndarray:
     """RGBA per drawn cell: the writer's colour, lighter where a base checkpoint stores the chunk, grey where the
     writer is not recorded."""
     from matplotlib.colors import to_rgba
 
     cmap, norm = _rank_scale(top)
-    ranks = _shown(grid, grid.writers, dims, group)
+    ranks = np.asarray(grid.writers, np.int64).reshape(cells)
     colours = cmap(norm(np.maximum(ranks, 0)))
     if grid.in_base:
-        flags = np.zeros(math.prod(grid.counts), bool)
-        flags[list(grid.in_base)] = True
-        tint = _shown(grid, flags, dims, group)
+        tint = np.zeros(ranks.size, bool)
+        tint[list(grid.in_base)] = True
+        tint = tint.reshape(cells)
         colours[tint, :3] += (1 - colours[tint, :3]) * BASE_TINT
     colours[ranks < 0] = to_rgba(UNKNOWN)
     return colours
-
-
-def _shown(grid: ChunkGrid, values: Any, dims: tuple[int, ...], group: int) -> np.ndarray:
-    """A per-chunk C-order sequence at the drawn cells: each cell's first chunk (a cell holds ``group`` chunks per
-    drawn dimension; the other dimensions are shown at their first chunk)."""
-    array = np.asarray(values).reshape(grid.counts)
-    index = tuple(slice(None, None, group) if d in dims else 0 for d in range(len(grid.counts)))
-    return array[index]
 
 
 def _rank_handles(ranks: list[int], top: int, in_base: bool, unknown: bool) -> list[Any]:
@@ -144,11 +133,11 @@ def draw_grid(ax: Axes, grid: ChunkGrid, top: int, legend: bool = False) -> None
     cells = [len(e) - 1 for e in edges]
     edge = {"edgecolor": "white" if max(cells) <= 48 else "face", "linewidth": 0.6}
     if grid.writers is not None:
-        _mesh(ax, edges, _writer_colours(grid, dims, group, top), **edge)
-        shown = sorted({int(r) for r in _shown(grid, grid.writers, dims, group).ravel() if r >= 0})
+        _mesh(ax, edges, _writer_colours(grid, cells, top), **edge)
+        shown = sorted({int(r) for r in grid.writers if r >= 0})
         by = f"rank{'s' if len(shown) != 1 else ''} " + (", ".join(map(str, shown)) if len(shown) <= 8 else
                                                          f"{shown[0]}–{shown[-1]}") if shown else "not recorded"
-        if grid.in_base and len(grid.in_base) == math.prod(grid.counts):
+        if grid.in_base and len(grid.in_base) == len(grid.writers):
             by += " (all in a base)"
         if legend and len(shown) <= LISTED_RANKS:
             ax.legend(handles=_rank_handles(shown, top, bool(grid.in_base), -1 in grid.writers), loc="upper center",

@@ -16,7 +16,7 @@ import numpy as np
 from .._errors import ArrayckptError
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, ValueEntry
-from .._format.writers import expand_runs
+from .._format.writers import ranks_at
 from .._format.zarr import grid_counts
 from .._io.arrays import ArrayIO
 from .._read.chain import dense_layer
@@ -60,20 +60,23 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
         layer, stored = dense_layer(checkpoint, key)
     except ArrayckptError:
         return None
-    grid = _writers_from_bases(layer, _grid(stored, layer[stored].metadata, _writers(layer, stored)))
+    grid = _grid(stored, layer[stored].metadata)
+    grid = _writers_from_bases(layer, replace(grid, writers=_writers(layer, stored, grid)))
     if layer is not checkpoint and grid.writers is not None:  # a rows delta: its chunks are all its base's
         grid = replace(grid, in_base=frozenset(i for i, rank in enumerate(grid.writers) if rank >= 0))
     return replace(grid, key=key)  # an alias: the chunks of the tensor it names, under the key asked for
 
 
 def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
-    """``grid`` with the writers of the chunks that ``layer`` (a chunks delta) leaves to its bases: each from the
-    base down the chain that stores it. A delta's chunks are its base's read chunks (the inner chunks of a sharded
-    array), so each takes the writer of the base chunk that holds its first element."""
+    """``grid`` with the writers of the drawn chunks that ``layer`` (a chunks delta) leaves to its bases: each from
+    the base down the chain that stores it. A delta's chunks are its base's read chunks (the inner chunks of a
+    sharded array), so each takes the writer of the base chunk that holds its first element. Only the drawn
+    chunks are looked up (a few thousand, whatever the grid's size)."""
     if grid.writers is None or -1 not in grid.writers:
         return grid
     writers = np.asarray(grid.writers, np.int64)
     in_base = np.zeros(writers.size, bool)
+    origins = np.stack(np.unravel_index(grid.drawn_chunks(), grid.counts), axis=1) * np.asarray(grid.chunk)
     entry = layer.manifest.entries.get(grid.key)
     while (writers < 0).any() and isinstance(entry, ArrayEntry) and entry.delta is not None and \
             entry.delta.mode == "chunks":
@@ -84,45 +87,59 @@ def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
         entry = layer.manifest.entries.get(grid.key)
         if not isinstance(entry, ArrayEntry) or (entry.delta is not None and entry.delta.mode != "chunks"):
             break
-        below = _grid(grid.key, layer[grid.key].metadata, _writers(layer, grid.key))
-        if below.writers is None or below.shape != grid.shape:
+        below = _grid(grid.key, layer[grid.key].metadata)
+        if below.shape != grid.shape:
             break
-        origins = np.indices(grid.counts).reshape(len(grid.counts), -1).T * np.asarray(grid.chunk)
         holders = np.ravel_multi_index(tuple((origins // np.asarray(below.chunk)).T), below.counts)
-        found = np.asarray(below.writers, np.int64)[holders]
-        fill = (writers < 0) & (found >= 0)
-        writers[fill], in_base[fill] = found[fill], True
+        found = _writers(layer, grid.key, below, holders.astype(np.int64))
+        if found is None:
+            break
+        found_ranks = np.asarray(found, np.int64)
+        fill = (writers < 0) & (found_ranks >= 0)
+        writers[fill], in_base[fill] = found_ranks[fill], True
     return replace(grid, writers=tuple(writers.tolist()), in_base=frozenset(np.flatnonzero(in_base).tolist()))
 
 
-def _writers(layer: Checkpoint, key: str) -> tuple[int, ...] | None:
-    """Who wrote each outer chunk of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
-    rank: rank 0 wrote all); ``None`` when the checkpoint does not say (older ones, DCP's writer, a bad record)."""
+def _writers(layer: Checkpoint, key: str, grid: ChunkGrid, drawn: np.ndarray | None = None) -> tuple[int, ...] | None:
+    """Who wrote the chunks ``drawn`` (flat C-order indices; by default the first chunk of each drawn cell,
+    :meth:`ChunkGrid.drawn_chunks`) of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
+    rank: rank 0 wrote all; -1: stored in a base); ``None`` when the checkpoint does not say (older ones, DCP's
+    writer, a bad record). Looked up for those chunks only: never a list of the grid."""
     entry = layer.manifest.entries.get(key)
     if not isinstance(entry, ArrayEntry):
         return None
-    total = math.prod(grid_counts(layer[key].metadata))
-    present = entry.delta.present if entry.delta is not None and entry.delta.mode == "chunks" else range(total)
+    total = math.prod(grid.counts)
+    drawn = grid.drawn_chunks() if drawn is None else drawn
+    if entry.delta is not None and entry.delta.mode == "chunks":  # positions in `present` order (-1: the base's)
+        present = entry.delta.present
+        if any(not 0 <= i < total for i in present):
+            return None
+        order = {flat: position for position, flat in enumerate(present)}
+        positions = np.fromiter((order.get(int(flat), -1) for flat in drawn), np.int64, len(drawn))
+        count = len(present)
+    else:
+        positions, count = drawn, total
+    ranks, mine = np.full(len(positions), -1, np.int64), positions >= 0
     record = layer.manifest.created.get("writers")
     if isinstance(record, dict):
-        ranks = expand_runs(record.get(entry.path), len(present))
-    else:  # a save by one process records nothing: it wrote everything
-        ranks = [0] * len(present) if layer.manifest.created.get("world_size") == 1 else None
-    if ranks is None or any(not 0 <= i < total for i in present):
+        found = ranks_at(record.get(entry.path), count, positions[mine])
+        if found is None:
+            return None
+        ranks[mine] = found
+    elif layer.manifest.created.get("world_size") == 1:  # a save by one process records nothing: it wrote all
+        ranks[mine] = 0
+    else:
         return None
-    out = [-1] * total
-    for flat, rank in zip(present, ranks, strict=True):
-        out[flat] = rank
-    return tuple(out)
+    return tuple(ranks.tolist())
 
 
-def _grid(key: str, metadata: Mapping[str, Any], writers: tuple[int, ...] | None = None) -> ChunkGrid:
+def _grid(key: str, metadata: Mapping[str, Any]) -> ChunkGrid:
     chunk = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
     codecs = metadata.get("codecs", [])
     inner = None
     if codecs and codecs[0].get("name") == "sharding_indexed":
         inner = tuple(codecs[0]["configuration"]["chunk_shape"])
-    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner, writers)
+    return ChunkGrid(key, tuple(metadata["shape"]), chunk, inner)
 
 
 def chain_of(checkpoint: Checkpoint) -> list[Layer]:

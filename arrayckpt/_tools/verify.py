@@ -4,13 +4,14 @@ Loading already refuses damaged data, but only for what it reads, and stops at t
 deleting the previous checkpoint, or after copying one between storage systems, you want every chunk of
 every array read and its crc32c checked, and a list of *everything* that is wrong, named by entry and
 chunk file. Pickled values are checked as bytes and never unpickled. Memory stays bounded: chunks are
-read in batches of at most ``batch_bytes`` (a single chunk larger than that is read alone).
+taken lazily from each grid and read in batches of at most ``batch_bytes`` and ``BATCH_CHUNKS`` (a single chunk
+larger than that is read alone), and an array with more than ``MAX_ARRAY_DAMAGE`` damaged chunks is left there
+(one more damage says so): a crafted grid of millions of missing chunks costs a hundred reports, not millions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ __all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
 
 BATCH_BYTES = 256 << 20  # chunks read at once: enough for concurrency, small enough for any host
 BATCH_CHUNKS = 4096  # and at most this many (tiny chunks: the batch's own bookkeeping stays small)
+MAX_ARRAY_DAMAGE = 100  # damaged chunks reported per array; verify leaves the array there (saying so)
 
 Progress = Callable[[int, int], None]  # (bytes checked so far, bytes to check)
 
@@ -94,7 +96,8 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     up, access refused) :class:`arrayckpt.StorageError`, and a checkpoint (or base) replaced or removed while it
     is being verified :class:`arrayckpt.ReplacedCheckpointError`, and a base outside the directory holding its
     delta checkpoint and outside ``base_roots`` :class:`arrayckpt.BaseNotAllowedError` (spec §10.1), since those
-    say nothing about the data; everything else is reported, not raised.
+    say nothing about the data; everything else is reported, not raised (each damaged chunk by file, up to 100 per
+    array: then the array's other chunks are skipped, and a damage on the array says so).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -169,9 +172,9 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
     for group_path in groups:
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
     total = sum(_stored_bytes(checkpoint, *array) for array in stored)
-    chunks = itertools.chain.from_iterable(_present_chunks(checkpoint, *array) for array in stored)
+    failed: dict[str, int] = {}  # damaged chunks by array path
+    chunks = _walk(checkpoint, stored, failed)
     digests: dict[str, ChunkDigest] = {}
-    failed: set[str] = set()
     count, checked = _read_all(checkpoint, chunks, total, batch_bytes, damage, progress, digests, failed)
     recorded = checkpoint.manifest.chunk_digests
     for key, array_path, _ in stored:
@@ -184,6 +187,18 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
                                                   "recorded at save): chunk files swapped, misplaced or copied from "
                                                   "another checkpoint; restore the array from a copy"))
     return len(stored), count, checked
+
+
+def _walk(checkpoint: Checkpoint, stored: list[tuple[str, str, dict[str, Any]]],
+          failed: Mapping[str, int]) -> Iterator[ChunkRef]:
+    """The chunks of every array, lazily, leaving an array once ``MAX_ARRAY_DAMAGE`` of its chunks were found
+    damaged (``failed``, filled in as the chunks are read): a crafted grid of millions of missing chunks costs a
+    hundred reports and reads, not millions."""
+    for key, array_path, spec in stored:
+        for chunk in _present_chunks(checkpoint, key, array_path, spec):
+            if failed.get(array_path, 0) >= MAX_ARRAY_DAMAGE:
+                break
+            yield chunk
 
 
 def _delta_present(checkpoint: Checkpoint, key: str, array_path: str) -> frozenset[int] | None:
@@ -300,31 +315,45 @@ def _batches(chunks: Iterable[ChunkRef], budget: int) -> Iterator[list[ChunkRef]
 
 
 def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, budget: int, damage: list[Damage],
-              progress: Progress | None, digests: dict[str, ChunkDigest], failed: set[str]) -> tuple[int, int]:
+              progress: Progress | None, digests: dict[str, ChunkDigest], failed: dict[str, int]) -> tuple[int, int]:
     """Read every chunk (batched for speed, taken lazily: memory is bounded by the batch, whatever the number of
     chunks) and add its content's checksum to its array's digest; a failed batch is re-read chunk by chunk to name
-    each damage (its array is then ``failed``). Returns (chunks, bytes) read."""
+    each damage (counted in ``failed`` by array; past ``MAX_ARRAY_DAMAGE`` the array's other chunks are skipped,
+    said in one more damage). Returns (chunks, bytes) read."""
     where = str(checkpoint.location)
     done = count = 0
     for batch in _batches(chunks, budget):
-        count += len(batch)
         if not _read_batch(checkpoint, batch, digests):
             # re-read outside the handler: a live exception keeps the failed batch's buffers alive
-            for chunk in batch:
-                try:
-                    data = read_chunks(checkpoint, [chunk])[0]
-                except (StorageError, ReplacedCheckpointError, MemoryError):
-                    raise  # unreachable store, checkpoint replaced, no memory: nothing is known about the chunk
-                except Exception as e:  # every other failure is reported, whatever raised it
-                    damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
-                    failed.add(chunk.array_path)
-                else:
-                    digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
-                    del data
+            batch = [chunk for chunk in batch if _read_alone(checkpoint, chunk, where, damage, digests, failed)]
+        count += len(batch)
         done += sum(c.nbytes for c in batch)
         if progress is not None:
             progress(done, total)
     return count, done
+
+
+def _read_alone(checkpoint: Checkpoint, chunk: ChunkRef, where: str, damage: list[Damage],
+                digests: dict[str, ChunkDigest], failed: dict[str, int]) -> bool:
+    """Read one chunk of a failed batch, reporting its damage; False when it was skipped, its array having too
+    much damage already."""
+    if failed.get(chunk.array_path, 0) >= MAX_ARRAY_DAMAGE:
+        return False
+    try:
+        data = read_chunks(checkpoint, [chunk])[0]
+    except (StorageError, ReplacedCheckpointError, MemoryError):
+        raise  # unreachable store, checkpoint replaced, no memory: nothing is known about the chunk
+    except Exception as e:  # every other failure is reported, whatever raised it
+        damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
+        failed[chunk.array_path] = failed.get(chunk.array_path, 0) + 1
+        if failed[chunk.array_path] == MAX_ARRAY_DAMAGE:
+            damage.append(Damage(chunk.key, chunk.array_path, f"{MAX_ARRAY_DAMAGE} damaged chunks found: verify "
+                                 "stopped reading this array there (its other chunks were not checked); restore "
+                                 "the array from a copy"))
+    else:
+        digests.setdefault(chunk.array_path, ChunkDigest()).add(chunk_crc(data))
+        del data
+    return True
 
 
 def _read_batch(checkpoint: Checkpoint, batch: list[ChunkRef], digests: dict[str, ChunkDigest]) -> bool:
