@@ -18,7 +18,7 @@ from .dtypes import dtype_by_name
 
 __all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "MAX_GRID_CHUNKS", "ROOT_METADATA", "check_array_metadata", "check_grid",
            "chunk_key", "chunk_keys", "dimension_names", "grid_counts", "grid_indices", "node_documents",
-           "parse_chunk_key"]
+           "parse_chunk_key", "unravel"]
 
 ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
 
@@ -149,6 +149,16 @@ def grid_indices(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
 
 
 _SMALL_RANGES = 1 << 16  # ranges whose copy itertools.product may make (a few hundred KB)
+
+
+def unravel(flat: int, counts: Sequence[int]) -> tuple[int, ...]:
+    """The grid index at C-order position ``flat`` of a grid of ``counts`` chunks per dimension (a chunks delta
+    records its chunks as such positions)."""
+    index = []
+    for n in reversed(counts):
+        flat, i = divmod(flat, n)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def _lazy_product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:

@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError
 from .._format.manifest import ArrayEntry
 from .._format.quant import QuantizedRows, dequantize_rows
+from .._format.zarr import unravel
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into
 from .._layout.box import Box, grid_cells
 
@@ -168,17 +169,10 @@ def _present_in(present: frozenset[int], box: Box, grid: tuple[int, ...],
     first = [o // c for o, c in zip(box.offset, grid, strict=True)]
     last = [-(-e // c) for e, c in zip(box.stop, grid, strict=True)]
     if math.prod(b - a for a, b in zip(first, last, strict=True)) <= len(present):
-        return [_unravel(flat, counts) for flat, _ in grid_cells(box, grid, shape) if flat in present]
-    found = [_unravel(flat, counts) for flat in present]
+        return [unravel(flat, counts) for flat, _ in grid_cells(box, grid, shape) if flat in present]
+    found = [unravel(flat, counts) for flat in present]
     return sorted(i for i in found if all(a <= x < b for x, a, b in zip(i, first, last, strict=True)))
 
-
-def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
-    index = []
-    for n in reversed(counts):
-        flat, i = divmod(flat, n)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def delta_rows(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:

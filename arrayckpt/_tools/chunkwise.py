@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._format.dtypes import dtype_by_name
-from .._format.zarr import chunk_key, grid_indices
+from .._format.zarr import chunk_key, grid_indices, unravel
 from .._io.arrays import ArrayIO
 from .._read.reader import read
 
@@ -68,20 +68,12 @@ def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
     counts = [math.ceil(n / c) for n, c in zip(shape, chunk, strict=True)]
     grid: Iterable[tuple[int, ...]] = grid_indices([range(n) for n in counts])
     if flat is not None:
-        grid = (_unravel(i, counts) for i in flat)
+        grid = (unravel(i, counts) for i in flat)
     for grid_index in grid:
         index = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, chunk, shape, strict=True))
         file = f"{array_path}/{chunk_file(metadata, grid_index)}"
         yield ChunkRef(key, array_path, file, index, spec)
 
-
-def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
-    """The grid index at C-order position ``flat`` of a grid of ``counts`` chunks per dimension."""
-    index = []
-    for n in reversed(counts):
-        flat, i = divmod(flat, n)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def read_chunks(checkpoint: Checkpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ArrayckptError, StorageError
 from .._format.manifest import ArrayEntry, Manifest, encode_root_document
-from .._format.zarr import chunk_keys, grid_counts
+from .._format.zarr import chunk_keys, grid_counts, unravel
 
 if TYPE_CHECKING:
     from .._storage.base import Location, Writer
@@ -151,15 +151,7 @@ def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, Any]) -> dict[str,
             continue
         counts = grid_counts(metadata)
         flat = present.get(path)
-        indices = itertools.product(*map(range, counts)) if flat is None else (_unravel(i, counts) for i in flat)
+        indices = itertools.product(*map(range, counts)) if flat is None else (unravel(i, counts) for i in flat)
         out[path] = chunk_keys(metadata, indices)
     return out
 
-
-def _unravel(flat: int, counts: list[int]) -> tuple[int, ...]:
-    """The grid index of the flat C-order chunk index ``flat``."""
-    index = []
-    for count in reversed(counts):
-        flat, i = divmod(flat, count)
-        index.append(i)
-    return tuple(index[::-1])
