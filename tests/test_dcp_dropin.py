@@ -99,6 +99,41 @@ def test_saving_again_to_one_path_replaces_the_checkpoint(tmp_path: Path) -> Non
     _assert_step(_loaded(tmp_path / "new"), 7)
 
 
+def test_a_dcp_checkpoint_at_the_path_is_replaced_anything_else_refused(tmp_path: Path) -> None:
+    # switching from FileSystemWriter at a fixed path: DCP's checkpoint there is replaced (overwrite=True, DCP's
+    # default), atomically; before, it was refused as "not an arrayckpt checkpoint"
+    latest = tmp_path / "latest"
+    dcp.save(_state(1), storage_writer=dcp.FileSystemWriter(latest), no_dist=True)
+    assert sorted(os.listdir(latest)) == [".metadata", "__0_0.distcp"]
+    with pytest.raises(CheckpointException) as info:  # overwrite=False: named as DCP's, kept
+        dcp.save(_state(2), storage_writer=ArrayckptWriter(latest, overwrite=False), no_dist=True)
+    error = _failure(info.value)
+    assert isinstance(error, arrayckpt.CheckpointExistsError) and "PyTorch DCP (FileSystemWriter) checkpoint" in \
+        str(error) and "overwrite=True" in str(error)
+    _assert_step(_loaded(latest, storage_reader=dcp.FileSystemReader(latest)), 1)
+    (latest / ".metadata.tmp").write_bytes(b"")  # what a DCP save that died before its commit leaves too
+    dcp.save(_state(2), storage_writer=ArrayckptWriter(latest), no_dist=True)
+    _assert_step(_loaded(latest), 2)
+    assert "zarr.json" in os.listdir(latest) and not any(n.endswith((".distcp", ".metadata")) for n in
+                                                          os.listdir(latest))
+    assert arrayckpt.verify(latest).ok and _leftovers(tmp_path) == []
+
+    for extra, kind in (("notes.txt", "file"), ("sub", "directory"), ("__0_0.distcp.bak", "file")):
+        other = tmp_path / f"other-{kind}-{extra}"
+        dcp.save(_state(3), storage_writer=dcp.FileSystemWriter(other), no_dist=True)
+        (other / extra).mkdir() if kind == "directory" else (other / extra).write_text("keep me")
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
+        message = str(_failure(info.value))
+        assert str(other) in message and repr(extra) in message and "not an arrayckpt checkpoint, nor a DCP one" \
+            in message and "remove it yourself, or choose another path" in message
+        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra])
+        _assert_step(_loaded(other, storage_reader=dcp.FileSystemReader(other)), 3)
+    dcp.save(_state(6), storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    arrayckpt.save(_state(6), tmp_path / "plain", overwrite=True)  # arrayckpt.save's overwrite=True: the same
+    assert arrayckpt.open(tmp_path / "plain").plain_values["step"] == 6
+
+
 class _LoadsBeforeCommit(ArrayckptWriter):
     """Loads its own path just before committing: what a reader sees while the save is under way."""
 

@@ -280,6 +280,55 @@ def test_dcp_reader_serves_the_alias_key(tmp_path):
             assert_bit_equal(target.state_dict()[key], value)
 
 
+def test_dcp_writer_stores_the_tie_once(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    import zarr
+
+    from arrayckpt.dcp import ArrayckptReader, ArrayckptWriter
+
+    model = _gpt2()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "step": 1}, storage_writer=ArrayckptWriter(path), no_dist=True)
+    manifest = _manifest(path)
+    assert manifest["entries"][HEAD] == {"kind": "alias", "keys": ["model", "lm_head.weight"], "target": WTE}
+    assert _arrays(path) == _arrays_of_save(model, tmp_path / "save") and not (path / "model" / "lm_head").exists()
+    root = zarr.open_group(str(path), mode="r")  # zarr-python: one array, its alias in its attributes
+    arrays = [name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Array)]
+    assert len(arrays) == len(model.state_dict()) - 1 and not any("lm_head" in a for a in arrays)
+    assert root["model/transformer/wte/weight"].attrs["arrayckpt"]["aliases"] == [HEAD]
+    assert arrayckpt.verify(path).ok
+    for tied in (True, False):
+        target = _gpt2(tied=tied, seed=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({"model": target}, storage_reader=ArrayckptReader(path), no_dist=True)
+        assert (target.lm_head.weight.data_ptr() == target.transformer.wte.weight.data_ptr()) is tied
+        for key, value in model.state_dict().items():
+            assert_bit_equal(target.state_dict()[key], value)
+
+
+def _arrays_of_save(model: nn.Module, path: Path) -> list[str]:
+    arrayckpt.save({"model": model, "step": 1}, path)
+    return _arrays(path)
+
+
+def test_dcp_writer_fails_where_a_rank_left_out_a_tie_others_do_not_share():
+    from arrayckpt._integrations.dcp_ties import TiesOnRank, agreed_ties
+
+    both = frozenset({"a", "b"})
+    tied = TiesOnRank(both, {"b": "a"}, frozenset())
+    assert agreed_ties([tied, tied], "ckpt") == {"b": "a"}
+    assert agreed_ties([tied, TiesOnRank(both, {}, frozenset())], "ckpt") == {}  # rank 1 wrote its own `b`
+    assert agreed_ties([tied, TiesOnRank(frozenset({"a"}), {}, frozenset())], "ckpt") == {}
+    with pytest.raises(arrayckpt.StateError, match=r"ckpt: tensor 'b' is one tensor with 'a' on rank 1 but not on "
+                                                   r"rank\(s\) \[0\]"):
+        agreed_ties([TiesOnRank(both, {}, frozenset()), TiesOnRank(both, {"b": "a"}, frozenset({"b"}))], "ckpt")
+
+
 def test_lightning_checkpoint_io_hands_back_the_tie(tmp_path):
     from arrayckpt.lightning import ArrayckptIO
 
@@ -369,15 +418,17 @@ def test_only_ties_every_rank_agrees_on_become_aliases(tmp_path):
 
 
 def _fsdp2_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    """On each rank: a tied GPT-2 under FSDP2 after an AdamW step, saved through ``get_state_dict``; loaded back into
-    a fresh FSDP2 model with ``arrayckpt.load`` and with DCP's reader. Returns the full tensors saved."""
+    """On each rank: a tied GPT-2 under FSDP2 after an AdamW step, saved through ``get_state_dict`` with
+    ``arrayckpt.save`` and with ``dcp.save`` + ``ArrayckptWriter``; each loaded back into a fresh FSDP2 model with
+    ``arrayckpt.load`` and with DCP's reader. Then a plain (replicated) tied GPT-2 through DCP's writer and reader,
+    and keys tied on rank 0 only. Returns the full tensors saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from arrayckpt.dcp import ArrayckptReader
+    from arrayckpt.dcp import ArrayckptReader, ArrayckptWriter
 
     warnings.simplefilter("ignore")
     mesh = init_device_mesh("cpu", (world,))
@@ -397,22 +448,36 @@ def _fsdp2_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     head, wte = model_sd["lm_head.weight"], model_sd["transformer.wte.weight"]
     assert isinstance(head, DTensor) and head.to_local().data_ptr() == wte.to_local().data_ptr()
     arrayckpt.save({"model": model_sd, "optim": optim_sd}, f"{root}/fsdp")
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=ArrayckptWriter(f"{root}/fsdp-dcp"))
 
     def full(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
 
     saved = full(model_sd)
-    for how in ("arrayckpt", "dcp"):
+    for how in ("arrayckpt", "dcp", "dcp-written"):
         fresh, fresh_optim = build(1)
         msd, osd = get_state_dict(fresh, fresh_optim)
         if how == "arrayckpt":
             arrayckpt.load({"model": msd, "optim": osd}, f"{root}/fsdp")
-        else:
+        elif how == "dcp":
             dcp.load({"model": msd}, storage_reader=ArrayckptReader(f"{root}/fsdp"))
+        else:
+            dcp.load({"model": msd, "optim": osd}, storage_reader=ArrayckptReader(f"{root}/fsdp-dcp"))
         set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd)
         assert fresh.lm_head.weight.to_local().data_ptr() == fresh.transformer.wte.weight.to_local().data_ptr()
         for key, value in full(get_state_dict(fresh, fresh_optim)[0]).items():
             assert_bit_equal(value, saved[key])
+
+    plain = _gpt2(seed=7)  # replicated: DCP gives each key to one rank, lm_head.weight maybe not to wte's
+    dcp.save({"model": plain}, storage_writer=ArrayckptWriter(f"{root}/plain"))
+    fresh = _gpt2(seed=8)
+    dcp.load({"model": fresh}, storage_reader=ArrayckptReader(f"{root}/plain"))
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    for key, value in fresh.state_dict().items():
+        assert_bit_equal(value, plain.state_dict()[key])
+    w = torch.arange(24.0).reshape(6, 4)  # tied on rank 0 only: stored twice (rank 1 writes its own `b`)
+    dcp.save({"a": w, "b": w} if rank == 0 else {"a": w.clone(), "b": w.clone()},
+             storage_writer=ArrayckptWriter(f"{root}/rank0"))
     return {key: value.numpy() for key, value in saved.items()}  # numpy: torch tensors would travel as shared memory
 
 
@@ -424,6 +489,16 @@ def test_fsdp2_tied_gpt2_on_two_ranks_is_stored_once(tmp_path):
     assert not any(a.startswith("model/lm_head") for a in _arrays(path))
     assert manifest["created"]["world_size"] == 2
     assert arrayckpt.verify(path).ok
+    for name in ("fsdp-dcp", "plain"):  # DCP's writer stores the tie once too (issue 24, item 3 and 6)
+        written = _manifest(tmp_path / name)
+        assert written["entries"][HEAD] == {"kind": "alias", "keys": ["model", "lm_head.weight"], "target": WTE}
+        assert written["created"]["writer"] == "arrayckpt.dcp.ArrayckptWriter"
+        assert not any("lm_head" in a for a in _arrays(tmp_path / name)) and arrayckpt.verify(tmp_path / name).ok
+    with arrayckpt.open(tmp_path / "fsdp-dcp") as ckpt:
+        assert_bit_equal(ckpt[HEAD].torch(), saved["lm_head.weight"])
+    with arrayckpt.open(tmp_path / "rank0") as ckpt:
+        assert ckpt.aliases() == {} and _arrays(tmp_path / "rank0") == ["a", "b"]
+        assert_bit_equal(ckpt["b"].torch(), torch.arange(24.0).reshape(6, 4))
     for tied in (True, False):  # one process, no FSDP: bit for bit, into a tied and an untied model
         model = _gpt2(tied=tied, seed=5)
         arrayckpt.load({"model": model}, path)

@@ -19,19 +19,25 @@ hands the bytes to arrayckpt's planner, write path and commit, mirroring what ``
                                       group's zarr.json, the manifest with its chunk digests, then the root
                                       document, last: the commit
 
+A tensor the state holds under two keys (tied weights: GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``)
+is stored once, the second key an alias (spec §4.3), as ``arrayckpt.save`` stores it; DCP's plans carry no tensors,
+so the ranks find ties in ``write_data`` and the coordinator decides at the commit: ``dcp_ties.py``.
+
 DCP's ``BYTE_IO`` items are stored as plain values where they are plain (an optimizer's ``param_groups`` need no
 pickle), else only with ``allow_pickle=True``: see ``dcp_values.py``. Keys: see ``dcp_keys.py`` (the dotted key of
 every tensor is DCP's fqn).
 
-Saving to a path that holds a checkpoint replaces it (``overwrite=True``, DCP's default; ``overwrite=False``
-refuses with ``CheckpointExistsError``), atomically: the old checkpoint stays whole until the new one commits. A
-failed save — an exception on any rank, after which DCP raises ``CheckpointException`` everywhere and never calls
-``finish`` — commits nothing, and a committed checkpoint at the path stays whole (the data went to a temporary
-directory, or under other chunk keys on object storage). What it wrote is removed when the coordinator's writer is
-next used from the same thread (``reset``, or the next save's set-up) or from any thread once the failed save's
-thread has ended (a failed ``dcp.async_save``), when the writer is garbage-collected, or at interpreter exit; a
-process killed meanwhile leaves it for ``arrayckpt.gc``. A save in flight in another thread (a writer reused by
-overlapping ``dcp.async_save`` calls) is never touched: each thread's save is its own.
+Saving to a path that holds a checkpoint (arrayckpt's, or one DCP's ``FileSystemWriter`` wrote there: a save
+switched to this writer at a fixed path; anything else is refused, ``_storage/local.py``) replaces it
+(``overwrite=True``, DCP's default; ``overwrite=False`` refuses with ``CheckpointExistsError``), atomically: the old
+checkpoint stays whole until the new one commits. A failed save — an exception on any rank, after which DCP raises
+``CheckpointException`` everywhere and never calls ``finish`` — commits nothing, and a committed checkpoint at the
+path stays whole (the data went to a temporary directory, or under other chunk keys on object storage). What it
+wrote is removed when the coordinator's writer is next used from the same thread (``reset``, or the next save's
+set-up) or from any thread once the failed save's thread has ended (a failed ``dcp.async_save``), when the writer is
+garbage-collected, or at interpreter exit; a process killed meanwhile leaves it for ``arrayckpt.gc``. A save in
+flight in another thread (a writer reused by overlapping ``dcp.async_save`` calls) is never touched: each thread's
+save is its own.
 
 ``dcp.async_save`` stages through the writer unless given ``async_stager=`` (the writer is a
 ``BlockingAsyncStager``, as DCP's ``FileSystemWriter`` is: a CPU copy of the state, kept for the next save with
@@ -52,7 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -81,6 +87,7 @@ from .._write.save import Record, build_manifest, created_info
 from .._write.transaction import WriteTransaction, begin_write
 from .dcp_keys import key_parts, object_path
 from .dcp_options import accelerator_available, check_writer_options
+from .dcp_ties import TiesOnRank, agreed_ties, claim_ties, may_tie, tensor_items, with_ties
 from .dcp_values import ValueWritten, encode_bytes, value_entries, write_pickles
 
 __all__ = ["ArrayckptWriter"]
@@ -95,6 +102,7 @@ class RankWork:
     where: str  # the checkpoint's location, for messages
     tasks: tuple[WriteTask, ...]
     arrays: dict[str, ArrayPlan]  # the arrays the tasks write to, by path
+    ties: bool = False  # two arrays could be one tensor: look for tied weights (``dcp_ties.py``)
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self._saves = _Saves()
+        self._held = threading.local()  # this thread's save: the rank's tensor items, for dcp_ties.claim_ties
         self._finalizer = weakref.finalize(self, self._saves.abort_all)
 
     # --- DCP's StorageWriter interface, in the order DCP calls it ----------------------------------------
@@ -236,6 +245,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self._location()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._held.items = tensor_items(plan.items)  # all of them: DCP's deduplication comes next
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -255,20 +265,22 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                                                       if item.type != WriteItemType.BYTE_IO)) for plan in plans]
         planned = plan_save(descriptions, self.codec, self.chunking)
         transaction = _begin(location, self.overwrite)
+        ties = may_tie(planned)
+        early = not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
         try:
             planned = with_key_encoding(planned, transaction.key_encoding)
-            if not self.allow_pickle:  # no pickled value can add an array: write the documents meanwhile
+            if early:  # write the documents meanwhile
                 transaction.write_documents(planned.documents)
             out = []
             for rank, plan in enumerate(plans):
                 tasks = planned.tasks[rank]
                 arrays = {t.path: planned.arrays[t.path] for t in tasks}
-                work = RankWork(transaction.target, str(location), tasks, arrays)
+                work = RankWork(transaction.target, str(location), tasks, arrays, ties)
                 out.append(dataclasses.replace(plan, storage_data=work))
         except BaseException:
             transaction.abort()
             raise
-        self._saves.begin(_Pending(transaction, planned, mapping, not self.allow_pickle))
+        self._saves.begin(_Pending(transaction, planned, mapping, early))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -284,12 +296,20 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                 written = encode_bytes(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
                 size = len(written.pickled) if written.pickled is not None else len(repr(written.encoded))
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=written))
+        skipped: frozenset[str] = frozenset()
+        if work.ties:  # a tied key's chunks are its target's: not written (the coordinator decides at the commit)
+            held = getattr(self._held, "items", None) or tensor_items(plan.items)
+            claims = claim_ties(held, planner)
+            skipped = frozenset(item.index.fqn for item in plan.items if item.index.fqn in claims)
+            ties = TiesOnRank(frozenset(item.index.fqn for item in held), claims, skipped)
+            results.append(WriteResult(index=MetadataIndex("arrayckpt.ties"), size_in_bytes=0, storage_data=ties))
+        self._held.items = None
         pieces: dict[str, list[tuple[Box, np.ndarray, WriteItem]]] = {}
         for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
+            if item.type != WriteItemType.BYTE_IO and item.index.fqn not in skipped:
                 pieces.setdefault(item.index.fqn, []).append(_host_piece(item, planner.resolve_data(item), work))
         jobs = []
-        for task in work.tasks:
+        for task in (t for t in work.tasks if t.key not in skipped):
             box, data = _piece_holding(pieces, task)
             spec = array_spec(work.target.kvstore(task.path), work.arrays[task.path].metadata)
             jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(box)], task.box.slices(), task.path))
@@ -327,6 +347,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         where = str(transaction.location)
         by_rank: list[Checksums] = [{} for _ in results]  # what each rank wrote (the manifest records who wrote what)
         values: dict[str, ValueWritten] = {}
+        ties: list[TiesOnRank] = [TiesOnRank(frozenset(), {}, frozenset())] * len(results)  # by rank
         for rank, rank_results in enumerate(results):
             for result in rank_results:
                 data = result.storage_data
@@ -334,6 +355,11 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                     by_rank[rank].setdefault(data.path, {}).update(data.checksums)
                 elif isinstance(data, ValueWritten):
                     values.setdefault(result.index.fqn, data)
+                elif isinstance(data, TiesOnRank):
+                    ties[rank] = data
+        aliases = agreed_ties(ties, where) if any(t.claims for t in ties) else {}
+        if aliases:  # stored once: the alias's array leaves the plan (its documents were not written yet)
+            plan = with_ties(plan, aliases)
         entries, pickles, members, containers = value_entries(plan, values, pending.mapping)
         arrays = dict(plan.arrays)
         if pickles:
@@ -342,6 +368,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         position = {key: min(order.get(fqn, len(order)) for fqn in members.get(key, (key,))) for key in entries}
         entries = dict(sorted(entries.items(), key=lambda kv: position[kv[0]]))
         documents, consolidated = documents_of(arrays) if pickles else (plan.documents, plan.consolidated_json)
+        assert not (aliases and pending.documents_written)  # ties are looked for only when documents wait
         full = dataclasses.replace(plan, entries=entries, arrays=arrays, containers=containers,
                                    documents=documents, consolidated_json=consolidated)
         if not pending.documents_written:
@@ -374,12 +401,13 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         """The configuration only (DCP's process-based async save sends the writer to its checkpoint process):
         no planned save, no staged copy."""
         state = dict(self.__dict__)
-        state.update(_saves=None, _finalizer=None, state_dict_cache=None)
+        state.update(_saves=None, _held=None, _finalizer=None, state_dict_cache=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._saves = _Saves()
+        self._held = threading.local()
         self._finalizer = weakref.finalize(self, self._saves.abort_all)
 
 

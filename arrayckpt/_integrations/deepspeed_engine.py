@@ -121,8 +121,11 @@ def _shape(param: torch.Tensor) -> tuple[int, ...]:
 def _check(checkpoint: Checkpoint, engine: Any, trainable: list[tuple[str, torch.Tensor]], state_keys: list[str],
            strict: bool, load_optimizer_states: bool) -> None:
     """Every parameter and buffer the engine holds is in the checkpoint with its shape (and, loading the
-    optimizer, every trainable parameter's state); with ``strict``, nothing of the model is left over."""
-    wanted = {f"model.{name}": _shape(p) for name, p in engine.module.named_parameters()}
+    optimizer, every trainable parameter's state); with ``strict``, nothing of the model is left over. A tied
+    parameter (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is wanted under each of its names, as its
+    state dict holds it: ``named_parameters()`` would name it once, and the checkpoint's other name would be
+    unexpected. It is filled once, from the name DeepSpeed partitions it under (its first)."""
+    wanted = {f"model.{name}": _shape(p) for name, p in engine.module.named_parameters(remove_duplicate=False)}
     wanted |= {f"model.{name}": tuple(b.shape) for name, b in _buffers(engine.module)}
     if load_optimizer_states:
         for name, p in trainable:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -456,20 +457,35 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
-    """Refuse to replace a committed checkpoint without ``overwrite``, and anything else always."""
+    """Refuse to replace a committed checkpoint without ``overwrite``, and anything else always, but a directory that
+    is recognisably a checkpoint of DCP's ``FileSystemWriter`` (a save switched to arrayckpt at a fixed path, such as
+    ``latest/``, finds one there): replaced as a committed checkpoint is."""
     path = location.path
     if not path.exists() or _is_empty_dir(path):
         return
     if not path.is_dir():
         raise CheckpointExistsError(f"{location}: a file is in the way; remove it or choose another path")
-    if location.is_committed():
-        if overwrite:
-            return
+    committed, dcp = location.is_committed(), _dcp_files_only(path)
+    if (committed or dcp) and overwrite:
+        return
+    if committed or dcp:
         raise CheckpointExistsError(
-            f"{location}: a committed checkpoint is already here; pass overwrite=True to replace it "
-            "(the old one stays readable until the new one commits)"
-        )
+            f"{location}: a {'committed' if committed else 'PyTorch DCP (FileSystemWriter)'} checkpoint is already "
+            "here; pass overwrite=True to replace it (the old one stays readable until the new one commits)")
+    names = sorted(os.listdir(path))
     raise CheckpointExistsError(
-        f"{location}: the directory exists and is not an arrayckpt checkpoint; "
-        "refusing to replace it (remove it yourself, or choose another path)"
-    )
+        f"{location}: the directory exists and is not an arrayckpt checkpoint, nor a DCP one (only .metadata and "
+        f"__<rank>_<n>.distcp files); it holds {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}; "
+        "refusing to replace it: remove it yourself, or choose another path")
+
+
+_DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")  # FileSystemWriter's names, and no other
+
+
+def _dcp_files_only(path: Path) -> bool:
+    """Whether ``path`` holds regular files named as DCP's ``FileSystemWriter`` names them, and nothing else."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return bool(entries) and all(_DCP_FILE.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in entries)
