@@ -29,7 +29,7 @@ def _rows(rank: int, world: int) -> tuple[int, int]:
 
 def _full(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * step + 0.5,
-            "b": torch.full((5,), float(step), dtype=torch.bfloat16)}
+            "b": torch.full((5,), float(step), dtype=torch.float64)}
 
 
 def _state(rank: int, world: int, step: int | None) -> dict:
@@ -63,7 +63,7 @@ def _resume(rank: int, world: int, root: str, dirs: list[str], rpn: int) -> tupl
         warnings.simplefilter("always")
         step = manager.restore(state)
     manager.close()
-    return (step, state["w"].tensor.numpy().copy(), state["b"].tensor.float().numpy().copy(), state["step"],
+    return (step, state["w"].tensor.numpy().copy(), state["b"].tensor.numpy().copy(), state["step"],
             [str(w.message) for w in caught])
 
 
@@ -72,7 +72,7 @@ def _check(results: list[tuple], world: int, step: int) -> None:
         start, count = _rows(rank, world)
         assert restored == step
         assert torch.equal(torch.from_numpy(w), _full(step)["w"][start:start + count]), rank  # bit for bit
-        assert torch.equal(torch.from_numpy(b), _full(step)["b"].float()), rank
+        assert torch.equal(torch.from_numpy(b), _full(step)["b"]), rank
         assert plain == step
 
 
@@ -121,7 +121,7 @@ def test_a_memory_step_over_max_bytes_is_refused_and_not_kept(tmp_path: Path):
     dirs = [str(tmp_path / f"node{i}") for i in range(2)]
     for message in run_ranks(2, _over_limit, str(tmp_path / "root"), dirs):
         assert "max_bytes=64" in message and "keep=1" in message
-    assert not any(Path(d).glob("step-*") for d in dirs)
+    assert not [p for d in dirs for p in Path(d).glob("step-*")]
 
 
 def test_peer_memory_refuses_bad_settings():
@@ -133,3 +133,31 @@ def test_peer_memory_refuses_bad_settings():
         arrayckpt.PeerMemory(every_steps=1, ranks_per_node=4).placement(4)
     placement = arrayckpt.PeerMemory(every_steps=1, replicas=2, nodes=["a", "a", "b", "b", "c", "c"]).placement(6)
     assert placement.partners(0) == [2, 4] and placement.partners(5) == [1, 3] and placement.sources(0) == [2, 4]
+
+
+def test_clean_up_removes_ended_jobs_memory_and_interrupted_steps_only(tmp_path: Path):
+    from arrayckpt._peer.node import NodeMemory
+
+    shm = tmp_path / "shm"
+    ended = NodeMemory(shm / "ended", "root-a")
+    (ended.step_path(7) / "w").mkdir(parents=True)
+    (ended.step_path(7) / "w" / "c.0").write_bytes(b"x")
+    (ended.step_path(7) / "zarr.json").write_bytes(b"{}")
+    (shm / "ended" / "notes.txt").write_text("not arrayckpt's")
+    ended.close()  # its job ended: nobody holds it
+    live = NodeMemory(shm / "live", "root-b")  # another job's, still running
+    (live.step_path(3)).mkdir()
+    (shm / "foreign").mkdir()
+    (shm / "foreign" / "step-00000001").mkdir()
+    manager = arrayckpt.CheckpointManager(tmp_path / "root", memory=arrayckpt.PeerMemory(
+        every_steps=1, ranks_per_node=1, directory=shm / "mine"))
+    interrupted = manager.memory.node.step_path(5)
+    (interrupted / "w").mkdir(parents=True)
+    (interrupted / "w" / "c.0").write_bytes(b"x")
+    removed = manager.clean_up(min_age_s=0)
+    manager.close()
+    assert str(interrupted) in removed and not interrupted.exists()
+    assert not ended.step_path(7).exists() and not (shm / "ended" / "node.json").exists()
+    assert (shm / "ended" / "notes.txt").exists()  # not arrayckpt's: stays
+    assert live.step_path(3).exists() and (shm / "foreign" / "step-00000001").exists()
+    live.close()
