@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     )
     from ._format.codecs import Codec
     from ._manager import CheckpointManager
+    from ._peer.config import PeerMemory
     from ._policies import Incremental, Interval, Retention
     from ._read.checkpoint import Checkpoint
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
@@ -110,6 +111,7 @@ _LAZY: dict[str, str] = {
     "LazyArray": "._read.lazy",
     "LoadResult": "._read.load",
     "OptimalInterval": "._tools.interval",
+    "PeerMemory": "._peer.config",
     "PerRank": "._torch.shards",
     "PickleNotAllowedError": "._errors",
     "PickleWarning": "._errors",

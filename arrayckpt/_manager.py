@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
+from ._peer.config import PeerMemory
+from ._peer.tier import MemoryTier
 from ._policies import Incremental, Interval, Retention
 from ._read.checkpoint import Checkpoint
 from ._storage import Location, parse_location
@@ -58,7 +60,9 @@ class CheckpointManager:
     background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
     :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
     :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
-until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused.
+until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused. With ``memory`` (a
+:class:`PeerMemory`) steps are also kept in node-local memory, replicated to other nodes, and restored from there first
+(``docs/PEER_MEMORY.md``).
 
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
@@ -86,6 +90,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
         remote: str | os.PathLike[str] | Remote | None = None,
+        memory: PeerMemory | None = None,
     ) -> None:
         self._location = parse_location(root, storage_options)
         self._local = StepTree(self._location)
@@ -113,6 +118,8 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         #: What the last :meth:`clean_up` left in place although it looked like a leftover: ``(path, why)``.
         self.kept: list[tuple[str, str]] = []
         self._location.make_directory()
+        #: The peer-memory tier on this rank (``_peer/``; None without ``memory=``).
+        self.memory = MemoryTier(memory, str(self._location)) if memory is not None else None
         #: The remote tier (``None``: a one-tier manager).
         self.remote: Remote | None = Remote(remote) if isinstance(remote, (str, os.PathLike)) else remote
         self._remote: StepTree | None = None
@@ -200,10 +207,12 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
         §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
         self.kept = []
+        memory = self.memory.clean_up(min_age_s) if self.memory is not None else []
         if not self._is_coordinator():
-            return []
+            return memory
         self._held.check()
         removed, self.kept = self._local.clean_up(min_age_s)
+        removed += memory
         if self._remote is not None and self._remote_held is not None:
             try:
                 self._remote_held.check()
@@ -262,8 +271,9 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def _save(self, step: int, state: Mapping[str, Any], force: bool, metrics: Mapping[str, float] | None,
               changed_rows: Mapping[str, Any] | None) -> bool:
+        in_memory = self.memory is not None and self.memory.due(step)
         if not (force or self.should_save(step)):
-            return False
+            return in_memory and self._save_memory(step, state, metrics)
         if self._last_step is not None and step <= self._last_step:
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
@@ -284,6 +294,11 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
                 self._uploader.add(step)
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
+        return not in_memory or self._save_memory(step, state, metrics)
+
+    def _save_memory(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> bool:
+        assert self.memory is not None
+        self.memory.save(state, step, metrics, self.save_options, resolve_group(self.process_group))
         return True
 
     def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -373,6 +388,12 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
         all of them restore the same step (see :func:`arrayckpt._tiers.restore_newest`)."""
         tiers = self._restore_tiers()
+        if step is None and self.memory is not None:  # the newest step the surviving nodes hold whole, if not older
+            group = resolve_group(self.process_group)
+            found = self.memory.restore(state, group, load_options, max(tiers, default=None))
+            if found is not None:
+                self._last_step, self._last_time = found, time.monotonic()
+                return found
         if step is not None and step not in tiers:
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
         order = [step] if step is not None else sorted(tiers, reverse=True)
@@ -467,6 +488,8 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
             self._held.release()
             if self._remote_held is not None:
                 self._remote_held.release()
+            if self.memory is not None:
+                self.memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -39,7 +39,7 @@ LAYERS = [
     ("_write",),
     ("_tools",),
     ("_convert",),
-    ("_manager", "_tiers", "_policies"),
+    ("_manager", "_tiers", "_policies", "_peer"),
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
     ("cli", "_cli_commands", "_cli_text", "dcp", "deepspeed", "lightning"),
     ("__init__",),

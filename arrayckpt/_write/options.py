@@ -42,3 +42,6 @@ class SaveOptions:
     # Called by the coordinator before the save begins writing and again right before its commit; raising stops the
     # save on every rank (a CheckpointManager checks that it still holds its root, spec §9.4).
     guard: Callable[[], None] | None = None
+    # Where this rank writes its chunks instead of the coordinator's target (a Location): a peer-memory save writes
+    # into its own node's directory (``_peer/save.py``). None: the coordinator's target, as every other save.
+    rank_target: Any = None

@@ -187,8 +187,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         assert local is not None  # a failed description was answered with an error above
         plan, transaction = coordinator
 
-        written, error = _attempt(lambda: _write_tasks(reply.part, group.rank, local, reply.target, where, changes,
-                                                               delta))
+        target = request.options.rank_target or reply.target
+        written, error = _attempt(lambda: _write_tasks(reply.part, group.rank, local, target, where, changes, delta))
         results = group.gather((error, written or ({}, {})))
         outcome: BaseException | str | None = None
         if transaction is not None:

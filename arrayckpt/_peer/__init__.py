@@ -1,0 +1,17 @@
+"""The peer-memory tier of a checkpoint manager: the newest steps kept in node-local shared memory, replicated to
+other nodes over the job's process group, restored from the survivors onto any number of ranks.
+
+A memory step is an ordinary arrayckpt checkpoint tree (the chunk files, keys, checksums and root document a
+durable save of the same state writes), spread over the nodes: each node's directory holds the chunks its own ranks
+wrote plus the replicas it received, and every node holds the documents. Design: ``docs/PEER_MEMORY.md``; on disk:
+``spec/FORMAT.md`` §15.
+
+- ``config.py``: :class:`PeerMemory` (the user's settings) and the placement of replicas over failure domains;
+- ``node.py``: one node's directory (its steps, their file lists, listing with checks, retention, clean-up);
+- ``wire.py``: chunk files sent between ranks over ``torch.distributed`` point-to-point calls;
+- ``save.py``: a memory save (the ordinary save path into node-local directories, then the replication);
+- ``restore.py``: a restore from the survivors (survey, choice of step, fetches, the ordinary load).
+
+This package may use torch.distributed and every layer below the manager; the manager calls it through
+:func:`memory_save`, :func:`memory_restore` and :meth:`NodeMemory.clean_up` only.
+"""

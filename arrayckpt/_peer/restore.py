@@ -1,0 +1,210 @@
+"""A restore from peer memory, on any number of ranks: survey the survivors, take the newest step they hold whole,
+fetch what each node lacks from a peer, then the ordinary ``load`` from the node's own directory.
+
+Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
+
+    every rank:   its node's id                                                          [all_gather]
+    node leaders: every committed memory step here, each chunk file read and checked against the step's record
+                  (damaged ones refused, with a warning)                                 [all_gather]
+    every rank:   the newest step (at least ``at_least``) whose chunk files the survivors hold whole, between them
+    a holder:     the step's documents and record                                       [broadcast]
+    every rank:   the chunk files its targets meet (``needs.py``)                        [all_gather]
+    every rank:   the same transfer plan: each file a node lacks comes from one holder (spread over holders and
+                  their ranks); sends and receives it, checking each file         [point-to-point, all_gather]
+    every rank:   load(state, <its node dir>/step-N, atomic=True)                       [all_gather of outcomes]
+
+Any failure is reported on every rank alike, with a warning saying why, and ``None`` is returned: the caller
+restores from the durable tiers instead (an atomic load leaves ``state`` as it was).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+
+from .._errors import ArrayckptError
+from .._format.manifest import parse_root_document
+from .._read.load import load
+from .._storage.base import parse_root_bytes
+from .._torch.dist import Group
+from .needs import needed_files
+from .node import NodeMemory, StepRecord
+from .wire import FileRef, Transfer, exchange_files
+
+__all__ = ["memory_restore"]
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What one node holds of one memory step: its id, how many files the step has per array, the intact ones."""
+
+    step: int
+    id: str
+    expected: dict[str, int]
+    intact: dict[str, frozenset[str]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The step to restore, which nodes hold which of its files, and why newer steps could not be taken."""
+
+    step: int | None
+    id: str | None
+    holders: dict[str, dict[str, frozenset[str]]]  # node id -> array path -> intact chunk keys
+    why_not: list[str]
+
+
+def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
+                   at_least: int | None) -> int | None:
+    """Restore the newest memory step (not older than ``at_least``) the surviving nodes hold whole into ``state``;
+    its step, or ``None`` (with a warning saying why, where memory held anything) when the caller must use the
+    durable tiers."""
+    ids = group.all_gather(node.id)
+    leader = ids.index(node.id) == group.rank
+    summaries: list[StepSummary] = []
+    if leader:
+        summaries = [StepSummary(h.step, h.id, {p: len(k) for p, k in h.record.files.items()}, h.intact)
+                     for h in node.holdings()]
+    surveyed = group.all_gather(summaries)
+    choice = _choose(ids, surveyed, at_least)
+    if choice.step is None or choice.id is None:
+        if choice.why_not and group.is_coordinator:
+            warnings.warn(f"{node.directory}: peer memory cannot restore: {'; '.join(choice.why_not)}; restoring from "
+                          "the durable tiers", RuntimeWarning, stacklevel=3)
+        return None
+    step = choice.step
+    where = str(node.step_path(step))
+    source = min(r for r, summary in enumerate(surveyed) if any(s.step == step and s.id == choice.id for s in summary))
+    try:
+        held = any(s.step == step and s.id == choice.id for s in surveyed[group.rank])
+        return _restore(state, node, group, load_options, choice, ids, source, held)
+    except _Failed as e:
+        if group.is_coordinator:
+            warnings.warn(f"{where}: peer memory cannot restore step {step}: {e}; restoring from the durable tiers",
+                          RuntimeWarning, stacklevel=3)
+        return None
+
+
+class _Failed(Exception):
+    """A stage failed on some rank (every rank raises it alike)."""
+
+
+def _agree(group: Group, error: BaseException | None, what: str) -> None:
+    """Raise :class:`_Failed` on every rank when ``error`` happened on any."""
+    reports = group.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    for rank, text in enumerate(reports):
+        if text is not None:
+            raise _Failed(f"{what} failed on rank {rank}: {text}")
+
+
+def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
+             choice: Choice, ids: list[str], source: int, held: bool) -> int:
+    """The restore of the chosen step; ``held``: this rank is its node's leader and the node holds the step."""
+    step = choice.step
+    assert step is not None
+    where = str(node.step_path(step))
+    documents = record = None
+    error: BaseException | None = None
+    if group.rank == source:
+        try:
+            documents = node.read_documents(step)
+            record = node.record_path(step).read_bytes()
+        except (ArrayckptError, OSError) as e:
+            error = e
+    documents, record, error = _broadcast_from(group, source, (documents, record, error))
+    if error is not None:
+        raise _Failed(f"reading the step's documents on rank {source} failed: {error}")
+    needs: dict[str, set[str]] = {}
+    try:
+        manifest, nodes = parse_root_document(parse_root_bytes(documents[""], where), where)
+        files = StepRecord.parse(record, nodes, where).files
+        if not held and ids.index(node.id) == group.rank:  # a node without it (or with another save of that step)
+            node.remove_step(step)
+            node.write_documents(step, documents)
+        needs = needed_files(state, manifest, nodes)
+    except (ArrayckptError, OSError, ValueError) as e:
+        error = e
+    _agree(group, error, "preparing the restore")
+    wanted = group.all_gather({p: sorted(k) for p, k in needs.items()})
+    transfers = _plan(ids, wanted, choice.holders, files)
+    try:
+        exchange_files(group, transfers, lambda ref: node.read_file(step, ref.array_path, ref.key),
+                       lambda ref, data: node.write_file(step, ref.array_path, ref.key, data), where)
+    except (ArrayckptError, OSError) as e:
+        error = e
+    _agree(group, error, "fetching chunk files from peers")
+    try:
+        load(state, node.step_path(step), process_group=group, **{"atomic": True, **load_options})
+    except ArrayckptError as e:
+        error = e
+    _agree(group, error, "loading")
+    return step
+
+
+def _broadcast_from(group: Group, source: int, obj: Any) -> Any:
+    """``obj`` of rank ``source`` on every rank."""
+    if group.size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group.cpu_pg, source), group=group.cpu_pg)
+    return box[0]
+
+
+def _choose(ids: list[str], surveyed: list[list[StepSummary]], at_least: int | None) -> Choice:
+    """The newest step (and id) held whole among the nodes, not older than ``at_least``; what made newer ones
+    unusable."""
+    by_step: dict[tuple[int, str], dict[str, StepSummary]] = {}
+    for rank, summaries in enumerate(surveyed):
+        for summary in summaries:
+            by_step.setdefault((summary.step, summary.id), {})[ids[rank]] = summary
+    why_not = []
+    for (step, ident), holders in sorted(by_step.items(), key=lambda item: (-item[0][0], item[0][1])):
+        if at_least is not None and step < at_least:
+            if not why_not:
+                break  # older than what the durable tiers hold, and nothing newer was tried: not worth a warning
+            why_not.append(f"step {step} and older are not newer than durable step {at_least}")
+            break
+        expected = next(iter(holders.values())).expected
+        lacking = []
+        for path, count in expected.items():
+            have = set().union(*(h.intact.get(path, frozenset()) for h in holders.values()))
+            if len(have) < count:
+                lacking.append(f"{path} ({count - len(have)} of {count})")
+        if not lacking:
+            return Choice(step, ident, {n: h.intact for n, h in holders.items()}, why_not)
+        why_not.append(f"step {step} is not whole among the {len(set(ids))} surviving node(s): no intact copy of "
+                       f"chunk files of {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}")
+    return Choice(None, None, {}, why_not)
+
+
+def _plan(ids: list[str], wanted: list[dict[str, list[str]]], holders: Mapping[str, Mapping[str, frozenset[str]]],
+          files: Mapping[str, Mapping[str, Any]]) -> list[Transfer]:
+    """Who sends which file to whom: each file a node's ranks need and the node lacks, once per node, from one
+    holder node (chosen by the key's hash among the holders, then one of its ranks the same way)."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, ident in enumerate(ids):
+        ranks_of.setdefault(ident, []).append(rank)
+    sends: dict[tuple[int, int], list[FileRef]] = {}
+    fetched: set[tuple[str, str, str]] = set()
+    for dst, needs in enumerate(wanted):
+        here = ids[dst]
+        for path, keys in needs.items():
+            for key in keys:
+                if key in holders.get(here, {}).get(path, frozenset()) or (here, path, key) in fetched:
+                    continue
+                sources = sorted(n for n, held in holders.items() if key in held.get(path, frozenset())
+                                 and n in ranks_of)
+                if not sources or key not in files.get(path, {}):
+                    continue  # no survivor has it (the load then names it): the choice made sure this cannot be
+                h = crc32c.crc32c(f"{path}/{key}".encode())
+                node = sources[h % len(sources)]
+                src = ranks_of[node][h % len(ranks_of[node])]
+                sends.setdefault((src, dst), []).append(FileRef(path, key, files[path][key]))
+                fetched.add((here, path, key))
+    return [Transfer(src, dst, tuple(refs)) for (src, dst), refs in sorted(sends.items())]

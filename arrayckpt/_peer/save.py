@@ -1,0 +1,190 @@
+"""A memory save: the ordinary save path into node-local directories, then the replication, then the commit.
+
+Call order (every rank calls :func:`memory_save`; collectives in brackets)::
+
+    node leaders: remove an earlier memory step of this number from their directory
+    every rank:   save_with(state, <node dir>/step-N, rank_target=<its own node dir>/step-N)
+                    [the save's own four collectives]: the coordinator plans, every rank writes its own chunks into
+                    its node's directory (same bytes, keys, checksums as a durable save), the coordinator commits the
+                    documents into its node's directory (PeerWriter: no rename, no look into other nodes)
+    coordinator:  reads the step's documents back                                  [broadcast] ->
+    node leaders: write them into their directory (the root document last)
+    every rank:   reads its own chunk files (which ones: the manifest's created.writers), their sizes and crc32c
+                                                                                   [all_gather] -> the step's record
+    every rank:   refuses the step if a node would hold more than max_bytes x keep
+    every rank:   sends its files to its partners on the next nodes, receives its sources' (point-to-point),
+                  checks and writes them                                          [all_gather of the acks]
+    node leaders: write the record (the commit on that node), then apply retention
+
+A failure anywhere is raised on every rank and the step is removed from every node (it was never committed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ArrayckptError, StateError
+from .._format.manifest import parse_root_document
+from .._format.writers import expand_runs
+from .._format.zarr import chunk_keys, grid_counts
+from .._storage import LocalLocation, Writer
+from .._storage.base import ROOT_METADATA, parse_root_bytes
+from .._storage.files import remove_arrayckpt_files
+from .._torch.dist import Group
+from .._write.options import SaveOptions
+from .._write.save import save_with
+from .config import PeerMemory, Placement
+from .node import Files, FileSum, NodeMemory, StepRecord, file_sum
+from .wire import FileRef, Transfer, exchange_files
+
+__all__ = ["MemorySaved", "memory_save"]
+
+
+@dataclass(frozen=True)
+class MemorySaved:
+    """What a memory save did: its step, checkpoint id, and the bytes this node holds of it (own + replicas)."""
+
+    step: int
+    id: str
+    node_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryStepLocation(LocalLocation):
+    """A memory step in this node's directory; its coordinator's writer is a :class:`PeerWriter`."""
+
+    def open_writer(self, overwrite: bool) -> PeerWriter:
+        return PeerWriter(self)
+
+
+class PeerWriter(Writer):
+    """The coordinator's side of a memory save: documents and the root document go straight into its node's step
+    directory (no temporary directory: the memory step's commit is its record, written after the replication), and
+    the chunks of other nodes are not looked for here (the replication checks every file instead)."""
+
+    def __init__(self, location: MemoryStepLocation) -> None:
+        self.location = location
+        self.target = LocalLocation(location.path)
+        self.key_encoding = "default"
+        location.path.mkdir(parents=True, exist_ok=True)
+
+    def write_documents(self, documents: Mapping[str, bytes]) -> Any:
+        for path, document in documents.items():
+            directory = self.location.path / path if path else self.location.path
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / ROOT_METADATA).write_bytes(document)
+        return lambda: None
+
+    def missing(self, chunks: Mapping[str, Any]) -> list[str]:
+        return []
+
+    def commit(self, root_document: bytes) -> None:
+        (self.location.path / ROOT_METADATA).write_bytes(root_document)
+
+    def abort(self) -> None:
+        remove_arrayckpt_files(self.location.path)
+
+
+def memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None, options: SaveOptions,
+                memory: PeerMemory, node: NodeMemory, group: Group) -> MemorySaved:
+    """Save ``state`` as memory step ``step`` on every node and replicate it (see the module docstring)."""
+    placement = memory.placement(group.size)
+    leader = placement.leader(group.rank)
+    if leader:
+        node.remove_step(step)
+    path = node.step_path(step)
+    own = dataclasses.replace(options, step=step, metrics=metrics, base=None, changed_rows=None, quantize=None,
+                              overwrite=True, storage_options=None, rank_target=LocalLocation(path))
+    try:
+        save_with(state, MemoryStepLocation(path), own)
+        saved = _replicate(step, memory, node, group, placement)
+    except BaseException:
+        if leader:
+            node.remove_step(step)
+        raise
+    if leader:
+        node.apply_retention(memory.keep)
+    return saved
+
+
+def _replicate(step: int, memory: PeerMemory, node: NodeMemory, group: Group, placement: Placement) -> MemorySaved:
+    """Everything after the ordinary save: documents to every node, the record, the replicas, the commit."""
+    where = str(node.step_path(step))
+    documents = group.broadcast(node.read_documents(step) if group.is_coordinator else None)
+    if placement.leader(group.rank) and not group.is_coordinator:
+        node.write_documents(step, documents)
+    manifest, nodes = parse_root_document(parse_root_bytes(documents[""], where), where)
+    mine, error = {}, None
+    try:
+        mine = {ref: data for ref, data in _own_files(step, node, manifest.created, nodes, group)}
+    except (ArrayckptError, OSError) as e:
+        error = f"rank {group.rank}: {e}"
+    reports = group.all_gather((error, [(r.array_path, r.key, r.sum.size, r.sum.crc) for r in mine]))
+    failed = [text for text, _ in reports if text is not None]
+    if failed:
+        raise ArrayckptError(f"{where}: memory save failed: {failed[0]}")
+    files: Files = {}
+    by_rank: list[tuple[FileRef, ...]] = []
+    for _, refs in reports:
+        by_rank.append(tuple(FileRef(p, k, FileSum(size, crc)) for p, k, size, crc in refs))
+        for ref in by_rank[-1]:
+            files.setdefault(ref.array_path, {})[ref.key] = ref.sum
+    _check_bound(memory, placement, by_rank, where)
+    transfers = [Transfer(rank, partner, refs) for rank, refs in enumerate(by_rank)
+                 for partner in placement.partners(rank)]
+    error = None
+    received = 0
+    try:
+        received = exchange_files(group, transfers, lambda ref: mine[ref],
+                                  lambda ref, data: node.write_file(step, ref.array_path, ref.key, data), where)
+    except (ArrayckptError, OSError) as e:
+        error = f"rank {group.rank}: {e}"
+    acks = group.all_gather(error)
+    failed = [text for text in acks if text is not None]
+    if failed:
+        raise ArrayckptError(f"{where}: memory save not committed: replication failed: {failed[0]}")
+    if placement.leader(group.rank):
+        node.commit(StepRecord(step, str(manifest.id), group.size, files))
+    own_bytes = sum(r.sum.size for r in mine)
+    return MemorySaved(step, str(manifest.id), own_bytes + received)
+
+
+def _own_files(step: int, node: NodeMemory, created: Mapping[str, Any], nodes: Mapping[str, Any],
+               group: Group) -> list[tuple[FileRef, bytes]]:
+    """The chunk files this rank wrote (``created.writers``; all of them with one rank), read back with their sums."""
+    writers = created.get("writers") if group.size > 1 else None
+    out = []
+    for path, metadata in nodes.items():
+        if not isinstance(metadata, dict) or metadata.get("node_type") != "array":
+            continue
+        indices = list(itertools.product(*map(range, grid_counts(metadata))))
+        ranks = expand_runs(writers.get(path) if isinstance(writers, dict) else None, len(indices)) \
+            if group.size > 1 else [0] * len(indices)
+        if ranks is None:
+            raise ArrayckptError(f"array {path!r}: the manifest does not say which rank wrote each chunk")
+        keys = chunk_keys(metadata, [i for i, r in zip(indices, ranks, strict=True) if r == group.rank])
+        for key in keys:
+            data = node.read_file(step, path, key)
+            out.append((FileRef(path, key, file_sum(data)), data))
+    return out
+
+
+def _check_bound(memory: PeerMemory, placement: Placement, by_rank: list[tuple[FileRef, ...]], where: str) -> None:
+    """Refuse (on every rank alike) a step that would make a node hold more than ``max_bytes`` with ``keep`` steps."""
+    if memory.max_bytes is None:
+        return
+    sizes = [sum(r.sum.size for r in refs) for refs in by_rank]
+    worst, domain = 0, 0
+    for d, ranks in enumerate(placement.domains):
+        own = sum(sizes[r] for r in ranks)
+        replicas = sum(sizes[s] for r in ranks for s in placement.sources(r))
+        if (own + replicas) * memory.keep > worst:
+            worst, domain = (own + replicas) * memory.keep, d
+    if worst > memory.max_bytes:
+        raise StateError(f"{where}: peer memory would need {worst:,} bytes on node {domain} ((own chunks + replicas) "
+                         f"x keep={memory.keep}), over PeerMemory(max_bytes={memory.max_bytes:,}); raise max_bytes, "
+                         "or lower keep or replicas (the step was not kept)")

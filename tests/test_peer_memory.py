@@ -1,0 +1,163 @@
+"""The peer-memory tier (issue 27): memory saves replicated across "nodes", restores after a node is lost onto the same
+or another number of ranks, the fallback to the durable tier, damaged replicas, the memory bound, clean-up.
+
+Spawned gloo ranks on 127.0.0.1; a "node" is a directory of its own under tmp_path (what /dev/shm is per machine),
+shared by the ranks placed on it; losing a node is removing its directory once its processes have ended.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import arrayckpt
+from tests.dist_helpers import run_ranks
+
+ROWS, COLS = 8, 6
+
+
+def _rows(rank: int, world: int) -> tuple[int, int]:
+    """torch.chunk's split of ROWS over ``world`` ranks: (offset, count) of ``rank``."""
+    per = -(-ROWS // world)
+    start = min(rank * per, ROWS)
+    return start, min(per, ROWS - start)
+
+
+def _full(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * step + 0.5,
+            "b": torch.full((5,), float(step), dtype=torch.float64)}
+
+
+def _state(rank: int, world: int, step: int | None) -> dict:
+    """This rank's training state at ``step`` (``None``: zeros, to restore into): ``w`` sharded by rows, ``b``
+    replicated on every rank (stored once), a plain value."""
+    full = _full(step) if step is not None else {k: torch.zeros_like(v) for k, v in _full(1).items()}
+    start, count = _rows(rank, world)
+    return {"w": arrayckpt.Shard(full["w"][start:start + count].clone(), (ROWS, COLS), (start, 0)),
+            "b": arrayckpt.Shard(full["b"].clone(), (5,), (0,), replica_id=rank), "step": step or 0}
+
+
+def _manager(root: str, directory: str, rpn: int, **memory: object) -> arrayckpt.CheckpointManager:
+    return arrayckpt.CheckpointManager(root, interval=arrayckpt.Interval(every_steps=2),
+                                       memory=arrayckpt.PeerMemory(every_steps=1, ranks_per_node=rpn,
+                                                                   directory=directory, **memory))
+
+
+def _train(rank: int, world: int, root: str, dirs: list[str], rpn: int, steps: int) -> list[int]:
+    manager = _manager(root, dirs[rank], rpn)
+    for step in range(1, steps + 1):
+        manager.save(step, _state(rank, world, step))
+    manager.close()
+    torch.distributed.barrier()  # every node leader has committed (a rank lists its node's directory)
+    return manager.memory.steps()
+
+
+def _resume(rank: int, world: int, root: str, dirs: list[str], rpn: int) -> tuple:
+    manager = _manager(root, dirs[rank], rpn)
+    state = _state(rank, world, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = manager.restore(state)
+    manager.close()
+    return (step, state["w"].tensor.numpy().copy(), state["b"].tensor.numpy().copy(), state["step"],
+            [str(w.message) for w in caught])
+
+
+def _check(results: list[tuple], world: int, step: int) -> None:
+    for rank, (restored, w, b, plain, _) in enumerate(results):
+        start, count = _rows(rank, world)
+        assert restored == step
+        assert torch.equal(torch.from_numpy(w), _full(step)["w"][start:start + count]), rank  # bit for bit
+        assert torch.equal(torch.from_numpy(b), _full(step)["b"]), rank
+        assert plain == step
+
+
+def test_restore_from_peers_after_losing_a_node_on_4_and_3_ranks_and_past_a_damaged_copy(tmp_path: Path):
+    root = str(tmp_path / "root")
+    n = [str(tmp_path / f"node{i}") for i in range(4)]
+    kept = run_ranks(4, _train, root, [n[0], n[0], n[1], n[1]], 2, 3)
+    assert kept == [[3]] * 4  # keep=1: only the newest memory step (the durable tier holds step 2)
+    # A damaged copy: node 0's own file of rank 0's rows is refused, and node 1's replica of it is used.
+    own = Path(n[0], "step-00000003", "w", "c.0.0")
+    data = bytearray(own.read_bytes())
+    data[3] ^= 0xFF
+    own.write_bytes(bytes(data))
+    results = run_ranks(4, _resume, root, [n[0], n[0], n[1], n[1]], 2)
+    _check(results, 4, 3)
+    assert any("damaged" in w and "c.0.0" in w for w in results[0][4]), results[0][4]
+    # Node 1 is lost; its ranks restart on a fresh node: 4 ranks, then 3, from node 0's memory alone.
+    shutil.rmtree(n[1])
+    _check(run_ranks(4, _resume, root, [n[0], n[0], n[2], n[2]], 2), 4, 3)
+    _check(run_ranks(3, _resume, root, [n[0], n[0], n[3]], 2), 3, 3)
+
+
+def test_both_copies_lost_falls_back_to_the_durable_tier_with_a_warning(tmp_path: Path):
+    root = str(tmp_path / "root")
+    n = [str(tmp_path / f"node{i}") for i in range(5)]
+    run_ranks(3, _train, root, n[:3], 1, 3)  # 3 nodes of 1 rank: rank 1's chunks live on nodes 1 and 2
+    shutil.rmtree(n[1])
+    shutil.rmtree(n[2])
+    results = run_ranks(3, _resume, root, [n[0], n[3], n[4]], 1)
+    _check(results, 3, 2)  # the durable step 2
+    assert any("not whole" in w and "step 3" in w for w in results[0][4]), results[0][4]
+
+
+def _over_limit(rank: int, world: int, root: str, dirs: list[str]) -> str:
+    manager = _manager(root, dirs[rank], 1, max_bytes=64)
+    try:
+        manager.save(1, _state(rank, world, 1))
+    except arrayckpt.StateError as e:
+        return str(e)
+    finally:
+        manager.close()
+    return "saved"
+
+
+def test_a_memory_step_over_max_bytes_is_refused_and_not_kept(tmp_path: Path):
+    dirs = [str(tmp_path / f"node{i}") for i in range(2)]
+    for message in run_ranks(2, _over_limit, str(tmp_path / "root"), dirs):
+        assert "max_bytes=64" in message and "keep=1" in message
+    assert not [p for d in dirs for p in Path(d).glob("step-*")]
+
+
+def test_peer_memory_refuses_bad_settings():
+    with pytest.raises(ValueError, match="every_steps"):
+        arrayckpt.PeerMemory(every_steps=0)
+    with pytest.raises(ValueError, match="not both"):
+        arrayckpt.PeerMemory(every_steps=1, ranks_per_node=2, nodes=[0, 0])
+    with pytest.raises(arrayckpt.StateError, match="more than 1 node"):
+        arrayckpt.PeerMemory(every_steps=1, ranks_per_node=4).placement(4)
+    placement = arrayckpt.PeerMemory(every_steps=1, replicas=2, nodes=["a", "a", "b", "b", "c", "c"]).placement(6)
+    assert placement.partners(0) == [2, 4] and placement.partners(5) == [1, 3] and placement.sources(0) == [2, 4]
+
+
+def test_clean_up_removes_ended_jobs_memory_and_interrupted_steps_only(tmp_path: Path):
+    from arrayckpt._peer.node import NodeMemory
+
+    shm = tmp_path / "shm"
+    ended = NodeMemory(shm / "ended", "root-a")
+    (ended.step_path(7) / "w").mkdir(parents=True)
+    (ended.step_path(7) / "w" / "c.0").write_bytes(b"x")
+    (ended.step_path(7) / "zarr.json").write_bytes(b"{}")
+    (shm / "ended" / "notes.txt").write_text("not arrayckpt's")
+    ended.close()  # its job ended: nobody holds it
+    live = NodeMemory(shm / "live", "root-b")  # another job's, still running
+    (live.step_path(3)).mkdir()
+    (shm / "foreign").mkdir()
+    (shm / "foreign" / "step-00000001").mkdir()
+    manager = arrayckpt.CheckpointManager(tmp_path / "root", memory=arrayckpt.PeerMemory(
+        every_steps=1, ranks_per_node=1, directory=shm / "mine"))
+    interrupted = manager.memory.node.step_path(5)
+    (interrupted / "w").mkdir(parents=True)
+    (interrupted / "w" / "c.0").write_bytes(b"x")
+    removed = manager.clean_up(min_age_s=0)
+    manager.close()
+    assert str(interrupted) in removed and not interrupted.exists()
+    assert not ended.step_path(7).exists() and not (shm / "ended" / "node.json").exists()
+    assert (shm / "ended" / "notes.txt").exists()  # not arrayckpt's: stays
+    assert live.step_path(3).exists() and (shm / "foreign" / "step-00000001").exists()
+    live.close()
