@@ -7,7 +7,9 @@ source's own tool: ``arrayckpt.save``, ``torch.save``, safetensors' ``save_file`
 ``dist_checkpointing.save`` (ShardedTensors, a ShardedObject, ``common.pt``) and a DeepSpeed ZeRO-2 engine's
 ``save_checkpoint``. Each is converted with ``arrayckpt.convert`` into each destination, and the destination is
 read back by its own loader: ``arrayckpt.open``, ``torch.load``, safetensors' ``load_file`` (also for the
-Hugging Face export's weight files), DCP's ``dcp_to_torch_save`` and Megatron-Core's ``dist_checkpointing.load``.
+Hugging Face export's weight files), DCP's ``dcp_to_torch_save``, Megatron-Core's ``dist_checkpointing.load`` and,
+for the DeepSpeed Universal Checkpoint, a fresh DeepSpeed engine's ``load_checkpoint`` (:func:`_check_universal`
+says what that restores and is held against the source).
 
 What is checked, pair by pair, against the source as arrayckpt reads it (each importer's fidelity to its format
 is the business of that format's own tests): every tensor is in the destination bit for bit under the same name
@@ -17,8 +19,9 @@ that is not supported is an explicit refusal with a clear error (:data:`REFUSED`
 
 Megatron-Core and DeepSpeed need ``torch.distributed``: one spawned 1-rank gloo job (shared by the module) makes
 their sources and also converts every source into the destinations marked ``in_job`` and reads them there with
-their own loader. A new destination is one more entry in :data:`DESTINATIONS` (``deepspeed-universal``: its
-``to_format``, the name of its output, its reader; ``in_job=True`` if the reader needs the job's process group).
+their own loader (the DeepSpeed engines that load the Universal Checkpoints too: ~0.5 s in all, DeepSpeed being
+imported there already). A new destination is one more entry in :data:`DESTINATIONS`: its ``to_format``, the name
+of its output, its reader; ``in_job=True`` if the reader needs the job's process group.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from typing import Any
 
 import pytest
 import torch
-from deepspeed_worker import config, model, train
+from deepspeed_worker import config, full_states, model, steps, train
 from dist_helpers import run_ranks
 from helpers import assert_bit_equal, random_tensor
+from universal_worker import universal_engine
 
 import arrayckpt
 
@@ -53,6 +57,9 @@ def _module() -> torch.nn.Module:
     module = model()
     module.register_buffer("table", random_tensor((4, 3), torch.bfloat16, 9))
     return module
+
+
+TRAINABLE = [n for n, p in _module().named_parameters() if p.requires_grad]  # the optimizer's, in its order
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -218,9 +225,25 @@ def _read_megatron(path: Path) -> Flat:
         _flat({"megatron": {"metadata": json.loads((path / "metadata.json").read_text())}})
 
 
+def _read_universal(path: Path) -> Flat:
+    """In the job: a fresh ZeRO-2 engine (``universal_worker.universal_engine``: the same model, no LR scheduler,
+    ``"load_universal": true``) resumes with ``engine.load_checkpoint(path)``, every argument its default; what it
+    holds then: its fp32 master weights and Adam moments under the source's names (``deepspeed_worker.full_states``),
+    its optimizer steps, ``global_steps`` and the client state it hands back. Beyond these DeepSpeed restores only
+    the hyper-parameters (here the engine's own config's), never the module: frozen parameters and buffers stay as
+    the engine built them."""
+    engine = universal_engine(2, 1, scheduler=False)
+    loaded, client = engine.load_checkpoint(str(path))
+    assert loaded is not None, f"DeepSpeed loaded nothing from {path}"
+    return full_states(engine) | {"steps": steps(engine), "global_steps": engine.global_steps} | \
+        _flat(client, "client")
+
+
 @dataclass(frozen=True)
 class Destination:
-    """A destination format: ``convert``'s ``to_format``, the output's name, and its own loader (flattened)."""
+    """A destination format: ``convert``'s ``to_format``, the output's name, and its own loader (flattened);
+    ``options``: ``convert``'s keyword arguments for a source (by name); ``check``: how what the loader read is
+    held against the source (:func:`_check`, or :func:`_check_universal`)."""
 
     to_format: str
     name: str
@@ -228,19 +251,34 @@ class Destination:
     holds_values: bool = True
     adds: tuple[str, ...] = ()  # names the format holds of itself, whatever the source
     in_job: bool = False  # converted and read in the spawned job (its loader needs torch.distributed)
+    options: Callable[[str], dict[str, Any]] = lambda source: {}
+    check: Callable[[Flat, Outcome, Destination], None] = lambda reference, outcome, dest: _check(reference, outcome,
+                                                                                                   dest)
 
 
 DESTINATIONS = {
     "arrayckpt": Destination("arrayckpt", "ckpt", _read_arrayckpt),
     "torch": Destination("torch", "out.pt", _read_torch),
     "safetensors": Destination("safetensors", "out.safetensors", _read_safetensors, holds_values=False),
-    "hf": Destination("hf", "hf", _read_hf, holds_values=False),
+    "hf": Destination("hf", "hf", _read_hf, holds_values=False,
+                      options=lambda source: {"select": SOURCES[source].model_prefix}),
     "dcp": Destination("dcp", "dcp", _read_dcp),
     "megatron": Destination("megatron", "megatron", _read_megatron, adds=("megatron.metadata",), in_job=True),
+    # Every source's optimizer but DeepSpeed's numbers its parameters; the module's frozen layer and float buffer
+    # leave the numbers ambiguous, so they are named (--param-names).
+    "deepspeed-universal": Destination("deepspeed", "universal", _read_universal, in_job=True,
+                                       options=lambda source: {} if source == "deepspeed" else
+                                       {"param_names": TRAINABLE}, check=lambda r, o, d: _check_universal(r, o)),
 }
 
-# Pairs refused on purpose, with the error that says why.
-REFUSED = {("arrayckpt", "arrayckpt"): (arrayckpt.FormatError, "is already an arrayckpt checkpoint")}
+# Pairs refused on purpose, with the error that says why (it names the source checkpoint, asserted too). A Universal
+# Checkpoint resumes an optimizer: safetensors and a Hugging Face directory hold none (no param groups, so no
+# hyper-parameters; zero moments would be a guess at the optimizer, and weights alone go into the module before
+# deepspeed.initialize); a Megatron-Core checkpoint's module and moments are not laid out as a module under 'model'.
+NO_OPTIMIZER = (arrayckpt.FormatError, "no optimizer (no <key>.param_groups)")
+REFUSED = {("arrayckpt", "arrayckpt"): (arrayckpt.FormatError, "is already an arrayckpt checkpoint"),
+           ("safetensors", "deepspeed-universal"): NO_OPTIMIZER, ("hf", "deepspeed-universal"): NO_OPTIMIZER,
+           ("megatron", "deepspeed-universal"): (arrayckpt.FormatError, "no module under 'model'")}
 
 
 @dataclass(frozen=True)
@@ -255,9 +293,8 @@ class Outcome:
 def _convert(source: str, path: Path, destination: str, out: Path) -> Outcome:
     """``source`` at ``path`` into ``destination`` at ``out``, read back by the destination's loader."""
     dest = DESTINATIONS[destination]
-    options: dict[str, Any] = {"select": SOURCES[source].model_prefix} if destination == "hf" else {}
     try:
-        result = arrayckpt.convert(path, out, from_format=source, to_format=dest.to_format, **options)
+        result = arrayckpt.convert(path, out, from_format=source, to_format=dest.to_format, **dest.options(source))
     except arrayckpt.ArrayckptError as e:
         return Outcome(error=(type(e), str(e)))
     return Outcome(result, dest.read(out))
@@ -270,6 +307,11 @@ def _job(rank: int, world: int, root: str, made: dict[str, str]) -> None:
     import importlib
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see tests/deepspeed_worker.py
+    import functools
+
+    import cpuinfo
+
+    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)  # once for the job's engines (universal_worker.py)
     torch.cuda.synchronize = lambda *args, **kwargs: None  # Megatron's save on CPU: see tests/test_megatron.py
     torch.cuda.current_device = lambda: "cpu"
     base = Path(root)
@@ -349,6 +391,31 @@ def _check(reference: Flat, outcome: Outcome, dest: Destination) -> None:
         assert not any(not isinstance(v, torch.Tensor) for v in got.values())
 
 
+def _check_universal(reference: Flat, outcome: Outcome) -> None:
+    """What DeepSpeed restored from the Universal Checkpoint is the source's: every trainable parameter's weights
+    and both Adam moments bit for bit (the source's optimizer numbers them in ``TRAINABLE``'s order or names them),
+    its step, ``global_steps`` (a DeepSpeed source's, or the step saved beside the state), and every value outside
+    the module and optimizer (a DeepSpeed source's client state) as the client state. The rest of the files
+    (frozen parameters and buffers, which DeepSpeed does not read; hyper-parameters, the same as the engine's
+    config here) ``test_deepspeed_universal.py`` holds against ``ds_to_universal.py``'s."""
+    got = outcome.got
+    for number, name in enumerate(TRAINABLE):
+        _same(got[f"model.{name}"], reference[f"model.{name}"], name)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            key = next(k for k in (f"optim.state.{name}.{moment}", f"optim.state.{number}.{moment}") if k in reference)
+            _same(got[f"optim.state.{name}.{moment}"], reference[key], key)
+    saved_steps = {float(v) for k, v in reference.items() if re.fullmatch(r"optim\.state\.[^.]+(\.[^.]+)*\.step", k)}
+    assert len(saved_steps) == 1 and got["steps"] == [["Tensor", *saved_steps]], (got["steps"], saved_steps)
+    assert got["global_steps"] == reference.get("deepspeed.global_steps", reference.get("step")), got["global_steps"]
+    from_deepspeed = any(k.startswith("deepspeed.") for k in reference)
+    client = {k.removeprefix("client."): v for k, v in reference.items() if k.startswith("client.")} if \
+        from_deepspeed else {k: v for k, v in reference.items() if k.split(".")[0] not in ("model", "optim")}
+    assert client, "the source holds values beside the module and optimizer"
+    for name, value in client.items():
+        assert f"client.{name}" in got, f"{name} is not in the client state DeepSpeed hands back"
+        _same(got[f"client.{name}"], value, name)
+
+
 @pytest.mark.parametrize("destination", list(DESTINATIONS))
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_any_source_into_any_destination(matrix, source, destination):
@@ -362,11 +429,12 @@ def test_any_source_into_any_destination(matrix, source, destination):
         kind, message = REFUSED[source, destination]
         assert outcome.error is not None and issubclass(outcome.error[0], kind) and message in outcome.error[1], \
             outcome
+        assert outcome.error[1].startswith(f"{matrix.sources[source]}"), outcome.error  # the user's, not a temporary
         return
     assert outcome.error is None, f"{source} -> {destination} failed: {outcome.error}"
     assert (outcome.result.source_format, outcome.result.target_format) == (source if source != "hf" else
                                                                              "safetensors", dest.to_format)
-    _check(matrix.references[source], outcome, dest)
+    dest.check(matrix.references[source], outcome, dest)
 
 
 def test_the_sources_hold_the_state(matrix):
@@ -383,3 +451,16 @@ def test_the_sources_hold_the_state(matrix):
         _same(matrix.references["megatron"][key], matrix.references["arrayckpt"][f"model.{key}"], f"megatron: {key}")
     assert matrix.references["megatron"]["rng_state/shard_0_1.0.seed"] == 5
     assert {"model.fc1.weight", "optim.state.fc1.weight.exp_avg"} <= set(matrix.references["deepspeed"])
+
+
+def test_the_command_line_refuses_a_universal_checkpoint_of_weights_only(matrix, tmp_path, capsys):
+    """safetensors into a DeepSpeed Universal Checkpoint: one line naming the file and what it lacks, exit 2, and
+    nothing left behind (neither the output nor the temporary arrayckpt checkpoint)."""
+    from arrayckpt import cli
+
+    source = matrix.sources["safetensors"]
+    assert cli.main(["convert", str(source), str(tmp_path / "universal"), "--to", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(source) in err and "no optimizer (no <key>.param_groups)" in err, err
+    assert "load them into the module before deepspeed.initialize" in err
+    assert not list(tmp_path.iterdir())

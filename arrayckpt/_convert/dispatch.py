@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from .._errors import CheckpointExistsError, CheckpointNotFoundError, FormatError
+from .._errors import ArrayckptError, CheckpointExistsError, CheckpointNotFoundError, FormatError
 from .._format.zarr import ROOT_METADATA
 from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
@@ -165,12 +165,21 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     temp = tempfile.mkdtemp(prefix=f".{Path(dst).name}.arrayckpt-", dir=parent)
     try:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
-        result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                         max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
+        try:
+            result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
+                             max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
+        except ArrayckptError as e:
+            raise _naming_source(e, os.path.join(temp, "ckpt"), src) from e
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return dataclasses.replace(result, source_format=first.source_format,
                                skipped=tuple(dict.fromkeys(first.skipped + result.skipped)))
+
+
+def _naming_source(error: ArrayckptError, temporary: str, src: str | os.PathLike[str]) -> ArrayckptError:
+    """``error`` of the second half of a conversion, naming the user's checkpoint where it names the temporary
+    arrayckpt one (which is removed: a path to it would help nobody)."""
+    return type(error)(str(error).replace(temporary, os.fspath(src)))
 
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,

@@ -68,8 +68,11 @@ def _model_entries(checkpoint: Checkpoint) -> dict[str, ArrayEntry]:
         if entry.parts[0] == MODEL and isinstance(entry, ArrayEntry):
             out[".".join(str(p) for p in entry.parts[1:])] = entry
     if not out:
-        raise FormatError(f"{checkpoint.location}: no model.* tensors; a DeepSpeed Universal Checkpoint is written "
-                          "from a checkpoint holding the module under 'model' (and its optimizer)")
+        raise FormatError(f"{checkpoint.location}: no module under 'model' (no model.<name> tensors); a DeepSpeed "
+                          "Universal Checkpoint is written from a checkpoint that holds the module under 'model' and "
+                          "its optimizer beside it, as {'model': module, 'optim': optimizer, ...} saves it or a "
+                          "DeepSpeed checkpoint converts to (a Megatron-Core checkpoint's module and moments are not "
+                          "laid out so)")
     return out
 
 
@@ -80,8 +83,9 @@ def _optimizer_key(checkpoint: Checkpoint) -> str:
     if len(found) != 1:
         why = "no optimizer (no <key>.param_groups)" if not found else f"several optimizers ({', '.join(found)})"
         raise FormatError(f"{checkpoint.location}: {why}; a DeepSpeed Universal Checkpoint holds the module's "
-                          "weights with one optimizer's state (to start from weights only, load them into the module "
-                          "before deepspeed.initialize)")
+                          "weights with one optimizer's state: its param groups (hyper-parameters) and moments, which "
+                          "a checkpoint of tensors only (safetensors, Hugging Face weights) does not hold. To start "
+                          "from weights only, load them into the module before deepspeed.initialize")
     return found[0]
 
 
@@ -163,8 +167,8 @@ def _group_step(checkpoint: Checkpoint, params: list[Trainable], group: int) -> 
 def plan_source(checkpoint: Checkpoint, param_names: Sequence[str] | None = None) -> Source:
     """The trainable parameters of ``checkpoint`` by group, with their state keys, checked against the module."""
     where = str(checkpoint.location)
+    optim = _optimizer_key(checkpoint)  # first: a checkpoint of tensors only has no optimizer, whatever its names
     model = _model_entries(checkpoint)
-    optim = _optimizer_key(checkpoint)
     groups = _param_groups(checkpoint, optim)
     states = _states(checkpoint, optim)
     ids = [p for g in groups for p in g["params"]]
