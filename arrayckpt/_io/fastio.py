@@ -127,7 +127,7 @@ def user_paths(text: str) -> str:
 
 
 IO_THREADS = min(8, max(2, os.cpu_count() or 2))  # more threads than cores only adds contention (measured)
-INLINE_BYTES = 1 << 20  # transfers up to this size (plus 4 KiB a file) run on the calling thread
+INLINE_BYTES = 2 << 20  # transfers up to this size (plus 4 KiB a file) run on the calling thread
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 _CRC32C = {"name": "crc32c"}
