@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -91,3 +95,39 @@ def test_fast_path_detects_damage_and_missing_inner_chunks(ckpt):
     shard.unlink()
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"'w'.*c\.1\.0 is missing"):
         arrayckpt.load({"w": torch.zeros(40, 3)}, ckpt)
+
+
+_FIRST_CALLS = """
+    import json, sys
+    import torch
+    import arrayckpt
+
+    HEAVY = ("tensorstore", "ml_dtypes", "zarr", "numpy.ma")
+    state = {"model": torch.nn.Linear(8, 4), "ids": torch.arange(6), "step": 3, "scalar": torch.tensor(2.0)}
+    seen = {}
+    arrayckpt.save(state, sys.argv[1] + "/c")
+    seen["save"] = [m for m in HEAVY if m in sys.modules]
+    arrayckpt.load(state, sys.argv[1] + "/c")
+    seen["load"] = [m for m in HEAVY if m in sys.modules]
+    arrayckpt.save(state, sys.argv[1] + "/z", codec="zstd")  # needs TensorStore: imported on demand
+    seen["compressed"] = [m for m in HEAVY if m in sys.modules]
+    print(json.dumps(seen))
+"""
+
+
+def test_first_local_uncompressed_save_and_load_import_nothing_heavy(tmp_path: Path) -> None:
+    """The fast path serves a local uncompressed checkpoint without TensorStore (about a second to import with
+    ml_dtypes in a fresh process) or numpy.ma (which ``np.unique`` imports): structural, not timed."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FIRST_CALLS), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["save"] == [] and seen["load"] == [], seen
+    assert "tensorstore" in seen["compressed"]
+
+
+def test_a_lazy_context_is_made_once(tmp_path: Path) -> None:
+    lazy = io.write_context()
+    made = io.resolve_context(lazy)
+    assert type(made).__name__ == "Context" and io.resolve_context(lazy) is made
+    assert io.resolve_context(made) is made

@@ -128,6 +128,7 @@ def user_paths(text: str) -> str:
 
 
 IO_THREADS = min(8, max(2, os.cpu_count() or 2))  # more threads than cores only adds contention (measured)
+INLINE_BYTES = 2 << 20  # transfers up to this size (plus 4 KiB a file) run on the calling thread
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 _CRC32C = {"name": "crc32c"}
@@ -460,8 +461,11 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
         batches[i].append(item)
         loads[i] += len(item[-1]) + 4096  # every file costs something, however small
     failed = threading.Event()
-    with ThreadPoolExecutor(len(batches)) as pool:
-        failures = [f for batch in pool.map(lambda b: _run_batch(b, fn, failed), batches) for f in batch]
+    if len(batches) == 1 or sum(loads) <= INLINE_BYTES:  # starting threads would cost more than they save
+        failures = [f for batch in batches for f in _run_batch(batch, fn, failed)]
+    else:
+        with ThreadPoolExecutor(len(batches)) as pool:
+            failures = [f for batch in pool.map(lambda b: _run_batch(b, fn, failed), batches) for f in batch]
     if failures:
         key, error = failures[0]
         if isinstance(error, CorruptCheckpointError):

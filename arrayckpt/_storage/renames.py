@@ -5,7 +5,6 @@ with ``RENAME_NOREPLACE`` and ``RENAME_EXCHANGE`` (spec §9.1 steps 5 and 6).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import uuid
@@ -15,7 +14,9 @@ from .base import TEMP_MARKER
 
 __all__ = ["exchange", "fsync_dir", "make_durable", "rename_noreplace"]
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The symbols of the process, libc's among them: ``ctypes.util.find_library("c")`` would ask ``ldconfig`` (a few
+# milliseconds of every process's first save or load).
+_libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2

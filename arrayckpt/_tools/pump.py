@@ -26,6 +26,7 @@ from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.stored import stored_content_crc
 from .._format.zarr import chunk_key, grid_counts, grid_indices
+from .._io.arrays import resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.fastio import read_checkpoint_file
 from .._storage import Location
@@ -240,6 +241,6 @@ class Pump:
 def _open(spec: dict[str, Any], context: Any, where: str) -> Any:
     try:
         import tensorstore as ts  # on first use (CLI start-up)
-        return ts.KvStore.open(spec, context=context).result()
+        return ts.KvStore.open(spec, context=resolve_context(context)).result()
     except Exception as e:
         raise StorageError(f"{where}: cannot open the store: {e}") from e
