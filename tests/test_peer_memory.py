@@ -109,7 +109,8 @@ def test_both_copies_lost_falls_back_to_the_durable_tier_with_a_warning(tmp_path
 def _over_limit(rank: int, world: int, root: str, dirs: list[str]) -> str:
     manager = _manager(root, dirs[rank], 1, max_bytes=64)
     try:
-        manager.save(1, _state(rank, world, 1))
+        manager.save(1, _state(rank, world, 1))  # returns once staged
+        manager.memory.wait()  # the bound is checked in the background, on every rank alike
     except arrayckpt.StateError as e:
         return str(e)
     finally:
@@ -161,3 +162,40 @@ def test_clean_up_removes_ended_jobs_memory_and_interrupted_steps_only(tmp_path:
     assert (shm / "ended" / "notes.txt").exists()  # not arrayckpt's: stays
     assert live.step_path(3).exists() and (shm / "foreign" / "step-00000001").exists()
     live.close()
+
+
+def _save_then_change(rank: int, world: int, root: str, dirs: list[str]) -> tuple:
+    """A memory save returns before its replication runs (the replication waits here for the caller to have
+    changed the state), and the step holds the state as it was when ``save`` was called."""
+    import threading
+
+    import arrayckpt._peer.save as peer_save
+
+    returned = threading.Event()
+    ran_after_return = []
+    exchange = peer_save.exchange_files
+
+    def replication_after_save_returned(*args: object, **kwargs: object) -> int:
+        ran_after_return.append(returned.wait(timeout=20))  # a synchronous save would wait here in vain
+        return exchange(*args, **kwargs)
+
+    peer_save.exchange_files = replication_after_save_returned
+    manager = _manager(root, dirs[rank], 1)
+    state = _state(rank, world, 3)
+    manager.save(3, state)
+    state["w"].tensor.zero_()  # training goes on: the memory step must keep the staged copy
+    state["b"].tensor.zero_()
+    returned.set()
+    manager.memory.wait()
+    manager.close()
+    peer_save.exchange_files = exchange
+    return ran_after_return, _resume(rank, world, root, dirs, 1)
+
+
+def test_a_memory_save_returns_once_staged_and_replicates_in_the_background(tmp_path: Path):
+    root = str(tmp_path / "root")
+    dirs = [str(tmp_path / f"node{i}") for i in range(2)]
+    results = run_ranks(2, _save_then_change, root, dirs)
+    assert [ran for ran, _ in results] == [[True], [True]]
+    _check([restored for _, restored in results], 2, 3)
+    assert all(Path(d, "step-00000003.peer.json").is_file() for d in dirs)

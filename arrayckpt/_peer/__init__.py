@@ -9,9 +9,10 @@ wrote plus the replicas it received, and every node holds the documents. Design:
 - ``config.py``: :class:`PeerMemory` (the user's settings) and the placement of replicas over failure domains;
 - ``node.py``: one node's directory (its steps, their file lists, listing with checks, retention, clean-up);
 - ``wire.py``: chunk files sent between ranks over ``torch.distributed`` point-to-point calls;
-- ``save.py``: a memory save (the ordinary save path into node-local directories, then the replication);
+- ``save.py``: a memory save (staged on the host; in the background, the ordinary save path into node-local
+  directories, then the replication);
 - ``restore.py``: a restore from the survivors (survey, choice of step, fetches, the ordinary load).
 
 This package may use torch.distributed and every layer below the manager; the manager calls it through
-:func:`memory_save`, :func:`memory_restore` and :meth:`NodeMemory.clean_up` only.
+:class:`MemoryTier` only (``tier.py``: :func:`start_memory_save`, :func:`memory_restore`, :meth:`NodeMemory.clean_up`).
 """

@@ -1,9 +1,12 @@
-"""A memory save: the ordinary save path into node-local directories, then the replication, then the commit.
+"""A memory save: staged on the host, then (in the background) the ordinary save path into node-local directories,
+the replication, the commit.
 
-Call order (every rank calls :func:`memory_save`; collectives in brackets)::
+Call order (every rank calls :func:`start_memory_save`; collectives in brackets)::
 
     node leaders: remove an earlier memory step of this number from their directory
-    every rank:   save_with(state, <node dir>/step-N, rank_target=<its own node dir>/step-N)
+    every rank:   copies its arrays into host buffers (reused by the next memory save) and returns: training goes on
+    in the background, on a process group of its own (never interleaved with the training's collectives):
+    every rank:   the ordinary save of the staged copy into <node dir>/step-N (rank_target: its own node's dir)
                     [the save's own four collectives]: the coordinator plans, every rank writes its own chunks into
                     its node's directory (same bytes, keys, checksums as a durable save), the coordinator commits the
                     documents into its node's directory (PeerWriter: no rename, no look into other nodes)
@@ -16,18 +19,25 @@ Call order (every rank calls :func:`memory_save`; collectives in brackets)::
                   checks and writes them                                          [all_gather of the acks]
     node leaders: write the record (the commit on that node), then apply retention
 
-A failure anywhere is raised on every rank and the step is removed from every node (it was never committed).
+A failure anywhere is raised on every rank (by the future :func:`start_memory_save` returns) and the step is removed
+from every node (it was never committed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import pickle
 from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from .._errors import ArrayckptError, StateError
+from .._format.dtypes import DType
 from .._format.manifest import parse_root_document
 from .._format.writers import expand_runs
 from .._format.zarr import chunk_keys, grid_counts
@@ -35,13 +45,15 @@ from .._storage import LocalLocation, Writer
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import remove_arrayckpt_files
 from .._torch.dist import Group
+from .._torch.dtypes import numpy_view
+from .._write.describe import LocalState, describe_local
 from .._write.options import SaveOptions
-from .._write.save import save_with
+from .._write.save import SaveRequest, check_record, finish_save, prepare
 from .config import PeerMemory, Placement
 from .node import Files, FileSum, NodeMemory, StepRecord, file_sum
 from .wire import FileRef, Transfer, exchange_files
 
-__all__ = ["MemorySaved", "memory_save"]
+__all__ = ["HostCopies", "MemorySaved", "start_memory_save"]
 
 
 @dataclass(frozen=True)
@@ -89,9 +101,59 @@ class PeerWriter(Writer):
         remove_arrayckpt_files(self.location.path)
 
 
-def memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None, options: SaveOptions,
-                memory: PeerMemory, node: NodeMemory, group: Group) -> MemorySaved:
-    """Save ``state`` as memory step ``step`` on every node and replicate it (see the module docstring)."""
+class HostCopies:
+    """Host copies of a memory save's arrays (the ``host`` callback of ``describe_local``), allocated once per (array
+    path, shape, dtype) and reused by the next memory save: the one copy training waits for. (Not the staging buffers
+    of ``async_save``: a memory save and a durable asynchronous save in flight never wait for each other.)"""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
+        self._used: set[tuple[str, tuple[int, ...], Any]] = set()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cuda = False
+
+    def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
+        """The buffer for ``value``; tensors are copied into it by :meth:`finish`, in one batched call."""
+        if isinstance(value, np.ndarray):
+            slot = (path, value.shape, value.dtype)
+            array = self._buffers.get(slot)
+            if array is None:
+                array = self._buffers[slot] = np.empty(value.shape, value.dtype)
+            np.copyto(array, value)
+            self._used.add(slot)
+            return array
+        source = value.detach()
+        slot = (path, tuple(source.shape), source.dtype)
+        pinned = source.is_cuda and torch.cuda.is_available()
+        tensor = self._buffers.get(slot)
+        if tensor is None:
+            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        self._copies.append((tensor, source))
+        self._cuda = self._cuda or pinned
+        self._used.add(slot)
+        return numpy_view(tensor, dt)
+
+    def finish(self) -> None:
+        """Copy every tensor into its buffer (device copies non-blocking, then waited for); drop unused buffers."""
+        if self._copies:
+            buffers, sources = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
+                                 non_blocking=self._cuda)
+            self._copies.clear()
+        if self._cuda:
+            torch.cuda.synchronize()
+        for slot in set(self._buffers) - self._used:
+            del self._buffers[slot]
+        self._used.clear()
+        self._cuda = False
+
+
+def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None,
+                      options: SaveOptions, memory: PeerMemory, node: NodeMemory, group: Group, background: Group,
+                      copies: HostCopies, executor: Executor) -> Future[MemorySaved]:
+    """Stage ``state`` into ``copies`` and return; the save as memory step ``step`` on every node and its
+    replication run on ``executor``, their collectives on ``background`` (a group of its own over the same ranks as
+    ``group``). The caller must not start another memory save (which reuses ``copies``) before the future is done."""
     placement = memory.placement(group.size)
     leader = placement.leader(group.rank)
     if leader:
@@ -99,8 +161,42 @@ def memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float
     path = node.step_path(step)
     own = dataclasses.replace(options, step=step, metrics=metrics, base=None, changed_rows=None, quantize=None,
                               overwrite=True, storage_options=None, rank_target=LocalLocation(path))
+    request = prepare(MemoryStepLocation(path), own, check_record(step, metrics))
     try:
-        save_with(state, MemoryStepLocation(path), own)
+        local, error = _stage(state, group, own.allow_pickle, copies)
+    except BaseException:
+        request.close()
+        raise
+    return executor.submit(_save_and_replicate, local, error, request, step, memory, node, background, placement)
+
+
+def _stage(state: Mapping[str, Any], group: Group, allow_pickle: bool,
+           copies: HostCopies) -> tuple[LocalState | None, BaseException | None]:
+    """This rank's state described and copied to the host; a rank-local error is returned (with several ranks), so
+    that the background save raises it on every rank and none waits for this one forever."""
+    try:
+        local = describe_local(state, group.rank, allow_pickle, copies.host)
+        copies.finish()
+        return local, None
+    except Exception as e:
+        if group.size == 1:
+            raise
+        try:
+            pickle.dumps(e)
+        except Exception:
+            e = ArrayckptError(f"{type(e).__name__}: {e}")
+        return None, e
+
+
+def _save_and_replicate(local: LocalState | None, error: BaseException | None, request: SaveRequest, step: int,
+                        memory: PeerMemory, node: NodeMemory, group: Group, placement: Placement) -> MemorySaved:
+    """The background part of a memory save (see the module docstring)."""
+    leader = placement.leader(group.rank)
+    try:
+        try:
+            finish_save(local, error, group, request)
+        finally:
+            request.close()
         saved = _replicate(step, memory, node, group, placement)
     except BaseException:
         if leader:

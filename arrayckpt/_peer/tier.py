@@ -2,12 +2,18 @@
 
 The manager holds one :class:`MemoryTier` when it was given a :class:`PeerMemory`, and calls it from a few hooks
 (``CheckpointManager.save``/``restore``/``clean_up``/``close``); everything else of the tier is in this package.
+
+A memory save blocks the caller only while the state is copied to host buffers; the save into the node's memory and
+the replication run on a thread of the tier's own, their collectives on a process group of their own (created, over
+the same ranks, by the first memory save). One is in flight at a time: the next memory save, a restore, ``steps``,
+``clean_up`` and ``close`` wait for it first, and raise its failure (on every rank alike).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._errors import StateError
@@ -16,7 +22,7 @@ from .._write.options import SaveOptions
 from .config import PeerMemory
 from .node import NodeMemory
 from .restore import memory_restore
-from .save import MemorySaved, memory_save
+from .save import HostCopies, MemorySaved, start_memory_save
 
 __all__ = ["MemoryTier"]
 
@@ -30,8 +36,12 @@ class MemoryTier:
         self.last_step: int | None = None
         #: What the last memory save did (``None``: none yet in this process).
         self.last: MemorySaved | None = None
-        #: Seconds the last memory save blocked the caller.
+        #: Seconds the last memory save blocked the caller (the staging).
         self.blocking_seconds: float | None = None
+        self._copies = HostCopies()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[MemorySaved] | None = None
+        self._background: dict[Any, Group] = {}  # the manager's group's pg -> the group of the background collectives
 
     def due(self, step: int) -> bool:
         """Whether a memory save is due at ``step``: a multiple of ``every_steps`` after the last memory step."""
@@ -39,19 +49,43 @@ class MemoryTier:
         return step % every == 0 and (self.last_step is None or step > self.last_step)
 
     def save(self, state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None, options: SaveOptions,
-             group: Group) -> MemorySaved:
+             group: Group) -> None:
+        """Start memory step ``step``: returns once the state is staged (after the previous memory save is over,
+        its failure raised); :meth:`wait` for the rest."""
+        self.wait()
         if self.last_step is not None and step <= self.last_step:
             raise StateError(f"memory step {step} is not after the last memory step {self.last_step}")
         started = time.perf_counter()
-        self.last = memory_save(state, step, metrics, options, self.memory, self.node, group)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-memory")
+        self._pending = start_memory_save(state, step, metrics, options, self.memory, self.node, group,
+                                          self._background_group(group), self._copies, self._executor)
         self.blocking_seconds = time.perf_counter() - started
         self.last_step = step
+
+    def wait(self) -> MemorySaved | None:
+        """Wait for the memory save in flight (raising its failure); what the last memory save did."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.last = pending.result()
         return self.last
+
+    def _background_group(self, group: Group) -> Group:
+        """A gloo group over ``group``'s ranks for the background collectives (created once, collectively)."""
+        if group.size == 1 or type(group) is not Group:
+            return group
+        if group.pg not in self._background:
+            import torch.distributed as dist
+
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(group.pg), backend="gloo")
+            self._background[group.pg] = Group(group.rank, group.size, pg, pg)
+        return self._background[group.pg]
 
     def restore(self, state: Mapping[str, Any], group: Group, load_options: Mapping[str, Any],
                 at_least: int | None) -> int | None:
         """The newest memory step held whole by the survivors, restored into ``state`` (``None``: use the durable
         tiers; a warning says why where memory held anything)."""
+        self.wait()
         step = memory_restore(state, self.node, group, load_options, at_least)
         if step is not None:
             self.last_step = step
@@ -59,10 +93,19 @@ class MemoryTier:
 
     def steps(self) -> list[int]:
         """Memory steps committed on this node (not necessarily whole among the nodes)."""
+        self.wait()
         return self.node.committed_steps()
 
     def clean_up(self, min_age_s: float) -> list[str]:
+        self.wait()
         return self.node.clean_up(min_age_s)
 
     def close(self) -> None:
-        self.node.close()
+        """Wait for the memory save in flight (raising its failure), then let the node's directory go."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+            self.node.close()
