@@ -346,7 +346,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 def _cmd_interval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ._tools.interval import optimal_interval
+    from ._manage.policy import optimal_interval
 
     result = optimal_interval(args.blocking_seconds, args.mtbf_hours * 3600)
     overhead = result.blocking_seconds / (result.daly_seconds + result.blocking_seconds)

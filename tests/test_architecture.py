@@ -39,7 +39,8 @@ LAYERS = [
     ("_write",),
     ("_tools",),
     ("_convert",),
-    ("_manager", "_tiers", "_policies", "_peer"),
+    ("_peer",),  # the manager's peer-memory tier
+    ("_manage",),  # the checkpoint manager: policies, tiers, uploader, restore, SIGTERM
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
     ("cli", "_cli_commands", "_cli_text", "dcp", "deepspeed", "lightning"),
     ("__init__",),

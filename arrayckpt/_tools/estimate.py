@@ -2,7 +2,7 @@
 
 Size follows the bytes-per-parameter rule of mixed-precision training with Adam: 16-bit weights (2 bytes)
 plus two fp32 moments (8 bytes) is 10 bytes per parameter, 14 with an fp32 master copy of the weights.
-(How often to checkpoint is ``_interval.optimal_interval``.)
+(How often to checkpoint is ``optimal_interval`` in ``_manage/policy.py``.)
 """
 
 from __future__ import annotations
