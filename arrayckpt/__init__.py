@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from ._tools.copy import CopyResult, copy
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
-    from ._tools.report import report
+    from ._tools.report.build import report
     from ._tools.verify import Damage, VerifyReport, verify
     from ._torch.shards import PerRank, Shard
     from ._write.asynchronous import SaveHandle, async_save
@@ -136,7 +136,7 @@ _LAZY: dict[str, str] = {
     "load": "._read.load",
     "open": "._read.checkpoint:open_checkpoint",
     "optimal_interval": "._manage.policy",
-    "report": "._tools.report",
+    "report": "._tools.report.build",
     "save": "._write.save",
     "show": "._tools.inspect",
     "verify": "._tools.verify",

@@ -29,7 +29,7 @@ PACKAGE = Path(arrayckpt.__file__).parent
 
 # Lowest first: a module may import from its own layer and the layers before it, never from a later one.
 LAYERS = [
-    ("_errors", "_version", "_zarr_dtypes", "_units", "_whatis"),
+    ("_errors", "_version", "_zarr_dtypes"),
     ("_format",),
     ("_layout",),
     ("_io",),
@@ -42,7 +42,8 @@ LAYERS = [
     ("_peer",),  # the manager's peer-memory tier
     ("_manage",),  # the checkpoint manager: policies, tiers, uploader, restore, SIGTERM
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
-    ("cli", "_cli_commands", "_cli_text", "dcp", "deepspeed", "lightning"),
+    ("_cli",),  # the command line: parsing and printing, one module per group of commands
+    ("cli", "dcp", "deepspeed", "lightning"),
     ("__init__",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

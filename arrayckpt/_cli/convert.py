@@ -1,66 +1,96 @@
-"""The longer parts of the command line, kept out of ``cli.py``: saying what a path holds when it is not an
-arrayckpt checkpoint, turning library error text into command-line wording, ``gc`` and ``convert``.
-
-No torch or TensorStore at import: ``arrayckpt --help`` imports this module.
-"""
+"""``arrayckpt convert SRC DST`` (from and to torch.save, safetensors, PyTorch DCP, Megatron ``torch_dist`` and
+DeepSpeed; to a Hugging Face model directory) and ``compact SRC DST`` (a delta checkpoint and its bases as one full
+checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._errors import FormatError
+from .._errors import FormatError
+from .._tools.estimate import human_bytes
+from .common import Counter, print_json
 
-if TYPE_CHECKING:
-    from ._read.checkpoint import Checkpoint
+__all__ = ["add_compact", "add_convert"]
 
-__all__ = ["cli_message", "cmd_convert", "cmd_gc", "info_header", "per_rank_info", "per_rank_values",
-           "ranks_text"]
-
-
-
-def cli_message(error: BaseException) -> str:
-    """An error's text in command-line terms (``--overwrite``, not ``overwrite=True``), on one line."""
-    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    text = text.replace("pass overwrite=True (--overwrite)", "pass --overwrite")
-    text = text.replace("with overwrite=True", "with --overwrite").replace("overwrite=True", "--overwrite")
-    return " ".join(text.split()) or type(error).__name__
+FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch"]
 
 
-def cmd_gc(args: argparse.Namespace) -> int:
-    from ._storage import parse_location
+def add_convert(commands: Any) -> argparse.ArgumentParser:
+    """Add ``convert`` to the command line's subparsers."""
+    convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
+                                  "torch_dist, DeepSpeed (from ZeRO or Universal, to a Universal Checkpoint); to a "
+                                  "Hugging Face model directory")
+    convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
+                         "file/index/dir")
+    convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
+    convert.add_argument("--from", dest="from_format", choices=FORMATS,
+                         help="source format (default: detected)")
+    convert.add_argument("--to", dest="to_format", choices=FORMATS,
+                         help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
+                              "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
+                              "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
+                              "megatron.core.dist_checkpointing.load loads")
+    convert.add_argument("--max-shard-size", type=size, default=None, metavar="SIZE",
+                         help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
+                              "default: 50GB, as save_pretrained)")
+    convert.add_argument("--select", default=None, metavar="PREFIX",
+                         help="hf: the model's key prefix, stripped from the names (default: the one module under "
+                              "a top-level key, e.g. model.; '' for the whole state)")
+    convert.add_argument("--tie", action="append", type=tie, default=[], metavar="ALIAS=TARGET",
+                         help="hf: ALIAS holds the same tensor as TARGET and is left out (repeatable), e.g. "
+                              "lm_head.weight=transformer.wte.weight")
+    convert.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                         help="hf: config.json to copy into the output (its model's tied weights are left out)")
+    convert.add_argument("--param-names", default=None, metavar="FILE",
+                         help="deepspeed: the module's names of the optimizer's parameters, one per line, in the "
+                              "order its param groups list them (for an optimizer saved by number whose numbers "
+                              "cannot be mapped unambiguously)")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
+    convert.add_argument("--allow-pickle", action="store_true",
+                         help="store/read values only pickle can hold (only for sources you trust)")
+    convert.add_argument("--json", action="store_true", help="print JSON")
+    convert.set_defaults(func=cmd_convert)
+    return convert
 
-    # what interrupted saves left right below the root; what looks like it but stays is reported with why
-    found, kept = parse_location(args.root).leftovers(args.min_age)
-    removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
-    if args.json:
-        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
-        if kept:
-            report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
-        print(json.dumps(report))
-        return 0
-    for path in removed:
-        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
-    for path, reason in kept:
-        print(f"kept {path}: {reason}")
-    n = len(removed)
-    what = f"{n} leftover{'' if n == 1 else 's'}"
-    summary = f"would remove {what}" if args.dry_run else f"removed {what}"
-    if kept:
-        summary += (f"; kept {len(kept)} (listed above with why; --min-age SECONDS lowers the age a temporary "
-                    f"directory needs before it is removed)")
-    elif not n:
-        summary = f"nothing to remove in {args.root}"
-    print(summary)
-    return 0
+
+def add_compact(commands: Any) -> argparse.ArgumentParser:
+    """Add ``compact`` to the command line's subparsers."""
+    compact = commands.add_parser("compact", help="write a delta checkpoint and its chain of bases as one full one")
+    compact.add_argument("src", help="checkpoint directory or URL (a delta: its bases are read too)")
+    compact.add_argument("dst", help="where the full checkpoint goes")
+    compact.add_argument("--codec", default=None, help="compression of the output (default: as each tensor had)")
+    compact.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at dst")
+    compact.add_argument("--json", action="store_true", help="print JSON")
+    compact.set_defaults(func=cmd_compact)
+    return compact
 
 
-def cmd_convert(args: argparse.Namespace, counter: Any, human_bytes: Any) -> int:
-    from ._convert.dispatch import convert
+def size(text: str) -> int:
+    """``5GB``, ``500MiB``, ``1000000`` -> bytes (for --max-shard-size)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MiB or 1000000")
+    base = 1024 if match[3] else 1000
+    return round(float(match[1]) * base ** " kmgt".index(match[2] or " "))
 
+
+def tie(text: str) -> tuple[str, str]:
+    """``lm_head.weight=transformer.wte.weight`` -> the two names (for --tie)."""
+    alias, sep, target = text.partition("=")
+    if not (sep and alias.strip() and target.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ALIAS=TARGET (e.g. lm_head.weight=transformer.wte.weight)")
+    return alias.strip(), target.strip()
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .._convert.dispatch import convert
+
+    counter = Counter("convert")
     try:
         result = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
@@ -99,50 +129,19 @@ def _param_names(path: str | None) -> list[str] | None:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def per_rank_info(checkpoint: Checkpoint) -> dict[str, list[str]]:
-    """Each per-rank entry (``rng``...) as what each rank holds (``uint8[5056]``, ``value``, ``-``: none), from
-    the manifest alone (no torch, nothing read)."""
-    from ._format.manifest import ArrayEntry, PerRankEntry
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .._write.compact import compact
 
-    def describe(item: object) -> str:
-        if isinstance(item, ArrayEntry):
-            return f"{item.dtype.name}[{', '.join(map(str, item.shape))}]"
-        return "-" if item is None else "value"
-
-    return {key: [describe(item) for item in entry.items]
-            for key, entry in checkpoint.manifest.entries.items() if isinstance(entry, PerRankEntry)}
-
-
-def per_rank_values(checkpoint: Checkpoint, key: str) -> list[str]:
-    """Each rank's part of a per-rank entry, in words: a value as it is, a tensor by dtype and shape (the values
-    themselves: ``Checkpoint.per_rank`` in Python)."""
-    from ._format.manifest import ArrayEntry, PerRankEntry
-    from ._format.values import decode_value
-
-    entry = checkpoint.manifest.entries.get(key)
-    if not isinstance(entry, PerRankEntry):
-        raise KeyError(f"{checkpoint.location}: {key!r} is not a per-rank entry")
-    out = []
-    for item in entry.items:
-        if isinstance(item, ArrayEntry):
-            out.append(f"{item.kind} {item.dtype.name}[{', '.join(map(str, item.shape))}], {item.nbytes} bytes")
-        else:
-            text = "none (this rank did not hold it)" if item is None else repr(decode_value(item.value, key))
-            out.append(text if len(text) < 200 else text[:197] + "...")
-    return out
-
-
-def info_header(info: dict[str, Any]) -> str:
-    """``checkpoint PATH  (format v1, step 3)``; the step recorded at save, else a plain value ``step``, labelled."""
-    step = info["step"]
-    if step is None:
-        value = info["values"].get("step")
-        step = "none recorded" if not isinstance(value, int) else f"none recorded; the value `step` is {value}"
-    return f"checkpoint {info['path']}  (format v{info['format_version']}, step {step})"
-
-
-def ranks_text(ranks: list[str]) -> str:
-    """``per rank (2 ranks): uint8[5056] each`` or each rank's."""
-    same = len(set(ranks)) == 1
-    count = f"{len(ranks)} rank{'' if len(ranks) == 1 else 's'}"
-    return f"per rank ({count}): " + (f"{ranks[0]} each" if same else ", ".join(ranks))
+    counter = Counter("compact")
+    try:
+        kwargs = {} if args.codec is None else {"codec": args.codec}
+        result = compact(args.src, args.dst, overwrite=args.overwrite, progress=counter, base_roots=args.base_root,
+                         **kwargs)
+    finally:
+        counter.close()
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    print(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
+          f"{human_bytes(result.bytes_written)}")
+    return 0
