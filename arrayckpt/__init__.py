@@ -63,20 +63,19 @@ if TYPE_CHECKING:
         TorchNotInstalledError,
     )
     from ._format.codecs import Codec
-    from ._manager import CheckpointManager
+    from ._manage.manager import CheckpointManager
+    from ._manage.policy import Incremental, Interval, OptimalInterval, Retention, optimal_interval
+    from ._manage.tiers import Remote
     from ._peer.config import PeerMemory
-    from ._policies import Incremental, Interval, Retention
     from ._read.checkpoint import Checkpoint
     from ._read.checkpoint import open_checkpoint as open  # noqa: A004
     from ._read.lazy import LazyArray
     from ._read.load import LoadResult, load
     from ._storage.gc import collect_garbage as gc
-    from ._tiers import Remote
     from ._tools.copy import CopyResult, copy
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
-    from ._tools.interval import OptimalInterval, optimal_interval
-    from ._tools.report import report
+    from ._tools.report.build import report
     from ._tools.verify import Damage, VerifyReport, verify
     from ._torch.shards import PerRank, Shard
     from ._write.asynchronous import SaveHandle, async_save
@@ -92,7 +91,7 @@ _LAZY: dict[str, str] = {
     "Checkpoint": "._read.checkpoint",
     "CheckpointBusyError": "._errors",
     "CheckpointExistsError": "._errors",
-    "CheckpointManager": "._manager",
+    "CheckpointManager": "._manage.manager",
     "CheckpointNotFoundError": "._errors",
     "ClosedCheckpointError": "._errors",
     "Codec": "._format.codecs",
@@ -105,19 +104,19 @@ _LAZY: dict[str, str] = {
     "DiffReport": "._tools.inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",
-    "Incremental": "._policies",
-    "Interval": "._policies",
+    "Incremental": "._manage.policy",
+    "Interval": "._manage.policy",
     "KeyMismatchError": "._errors",
     "LazyArray": "._read.lazy",
     "LoadResult": "._read.load",
-    "OptimalInterval": "._tools.interval",
+    "OptimalInterval": "._manage.policy",
     "PeerMemory": "._peer.config",
     "PerRank": "._torch.shards",
     "PickleNotAllowedError": "._errors",
     "PickleWarning": "._errors",
-    "Remote": "._tiers",
+    "Remote": "._manage.tiers",
     "ReplacedCheckpointError": "._errors",
-    "Retention": "._policies",
+    "Retention": "._manage.policy",
     "SaveHandle": "._write.asynchronous",
     "Shard": "._torch.shards",
     "SizeEstimate": "._tools.estimate",
@@ -136,8 +135,8 @@ _LAZY: dict[str, str] = {
     "gc": "._storage.gc:collect_garbage",
     "load": "._read.load",
     "open": "._read.checkpoint:open_checkpoint",
-    "optimal_interval": "._tools.interval",
-    "report": "._tools.report",
+    "optimal_interval": "._manage.policy",
+    "report": "._tools.report.build",
     "save": "._write.save",
     "show": "._tools.inspect",
     "verify": "._tools.verify",

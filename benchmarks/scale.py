@@ -70,6 +70,7 @@ import arrayckpt  # noqa: E402
 from arrayckpt._format.manifest import encode_root_document  # noqa: E402
 from arrayckpt._layout import rankplan, saveplan  # noqa: E402
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
+from arrayckpt._layout.plancache import PlanCache  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.exchange import Reply, Report  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
@@ -194,11 +195,6 @@ def peak_mib(fn: Callable[[], Any]) -> float:
         gc.enable()
 
 
-def _forget_layouts() -> None:
-    saveplan._LAST_LAYOUT.clear()
-    rankplan._PARTS.clear()
-
-
 # --------------------------------------------------------------------------------------------- arrayckpt
 
 
@@ -226,14 +222,12 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
         save_plan = saveplan.assemble(planned, [(r.values, r.per_rank) for r in reports])
         return save_plan, [Reply(planned.plan_id, part, None, "default") for part in rankplan.rank_layouts(planned)]
 
-    _forget_layouts()
     save_plan, replies = out.time("plan", plan)
     sizes = [len(b) for b in out.time("encode", lambda: [pickle.dumps(r, pickle.HIGHEST_PROTOCOL) for r in replies])]
     out.update(plan_bytes_per_rank=max(sizes), plan_bytes_mean=sum(sizes) / len(sizes), arrays=len(save_plan.arrays),
                write_tasks=len(save_plan.layout.arrays.tasks.source))
     layout_id, parts = save_plan.layout.plan_id, [r.part for r in replies]
     replies.clear()
-    _forget_layouts()
     out["peak_mib"] = peak_mib(plan)
 
     # the root document, from fabricated checksums of every chunk as each rank would report them (so the manifest
@@ -247,7 +241,8 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
     out["root_bytes"] = len(out.time("root", root))
 
     # the second save: the same layout; every rank claims its part, and sends only its fingerprint and values
-    saveplan._LAST_LAYOUT[:] = [save_plan.layout]
+    cache = PlanCache()  # what the coordinator's planner keeps between saves
+    cache.keep(save_plan.layout)
     claims = [pickle.dumps(Report(None, r.fingerprint, layout_id, None,
                                   tuple(v for v in r.description.values if v.key in parts[i].owned),
                                   r.description.per_rank, [], None), pickle.HIGHEST_PROTOCOL)
@@ -256,7 +251,7 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
 
     def replan() -> list[bytes]:
         got = [pickle.loads(b) for b in claims]
-        cached = saveplan.cached_layout(tuple(r.fingerprint for r in got), None, DEFAULT_CHUNKING)
+        cached = cache.reusable(tuple(r.fingerprint for r in got), None, DEFAULT_CHUNKING)
         assert cached is not None and cached.plan_id == layout_id
         saveplan.assemble(cached, [(r.values, r.per_rank) for r in got])
         return [pickle.dumps(Reply(cached.plan_id, None if r.plan_id == cached.plan_id else parts[i], None, "default"),
@@ -264,7 +259,6 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
 
     reuse = out.time("replan", replan)
     out.update(replan_report_bytes_per_rank=max(map(len, claims)), replan_bytes_per_rank=max(map(len, reuse)))
-    _forget_layouts()
     return dict(out)
 
 

@@ -8,8 +8,9 @@
   shows and inspects a checkpoint;
 - no module is longer than ~500 lines unless its docstring says why.
 
-Imports are read with ``ast`` (function-level imports count: they run too); imports under ``if TYPE_CHECKING:``
-are for type checkers only and do not count.
+Imports are read with ``ast``; function-level imports count (they run too), and so do imports under
+``if TYPE_CHECKING:`` (a type a module names is a dependency all the same: a cycle through one is a design cycle,
+only hidden from the interpreter). The public table's TYPE_CHECKING imports in ``__init__.py`` go down like any.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PACKAGE = Path(arrayckpt.__file__).parent
 
 # Lowest first: a module may import from its own layer and the layers before it, never from a later one.
 LAYERS = [
-    ("_errors", "_version", "_zarr_dtypes", "_units", "_whatis"),
+    ("_errors", "_version", "_zarr_dtypes"),
     ("_format",),
     ("_layout",),
     ("_io",),
@@ -39,9 +40,11 @@ LAYERS = [
     ("_write",),
     ("_tools",),
     ("_convert",),
-    ("_manager", "_tiers", "_policies", "_peer"),
+    ("_peer",),  # the manager's peer-memory tier
+    ("_manage",),  # the checkpoint manager: policies, tiers, uploader, restore, SIGTERM
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
-    ("cli", "_cli_commands", "_cli_text", "dcp", "deepspeed", "lightning"),
+    ("_cli",),  # the command line: parsing and printing, one module per group of commands
+    ("cli", "dcp", "deepspeed", "lightning"),
     ("__init__",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -91,10 +94,11 @@ def _resolve(module: str, level: int, target: str | None) -> str:
     return ".".join([*base, *(target.split(".") if target else [])])
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, list[str], int]]:
-    """(imported package module, names imported from it, line) for every runtime import of the package."""
+def _imports(module: str, path: Path, type_checking: bool = True) -> list[tuple[str, list[str], int]]:
+    """(imported package module, names imported from it, line) for every import of the package (without
+    ``type_checking``: only those that run)."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_checking else _type_checking_nodes(tree)
     modules = _modules()
     out = []
     for node in ast.walk(tree):
@@ -144,9 +148,25 @@ def test_imports_go_down_the_layers_and_no_private_name_crosses_a_subpackage():
     assert not problems, "\n".join(problems)
 
 
+# Type-only imports (under ``if TYPE_CHECKING:``) that still close a cycle, to be removed (issue 25 item 5: a protocol
+# for what the chain reader needs of a Checkpoint; each backend's leftover rules beside it). No other may be added.
+KNOWN_TYPE_ONLY_BACK_EDGES = {
+    ("_read.chain", "_read.checkpoint"),
+    ("_read.lazy", "_read.checkpoint"),
+    ("_read.reader", "_read.checkpoint"),
+    ("_storage.clients", "_storage.object"),
+    ("_storage.gc", "_storage.object"),
+}
+
+
 def test_no_import_cycles():
-    graph = {module: sorted({t for t, _, _ in imports if t != module}) for module, imports in _graph().items()}
+    """No cycle, counting type-only imports too (but the known ones above, which must stay type-only)."""
     modules = _modules()
+    for module, target in KNOWN_TYPE_ONLY_BACK_EDGES:  # the list only shrinks: each is still there, and type-only
+        assert target in {t for t, _, _ in _imports(module, modules[module])}, f"{module} -> {target}: remove it"
+        assert target not in {t for t, _, _ in _imports(module, modules[module], type_checking=False)}, module
+    graph = {module: sorted({t for t, _, _ in imports if t != module and (module, t) not in KNOWN_TYPE_ONLY_BACK_EDGES})
+             for module, imports in _graph().items()}
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles = []
@@ -171,10 +191,14 @@ def test_no_import_cycles():
 
 
 def test_the_graph_check_sees_what_it_should():
-    """The checks above would catch a violation: the parser finds relative imports, names and layers."""
+    """The checks above would catch a violation: the parser finds relative imports, names, layers, and the imports
+    under ``if TYPE_CHECKING:`` (``_manage/policy.py`` names ``Checkpoint`` only for type checkers)."""
     imports = _imports("_read.checkpoint", _modules()["_read.checkpoint"])
     targets = {t for t, _, _ in imports}
     assert "_format.manifest" in targets and "_io.arrays" in targets
+    policy = _modules()["_manage.policy"]
+    assert "_read.checkpoint" in {t for t, _, _ in _imports("_manage.policy", policy)}
+    assert "_read.checkpoint" not in {t for t, _, _ in _imports("_manage.policy", policy, type_checking=False)}
     assert _resolve("_read.chain", 2, "_io.arrays") == "_io.arrays"
     assert _resolve("_read.chain", 1, "checkpoint") == "_read.checkpoint"
     assert _resolve("__init__", 1, "_errors") == "_errors"

@@ -14,7 +14,7 @@ import torch
 from thread_ranks import run_thread_ranks
 
 import arrayckpt
-from arrayckpt._cli_text import HOOK_PTH, zarr_hint
+from arrayckpt._cli.text import HOOK_PTH, zarr_hint
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

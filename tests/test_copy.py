@@ -29,6 +29,7 @@ from s3_server import FaultProxy, S3Server
 
 import arrayckpt
 import arrayckpt._tools.pump as pump_module
+from arrayckpt._cli.storage import add_sync
 from arrayckpt._format.integrity import chunk_crc
 from arrayckpt._format.stored import stored_content_crc
 from arrayckpt._format.zarr import chunk_key, grid_counts
@@ -36,7 +37,6 @@ from arrayckpt._io.decode import ChunkDecoder
 from arrayckpt._storage.object import stale_keys
 from arrayckpt._tools.copy import copy
 from arrayckpt._tools.pump import Pump
-from arrayckpt._tools.sync_cli import add_sync_parser
 
 UNSHARDED_EDGES = small_chunks(256, 256)  # several unsharded chunks per tensor, clipped at the edges
 
@@ -313,7 +313,7 @@ def test_a_copy_killed_midway_is_not_committed_and_an_overwrite_finishes_it(s3_s
 def test_sync_command(tmp_path: Path, capsys) -> None:
     arrayckpt.save({"w": torch.arange(10.0)}, tmp_path / "src")
     parser = argparse.ArgumentParser(prog="arrayckpt")
-    add_sync_parser(parser.add_subparsers(dest="command", required=True))
+    add_sync(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sync", str(tmp_path / "src"), str(tmp_path / "dst"), "--json", "--max-rate", "1GiB"])
     assert args.max_rate == 2**30 and args.func(args) == 0
     out = json.loads(capsys.readouterr().out)

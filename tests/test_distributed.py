@@ -97,7 +97,7 @@ def test_save_on_3_ranks_reshard_on_2_and_1(tmp_path: Path):
     # the chunk grid follows the shards: 7 rows over 3 ranks -> row blocks of 3
     fsdp_chunks = opened["model.fsdp"].metadata["chunk_grid"]["configuration"]["chunk_shape"]
     assert 3 % fsdp_chunks[0] == 0
-    from arrayckpt.cli import info_dict  # `arrayckpt info` shows that layout: at least one chunk per shard
+    from arrayckpt._cli.info import info_dict  # `arrayckpt info` shows that layout: at least one chunk per shard
 
     assert info_dict(opened)["tensors"]["model.fsdp"]["chunks"][0] == -(-7 // fsdp_chunks[0]) >= 3
     # single process, plain tensors: a resharded load into whole tensors

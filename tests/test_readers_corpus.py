@@ -36,6 +36,7 @@ from helpers import random_tensor
 from policies import small_chunks
 
 import arrayckpt
+import arrayckpt._write.exchange as exchange_module
 from arrayckpt._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from arrayckpt._format.quant import QuantizedRows, dequantize_rows
 from arrayckpt._format.zarr import GROUP_METADATA, check_array_metadata, node_documents
@@ -428,7 +429,7 @@ def _older_writer(arrays: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
 def test_checkpoints_of_older_writers_still_open(tmp_path, monkeypatch):
     """arrayckpt reads the consolidated metadata by path, whatever its order, with or without dimension names."""
     monkeypatch.setattr(saveplan, "node_documents", _older_writer)
-    monkeypatch.setattr(saveplan, "_LAST_LAYOUT", [])  # plan afresh, and leave no such layout to later saves
+    monkeypatch.setattr(exchange_module, "_PLANNERS", {})  # plan afresh, and leave no such layout to later saves
     state = {"a": {"sub": {"x": torch.arange(4.0)}, "y": torch.ones(2, 3)}, "b": {"sub": {"z": torch.zeros(3)}},
              "bf16": random_tensor((5, 3), torch.bfloat16)}
     CHUNKS.save(state, tmp_path / "old")

@@ -26,9 +26,9 @@ from thread_ranks import run_thread_ranks  # noqa: E402
 
 import arrayckpt  # noqa: E402
 import arrayckpt._tools.inspect as inspect_module  # noqa: E402
+from arrayckpt._cli.report import add_report  # noqa: E402
 from arrayckpt._read.checkpoint import open_checkpoint  # noqa: E402
-from arrayckpt._tools.report import collect, report  # noqa: E402
-from arrayckpt._tools.report_cli import add_report_parser  # noqa: E402
+from arrayckpt._tools.report.build import collect, report  # noqa: E402
 
 CHUNKS = small_chunks(256, 1024)  # a 64 x 16 float32 tensor split over 2 ranks: 4 outer chunks of 16 rows
 WEIRD = 'odd.<b>&"x\''  # a key that HTML must escape
@@ -308,9 +308,9 @@ def test_the_command_runs_without_torch(made, tmp_path):
     script = f"""
 import sys, argparse, json
 sys.modules["torch"] = None
-from arrayckpt._tools.report_cli import add_report_parser
+from arrayckpt._cli.report import add_report
 parser = argparse.ArgumentParser()
-add_report_parser(parser.add_subparsers(dest="command", required=True))
+add_report(parser.add_subparsers(dest="command", required=True))
 args = parser.parse_args(["report", {str(made['full'])!r}, "-o", {str(tmp_path / 'r.html')!r}, "--json",
                           "--histograms", "1", "--grids", "1", "--png", {str(tmp_path / 'o.png')!r}])
 code = args.func(args)
@@ -326,7 +326,7 @@ print(json.dumps({{"code": code, "torch": sys.modules.get("torch") is not None}}
 
 def test_missing_matplotlib_is_an_error_that_says_what_to_install(made, tmp_path, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
-    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    add_report(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["report", str(made["full"]), "-o", str(tmp_path / "r.html")])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert args.func(args) == 2
@@ -338,7 +338,7 @@ def test_missing_matplotlib_is_an_error_that_says_what_to_install(made, tmp_path
 
 def _drawn(monkeypatch: pytest.MonkeyPatch, data) -> dict:
     """The matplotlib figures of a report's pictures by section, caught as each is saved to PNG."""
-    from arrayckpt._tools import report_figures
+    from arrayckpt._tools.report import figures as report_figures
 
     caught: list = []
     save = report_figures._png

@@ -172,7 +172,7 @@ def test_codecs_round_trip_and_compress_compressible_data(ckpt, chunking, codec)
 def test_per_key_codec_choice(ckpt):
     state = {"model": {"w": torch.zeros(64, 64)}, "optim": {"m": torch.zeros(64, 64)}}
     arrayckpt.save(state, ckpt, codec={"optim.*": "zstd"})
-    from arrayckpt.cli import codec_name
+    from arrayckpt._cli.info import codec_name
 
     opened = arrayckpt.open(ckpt)
     assert codec_name(opened["model.w"]) == "none"

@@ -195,7 +195,7 @@ def test_crafted_aliases_are_refused_naming_the_key(tmp_path):
 
 
 def test_info_show_diff_report_copy_and_compact_see_the_alias(tmp_path, capsys):
-    from arrayckpt._tools.report import collect
+    from arrayckpt._tools.report.build import collect
     from arrayckpt.cli import main
 
     model = _gpt2()

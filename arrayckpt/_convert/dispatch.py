@@ -21,10 +21,10 @@ from .._errors import ArrayckptError, CheckpointExistsError, CheckpointNotFoundE
 from .._format.zarr import ROOT_METADATA
 from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
-from .._whatis import checkpoint_steps, explain_path
 from .common import ConvertResult, Progress
 from .hf import HfOptions, refuse_earlier_export, to_hf
 from .safetensors import to_safetensors
+from .whatis import checkpoint_steps, explain_path
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 

@@ -129,7 +129,7 @@ class ArrayEntry:
 
 @dataclass(frozen=True)
 class ValueEntry:
-    """A plain value stored inline as typed JSON (see ``_values.py``)."""
+    """A plain value stored inline as typed JSON (see ``values.py``)."""
 
     key: str
     parts: Key

@@ -71,13 +71,12 @@ from .._format.manifest import MAX_NDIM
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box, grid_cells
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
+from .._layout.plancache import PlanCache
 from .._layout.saveplan import (
     ArrayDescription,
     LocalDescription,
     WriteTask,
     documents_of,
-    plan_save,
-    with_key_encoding,
 )
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._storage import Location, parse_location
@@ -206,6 +205,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self._saves = _Saves()
+        self._plans = PlanCache()  # this writer's last layout, for its next save (on the coordinator)
         self._held = threading.local()  # this thread's save: the rank's tensor items, for dcp_ties.claim_ties
         self._finalizer = weakref.finalize(self, self._saves.abort_all)
 
@@ -263,12 +263,12 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                     mapping.setdefault(fqn, path)
         descriptions = [LocalDescription(arrays=tuple(_describe(item, mapping) for item in plan.items
                                                       if item.type != WriteItemType.BYTE_IO)) for plan in plans]
-        planned = plan_save(descriptions, self.codec, self.chunking)
+        planned = self._plans.plan_save(descriptions, self.codec, self.chunking)
         transaction = _begin(location, self.overwrite)
         ties = may_tie(planned)
         early = not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
         try:
-            planned = with_key_encoding(planned, transaction.key_encoding)
+            planned = self._plans.with_key_encoding(planned, transaction.key_encoding)
             if early:  # write the documents meanwhile
                 transaction.write_documents(planned.documents)
             out = []
@@ -401,12 +401,13 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         """The configuration only (DCP's process-based async save sends the writer to its checkpoint process):
         no planned save, no staged copy."""
         state = dict(self.__dict__)
-        state.update(_saves=None, _held=None, _finalizer=None, state_dict_cache=None)
+        state.update(_saves=None, _plans=None, _held=None, _finalizer=None, state_dict_cache=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._saves = _Saves()
+        self._plans = PlanCache()
         self._held = threading.local()
         self._finalizer = weakref.finalize(self, self._saves.abort_all)
 

@@ -1,6 +1,15 @@
-"""The layout layer: where each byte goes, decided from metadata alone (pure functions, no IO, no torch).
+"""The layout layer: where each byte goes, decided from metadata alone (pure functions, no IO, no torch, and no state
+kept between calls: what a caller reuses from one save to the next is in a ``PlanCache`` it holds).
 
-Boxes and chunk grids (``box.py``), the chunking policy and each array's Zarr metadata (``chunking.py``), the
-coordinator's save plan — validation of the global picture, writer assignment (``saveplan.py``) — and the delta
-plan of incremental saves (``delta.py``).
+- ``box.py``: boxes (n-dimensional ranges) and chunk grids;
+- ``chunking.py``: the chunking policy and each array's Zarr metadata (``ArrayPlan``);
+- ``pieces.py``: what each rank describes of its state (``LocalDescription``, its pieces as columns), and its
+  fingerprint;
+- ``planner.py``: the arrays laid out from every rank's pieces (tiling checked, chunk grids, one writer per chunk);
+- ``saveplan.py``: the coordinator's save plan (``SavePlan``, its reusable ``Layout``): validation, values,
+  documents;
+- ``rankplan.py``: each rank's part of a plan (``RankLayout``, ``RankPlan``);
+- ``plancache.py``: ``PlanCache``, what a caller keeps to plan its next save faster;
+- ``delta.py``: the delta plan of incremental saves;
+- ``digests.py``: which chunks each array's digest covers, and who wrote each chunk.
 """

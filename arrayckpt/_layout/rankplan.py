@@ -57,10 +57,7 @@ class RankPlan:
 
 
 def rank_layouts(layout: Layout) -> list[RankLayout]:
-    """Every rank's :class:`RankLayout` (vectorised over all tasks; kept on the layout for its next use)."""
-    kept = _PARTS.get(layout.plan_id)
-    if kept is not None:
-        return kept
+    """Every rank's :class:`RankLayout` (vectorised over all tasks; ``PlanCache.rank_layouts`` keeps them)."""
     table = layout.arrays.tasks
     width = table.offset.shape[1]
     codecs: dict[Codec, int] = {}
@@ -78,12 +75,7 @@ def rank_layouts(layout: Layout) -> list[RankLayout]:
         rows = slice(starts[rank], starts[rank + 1])
         parts.append(RankLayout(table.source[rows], table.offset[rows], table.shape[rows], outers[rows], inners[rows],
                                 task_codecs[rows], by_codec, layout.owned[rank] if layout.owned else ()))
-    _PARTS.clear()
-    _PARTS[layout.plan_id] = parts
     return parts
-
-
-_PARTS: dict[str, list[RankLayout]] = {}
 
 
 def expand(part: RankLayout, description: LocalDescription, rank: int, key_encoding: str) -> RankPlan:

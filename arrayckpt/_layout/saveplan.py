@@ -7,9 +7,10 @@ boundaries; and gives every outer chunk exactly one writer, spreading replicated
 balanced by bytes (``planner.py``: numpy over all pieces at once, linear in their number).
 
 The array layout depends only on what :func:`fingerprint` digests of every rank's description, on the codec
-each key resolves to and on the chunk policy, so it is a :class:`Layout` kept for the next save: a save whose
-ranks report the same fingerprints reuses it without looking at a single piece (:func:`cached_layout`), and
-:func:`assemble` adds that save's plain and per-rank values. :func:`plan_save` does both in one call.
+each key resolves to and on the chunk policy, so it is a :class:`Layout` the caller may keep for its next save
+(``plancache.py``; this module keeps nothing): a save whose ranks report the same fingerprints reuses it without
+looking at a single piece, and :func:`assemble` adds that save's plain and per-rank values. :func:`plan_save` does
+both in one call.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from .planner import ArrayLayout, TaskTable, plan_arrays
 
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
-__all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan", "TaskTable",
-           "WriteTask", "assemble", "cached_layout", "check_paths", "documents_of", "fingerprint", "plan_layout",
+__all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan",
+           "TaskTable", "WriteTask", "assemble", "check_paths", "documents_of", "fingerprint", "plan_layout",
            "plan_save", "with_key_encoding"]
 
 Fresh = tuple[Sequence[ValueEntry], Sequence["ValueEntry | ArrayEntry"]]  # one rank's values and per-rank values
@@ -76,38 +77,18 @@ class Layout:
         return len(self.fingerprints)
 
 
-_LAST_LAYOUT: list[Layout] = []  # the last layout planned (one: a save's layout is big at scale)
-
-
 def plan_save(descriptions: Sequence[LocalDescription], codec: CodecChoice,
               chunking: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
-    """Validate and plan a save from every rank's description (index = rank).
-
-    A repeated save with the same layout (same fingerprints, codecs and chunk policy) reuses the last one;
-    plain and per-rank values are taken fresh every time.
-    """
+    """Validate and plan a save from every rank's description (index = rank), afresh (``PlanCache.plan_save`` reuses
+    the layout of the previous save where it can)."""
     fingerprints = tuple(fingerprint(d) for d in descriptions)
-    layout = cached_layout(fingerprints, codec, chunking) or plan_layout(descriptions, fingerprints, codec, chunking)
+    layout = plan_layout(descriptions, fingerprints, codec, chunking)
     return assemble(layout, [(d.values, d.per_rank) for d in descriptions])
-
-
-def cached_layout(fingerprints: tuple[bytes, ...], codec: CodecChoice, chunking: ChunkPolicy) -> Layout | None:
-    """The last layout, if it was planned from these fingerprints and chunk policy and every key still resolves
-    to the same codec (a callable codec is asked again)."""
-    if not _LAST_LAYOUT:
-        return None
-    layout = _LAST_LAYOUT[0]
-    if layout.fingerprints != fingerprints or layout.chunking != chunking:
-        return None
-    if tuple(resolve_codec(codec, name) for name in layout.names) != layout.codecs:
-        return None
-    return layout
 
 
 def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[bytes, ...], codec: CodecChoice,
                 chunking: ChunkPolicy) -> Layout:
-    """Validate and lay out the arrays of every rank's description (``fingerprints``: theirs), and keep the
-    result for the next save."""
+    """Validate and lay out the arrays of every rank's description (``fingerprints``: theirs)."""
     arrays = plan_arrays(descriptions, codec, chunking)
     values: dict[str, tuple[int, ValueEntry]] = {}
     per_rank: dict[str, Any] = {}
@@ -128,12 +109,12 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
     owned: list[list[str]] = [[] for _ in descriptions]
     for key, (rank, _) in values.items():
         owned[rank].append(key)
-    layout = Layout(uuid.uuid4().hex, fingerprints, names, tuple(resolve_codec(codec, name) for name in names),
-                    chunking, arrays, tuple(sorted(position, key=position.__getitem__)),
-                    {key: rank for key, (rank, _) in values.items()}, per_rank, containers, documents, consolidated,
-                    tuple(tuple(o) for o in owned))
-    _LAST_LAYOUT[:] = [layout]
-    return layout
+    return Layout(plan_id=uuid.uuid4().hex, fingerprints=fingerprints, names=names,
+                  codecs=tuple(resolve_codec(codec, name) for name in names), chunking=chunking, arrays=arrays,
+                  order=tuple(sorted(position, key=position.__getitem__)),
+                  value_owners={key: rank for key, (rank, _) in values.items()}, per_rank_parts=per_rank,
+                  containers=containers, documents=documents, consolidated_json=consolidated,
+                  owned=tuple(tuple(o) for o in owned))
 
 
 def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
@@ -160,8 +141,9 @@ def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
                                                                                range(layout.world)))
         else:
             entries[key] = layout.arrays.entries[key]
-    return SavePlan(entries, layout.arrays.arrays, layout.arrays.tasks, layout.containers, layout.arrays.loads,
-                    layout.documents, layout.consolidated_json, layout)
+    return SavePlan(entries=entries, arrays=layout.arrays.arrays, tasks=layout.arrays.tasks,
+                    containers=layout.containers, bytes_by_rank=layout.arrays.loads, documents=layout.documents,
+                    consolidated_json=layout.consolidated_json, layout=layout)
 
 
 def documents_of(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:
@@ -172,20 +154,12 @@ def documents_of(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:
     return documents, consolidated
 
 
-_ENCODED: list[tuple[dict[str, ArrayPlan], str, tuple[dict[str, ArrayPlan], dict[str, bytes], str]]] = []
-
-
 def with_key_encoding(plan: SavePlan, encoding: str) -> SavePlan:
-    """The same plan with every array's chunk key encoding set to ``encoding`` (see ``_objstore``); the result
-    for a plan's arrays is kept, so that saves reusing a layout do not serialise its documents again."""
+    """The same plan with every array's chunk key encoding set to ``encoding`` (the storage's: ``_storage``)."""
     if all(a.key_encoding == encoding for a in plan.arrays.values()):
         return plan
-    if _ENCODED and _ENCODED[0][0] is plan.arrays and _ENCODED[0][1] == encoding:
-        arrays, documents, consolidated = _ENCODED[0][2]
-    else:
-        arrays = {path: dataclasses.replace(a, key_encoding=encoding) for path, a in plan.arrays.items()}
-        documents, consolidated = documents_of(arrays)
-        _ENCODED[:] = [(plan.arrays, encoding, (arrays, documents, consolidated))]
+    arrays = {path: dataclasses.replace(a, key_encoding=encoding) for path, a in plan.arrays.items()}
+    documents, consolidated = documents_of(arrays)
     return dataclasses.replace(plan, arrays=arrays, documents=documents, consolidated_json=consolidated)
 
 

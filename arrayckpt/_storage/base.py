@@ -47,9 +47,9 @@ from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayck
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
-__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Tree", "Writer",
-           "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at", "open_writer",
-           "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Opened", "Tree",
+           "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at",
+           "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
 LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
@@ -114,7 +114,7 @@ class Location(abc.ABC):
         the storage fails."""
 
     @abc.abstractmethod
-    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+    def open_committed(self) -> Opened:
         """Open the committed checkpoint for reading: its root document, the kvstore spec to read its data
         through, a function that releases what the open holds (call it once, when done), and a token for
         :meth:`changed_since`. Errors as :meth:`read_root`."""
@@ -275,6 +275,15 @@ class Leftover(abc.ABC):
     @abc.abstractmethod
     def remove(self) -> bool:
         """Remove it, unless it turned out to be a committed checkpoint after all (then ``False``)."""
+
+
+class Opened(NamedTuple):
+    """What :meth:`Location.open_committed` gives: the committed checkpoint opened for reading."""
+
+    document: dict[str, Any]  # the root document, parsed and checked
+    kvstore: dict[str, Any]  # the TensorStore kvstore spec to read its data through
+    release: Callable[[], None]  # releases what the open holds (call it once, when done)
+    token: Any  # for :meth:`Location.changed_since`
 
 
 class Leftovers(NamedTuple):

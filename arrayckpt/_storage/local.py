@@ -38,6 +38,7 @@ from .base import (
     Leftover,
     Leftovers,
     Location,
+    Opened,
     Writer,
     check_child_name,
     parse_location,
@@ -90,14 +91,14 @@ class LocalLocation(Location):
     def read_root(self) -> dict[str, Any]:
         return read_root_json(self)
 
-    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+    def open_committed(self) -> Opened:
         """The root document, the kvstore of the pinned directory, a function that releases the pin, and the
         pinned directory's identity (``(st_dev, st_ino)``) for :meth:`changed_since`."""
         for _ in range(_OPEN_ATTEMPTS):
             root, release = pin_directory(self.path)
             token = _identity(root)
             try:
-                return read_root_json(self, root), file_kvstore(root, ""), release, token
+                return Opened(read_root_json(self, root), file_kvstore(root, ""), release, token)
             except (CheckpointNotFoundError, IncompleteCheckpointError):
                 # An overwrite swapped the directory we pinned out of the path and deleted it before we read its
                 # root document: not an incomplete checkpoint. Pin the one at the path now.

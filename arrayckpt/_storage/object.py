@@ -40,6 +40,7 @@ from .base import (
     ROOT_METADATA,
     Leftovers,
     Location,
+    Opened,
     Writer,
     arrayckpt_keys,
     check_child_name,
@@ -106,11 +107,11 @@ class ObjectLocation(Location):
 
     read_context = write_context = context
 
-    def open_committed(self) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None], Any]:
+    def open_committed(self) -> Opened:
         """The root document, the kvstore to read data from, a release function (nothing can be pinned on
         object storage) and the root's storage generation, for :meth:`changed_since`."""
         document, generation = self._read_root_stamped()
-        return document, self.kvstore(), lambda: None, generation
+        return Opened(document, self.kvstore(), lambda: None, generation)
 
     def changed_since(self, generation: Any) -> bool:
         """Whether the root document is no longer the one of ``generation`` (replaced or removed): one

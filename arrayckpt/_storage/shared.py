@@ -10,12 +10,11 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .._errors import CheckpointNotFoundError, StorageError
 from .._format.zarr import ROOT_METADATA
-from .base import Location, parse_root_bytes
+from .base import Location, Opened, parse_root_bytes
 from .object import ObjectLocation
 
 __all__ = ["opened_from_bytes", "read_root_bytes", "shares_root"]
@@ -41,8 +40,7 @@ def read_root_bytes(location: Location) -> tuple[bytes, Any]:
     return bytes(result.value), result.stamp.generation
 
 
-def opened_from_bytes(location: Location, data: bytes, token: Any) -> tuple[dict[str, Any], dict[str, Any],
-                                                                            Callable[[], None], Any]:
+def opened_from_bytes(location: Location, data: bytes, token: Any) -> Opened:
     """What :meth:`Location.open_committed` gives, from the root document's bytes read by another process (their
     checksum checked here)."""
-    return parse_root_bytes(data, location), location.kvstore(), lambda: None, token
+    return Opened(parse_root_bytes(data, location), location.kvstore(), lambda: None, token)

@@ -1,4 +1,12 @@
-"""Tools on committed checkpoints: ``verify`` (every byte checked), ``show`` and ``diff`` (``inspect.py``),
-chunk-by-chunk access with bounded memory (``chunkwise.py``), and back-of-the-envelope sizing and checkpoint
-intervals (``estimate.py``, ``interval.py``).
+"""Tools on committed checkpoints, as a library (their command line is ``arrayckpt/_cli/``):
+
+- ``verify.py``: :func:`verify`, every stored byte read and checked, all the damage reported;
+- ``inspect.py``: :func:`show` and :func:`diff`, values and comparisons without loading whole tensors;
+- ``chunkwise.py``: chunk-by-chunk access with bounded memory (what ``verify`` and ``diff`` walk);
+- ``copy.py``: :func:`copy`, a checkpoint and its chain of bases copied as stored between locations;
+  ``pump.py``: its chunk files moved, checked on the way, at a bounded rate;
+- ``estimate.py``: back-of-the-envelope sizing, and :func:`human_bytes`;
+- ``report/``: :func:`report`, a picture of a checkpoint as one HTML file.
+
+How often to checkpoint (Young/Daly) is a manager policy: ``_manage/policy.py``.
 """

@@ -2,7 +2,9 @@
 
 Size follows the bytes-per-parameter rule of mixed-precision training with Adam: 16-bit weights (2 bytes)
 plus two fp32 moments (8 bytes) is 10 bytes per parameter, 14 with an fp32 master copy of the weights.
-(How often to checkpoint is ``_interval.optimal_interval``.)
+(How often to checkpoint is ``optimal_interval`` in ``_manage/policy.py``.) :func:`human_bytes` is the one formatter of
+byte counts for people (the command line and the HTML report). No imports beyond the standard library: the command
+line's start-up imports this module.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["SizeEstimate", "estimate_size", "parse_count"]
+__all__ = ["SizeEstimate", "estimate_size", "human_bytes", "parse_count"]
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPTIMIZER_BYTES = {"adam": 8, "sgd": 4, "none": 0}  # fp32 state per parameter: Adam m and v; SGD momentum
@@ -74,3 +76,12 @@ def estimate_size(params: int, *, dtype: str = "bf16", optimizer: str = "adam", 
     per_param = sum(breakdown.values())
     total = params * per_param
     return SizeEstimate(params, per_param, breakdown, total, ranks, math.ceil(total / ranks))
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

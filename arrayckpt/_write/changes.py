@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,7 +33,17 @@ from .._layout.saveplan import SavePlan
 from .._read.checkpoint import Checkpoint
 from .._storage import Location, follow_base
 
-__all__ = ["DeltaRequest", "Reference", "chunk_jobs", "find_changes", "rows_jobs"]
+__all__ = ["Changes", "DeltaRequest", "NO_CHANGES", "Reference", "chunk_jobs", "find_changes", "rows_jobs"]
+
+
+class Changes(NamedTuple):
+    """What a rank found changed since the base (:func:`find_changes`)."""
+
+    pieces: list[PieceChange]  # the findings the coordinator plans the delta from
+    rows: dict[str, np.ndarray]  # by key: the changed global row indices this rank keeps for writing rows
+
+
+NO_CHANGES = Changes([], {})  # a full save's (and a failed comparison's): nothing compared
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ Reference = Callable[[str, Box], "np.ndarray | None"]  # (array path, box) -> th
 
 def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], request: DeltaRequest,
                  reference: Reference | None = None, aliases: Mapping[str, str] | None = None,
-                 ) -> tuple[list[PieceChange], dict[str, np.ndarray]]:
+                 ) -> Changes:
     """Compare this rank's pieces (those it would write: replica 0) with the base — a kept host copy of its
     bytes where ``reference`` has one, else the base read back — and return the findings for the coordinator
     and, by key, the changed global row indices this rank keeps for writing rows. Keys in ``aliases`` (tied to an
@@ -186,7 +196,7 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
         if changed_rows is not None:
             rows_by_key[key] = changed_rows.astype(np.int64, copy=False)
         findings.append(PieceChange(key, box, grid, chunks, None if changed_rows is None else len(changed_rows)))
-    return findings, rows_by_key
+    return Changes(findings, rows_by_key)
 
 
 def _changed_chunks(diff: np.ndarray, box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:

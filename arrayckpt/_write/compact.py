@@ -87,9 +87,10 @@ def _compact(checkpoint: Checkpoint, dst: str | os.PathLike[str], overwrite: boo
         transaction.write_documents(documents)
         written, checksums = _copy(checkpoint, arrays, sources, transaction.target, progress)
         created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
-        manifest = Manifest(entries, checkpoint.manifest.step, checkpoint.manifest.containers, created,
-                            FORMAT_VERSION, checkpoint.manifest.metrics, uuid.uuid4().hex, None, written,
-                            chunk_digests(arrays, entries, checksums, str(transaction.location)))
+        manifest = Manifest(entries=entries, step=checkpoint.manifest.step, containers=checkpoint.manifest.containers,
+                            created=created, format_version=FORMAT_VERSION, metrics=checkpoint.manifest.metrics,
+                            id=uuid.uuid4().hex, base=None, stored_bytes=written,
+                            chunk_digests=chunk_digests(arrays, entries, checksums, str(transaction.location)))
         transaction.commit(manifest, consolidated)
     return CompactResult(str(checkpoint.location), str(transaction.location), tuple(str(c.location) for c in chain),
                          len(arrays), written)

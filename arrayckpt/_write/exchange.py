@@ -17,6 +17,10 @@ few hundred bytes; a rank's received part never grows with the number of ranks. 
 ``_layout/pieces.py::fingerprint``; the coordinator adds the codec each key resolves to (asked again every
 save) and the chunk policy. Delta saves reuse the layout too, but their tasks depend on what changed, so
 every rank gets its explicit part.
+
+What is kept between saves belongs to a :class:`Planner`: the coordinator's layout (a ``PlanCache``) and the part of
+it each rank of this process received. Each process group has one (:func:`planner_for`); a ``CheckpointManager``
+holds its own (``SaveOptions.planner``), so two groups or two managers in one process never share plans.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import Any
 from .._errors import ArrayckptError
 from .._format.manifest import ArrayEntry, ValueEntry
 from .._layout.delta import PieceChange
+from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, expand
 from .._layout.saveplan import LocalDescription, fingerprint
 from .._torch.dist import Group
 
-__all__ = ["Report", "Reply", "Resend", "exchange", "forget_parts"]
+__all__ = ["Planner", "Report", "Reply", "Resend", "exchange", "forget_parts", "planner_for"]
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,46 @@ class _Held:
     part: RankLayout
 
 
-_HELD: dict[tuple[int, int], _Held] = {}  # (rank, world size) -> the part of the last layout received
+class Planner:
+    """The plans one caller's saves keep for the next: the coordinator's layout (:attr:`layouts`) and, by (rank, world
+    size), the part of it each rank of this process received (ranks run as threads share a process)."""
+
+    def __init__(self) -> None:
+        self.layouts = PlanCache()
+        self._parts: dict[tuple[int, int], _Held] = {}
+        self._lock = threading.Lock()
+
+    def held(self, slot: tuple[int, int]) -> _Held | None:
+        with self._lock:
+            return self._parts.get(slot)
+
+    def hold(self, slot: tuple[int, int], held: _Held) -> None:
+        with self._lock:
+            self._parts[slot] = held
+
+    def forget(self) -> None:
+        """Keep nothing: the next save plans afresh, and every rank sends its full description."""
+        with self._lock:
+            self._parts.clear()
+        self.layouts.forget()
+
+
+_PLANNERS: dict[Any, Planner] = {}  # process group (None: one process, or ranks run as threads) -> its planner
 _LOCK = threading.Lock()
 
 
-def forget_parts() -> None:
-    """Drop the parts this process holds (the next save sends full descriptions)."""
+def planner_for(group: Group) -> Planner:
+    """The planner of ``group``'s saves (made at its first save), for the saves that bring none of their own."""
     with _LOCK:
-        _HELD.clear()
+        return _PLANNERS.setdefault(group.pg, Planner())
+
+
+def forget_parts() -> None:
+    """Every process group's planner forgets (the next save plans afresh and sends full descriptions)."""
+    with _LOCK:
+        planners = list(_PLANNERS.values())
+    for planner in planners:
+        planner.forget()
 
 
 def _report(description: LocalDescription | None, error: BaseException | None, print_: bytes | None,
@@ -93,7 +130,7 @@ def _report(description: LocalDescription | None, error: BaseException | None, p
     return Report(error, print_, None, description, description.values, description.per_rank, changes, agreement)
 
 
-def exchange(group: Group, description: LocalDescription | None, error: BaseException | None,
+def exchange(group: Group, planner: Planner, description: LocalDescription | None, error: BaseException | None,
              changes: list[PieceChange], agreement: Any,
              coordinate: Callable[[list[Report]], list[Any] | Resend]) -> Any:
     """Run the exchange on this rank; the coordinator's ``coordinate(reports)`` returns every rank's reply (a
@@ -101,8 +138,7 @@ def exchange(group: Group, description: LocalDescription | None, error: BaseExce
     :class:`Reply` whose ``part`` is this rank's :class:`RankPlan`."""
     slot = (group.rank, group.size)
     print_ = fingerprint(description) if description is not None and error is None else None
-    with _LOCK:
-        held = _HELD.get(slot)
+    held = planner.held(slot)
     claim = held if held is not None and print_ is not None and held.fingerprint == print_ else None
     report = _report(description, error, print_, claim, changes, agreement)
     while True:
@@ -126,7 +162,6 @@ def exchange(group: Group, description: LocalDescription | None, error: BaseExce
                                   "(a bug in arrayckpt: please report it)")
         part = claim.part
     if isinstance(part, RankLayout):
-        with _LOCK:
-            _HELD[slot] = _Held(reply.plan_id, print_ or b"", part)
+        planner.hold(slot, _Held(reply.plan_id, print_ or b"", part))
         part = expand(part, description, group.rank, reply.key_encoding)
     return Reply(reply.plan_id, part, reply.target, reply.key_encoding)

@@ -9,11 +9,14 @@ streaming writer) takes the options object. ``CheckpointManager`` keeps one and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .._format.codecs import CodecChoice
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
+
+if TYPE_CHECKING:
+    from .exchange import Planner
 
 __all__ = ["SaveOptions"]
 
@@ -45,3 +48,6 @@ class SaveOptions:
     # Where this rank writes its chunks instead of the coordinator's target (a Location): a peer-memory save writes
     # into its own node's directory (``_peer/save.py``). None: the coordinator's target, as every other save.
     rank_target: Any = None
+    # The plans kept for the next save (``exchange.py``): a CheckpointManager holds its own; None: the process
+    # group's, shared by every save of that group that brings none.
+    planner: Planner | None = field(default=None, compare=False, repr=False)

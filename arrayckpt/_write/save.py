@@ -36,17 +36,17 @@ from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedChec
 from .._format.codecs import CodecChoice
 from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
-from .._layout.delta import PieceChange, RowsTask, plan_delta, stored_bytes
+from .._layout.delta import RowsTask, plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
-from .._layout.rankplan import RankPlan, explicit_part, rank_layouts
-from .._layout.saveplan import SavePlan, assemble, cached_layout, plan_layout, with_key_encoding
+from .._layout.rankplan import RankPlan, explicit_part
+from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
 from .._version import __version__
-from .changes import DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
+from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
 from .describe import LocalState, describe_local, host_view
-from .exchange import Reply, Report, Resend, exchange
+from .exchange import Planner, Reply, Report, Resend, exchange, planner_for
 from .options import SaveOptions
 from .transaction import WriteTransaction, begin_write
 
@@ -167,25 +167,26 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     committed checkpoint's id. ``reference(path, box)`` may give the bytes the base holds for a piece (a
     host copy kept from the save that wrote the base), spared from reading them back."""
     where, delta = str(request.location), request.delta
-    changes: Any = ([], {})
+    changes: Changes = NO_CHANGES
     if delta is not None and local is not None and error is None:
         found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference,
                                                        local.description.aliases))
         changes = found or changes
     agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
-    coordinator: list[Any] = [None, None]  # the coordinator's plan and write transaction, from planning to the commit
+    planner = request.options.planner or planner_for(group)
+    coordinator = _Coordinated()  # the coordinator's plan and write transaction, from planning to the commit
 
     def coordinate(reports: list[Report]) -> Any:
-        replies, coordinator[0], coordinator[1] = _coordinate(reports, request)
+        replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, planner)
         return replies
 
     try:
-        reply = exchange(group, None if local is None else local.description, error, changes[0], agreement,
-                         coordinate)
+        reply = exchange(group, planner, None if local is None else local.description, error, changes.pieces,
+                         agreement, coordinate)
         if isinstance(reply, BaseException):
             raise reply
         assert local is not None  # a failed description was answered with an error above
-        plan, transaction = coordinator
+        plan, transaction = coordinator.plan, coordinator.transaction
 
         target = request.options.rank_target or reply.target
         written, error = _attempt(lambda: _write_tasks(reply.part, group.rank, local, target, where, changes, delta))
@@ -205,8 +206,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
                                   f"coordinator died or lost contact at the commit); open the checkpoint to find out "
                                   f"({e.__cause__ or e})") from e
     except BaseException:
-        if coordinator[1] is not None:  # e.g. a rank died mid-save: remove what was written (nothing once committed)
-            coordinator[1].abort()
+        if coordinator.transaction is not None:  # e.g. a rank died mid-save: remove what was written (if not committed)
+            coordinator.transaction.abort()
         raise
     if isinstance(outcome, BaseException):
         raise outcome
@@ -234,7 +235,16 @@ def _first_error(errors: list[BaseException | None]) -> BaseException | None:
     return None
 
 
-def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SavePlan | None, WriteTransaction | None]:
+@dataclass
+class _Coordinated:
+    """What the coordinator's planning made, for the rest of its save (None elsewhere, and until planned)."""
+
+    plan: SavePlan | None = None
+    transaction: WriteTransaction | None = None
+
+
+def _coordinate(reports: list[Report], request: SaveRequest,
+                planner: Planner) -> tuple[Any, SavePlan | None, WriteTransaction | None]:
     """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction:
     (every rank's reply, the plan, the transaction); or the error every rank must raise; or Resend."""
     size = len(reports)
@@ -249,13 +259,14 @@ def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SaveP
     options = request.options
     try:
         fingerprints = tuple(r.fingerprint or b"" for r in reports)
-        layout = cached_layout(fingerprints, options.codec, options.chunking)
+        layout = planner.layouts.reusable(fingerprints, options.codec, options.chunking)
         claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
         if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
             return Resend(), None, None
         if layout is None:
             descriptions = [r.description for r in reports]
             layout = plan_layout(descriptions, fingerprints, options.codec, options.chunking)  # type: ignore[arg-type]
+            planner.layouts.keep(layout)
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
             plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
@@ -265,12 +276,12 @@ def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SaveP
     except ArrayckptError as e:
         return [e] * size, None, None
     try:
-        plan = with_key_encoding(plan, transaction.key_encoding)
+        plan = planner.layouts.with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
         if request.delta is not None:
             parts: list[Any] = [explicit_part(plan, rank) for rank in range(size)]
         else:
-            every = rank_layouts(layout)
+            every = planner.layouts.rank_layouts(layout)
             parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
         replies = [Reply(layout.plan_id, part, transaction.target, transaction.key_encoding) for part in parts]
     except BaseException:
@@ -280,21 +291,21 @@ def _coordinate(reports: list[Report], request: SaveRequest) -> tuple[Any, SaveP
 
 
 def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location, where: str,
-                 changes: tuple[list[PieceChange], dict[str, np.ndarray]],
+                 changes: Changes,
                  delta: DeltaRequest | None) -> tuple[dict[str, float], Checksums]:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
     delta, only its changed chunks, or its changed rows). Returns the quantization error by key and the
     checksums of the chunks written."""
     jobs = []
     errors: dict[str, float] = {}
-    found = {change.key: change for change in changes[0]}
+    found = {change.key: change for change in changes.pieces}
     for task in part.tasks:
         entry = part.entries.get(task.key)
         mode = entry.delta.mode if isinstance(entry, ArrayEntry) and entry.delta is not None else None
         held, data = local.data[task.path]
         if isinstance(task, RowsTask):
             assert delta is not None
-            more, errors[task.key] = rows_jobs(task, part, data, held, changes[1][task.key],  # type: ignore[arg-type]
+            more, errors[task.key] = rows_jobs(task, part, data, held, changes.rows[task.key],  # type: ignore[arg-type]
                                                delta.bits(task.key), target.kvstore)
             jobs.extend(more)
             continue
@@ -411,8 +422,10 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
     created = dict(created or created_info(world_size))
     if len(written) > 1:  # who wrote what, for pictures (one writer: all of it)
         created["writers"] = chunk_writers(plan.arrays, entries, reports)
-    return Manifest(entries, record.step, plan.containers, created, FORMAT_VERSION, record.metrics, uuid.uuid4().hex,
-                    delta.ref if delta is not None else None, stored_bytes(plan), digests)
+    return Manifest(entries=entries, step=record.step, containers=plan.containers, created=created,
+                    format_version=FORMAT_VERSION, metrics=record.metrics, id=uuid.uuid4().hex,
+                    base=delta.ref if delta is not None else None, stored_bytes=stored_bytes(plan),
+                    chunk_digests=digests)
 
 
 def _merged(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:

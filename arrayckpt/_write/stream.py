@@ -71,7 +71,7 @@ def write_streaming(
     record = check_record(options.step, options.metrics)
     request = prepare(path, options, record)
     local = describe_local(dict(skeleton), 0, options.allow_pickle, host)
-    plan = plan_save([local.description], options.codec, options.chunking)
+    plan = plan_save([local.description], options.codec, options.chunking)  # one write: no cache for a next
     with begin_write(request.location, options.overwrite) as transaction:
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)

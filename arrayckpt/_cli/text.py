@@ -17,10 +17,10 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._cli_commands import info_header, ranks_text
-from ._units import human_bytes
+from .._tools.estimate import human_bytes
 
-__all__ = ["info_lines", "site_dirs", "terminal_width", "tree_lines", "writers_summary", "zarr_hint"]
+__all__ = ["info_header", "info_lines", "ranks_text", "site_dirs", "terminal_width", "tree_lines", "writers_summary",
+           "zarr_hint"]
 
 ELLIPSIS = "…"
 MIN_KEY = 16  # the narrowest the key column gets (narrower terminals clip whole lines)
@@ -70,7 +70,7 @@ def writers_summary(record: object) -> str:
     >>> writers_summary({"model/w": [[0, 1, 2, 2]], "model/b": [[0, 0, 1, 1]]})
     '2 ranks, 5 chunks (rank 0: 3, rank 1: 2)'
     """
-    from ._format.writers import writer_counts
+    from .._format.writers import writer_counts
 
     counts = writer_counts(record)
     if counts is None:
@@ -120,8 +120,24 @@ def _table(info: Mapping[str, Any], width: int) -> list[str]:
     return [clip(line, width) for line in out]
 
 
+def info_header(info: Mapping[str, Any]) -> str:
+    """``checkpoint PATH  (format v1, step 3)``; the step recorded at save, else a plain value ``step``, labelled."""
+    step = info["step"]
+    if step is None:
+        value = info["values"].get("step")
+        step = "none recorded" if not isinstance(value, int) else f"none recorded; the value `step` is {value}"
+    return f"checkpoint {info['path']}  (format v{info['format_version']}, step {step})"
+
+
+def ranks_text(ranks: list[str]) -> str:
+    """``per rank (2 ranks): uint8[5056] each`` or each rank's."""
+    same = len(set(ranks)) == 1
+    count = f"{len(ranks)} rank{'' if len(ranks) == 1 else 's'}"
+    return f"per rank ({count}): " + (f"{ranks[0]} each" if same else ", ".join(ranks))
+
+
 def info_lines(info: Mapping[str, Any], width: int, notes: Iterable[str] = ()) -> list[str]:
-    """Everything ``arrayckpt info`` prints (``info``: ``cli.info_dict``'s data), no line longer than ``width``
+    """Everything ``arrayckpt info`` prints (``info``: ``info.info_dict``'s data), no line longer than ``width``
     (0: no limit); ``notes`` (the zarr data-type note) follow the table, wrapped."""
     out = [_with_path("checkpoint ", info["path"], info_header(info)[len("checkpoint ") + len(info["path"]):], width)]
     out += created_lines(info["created"], width)

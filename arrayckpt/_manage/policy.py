@@ -1,15 +1,24 @@
-"""The policies of a :class:`arrayckpt.CheckpointManager`, apart from its machinery: when to save (:class:`Interval`),
-which steps to keep (:class:`Retention`), and when a delta chain starts over (:class:`Incremental`). Plain values;
-``_manager.py`` re-exports them.
+"""The policies of a :class:`arrayckpt.CheckpointManager`, apart from its machinery: when to save (:class:`Interval`,
+with Young's and Daly's optimal intervals), which steps to keep (:class:`Retention`), and when a delta chain starts
+over (:class:`Incremental`). Plain values and arithmetic: no IO, no torch (``arrayckpt interval`` imports this module
+where torch is not installed).
+
+With δ the time a checkpoint blocks training and M the mean time between failures, Young's first-order
+optimum is ``T = sqrt(2·δ·M)``; Daly's higher-order estimate is
+``T = sqrt(2·δ·M)·[1 + ⅓·sqrt(δ/2M) + ⅑·(δ/2M)] − δ`` for ``δ < 2M``, else ``T = M``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-__all__ = ["Incremental", "Interval", "Retention"]
+if TYPE_CHECKING:
+    from .._read.checkpoint import Checkpoint
+
+__all__ = ["Incremental", "Interval", "OptimalInterval", "Retention", "optimal_interval"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,19 @@ class Interval:
     every_steps: int | None = None
     every_seconds: float | None = None
     mtbf_hours: float | None = None
+
+    def due(self, step: int, last_step: int | None, elapsed_s: float, blocking_s: float | None) -> bool:
+        """Whether a checkpoint is due at ``step``, ``elapsed_s`` seconds after the previous save (at ``last_step``;
+        ``None``: none yet this run), which blocked training ``blocking_s`` seconds (``None``: not measured)."""
+        if last_step is None:
+            return bool(self.every_steps and step % self.every_steps == 0) or self.every_steps is None
+        if self.every_steps and step // self.every_steps > last_step // self.every_steps:
+            return True  # a multiple of every_steps reached (or passed) since the previous save
+        if self.every_seconds and elapsed_s >= self.every_seconds:
+            return True
+        if self.mtbf_hours and blocking_s is not None:
+            return elapsed_s >= optimal_interval(blocking_s, self.mtbf_hours * 3600).daly_seconds
+        return False
 
 
 @dataclass(frozen=True)
@@ -74,7 +96,7 @@ class Incremental:
     quantize: Mapping[str, int] | None = None
     keep_copy: bool = False  # asynchronous managers: compare with a kept host copy (2x host memory), not a read
 
-    def wants_full(self, latest: Any) -> bool:
+    def wants_full(self, latest: Checkpoint) -> bool:
         """Whether the next save should be full, given the newest committed checkpoint (opened)."""
         chain = latest.chain()
         deltas = [c for c in chain if c.manifest.base is not None]
@@ -84,3 +106,31 @@ class Incremental:
         if self.max_chain_length is not None and len(deltas) >= self.max_chain_length:
             return True
         return spent > self.max_chain_ratio * full_bytes
+
+
+@dataclass(frozen=True)
+class OptimalInterval:
+    """Optimal seconds of training between checkpoints, by Young's and by Daly's formula."""
+
+    blocking_seconds: float
+    mtbf_seconds: float
+    young_seconds: float
+    daly_seconds: float
+
+
+def optimal_interval(blocking_seconds: float, mtbf_seconds: float) -> OptimalInterval:
+    """Young's and Daly's optimal checkpoint intervals for a blocking time and a mean time between failures.
+
+    >>> round(optimal_interval(10.0, 3600.0).young_seconds, 1)
+    268.3
+    """
+    delta, m = float(blocking_seconds), float(mtbf_seconds)
+    if not (delta >= 0 and m > 0 and math.isfinite(delta) and math.isfinite(m)):
+        raise ValueError(f"need blocking_seconds >= 0 and mtbf_seconds > 0, got {blocking_seconds!r}, {mtbf_seconds!r}")
+    young = math.sqrt(2 * delta * m)
+    if delta < 2 * m:
+        ratio = delta / (2 * m)
+        daly = young * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta
+    else:
+        daly = m
+    return OptimalInterval(blocking_seconds=delta, mtbf_seconds=m, young_seconds=young, daly_seconds=daly)

@@ -1,8 +1,7 @@
-"""``arrayckpt report CKPT [--against OTHER] -o report.html``: the command-line side of ``report``.
+"""``arrayckpt report CKPT [--against OTHER] -o report.html``: the command-line side of :func:`arrayckpt.report`.
 
-Kept apart from ``report.py`` so that building the argument parser imports nothing heavy (no numpy, TensorStore
-or matplotlib): ``cli.py`` calls :func:`add_report_parser` while it builds its parser, and the command imports
-the report when it runs.
+Building the parser imports nothing heavy (no numpy, TensorStore or matplotlib); the command imports the report
+(``_tools/report/``) when it runs.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ import json
 import sys
 from typing import Any
 
-from .sync_cli import add_base_root_option
+from .common import add_base_root_option
 
-__all__ = ["add_report_parser", "report_command"]
+__all__ = ["add_report"]
 
 
 def _count(text: str) -> int:
@@ -27,7 +26,7 @@ def _count(text: str) -> int:
     return value
 
 
-def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_report(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``report`` command to ``subparsers`` (what ``ArgumentParser.add_subparsers`` returned)."""
     parser = subparsers.add_parser(
         "report", help="write a picture of a checkpoint: one self-contained HTML file (sizes, statistics, "
@@ -45,15 +44,15 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="chunk grid pictures of the N largest tensors (default 6)")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
     add_base_root_option(parser)
-    parser.set_defaults(func=report_command)
+    parser.set_defaults(func=cmd_report)
     return parser
 
 
-def report_command(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace) -> int:
     """Run ``arrayckpt report``; 0 when written, 1 when written but some tensor could not be read (damage: said on
     stderr, as ``verify`` exits 1 on damage), 2 when matplotlib is missing (errors of reading the checkpoints
-    propagate to ``cli.main``, which prints them)."""
-    from .report import write_report
+    propagate to ``main``, which prints them)."""
+    from .._tools.report.build import write_report
 
     try:
         output, data = write_report(args.path, against=args.against, output=args.output, overview=args.png,

@@ -12,7 +12,7 @@ from html import escape
 from string import Template
 from typing import Any
 
-from .report_data import Change, DeltaPart, ReportData, SizeNode, human_bytes, size_tree
+from .data import Change, DeltaPart, ReportData, SizeNode, human_bytes, size_tree
 
 __all__ = ["render"]
 

@@ -19,10 +19,10 @@ from 20 ranks on). In a delta checkpoint, the chunks its bases store are drawn l
 wrote them there. Checkpoints without the record (written before it was recorded) are drawn with a colour per chunk,
 and the report says the writers are not recorded.
 
-What a report shows is a set of values (``report_data.py``); chunk grids, the chain and what a delta stores come
-from metadata (``report_layout.py``); the HTML is written by ``report_html.py`` and the pictures drawn by
-``report_figures.py`` and ``report_grids.py`` (the chunk pictures), in ``report_style.py``'s shared style
-(matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``report_cli.py`` is the command line.
+What a report shows is a set of values (``data.py``); chunk grids, the chain and what a delta stores come
+from metadata (``layout.py``); the HTML is written by ``page.py`` and the pictures drawn by
+``figures.py`` and ``grids.py`` (the chunk pictures), in ``style.py``'s shared style
+(matplotlib, an optional extra: ``pip install 'arrayckpt[report]'``); ``_cli/report.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._errors import ArrayckptError
-from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
-from .._format.values import decode_value
-from .._read.checkpoint import Checkpoint, LazyArray, opened
-from .inspect import _Stats, normalize_index, selection_blocks
-from .report_data import Change, Histogram, ReportData, TensorStats, printable
-from .report_layout import chain_of, deltas_of, grid_of, step_of, stored_text
+from ..._errors import ArrayckptError
+from ..._format.manifest import AliasEntry, ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
+from ..._format.values import decode_value
+from ..._read.checkpoint import Checkpoint, LazyArray, opened
+from ..inspect import _Stats, normalize_index, selection_blocks
+from .data import Change, Histogram, ReportData, TensorStats, printable
+from .layout import chain_of, deltas_of, grid_of, step_of, stored_text
 
 __all__ = ["Written", "collect", "layer_of", "report", "write_report"]
 
@@ -94,19 +94,19 @@ def write_report(path: str | os.PathLike[str] | Checkpoint, *,
                  base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Written:
     """:func:`report`, returning what the report shows too (the command line exits 1 when a tensor could not be
     read). Missing parent directories of ``output`` and ``overview`` are created, as ``save`` creates them."""
-    from . import report_figures, report_html  # matplotlib: only here
+    from . import figures, page  # matplotlib: only here
 
-    report_figures.require_matplotlib()
+    figures.require_matplotlib()
     options = {"storage_options": storage_options, "base_roots": base_roots}
     with opened(path, **options) as checkpoint, (nullcontext() if against is None else opened(against, **options)) \
             as other:
         data = collect(checkpoint, other, max_tensors=max_tensors, histograms=histograms, grids=grids)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(printable(report_html.render(data, report_figures.figures(data))).encode("utf-8"))
+    out.write_bytes(printable(page.render(data, figures.figures(data))).encode("utf-8"))
     if overview is not None:
         Path(overview).parent.mkdir(parents=True, exist_ok=True)
-        report_figures.overview(data, overview)
+        figures.overview(data, overview)
     return Written(out, data)
 
 

@@ -1,7 +1,7 @@
 """The chunk pictures of ``report``: a tensor's outer chunk grid coloured by the rank that wrote each chunk (with a
 key from colour to rank), and what a delta checkpoint stores of a tensor (its chunks, or its rows).
 
-Drawn into given axes, like every ``draw_*`` function of ``report_figures.py``; matplotlib is imported when drawing.
+Drawn into given axes, like every ``draw_*`` function of ``figures.py``; matplotlib is imported when drawing.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .report_data import MAX_CELLS, ChunkGrid, DeltaPart, human_bytes
-from .report_style import FONT, colormap, lighten, short_key
+from .data import MAX_CELLS, ChunkGrid, DeltaPart, human_bytes
+from .style import FONT, colormap, lighten, short_key
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

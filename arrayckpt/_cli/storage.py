@@ -1,5 +1,5 @@
-"""The ``arrayckpt sync SRC DST`` command (:func:`arrayckpt.copy` on the command line), kept apart from ``copy.py`` so
-that building the command line's parser imports nothing heavy (``arrayckpt estimate`` needs no TensorStore)."""
+"""``arrayckpt gc ROOT`` (remove what interrupted saves left, and only that) and ``sync SRC DST``
+(:func:`arrayckpt.copy`: a committed checkpoint and its chain copied as stored, checked, committed last)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,55 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_base_root_option", "add_sync_parser", "sync_command"]
+from .common import add_base_root_option
+
+__all__ = ["add_gc", "add_sync"]
 
 
-def add_sync_parser(commands: Any) -> Any:
+def add_gc(commands: Any) -> argparse.ArgumentParser:
+    """Add ``gc`` to the command line's subparsers."""
+    gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
+                                        "(s3://bucket/run: its incomplete checkpoints)")
+    gc.add_argument("root", help="directory, or object-storage prefix (s3://bucket/run), holding checkpoints")
+    gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                    help="only remove leftovers untouched this long (default 3600; on object storage without "
+                         "modification times, memory:// or gs://, only 0 removes). A running save's is never "
+                         "removed, at any age: its lock or lease marks it (spec §9.4)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.add_argument("--json", action="store_true", help="print JSON")
+    gc.set_defaults(func=cmd_gc)
+    return gc
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .._storage import parse_location
+
+    # what interrupted saves left right below the root; what looks like it but stays is reported with why
+    found, kept = parse_location(args.root).leftovers(args.min_age)
+    removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
+    if args.json:
+        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
+        if kept:
+            report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
+        print(json.dumps(report))
+        return 0
+    for path in removed:
+        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for path, reason in kept:
+        print(f"kept {path}: {reason}")
+    n = len(removed)
+    what = f"{n} leftover{'' if n == 1 else 's'}"
+    summary = f"would remove {what}" if args.dry_run else f"removed {what}"
+    if kept:
+        summary += (f"; kept {len(kept)} (listed above with why; --min-age SECONDS lowers the age a temporary "
+                    f"directory needs before it is removed)")
+    elif not n:
+        summary = f"nothing to remove in {args.root}"
+    print(summary)
+    return 0
+
+
+def add_sync(commands: Any) -> argparse.ArgumentParser:
     """Add the ``sync`` command to the ``arrayckpt`` command line's subparsers; returns its parser."""
     sync = commands.add_parser("sync", help="copy a committed checkpoint (and its chain of bases) to another "
                                             "location as stored, checking every chunk; the copy commits last")
@@ -23,19 +68,11 @@ def add_sync_parser(commands: Any) -> Any:
     sync.add_argument("--read-back", action="store_true", help="read every copied file back and compare it")
     sync.add_argument("--json", action="store_true", help="print JSON")
     add_base_root_option(sync)
-    sync.set_defaults(func=sync_command)
+    sync.set_defaults(func=cmd_sync)
     return sync
 
 
-def add_base_root_option(parser: argparse.ArgumentParser) -> None:
-    """``--base-root DIR_OR_URL`` (repeatable), for the commands that read a delta checkpoint's chain of bases:
-    where bases may be besides the directory (prefix) holding each checkpoint (spec §10.1)."""
-    parser.add_argument("--base-root", action="append", default=None, metavar="DIR_OR_URL",
-                        help="also read (and, for sync, place) a delta checkpoint's bases inside this directory or "
-                             "URL; repeatable (by default only bases beside the checkpoint are read: spec §10.1)")
-
-
-def sync_command(args: argparse.Namespace) -> int:
+def cmd_sync(args: argparse.Namespace) -> int:
     """``arrayckpt sync SRC DST``: exit status 0 when the destination holds the checkpoint (copied or already
     there); errors (damage in the source: nothing committed) are raised to the command line's handler."""
     show = sys.stderr.isatty() and not args.json
@@ -46,7 +83,7 @@ def sync_command(args: argparse.Namespace) -> int:
               flush=True)
 
     try:
-        from .copy import copy
+        from .._tools.copy import copy
 
         result = copy(args.src, args.dst, overwrite=args.overwrite, max_bytes_per_second=args.max_rate,
                       read_back=args.read_back, progress=progress if show else None, base_roots=args.base_root)

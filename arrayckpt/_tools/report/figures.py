@@ -1,6 +1,6 @@
 """The pictures of ``report``, drawn with matplotlib (an optional extra) and returned as base64 PNGs.
 
-Every picture is drawn by a ``draw_*`` function into given axes (the chunk pictures' in ``report_grids.py``), so
+Every picture is drawn by a ``draw_*`` function into given axes (the chunk pictures' in ``grids.py``), so
 that a report's section figures and its one-image overview (``report(..., overview=...)``) draw the same things.
 Figures are made with ``matplotlib.figure.Figure`` and saved through the Agg canvas: no pyplot, no global state, no
 display needed.
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .report_data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
-from .report_grids import draw_delta, draw_grid, draw_rank_legend, top_rank
-from .report_style import DPI, FONT, colormap, lighten, short_key
+from .data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
+from .grids import draw_delta, draw_grid, draw_rank_legend, top_rank
+from .style import DPI, FONT, colormap, lighten, short_key
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

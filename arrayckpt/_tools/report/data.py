@@ -1,8 +1,8 @@
 """What ``report`` shows, as values: one tensor's statistics and histogram, its change against another checkpoint,
 chunk grids, the chain of bases, what a delta stores, and the tree of sizes with its treemap layout.
 
-``report.py`` and ``report_layout.py`` fill them in from a checkpoint; ``report_figures.py`` draws them and
-``report_html.py`` writes them out.
+``build.py`` and ``layout.py`` fill them in from a checkpoint; ``figures.py`` draws them and
+``page.py`` writes them out.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._units import human_bytes
+from ..estimate import human_bytes
 
 __all__ = ["MAX_CELLS", "Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode",
            "TensorStats", "human_bytes", "printable", "size_tree", "squarify"]
@@ -83,7 +83,7 @@ class Change:
 
 @dataclass
 class ReportData:
-    """Everything a report shows (:func:`collect`); ``report_html.render`` turns it into the page."""
+    """Everything a report shows (:func:`collect`); ``page.render`` turns it into the page."""
 
     location: str
     format_version: int

@@ -7,7 +7,7 @@ Retention runs on the coordinator after each save has committed, never removes t
 never removes a base that a kept delta checkpoint reads through.
 
 With a :class:`Remote`, the manager has two tiers: every save commits to the (fast, local) root first, then a
-background uploader copies it to the remote root (``_tiers.py``); ``restore`` takes the newest step from whichever
+background uploader copies it to the remote root (``uploader.py``); ``restore`` takes the newest step from whichever
 tier holds it whole.
 
 One manager per root: its coordinator holds each root (spec §9.4: a ``flock`` locally, a lease on object storage)
@@ -17,32 +17,34 @@ construction, and its saves, clean-ups and uploads are refused (``CheckpointBusy
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
-from ._peer.config import PeerMemory
-from ._peer.tier import MemoryTier
-from ._policies import Incremental, Interval, Retention
-from ._read.checkpoint import Checkpoint
-from ._storage import Location, parse_location
-from ._storage.liveness import LEASE_TTL_S, HeldRoot
-from ._tiers import Remote, StepCopy, StepTree, Uploader, restore_newest
-from ._tools.interval import optimal_interval
-from ._torch.dist import resolve_group
-from ._write.asynchronous import async_save_with
-from ._write.options import SaveOptions
-from ._write.save import save_with
+from .._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
+from .._format.codecs import CodecChoice
+from .._peer.config import PeerMemory
+from .._peer.tier import MemoryTier
+from .._read.checkpoint import Checkpoint
+from .._storage import Location, parse_location
+from .._storage.liveness import LEASE_TTL_S, HeldRoot
+from .._torch.dist import resolve_group
+from .._write.asynchronous import SaveHandle, async_save_with
+from .._write.exchange import Planner
+from .._write.options import SaveOptions
+from .._write.save import save_with
+from .policy import Incremental, Interval, Retention
+from .restore import StepCandidate, StepCopy, restore_newest
+from .signals import SigtermSave, StateAndStep
+from .tiers import Remote, StepTree
+from .uploader import Uploader
 
-__all__ = ["CheckpointManager", "Incremental", "Interval", "Retention"]
+__all__ = ["CheckpointManager"]
 
 # Failures of the remote root's first request that no retry mends (TensorStore's status codes, S3's error codes)
 _DEFINITIVE = ("NOT_FOUND", "NoSuchBucket", "PERMISSION_DENIED", "AccessDenied", "UNAUTHENTICATED", "INVALID_ARGUMENT")
@@ -85,7 +87,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         interval: Interval | None = None,
         retention: Retention | None = None,
         asynchronous: bool = False,
-        codec: Any = None,
+        codec: CodecChoice = None,
         process_group: Any = None,
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -105,16 +107,13 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self._held = HeldRoot(self._location)  # the coordinator's hold on the root (spec §9.4)
         self._remote_held: HeldRoot | None = None
         #: The options every save starts from; each save sets its step, metrics and base on a copy.
-        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
+        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group, planner=Planner(),
                                         storage_options=storage_options, guard=self._held.check)
-        self._pending: Any = None  # the in-flight SaveHandle of an asynchronous save
+        self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None
         self._blocking_seconds: float | None = None
-        self._on_signal: Callable[[], tuple[int, Mapping[str, Any]]] | None = None  # save_on_sigterm's callback
-        self._signalled: int | None = None  # the signal being handled (save_on_sigterm)
-        self._deferring = 0  # save()/wait() calls in progress on the main thread: a signal waits for them
-        self._terminating = False
+        self._sigterm = SigtermSave(self._save_before_exit)  # save_on_sigterm's handling
         #: What the last :meth:`clean_up` left in place although it looked like a leftover: ``(path, why)``.
         self.kept: list[tuple[str, str]] = []
         self._location.make_directory()
@@ -244,17 +243,8 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def should_save(self, step: int) -> bool:
         """Whether the interval policy asks for a checkpoint at ``step``."""
-        rule = self.interval
-        if self._last_step is None:
-            return bool(rule.every_steps and step % rule.every_steps == 0) or rule.every_steps is None
-        if rule.every_steps and step // rule.every_steps > self._last_step // rule.every_steps:
-            return True  # a multiple of every_steps reached (or passed) since the previous save
         elapsed = time.monotonic() - (self._last_time or 0.0)
-        if rule.every_seconds and elapsed >= rule.every_seconds:
-            return True
-        if rule.mtbf_hours and self._blocking_seconds is not None:
-            return elapsed >= optimal_interval(self._blocking_seconds, rule.mtbf_hours * 3600).daly_seconds
-        return False
+        return self.interval.due(step, self._last_step, elapsed, self._blocking_seconds)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, float] | None = None, changed_rows: Mapping[str, Any] | None = None) -> bool:
@@ -263,7 +253,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         ``changed_rows`` (key -> row indices changed since the previous save) spares reading the base back
         for those keys. With a remote tier, the save is queued for upload, and an upload that failed since the
         last call is raised here (``StorageError``; once per failure, after this save was made)."""
-        with self._signals_deferred():
+        with self._sigterm.deferred():
             saved = self._save(step, state, force, metrics, changed_rows)
             if saved:
                 self._raise_upload_errors(new_only=True)
@@ -278,8 +268,6 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
-        from dataclasses import replace
-
         options = replace(self.save_options, step=step, metrics=metrics, **self._delta_options(changed_rows))
         if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
@@ -318,7 +306,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (raising its error), then apply retention."""
-        with self._signals_deferred():
+        with self._sigterm.deferred():
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 pending.wait()
@@ -386,7 +374,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         of what this rank restores, and one more memory copy; IO is one read of the step restored (plus the reads a
         damaged step got through). ``atomic=False`` spares the memory, but a failed attempt may leave some tensors
         overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
-        all of them restore the same step (see :func:`arrayckpt._tiers.restore_newest`)."""
+        all of them restore the same step (see :func:`arrayckpt._manage.restore.restore_newest`)."""
         tiers = self._restore_tiers()
         if step is None and self.memory is not None:  # the newest step the surviving nodes hold whole, if not older
             group = resolve_group(self.process_group)
@@ -399,7 +387,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         order = [step] if step is not None else sorted(tiers, reverse=True)
         if not order:
             return None
-        candidates = [(s, [self._copy(s, tier) for tier in tiers[s]]) for s in order]  # local first
+        candidates = [StepCandidate(s, [self._copy(s, tier) for tier in tiers[s]]) for s in order]  # local first
         step = restore_newest(state, candidates, resolve_group(self.process_group), {"atomic": True, **load_options})
         self._last_step, self._last_time = step, time.monotonic()
         return step
@@ -422,59 +410,26 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     # --- preemption -------------------------------------------------------------------------------
 
-    def save_on_sigterm(self, state_and_step: Callable[[], tuple[int, Mapping[str, Any]]]) -> None:
+    def save_on_sigterm(self, state_and_step: StateAndStep) -> None:
         """On SIGTERM (preemption), finish any save in flight, save ``state_and_step()`` synchronously,
         then exit with the signal's default status. Opt-in; call once, from the main thread.
 
         The handler runs once: a second SIGTERM while it runs (a launcher forwarding the scheduler's) is
         ignored. A signal that arrives while the main thread is inside :meth:`save` or :meth:`wait` is handled
         when that call returns (never a save inside a save). If the saving fails, the error propagates and a
-        later SIGTERM is handled again."""
-        def handler(signum: int, frame: Any) -> None:
-            if self._signalled is not None:
-                return  # a second signal while the first is handled (or about to be): ignored
-            self._signalled = signum
-            if self._deferring:
-                return  # inside save() or wait(): they finish first, then call _terminate
-            self._terminate(signum, state_and_step)
+        later SIGTERM is handled again (``signals.py``)."""
+        self._sigterm.install(state_and_step)
 
-        self._on_signal = state_and_step
-        signal.signal(signal.SIGTERM, handler)
-
-    def _terminate(self, signum: int, state_and_step: Callable[[], tuple[int, Mapping[str, Any]]]) -> None:
-        """The SIGTERM handler's work: finish the save in flight, save the newest state, exit with ``signum``."""
-        self._terminating = True
-        try:
-            self.wait()
-            step, state = state_and_step()
-            if self._last_step is None or step > self._last_step:
-                asynchronous, self.asynchronous = self.asynchronous, False
-                try:
-                    self._save(step, state, True, None, None)  # (an upload failure is not raised here)
-                finally:
-                    self.asynchronous = asynchronous
-        except BaseException:
-            self._signalled, self._terminating = None, False
-            raise
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    @contextlib.contextmanager
-    def _signals_deferred(self) -> Iterator[None]:
-        """Around :meth:`save` and :meth:`wait` on the main thread: a SIGTERM that arrives meanwhile is handled
-        when the outermost of them returns (or fails), so the handler never runs a save inside a save nor
-        misses the save in flight that :meth:`wait` has taken over."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        self._deferring += 1
-        try:
-            yield
-        finally:
-            self._deferring -= 1
-            signum = self._signalled
-            if not self._deferring and signum is not None and not self._terminating and self._on_signal is not None:
-                self._terminate(signum, self._on_signal)
+    def _save_before_exit(self, state_and_step: StateAndStep) -> None:
+        """The SIGTERM handler's work before the process exits: finish the save in flight, save the newest state."""
+        self.wait()
+        step, state = state_and_step()
+        if self._last_step is None or step > self._last_step:
+            asynchronous, self.asynchronous = self.asynchronous, False
+            try:
+                self._save(step, state, True, None, None)  # (an upload failure is not raised here)
+            finally:
+                self.asynchronous = asynchronous
 
     def close(self) -> None:
         """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then stop the
