@@ -12,6 +12,7 @@ from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._layout.box import Box
+from arrayckpt._layout.plancache import PlanCache
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
 
 
@@ -178,12 +179,15 @@ def test_repeated_layout_reuses_the_plan_and_takes_fresh_values():
         return [LocalDescription(arrays=_d("w", r, (2 * r, 0), (2, 4), (4, 4)).arrays,
                                  values=(ValueEntry("step", ("step",), step),)) for r in range(2)]
 
-    first = plan_save(descriptions(1), None)
-    second = plan_save(descriptions(2), None)
+    cache = PlanCache()  # what a process group's saves, a manager or a DCP writer holds
+    first = cache.plan_save(descriptions(1), None)
+    second = cache.plan_save(descriptions(2), None)
     assert second.arrays is first.arrays and second.tasks is first.tasks  # layout reused
     assert first.entries["step"].value == 1 and second.entries["step"].value == 2
-    third = plan_save(descriptions(3), "zstd")  # another codec: a new layout
+    third = cache.plan_save(descriptions(3), "zstd")  # another codec: a new layout
     assert third.arrays is not first.arrays and third.arrays["w"].codec.name == "zstd"
+    assert PlanCache().plan_save(descriptions(4), "zstd").arrays is not third.arrays  # another caller's cache
+    assert plan_save(descriptions(5), "zstd").arrays is not third.arrays  # no cache: planned afresh
 
 
 def test_callable_codecs_are_asked_again_on_every_save():

@@ -441,7 +441,7 @@ def test_only_arrayckpt_checkpoints_count_as_committed_for_overwrite(tmp_path):
 
 
 def test_reads_memory_map_chunk_files():
-    assert read_context().spec.to_json()["file_io_mode"] == {"mode": "memmap"}
+    assert read_context().spec["file_io_mode"] == {"mode": "memmap"}
     assert '`"file_io_mode": "memmap"`' in SPEC
 
 

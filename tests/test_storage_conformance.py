@@ -20,6 +20,7 @@ import arrayckpt._storage.local as local_storage
 import arrayckpt._storage.object as object_storage
 from arrayckpt._errors import FormatError
 from arrayckpt._format.zarr import chunk_key
+from arrayckpt._io.arrays import resolve_context
 from arrayckpt._storage import ROOT_METADATA, Location, Writer, parse_location
 
 
@@ -56,12 +57,12 @@ def elsewhere(storage: Storage, tmp_path: Path) -> Location:
 
 
 def _put(location: Location, subpath: str, key: str, data: bytes) -> None:
-    store = ts.KvStore.open(location.kvstore(subpath), context=location.write_context()).result()
+    store = ts.KvStore.open(location.kvstore(subpath), context=resolve_context(location.write_context())).result()
     store.write(key, data).result()
 
 
 def _get(kvstore: dict[str, Any], context: Any, key: str) -> bytes | None:
-    result = ts.KvStore.open(kvstore, context=context).result().read(key).result()
+    result = ts.KvStore.open(kvstore, context=resolve_context(context)).result().read(key).result()
     return result.value if result.state == "value" else None
 
 
@@ -82,7 +83,7 @@ def _write_data(writer: Writer) -> dict[str, Any]:
     """What the ranks of a save do: one array's document (through the coordinator) and its one chunk."""
     array = _array_document(writer.key_encoding)
     wait = writer.write_documents({"w": json.dumps(array).encode()})
-    store = ts.KvStore.open(writer.kvstore("w"), context=writer.target.write_context()).result()
+    store = ts.KvStore.open(writer.kvstore("w"), context=resolve_context(writer.target.write_context())).result()
     store.write(chunk_key(array, (0,)), b"\x01\x02\x03\x04").result()
     writer.target.finish_rank_writes()
     wait()

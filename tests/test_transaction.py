@@ -15,7 +15,8 @@ from arrayckpt._errors import StorageError
 from arrayckpt._format.manifest import FORMAT_VERSION, Manifest
 from arrayckpt._layout.box import Box
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
-from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
+from arrayckpt._layout.plancache import PlanCache
+from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription
 from arrayckpt._storage import parse_location
 from arrayckpt._write.transaction import WriteTransaction, begin_write
 
@@ -128,9 +129,10 @@ def test_a_chunk_policy_is_checked_and_part_of_the_plan() -> None:
         ChunkPolicy(inner_chunk_bytes=0)
     described = [LocalDescription(arrays=(ArrayDescription("w", ("w",), "tensor", "float32", (64, 16),
                                                            Box((0, 0), (64, 16)), 0),))]
-    default = plan_save(described, None)
-    assert plan_save(described, None, DEFAULT_CHUNKING).arrays is default.arrays  # the same input: reused
-    small = plan_save(described, None, small_chunks(256, 1024).policy)
+    cache = PlanCache()
+    default = cache.plan_save(described, None)
+    assert cache.plan_save(described, None, DEFAULT_CHUNKING).arrays is default.arrays  # the same input: reused
+    small = cache.plan_save(described, None, small_chunks(256, 1024).policy)
     assert (small.arrays["w"].outer_chunk, small.arrays["w"].inner_chunk) == ((16, 16), (4, 16))
     assert default.arrays["w"].outer_chunk == (64, 16)
-    assert plan_save(described, None).arrays is not default.arrays  # the policy changed in between: planned anew
+    assert cache.plan_save(described, None).arrays is not default.arrays  # the policy changed in between: anew

@@ -305,8 +305,10 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         return {"base": self.path(steps[-1]), "changed_rows": changed_rows, "quantize": self.incremental.quantize}
 
     def wait(self) -> None:
-        """Wait for an asynchronous save in flight (raising its error), then apply retention."""
+        """Wait for an asynchronous save and a memory save in flight (raising their errors), then apply retention."""
         with self._sigterm.deferred():
+            if self.memory is not None:
+                self.memory.wait()
             if self._pending is not None:
                 pending, self._pending = self._pending, None
                 pending.wait()
