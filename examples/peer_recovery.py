@@ -24,7 +24,8 @@ What it does (CPU, gloo on 127.0.0.1, about 15 s on 2 cores):
 4. Restarts the job on 3 ranks: ranks 0-1 on node 0 (its memory survived), rank 2 on a fresh node. Each calls
    ``manager.restore(state)``: the newest memory step the survivors hold whole (node 0's own chunks and its
    replicas of node 1's), newer than the durable tier's, resharded from 4 ranks onto 3; the job trains on to
-   ``--steps``.
+   ``--steps``, after making the restored step durable (``manager.flush_memory``: its chunk files copied from the
+   survivors' memory to the local tier, as stored).
 5. Prints the loss trajectory (before the loss, after it, and the reference) and checks that every loss of the
    resumed run and the final parameters equal the uninterrupted run's, bit for bit.
 
@@ -177,6 +178,9 @@ def rank_main(workdir: Path, node: str, steps: int, seed: int, delay: float) -> 
         shards.step = state["step"]
         tier = "peer memory" if manager.memory.last_step == restored else f"durable tier {manager.tiers()[restored]}"
         report(rank, f"restored step {restored} from {tier} onto {world} ranks")
+        if tier == "peer memory":  # make it durable before training goes on: its chunk files copied, as stored
+            manager.flush_memory(restored)
+            report(rank, f"step {restored} flushed to the durable tier: {manager.tiers()[restored]}")
     gather = gather_full(world)
     while shards.step < steps:
         loss = train_step(shards, gather, world)
@@ -311,6 +315,11 @@ def run(workdir: Path, steps: int, kill_after: int, seed: int, delay: float) -> 
     problems = []
     if "from peer memory onto 3 ranks" not in restored:
         problems.append(f"expected a restore from peer memory: {restored}")
+    flushed = next((line for line in second.output[0] if "flushed to the durable tier" in line), None)
+    if flushed is None or "('local',)" not in flushed:
+        problems.append(f"expected the restored step flushed to the local tier: {flushed}")
+    else:
+        print(f"3 ranks: {flushed.split(': ', 1)[1]}")
     if start < kill_after or start % 2:
         problems.append(f"restored step {start}: expected a memory step at or after {kill_after}")
     if any(loss != expected[step - 1] for step, loss in before.items()):

@@ -164,6 +164,35 @@ def test_clean_up_removes_ended_jobs_memory_and_interrupted_steps_only(tmp_path:
     live.close()
 
 
+def test_gc_memory_removes_only_ended_jobs_memory_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    import json
+
+    from arrayckpt._cli.main import main
+    from arrayckpt._peer.node import NodeMemory
+
+    shm = tmp_path / "shm"
+    ended = NodeMemory(shm / "ended", "root-a")
+    (ended.step_path(7) / "w").mkdir(parents=True)
+    (ended.step_path(7) / "w" / "c.0").write_bytes(b"x")
+    ended.close()  # its job ended
+    live = NodeMemory(shm / "live", "root-b")  # a running job's: its ranks hold node.json
+    (live.step_path(3) / "w").mkdir(parents=True)
+    (shm / "foreign" / "step-00000001").mkdir(parents=True)  # no node.json: not arrayckpt's
+    root = tmp_path / "root"
+    root.mkdir()
+    assert main(["gc", str(root), "--memory", str(shm), "--min-age", "0", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"would_remove": [str(shm / "ended")]}
+    assert ended.step_path(7).exists()
+    assert main(["gc", str(root), "--memory", str(shm), "--min-age", "3600"]) == 0  # too recent
+    assert ended.step_path(7).exists()
+    capsys.readouterr()
+    assert main(["gc", str(root), "--memory", str(shm), "--min-age", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"removed": [str(shm / "ended")]}
+    assert not (shm / "ended").exists()
+    assert live.step_path(3).exists() and (shm / "foreign" / "step-00000001").exists()
+    live.close()
+
+
 def _save_then_change(rank: int, world: int, root: str, dirs: list[str]) -> tuple:
     """A memory save returns before its replication runs (the replication waits here for the caller to have
     changed the state), and the step holds the state as it was when ``save`` was called."""
@@ -199,3 +228,92 @@ def test_a_memory_save_returns_once_staged_and_replicates_in_the_background(tmp_
     assert [ran for ran, _ in results] == [[True], [True]]
     _check([restored for _, restored in results], 2, 3)
     assert all(Path(d, "step-00000003.peer.json").is_file() for d in dirs)
+
+
+def _flush(rank: int, world: int, root: str, dirs: list[str], rpn: int, remote: str | None) -> dict:
+    """A restarted job: restore memory step 3 by number, flush it to the durable tiers (twice: the second finds it
+    there), and ask for a step memory never held."""
+    import os
+
+    manager = arrayckpt.CheckpointManager(root, interval=arrayckpt.Interval(every_steps=2), remote=remote,
+                                          memory=arrayckpt.PeerMemory(every_steps=1, ranks_per_node=rpn,
+                                                                      directory=dirs[rank]))
+    state = _state(rank, world, None)
+    out: dict = {"restored": manager.restore(state, step=3), "w": state["w"].tensor.numpy().copy()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["first"] = manager.flush_memory()
+    out["warnings"] = [str(w.message) for w in caught]
+    inode = os.stat(manager.path(3)).st_ino
+    out["again"] = manager.flush_memory(3)
+    out["copied_again"] = os.stat(manager.path(3)).st_ino != inode
+    try:
+        manager.flush_memory(1)
+    except arrayckpt.StateError as e:
+        out["missing"] = str(e)
+    manager.wait_for_uploads()
+    out["tiers"] = manager.tiers()
+    manager.close()
+    return out
+
+
+def _check_durable(path: Path, memory_step: Path, step: int) -> None:
+    """The durable checkpoint holds the memory step's very checkpoint (its id) and reads back whole, without torch."""
+    import json
+
+    with arrayckpt.open(path) as checkpoint:
+        assert checkpoint.step == step
+        assert checkpoint.manifest.id == json.loads(Path(f"{memory_step}.peer.json").read_bytes())["id"]
+        assert torch.equal(torch.from_numpy(checkpoint["w"][:]), _full(step)["w"])
+        assert torch.equal(torch.from_numpy(checkpoint["b"][:]), _full(step)["b"])
+    assert arrayckpt.verify(path).ok
+
+
+def test_flush_a_memory_step_to_the_durable_tiers_after_losing_a_node_on_fewer_ranks(tmp_path: Path):
+    root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
+    n = [str(tmp_path / f"node{i}") for i in range(3)]
+    run_ranks(4, _train, root, [n[0], n[0], n[1], n[1]], 2, 3)  # durable step 2, memory step 3
+    shutil.rmtree(n[1])  # node 1 is lost: node 0's own files and its replicas of node 1's make step 3 whole
+    results = run_ranks(3, _flush, root, [n[0], n[0], n[2]], 2, remote)
+    for rank, out in enumerate(results):
+        start, count = _rows(rank, 3)
+        assert out["restored"] == 3 and torch.equal(torch.from_numpy(out["w"]), _full(3)["w"][start:start + count])
+        assert out["first"] == 3 and out["again"] == 3
+        assert "step 1" in out["missing"] and "no node holds" in out["missing"]
+    assert results[0]["copied_again"] is False  # the durable tier held this very checkpoint: not copied again
+    assert results[0]["tiers"][3] == ("local", "remote")  # then uploaded like any save
+    _check_durable(tmp_path / "root" / "step-00000003", Path(n[0], "step-00000003"), 3)
+    _check_durable(tmp_path / "remote" / "step-00000003", Path(n[0], "step-00000003"), 3)
+
+
+def _flush_only(rank: int, world: int, root: str, dirs: list[str]) -> str | int | None:
+    manager = _manager(root, dirs[rank], 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return manager.flush_memory(3)
+    except arrayckpt.StateError as e:
+        return str(e)
+    finally:
+        manager.close()
+
+
+def test_a_flush_takes_the_intact_copy_and_refuses_a_step_with_no_intact_copy(tmp_path: Path):
+    root = str(tmp_path / "root")
+    dirs = [str(tmp_path / f"node{i}") for i in range(2)]
+    run_ranks(2, _train, root, dirs, 1, 3)
+    own, replica = Path(dirs[0], "step-00000003", "w", "c.0.0"), Path(dirs[1], "step-00000003", "w", "c.0.0")
+    good = own.read_bytes()
+    assert replica.read_bytes() == good
+    for path in (own, replica):  # both copies of rank 0's rows damaged
+        data = bytearray(good)
+        data[3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    for message in run_ranks(2, _flush_only, root, dirs):
+        assert "not whole" in message and "step 3" in message and "w (1 of" in message
+    target = tmp_path / "root" / "step-00000003"
+    assert not target.exists() and not [p for p in (tmp_path / "root").iterdir() if "00000003" in p.name]
+    replica.write_bytes(good)  # one intact copy again (on the other node than rank 0's)
+    assert run_ranks(2, _flush_only, root, dirs) == [3, 3]
+    _check_durable(target, Path(dirs[1], "step-00000003"), 3)
+    assert (target / "w" / "c.0.0").read_bytes() == good

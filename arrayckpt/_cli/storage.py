@@ -22,6 +22,10 @@ def add_gc(commands: Any) -> argparse.ArgumentParser:
                     help="only remove leftovers untouched this long (default 3600; on object storage without "
                          "modification times, memory:// or gs://, only 0 removes). A running save's is never "
                          "removed, at any age: its lock or lease marks it (spec §9.4)")
+    gc.add_argument("--memory", metavar="DIR", action="append", default=[],
+                    help="also remove the peer-memory directories of ended jobs right below DIR (e.g. "
+                         "/dev/shm/arrayckpt, where PeerMemory keeps them by default): those no running manager "
+                         "holds, untouched for --min-age; only arrayckpt's files in them. May be repeated")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=cmd_gc)
@@ -34,6 +38,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     # what interrupted saves left right below the root; what looks like it but stays is reported with why
     found, kept = parse_location(args.root).leftovers(args.min_age)
     removed = [leftover.url for leftover in found if args.dry_run or leftover.remove()]
+    if args.memory:
+        from pathlib import Path
+
+        from .._peer.node import ended_memory_directories
+
+        for parent in args.memory:
+            removed += ended_memory_directories(Path(parent), args.min_age, remove=not args.dry_run)
     if args.json:
         report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
         if kept:

@@ -378,9 +378,10 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
         all of them restore the same step (see :func:`arrayckpt._manage.restore.restore_newest`)."""
         tiers = self._restore_tiers()
-        if step is None and self.memory is not None:  # the newest step the surviving nodes hold whole, if not older
+        if self.memory is not None:  # the newest step the surviving nodes hold whole, if not older (or ``step``)
             group = resolve_group(self.process_group)
-            found = self.memory.restore(state, group, load_options, max(tiers, default=None))
+            found = self.memory.restore(state, group, load_options, max(tiers, default=None) if step is None else None,
+                                        only=step)
             if found is not None:
                 self._last_step, self._last_time = found, time.monotonic()
                 return found
@@ -409,6 +410,29 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
             warnings.warn(f"{self._remote.location}: the remote tier cannot be listed ({e}); restoring from the "
                           "local tier", RuntimeWarning, stacklevel=3)
             return {step: ("local",) for step in self._local.steps()}
+
+    # --- peer memory -----------------------------------------------------------------------------
+
+    def flush_memory(self, step: int | None = None) -> int | None:
+        """Make a memory step durable: copy its chunk files, as they are, from the nodes holding them to
+        ``path(step)`` in the local tier (then, with a remote tier, it is uploaded like any save); collective, on
+        every rank. ``step=None`` takes the newest memory step the nodes hold whole (after a node loss too: the
+        replicas stand in). Returns the step flushed (``None``: no memory step to flush); a step the local tier
+        already holds as this very checkpoint is not copied again. Waits for the saves in flight first. Raises
+        ``StateError`` when the step is not whole among the nodes, ``CorruptCheckpointError`` naming a damaged
+        chunk file, ``CheckpointBusyError`` while another manager holds the root (``_peer/flush.py``)."""
+        if self.memory is None:
+            raise StateError("this manager has no memory tier: pass memory=arrayckpt.PeerMemory(...)")
+        with self._sigterm.deferred():
+            self.wait()
+            group = resolve_group(self.process_group)
+            flushed = self.memory.flush(step, group, self._step_location, self._held.check)
+            if flushed is None:
+                return None
+            if flushed.copied and self._uploader is not None:
+                self._uploader.add(flushed.step)
+            self._apply_retention()
+            return flushed.step
 
     # --- preemption -------------------------------------------------------------------------------
 

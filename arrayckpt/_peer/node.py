@@ -38,7 +38,8 @@ from .._io.fastio import check_no_links, read_checkpoint_file
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import directory_files, remove_arrayckpt_files
 
-__all__ = ["NODE_FILE", "FileSum", "Holding", "NodeMemory", "StepRecord", "file_sum", "remove_memory_directory"]
+__all__ = ["NODE_FILE", "FileSum", "Holding", "NodeMemory", "StepRecord", "ended_memory_directories", "file_sum",
+           "remove_memory_directory"]
 
 NODE_FILE = "node.json"
 RECORD_SUFFIX = ".peer.json"
@@ -281,22 +282,32 @@ class NodeMemory:
             if step not in committed and _age(path, now) >= min_age_s:
                 remove_arrayckpt_files(path)
                 removed.append(str(path))
-        for sibling in sorted(self.directory.parent.iterdir()):
-            if sibling != self.directory and (sibling / NODE_FILE).is_file() and \
-                    remove_memory_directory(sibling, min_age_s):
-                removed.append(str(sibling))
-        return removed
+        return removed + ended_memory_directories(self.directory.parent, min_age_s, remove=True)
 
 
-def remove_memory_directory(directory: Path, min_age_s: float) -> bool:
+def ended_memory_directories(parent: Path, min_age_s: float, remove: bool) -> list[str]:
+    """The memory directories of ended jobs right below ``parent`` (see :func:`remove_memory_directory`), removed
+    when ``remove`` (else only found: ``gc --dry-run``); a live job's (its ranks hold ``node.json``) never."""
+    try:
+        children = sorted(parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [str(child) for child in children
+            if (child / NODE_FILE).is_file() and remove_memory_directory(child, min_age_s, dry_run=not remove)]
+
+
+def remove_memory_directory(directory: Path, min_age_s: float, dry_run: bool = False) -> bool:
     """Remove a memory directory of an ended job: one with arrayckpt's ``node.json`` that no live manager holds (its
     shared ``flock``) and where nothing was written for ``min_age_s``. Only arrayckpt's files go (node.json, records,
-    step trees); the directory stays if anything else is in it. Whether it was removed."""
+    step trees); the directory stays if anything else is in it. Whether it was removed (with ``dry_run``: whether
+    it would be, nothing removed)."""
     if directory.is_symlink() or not directory.is_dir():
         return False
     with _exclusive(directory / NODE_FILE) as free:
         if not free or _age(directory, time.time()) < min_age_s:
             return False
+        if dry_run:
+            return True
         for name in sorted(os.listdir(directory)):
             path = directory / name
             if _STEP.fullmatch(name) and path.is_dir() and not path.is_symlink():

@@ -35,7 +35,7 @@ from .needs import needed_files
 from .node import NodeMemory, StepRecord
 from .wire import FileRef, Transfer, exchange_files
 
-__all__ = ["memory_restore"]
+__all__ = ["Survey", "choose", "memory_restore", "pick_holder", "ranks_by_node", "share_documents", "survey"]
 
 
 @dataclass(frozen=True)
@@ -58,19 +58,42 @@ class Choice:
     why_not: list[str]
 
 
-def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
-                   at_least: int | None) -> int | None:
-    """Restore the newest memory step (not older than ``at_least``) the surviving nodes hold whole into ``state``;
-    its step, or ``None`` (with a warning saying why, where memory held anything) when the caller must use the
-    durable tiers."""
+@dataclass(frozen=True)
+class Survey:
+    """What every node holds: each rank's node id, and each rank's summaries (a node's leader's; others' empty)."""
+
+    ids: list[str]
+    summaries: list[list[StepSummary]]
+
+    def source(self, step: int, ident: str) -> int:
+        """The lowest rank whose node holds ``step`` (as ``ident``): the one that broadcasts its documents."""
+        return min(r for r, summary in enumerate(self.summaries)
+                   if any(s.step == step and s.id == ident for s in summary))
+
+    def held_by(self, rank: int, step: int, ident: str) -> bool:
+        """Whether ``rank`` is its node's leader and the node holds ``step`` (as ``ident``)."""
+        return any(s.step == step and s.id == ident for s in self.summaries[rank])
+
+
+def survey(node: NodeMemory, group: Group) -> Survey:
+    """Every node's committed memory steps and intact chunk files (read and checked by each node's leader: its
+    lowest rank); collective."""
     ids = group.all_gather(node.id)
-    leader = ids.index(node.id) == group.rank
     summaries: list[StepSummary] = []
-    if leader:
+    if ids.index(node.id) == group.rank:
         summaries = [StepSummary(h.step, h.id, {p: len(k) for p, k in h.record.files.items()}, h.intact)
                      for h in node.holdings()]
-    surveyed = group.all_gather(summaries)
-    choice = _choose(ids, surveyed, at_least)
+    return Survey(ids, group.all_gather(summaries))
+
+
+def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
+                   at_least: int | None, only: int | None = None) -> int | None:
+    """Restore the newest memory step (not older than ``at_least``; with ``only``, that step) the surviving nodes
+    hold whole into ``state``; its step, or ``None`` (with a warning saying why, where memory held anything) when
+    the caller must use the durable tiers."""
+    found = survey(node, group)
+    ids, surveyed = found.ids, found.summaries
+    choice = choose(ids, surveyed, at_least, only)
     if choice.step is None or choice.id is None:
         if choice.why_not and group.is_coordinator:
             warnings.warn(f"{node.directory}: peer memory cannot restore: {'; '.join(choice.why_not)}; restoring from "
@@ -78,9 +101,9 @@ def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, loa
         return None
     step = choice.step
     where = str(node.step_path(step))
-    source = min(r for r, summary in enumerate(surveyed) if any(s.step == step and s.id == choice.id for s in summary))
+    source = found.source(step, choice.id)
     try:
-        held = any(s.step == step and s.id == choice.id for s in surveyed[group.rank])
+        held = found.held_by(group.rank, step, choice.id)
         return _restore(state, node, group, load_options, choice, ids, source, held)
     except _Failed as e:
         if group.is_coordinator:
@@ -107,15 +130,7 @@ def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_opti
     step = choice.step
     assert step is not None
     where = str(node.step_path(step))
-    documents = record = None
-    error: BaseException | None = None
-    if group.rank == source:
-        try:
-            documents = node.read_documents(step)
-            record = node.record_path(step).read_bytes()
-        except (ArrayckptError, OSError) as e:
-            error = e
-    documents, record, error = _broadcast_from(group, source, (documents, record, error))
+    documents, record, error = share_documents(node, group, step, source)
     if error is not None:
         raise _Failed(f"reading the step's documents on rank {source} failed: {error}")
     needs: dict[str, set[str]] = {}
@@ -145,6 +160,22 @@ def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_opti
     return step
 
 
+def share_documents(node: NodeMemory, group: Group, step: int,
+                    source: int) -> tuple[dict[str, bytes], bytes, BaseException | None]:
+    """A memory step's documents and record bytes, read on rank ``source`` and broadcast to every rank (with the
+    error reading them raised there, if any)."""
+    documents: dict[str, bytes] = {}
+    record = b""
+    error: BaseException | None = None
+    if group.rank == source:
+        try:
+            documents = node.read_documents(step)
+            record = node.record_path(step).read_bytes()
+        except (ArrayckptError, OSError) as e:
+            error = e
+    return _broadcast_from(group, source, (documents, record, error))
+
+
 def _broadcast_from(group: Group, source: int, obj: Any) -> Any:
     """``obj`` of rank ``source`` on every rank."""
     if group.size == 1:
@@ -156,13 +187,14 @@ def _broadcast_from(group: Group, source: int, obj: Any) -> Any:
     return box[0]
 
 
-def _choose(ids: list[str], surveyed: list[list[StepSummary]], at_least: int | None) -> Choice:
-    """The newest step (and id) held whole among the nodes, not older than ``at_least``; what made newer ones
-    unusable."""
+def choose(ids: list[str], surveyed: list[list[StepSummary]], at_least: int | None, only: int | None = None) -> Choice:
+    """The newest step (and id) held whole among the nodes, not older than ``at_least`` (with ``only``: that step
+    or none); what made newer ones unusable."""
     by_step: dict[tuple[int, str], dict[str, StepSummary]] = {}
     for rank, summaries in enumerate(surveyed):
         for summary in summaries:
-            by_step.setdefault((summary.step, summary.id), {})[ids[rank]] = summary
+            if only is None or summary.step == only:
+                by_step.setdefault((summary.step, summary.id), {})[ids[rank]] = summary
     why_not = []
     for (step, ident), holders in sorted(by_step.items(), key=lambda item: (-item[0][0], item[0][1])):
         if at_least is not None and step < at_least:
@@ -183,13 +215,31 @@ def _choose(ids: list[str], surveyed: list[list[StepSummary]], at_least: int | N
     return Choice(None, None, {}, why_not)
 
 
+def ranks_by_node(ids: list[str]) -> dict[str, list[int]]:
+    """Node id -> its ranks, ascending."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, ident in enumerate(ids):
+        ranks_of.setdefault(ident, []).append(rank)
+    return ranks_of
+
+
+def pick_holder(path: str, key: str, holders: Mapping[str, Mapping[str, frozenset[str]]],
+                ranks_of: Mapping[str, list[int]]) -> int | None:
+    """The rank that serves chunk file ``path/key``: one of the nodes holding it intact, then one of its ranks, both
+    chosen by the key's hash (so that the files spread over holders and ranks, and every rank computes the same)."""
+    sources = sorted(n for n, held in holders.items() if key in held.get(path, frozenset()) and n in ranks_of)
+    if not sources:
+        return None
+    h = crc32c.crc32c(f"{path}/{key}".encode())
+    node = sources[h % len(sources)]
+    return ranks_of[node][h % len(ranks_of[node])]
+
+
 def _plan(ids: list[str], wanted: list[dict[str, list[str]]], holders: Mapping[str, Mapping[str, frozenset[str]]],
           files: Mapping[str, Mapping[str, Any]]) -> list[Transfer]:
     """Who sends which file to whom: each file a node's ranks need and the node lacks, once per node, from one
     holder node (chosen by the key's hash among the holders, then one of its ranks the same way)."""
-    ranks_of: dict[str, list[int]] = {}
-    for rank, ident in enumerate(ids):
-        ranks_of.setdefault(ident, []).append(rank)
+    ranks_of = ranks_by_node(ids)
     sends: dict[tuple[int, int], list[FileRef]] = {}
     fetched: set[tuple[str, str, str]] = set()
     for dst, needs in enumerate(wanted):
@@ -198,13 +248,9 @@ def _plan(ids: list[str], wanted: list[dict[str, list[str]]], holders: Mapping[s
             for key in keys:
                 if key in holders.get(here, {}).get(path, frozenset()) or (here, path, key) in fetched:
                     continue
-                sources = sorted(n for n, held in holders.items() if key in held.get(path, frozenset())
-                                 and n in ranks_of)
-                if not sources or key not in files.get(path, {}):
+                src = pick_holder(path, key, holders, ranks_of)
+                if src is None or key not in files.get(path, {}):
                     continue  # no survivor has it (the load then names it): the choice made sure this cannot be
-                h = crc32c.crc32c(f"{path}/{key}".encode())
-                node = sources[h % len(sources)]
-                src = ranks_of[node][h % len(ranks_of[node])]
                 sends.setdefault((src, dst), []).append(FileRef(path, key, files[path][key]))
                 fetched.add((here, path, key))
     return [Transfer(src, dst, tuple(refs)) for (src, dst), refs in sorted(sends.items())]

@@ -12,14 +12,16 @@ the same ranks, by the first memory save). One is in flight at a time: the next 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._errors import StateError
+from .._storage import Location
 from .._torch.dist import Group
 from .._write.options import SaveOptions
 from .config import PeerMemory
+from .flush import Flushed, flush_memory_step
 from .node import NodeMemory
 from .restore import memory_restore
 from .save import HostCopies, MemorySaved, start_memory_save
@@ -82,14 +84,20 @@ class MemoryTier:
         return self._background[group.pg]
 
     def restore(self, state: Mapping[str, Any], group: Group, load_options: Mapping[str, Any],
-                at_least: int | None) -> int | None:
-        """The newest memory step held whole by the survivors, restored into ``state`` (``None``: use the durable
-        tiers; a warning says why where memory held anything)."""
+                at_least: int | None, only: int | None = None) -> int | None:
+        """The newest memory step held whole by the survivors (with ``only``: that step), restored into ``state``
+        (``None``: use the durable tiers; a warning says why where memory held anything)."""
         self.wait()
-        step = memory_restore(state, self.node, group, load_options, at_least)
+        step = memory_restore(state, self.node, group, load_options, at_least, only)
         if step is not None:
             self.last_step = step
         return step
+
+    def flush(self, step: int | None, group: Group, location_of: Callable[[int], Location],
+              guard: Callable[[], None] | None) -> Flushed | None:
+        """Copy memory step ``step`` (``None``: the newest held whole) to a durable tier (``flush.py``)."""
+        self.wait()
+        return flush_memory_step(self.node, group, step, location_of, guard)
 
     def steps(self) -> list[int]:
         """Memory steps committed on this node (not necessarily whole among the nodes)."""
