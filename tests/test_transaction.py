@@ -136,3 +136,28 @@ def test_a_chunk_policy_is_checked_and_part_of_the_plan() -> None:
     assert (small.arrays["w"].outer_chunk, small.arrays["w"].inner_chunk) == ((16, 16), (4, 16))
     assert default.arrays["w"].outer_chunk == (64, 16)
     assert cache.plan_save(described, None).arrays is not default.arrays  # the policy changed in between: anew
+
+
+def test_durable_false_skips_the_flush_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save flushes its directory and the parent (after the rename) before it returns; ``durable=False`` (save,
+    async_save, a manager) skips both, and commits the same checkpoint."""
+    import arrayckpt._storage.local as local
+
+    flushed: list[str] = []
+    monkeypatch.setattr(local, "make_durable", lambda root: flushed.append(f"data {Path(root).name[:1]}"))
+    monkeypatch.setattr(local, "fsync_dir", lambda directory: flushed.append("parent"))
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": 3}
+    arrayckpt.save(state, tmp_path / "durable", step=3)
+    assert flushed == ["data .", "parent"]  # the temporary directory's data, then the rename
+    flushed.clear()
+    arrayckpt.save(state, tmp_path / "fast", step=3, durable=False)
+    arrayckpt.async_save(state, tmp_path / "fast-async", durable=False).wait()
+    with arrayckpt.CheckpointManager(tmp_path / "run", durable=False) as manager:
+        manager.save(1, state)
+        manager.save(2, state)  # replaces nothing, but retention and the root's lock run as usual
+    assert flushed == []
+    for name in ("fast", "fast-async", "run/step-00000002"):
+        with arrayckpt.open(tmp_path / name) as checkpoint:
+            assert torch.equal(torch.from_numpy(checkpoint["w"][:]), state["w"])
+    arrayckpt.save({"w": torch.ones(2)}, tmp_path / "fast", overwrite=True, durable=False)  # the exchange path too
+    assert flushed == [] and arrayckpt.open(tmp_path / "fast")["w"][:].tolist() == [1.0, 1.0]

@@ -64,7 +64,8 @@ class CheckpointManager:
     :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
 until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused. With ``memory`` (a
 :class:`PeerMemory`) steps are also kept in node-local memory, replicated to other nodes, and restored from there first
-(``docs/PEER_MEMORY.md``).
+(``docs/PEER_MEMORY.md``). ``durable=False`` saves without the flush to disk before each commit (see
+:func:`arrayckpt.save`): for a local tier that a remote one makes durable.
 
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
@@ -93,6 +94,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         storage_options: Mapping[str, Any] | None = None,
         remote: str | os.PathLike[str] | Remote | None = None,
         memory: PeerMemory | None = None,
+        durable: bool = True,
     ) -> None:
         self._location = parse_location(root, storage_options)
         self._local = StepTree(self._location)
@@ -108,7 +110,7 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self._remote_held: HeldRoot | None = None
         #: The options every save starts from; each save sets its step, metrics and base on a copy.
         self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group, planner=Planner(),
-                                        storage_options=storage_options, guard=self._held.check)
+                                        storage_options=storage_options, guard=self._held.check, durable=durable)
         self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None

@@ -194,6 +194,11 @@ class Location(abc.ABC):
         creating."""
         return None
 
+    def without_flush(self) -> Location:
+        """This location for a save with ``durable=False``: one that skips flushing to disk before the commit
+        (itself where the storage has nothing to flush: object stores acknowledge a PUT once it is durable)."""
+        return self
+
     def finish_rank_writes(self) -> None:
         """What a rank does after writing its chunks to this location (a writer's ``target``), before it
         reports success to the coordinator: make them durable. Nothing by default (object stores have nothing

@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LocalLocation(Location):
-    """A checkpoint directory on a local (or locally mounted) filesystem."""
+    """A checkpoint directory on a local (or locally mounted) filesystem. ``flush=False`` (a save with
+    ``durable=False``) skips the flush to disk before the commit: the commit is still atomic, but a power loss or a
+    crash of the machine (not of the process) may leave the committed checkpoint without its data."""
 
     path: Path
+    flush: bool = field(default=True, compare=False)
 
     pins_reads = True  # reads go to the directory pinned at open (see the module docstring)
 
@@ -79,6 +82,9 @@ class LocalLocation(Location):
     def kvstore(self, subpath: str = "") -> dict[str, Any]:
         """TensorStore kvstore spec of a directory inside the checkpoint."""
         return file_kvstore(self.path, subpath)
+
+    def without_flush(self) -> LocalLocation:
+        return replace(self, flush=False)
 
     def read_context(self) -> Any:
         return read_context()
@@ -201,7 +207,8 @@ class LocalLocation(Location):
 
     def finish_rank_writes(self) -> None:
         """On a (possibly shared) filesystem, flush the chunks written below before reporting success."""
-        make_durable(self.path)
+        if self.flush:
+            make_durable(self.path)
 
     def delete(self) -> None:
         """Remove the checkpoint: the commit first (so a half-removed one reads as incomplete), then arrayckpt's
@@ -342,7 +349,7 @@ class LocalWriter(Writer):
 
     def __init__(self, location: LocalLocation, overwrite: bool) -> None:
         if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
-            location = LocalLocation(Path(os.path.realpath(location.path)))
+            location = replace(location, path=Path(os.path.realpath(location.path)))
         self.location = location
         self.overwrite = overwrite
         _check_replaceable(location, overwrite)
@@ -358,7 +365,7 @@ class LocalWriter(Writer):
             raise StorageError(f"{location}: the save's temporary directory was removed {_OPEN_ATTEMPTS} times as "
                                "soon as it was made (a gc without the minimum age is running); try again")
         self._documents: list[str] = []  # node paths whose zarr.json this writer wrote
-        self.target = LocalLocation(self.temp)  # where the ranks write
+        self.target = LocalLocation(self.temp, flush=location.flush)  # where the ranks write
         self.key_encoding = "default"
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
@@ -419,14 +426,14 @@ class LocalWriter(Writer):
         """Write the (serialised) root metadata, make everything durable, then make it visible at the path: only if
         the temporary directory is still the one this save made (a ``stat``, right before the rename)."""
         (self.temp / ROOT_METADATA).write_bytes(root_document)
-        make_durable(self.temp)
+        if self.location.flush:
+            make_durable(self.temp)
         if not self._hold.still_at(self.temp):
             raise StorageError(f"{self.location}: the save's temporary directory {self.temp} was removed or replaced "
                                "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
         if rename_noreplace(self.temp, target):
-            fsync_dir(target.parent)
-            self._hold.release()
+            self._flush_parent()
             return
         _check_replaceable(self.location, self.overwrite)  # something appeared meanwhile
         if _is_empty_dir(target):
@@ -435,7 +442,12 @@ class LocalWriter(Writer):
         else:
             exchange(self.temp, target)  # self.temp now holds the old checkpoint
             shutil.rmtree(self.temp, ignore_errors=True)
-        fsync_dir(target.parent)
+        self._flush_parent()
+
+    def _flush_parent(self) -> None:
+        """After the rename: make it durable (unless the save is not), and let the temporary directory's hold go."""
+        if self.location.flush:
+            fsync_dir(self.location.path.parent)
         self._hold.release()
 
     def abort(self) -> None:

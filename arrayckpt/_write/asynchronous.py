@@ -170,6 +170,7 @@ def async_save(
     changed_rows: Mapping[str, Any] | None = None,
     quantize: Mapping[str, int] | None = None,
     keep_copy: bool = False,
+    durable: bool = True,
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
 
@@ -179,7 +180,8 @@ def async_save(
     save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
     background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
     copy once it has committed (a second host copy of the state), so that the next incremental save against
-    it compares in memory instead of reading the checkpoint back.
+    it compares in memory instead of reading the checkpoint back. ``durable=False``: no flush to disk before the
+    commit (see :func:`arrayckpt.save`).
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
@@ -190,7 +192,7 @@ def async_save(
     """
     options = SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle, process_group=process_group,
                           step=step, metrics=metrics, storage_options=storage_options, base=base,
-                          changed_rows=changed_rows, quantize=quantize)
+                          changed_rows=changed_rows, quantize=quantize, durable=durable)
     return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy)
 
 

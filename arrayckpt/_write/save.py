@@ -67,6 +67,7 @@ def save(
     base: Any = None,
     changed_rows: Mapping[str, Any] | None = None,
     quantize: Mapping[str, int] | None = None,
+    durable: bool = True,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
@@ -93,6 +94,12 @@ def save(
     its readers will need to name its root (``base_roots``, spec §10.1). A base whose own chain leads elsewhere is
     opened from a path by those rules too: pass it opened, ``arrayckpt.open(path, base_roots=[...])``.
 
+    ``durable=False`` skips the flush to disk before the commit (locally: one ``syncfs``, which also waits for every
+    other writer on that filesystem), as ``torch.save`` does: the commit stays atomic and a crash of the process
+    leaves the previous checkpoint, but a power loss or a crash of the machine soon after may leave the committed
+    checkpoint without its data (then a load names the missing or damaged chunk). For scratch saves and for storage
+    that another tier makes durable; object stores are durable either way.
+
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
     >>> model = torch.nn.Linear(4, 2)
@@ -103,7 +110,7 @@ def save(
     save_with(state, path, SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle,
                                        process_group=process_group, step=step, metrics=metrics,
                                        storage_options=storage_options, base=base, changed_rows=changed_rows,
-                                       quantize=quantize))
+                                       quantize=quantize, durable=durable))
 
 
 def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions) -> None:
@@ -157,6 +164,8 @@ def prepare(path: str | os.PathLike[str], options: SaveOptions, record: Record) 
     :func:`check_record` of the options, checked first by the caller so that a bad step fails before anything
     else is done). The caller must :meth:`SaveRequest.close` it once the save is over."""
     location = parse_location(path, options.storage_options)
+    if not options.durable:
+        location = location.without_flush()
     delta = open_delta(options.base, location, options.changed_rows, options.quantize, options.storage_options)
     return SaveRequest(location, options, record, delta)
 
