@@ -40,13 +40,25 @@ def _memory(tensor: torch.Tensor) -> Hashable | None:
             tensor.dtype, tensor.is_conj(), tensor.is_neg())
 
 
-def _mesh(mesh: Any) -> Hashable:
-    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+MeshMemo = dict[int, tuple[Any, Hashable]]  # id(device mesh) -> (the mesh, kept alive; its description)
 
 
-def tensor_identity(value: object) -> Hashable | None:
+def _mesh(mesh: Any, memo: MeshMemo | None = None) -> Hashable:
+    """A device mesh as a hashable value. ``DeviceMesh.mesh`` builds a tensor on every access (0.1–1 ms), and a
+    model's hundreds of DTensors share one or two meshes: ``memo`` keeps each mesh's description for one call."""
+    kept = memo.get(id(mesh)) if memo is not None else None
+    if kept is not None and kept[0] is mesh:
+        return kept[1]
+    ranks = mesh.mesh
+    described = (mesh.device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()))
+    if memo is not None:
+        memo[id(mesh)] = (mesh, described)
+    return described
+
+
+def tensor_identity(value: object, memo: MeshMemo | None = None) -> Hashable | None:
     """What two array leaves of one state share exactly when they are one tensor (see the module docstring); ``None``
-    for a leaf that is never an alias (not a tensor, a DTensor or Shard without memory)."""
+    for a leaf that is never an alias (not a tensor, a DTensor or Shard without memory). ``memo``: see ``_mesh``."""
     if isinstance(value, Shard):
         local = _memory(value.tensor)
         return None if local is None else ("shard", local, value.global_shape, value.global_offset, value.replica_id)
@@ -55,7 +67,7 @@ def tensor_identity(value: object) -> Hashable | None:
         if local is None:
             return None
         return ("dtensor", local, tuple(value.shape), tuple(value.placements),  # type: ignore[attr-defined]
-                _mesh(value.device_mesh))  # type: ignore[attr-defined]
+                _mesh(value.device_mesh, memo))  # type: ignore[attr-defined]
     if isinstance(value, torch.Tensor):
         memory = _memory(value)
         return memory if memory is not None or _is_dtensor(value) else ("object", id(value))
@@ -73,8 +85,9 @@ def find_aliases(leaves: Mapping[str, object]) -> dict[str, str]:
     with an earlier key's, mapped to the first such key (the target, which stores it)."""
     first: dict[Hashable, str] = {}
     out: dict[str, str] = {}
+    memo: MeshMemo = {}
     for key, value in leaves.items():
-        identity = tensor_identity(value)
+        identity = tensor_identity(value, memo)
         if identity is None:
             continue
         target = first.setdefault(identity, key)

@@ -26,7 +26,7 @@ from .._layout.box import Box
 from .._layout.saveplan import ArrayDescription, LocalDescription
 from .._torch.aliases import find_aliases
 from .._torch.dtypes import dtype_of_torch
-from .._torch.shards import PerRank, Shard, local_piece
+from .._torch.shards import PerRank, PlacementMemo, Shard, local_piece
 from .._torch.state import walk
 from .._torch.tensors import readable_numpy
 
@@ -64,12 +64,13 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
     values: list[ValueEntry] = []
     per_rank: list[ValueEntry | ArrayEntry] = []
     data: dict[str, tuple[Box, np.ndarray]] = {}
+    layouts: PlacementMemo = {}
     for key, leaf in walked.leaves.items():
         value = leaf.value
         if isinstance(value, PerRank):
             per_rank.append(_describe_per_rank(key, leaf.parts, value.value, rank, data, host))
         elif isinstance(value, (torch.Tensor, Shard)):
-            piece = local_piece(value, key, rank)
+            piece = local_piece(value, key, rank, layouts)
             _check_ndim(key, piece.global_shape)
             dt = dtype_of_torch(piece.tensor.dtype, key)
             arrays.append(ArrayDescription(key, leaf.parts, "tensor", dt.name, piece.global_shape, piece.box,
