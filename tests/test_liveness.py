@@ -63,6 +63,7 @@ def during_commit(monkeypatch):
 
     def install(fn):
         def commit(self, manifest, consolidated_json):
+            self._wait_for_documents()  # (the coordinator's document writes end first: fn may remove the directory)
             fn(self)
             original(self, manifest, consolidated_json)
 
@@ -144,6 +145,37 @@ def test_clean_up_beside_an_asynchronous_save_of_its_manager(tmp_path: Path) -> 
     manager.close()
     for step in range(1, 6):
         _check(manager.path(step), step)
+
+
+def test_a_save_directory_appears_locked_and_one_left_unlocked_while_created_is_removed_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's temporary directory is made under a name of its own, locked, then renamed: no gc sees it unlocked
+    (a clean-up racing the save's start once removed it, and the save had to start over). One left behind by a
+    process that died between the mkdir and the rename is kept while young, removed once 60 s old."""
+    import arrayckpt._storage.local as local
+
+    seen: list[tuple[str, str | None]] = []
+    hold = local.hold_directory
+
+    def look_first(path: Path):  # what a gc would find right before the save locks its new directory
+        with liveness.exclusive_directory(path) as busy:
+            seen.append((path.name, busy))
+        return hold(path)
+
+    monkeypatch.setattr(local, "hold_directory", look_first)
+    arrayckpt.save(_state(1), tmp_path / "step-1")
+    assert len(seen) == 1 and ".step-1.arrayckpt-tmp-new-" in seen[0][0] and seen[0][1] is None
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-1"]
+    _check(tmp_path / "step-1", 1)
+    leaked = tmp_path / ".step-2.arrayckpt-tmp-new-0123456789ab"
+    leaked.mkdir()
+    assert arrayckpt.gc(tmp_path, min_age_s=0) == []  # young: maybe a save about to lock it
+    kept = parse_location(tmp_path).leftovers(0).kept
+    assert len(kept) == 1 and "maybe still being saved: just created, not locked yet" in kept[0][1]
+    old = time.time() - 61
+    os.utime(leaked, (old, old))
+    assert arrayckpt.gc(tmp_path, min_age_s=0) == [leaked] and not leaked.exists()
 
 
 @pytest.fixture(params=["memory", "s3"])

@@ -47,7 +47,7 @@ from .base import (
     relative_parts,
 )
 from .files import remove_arrayckpt_files
-from .liveness import RootLock, exclusive_directory, hold_directory
+from .liveness import DirectoryHold, RootLock, exclusive_directory, hold_directory
 from .renames import exchange, fsync_dir, make_durable, rename_noreplace
 
 __all__ = [
@@ -180,10 +180,14 @@ class LocalLocation(Location):
                 age = now - _newest_mtime(path)
             except FileNotFoundError:  # gone meanwhile: its save committed (renamed it) or gave up
                 continue
-            if age >= min_age_s:
+            if NEW_MARKER in path.name and age < max(min_age_s, NEW_GRACE_S):
+                kept.append((str(path), "temporary directory of a save, maybe still being saved: just created, "
+                                        f"not locked yet (one nobody locked is removed {NEW_GRACE_S:g} s after it "
+                                        "was made)"))
+            elif age >= min_age_s:
                 found.append(LocalLeftover(LocalLocation(path), max(0.0, age)))
             else:
-                kept.append((str(path), f"temporary directory of a save, maybe still running: newest file written "
+                kept.append((str(path), f"temporary directory of a save, maybe still being saved: newest file written "
                                         f"{max(0.0, age):.0f} s ago, under the minimum age of {min_age_s:g} s"))
         return Leftovers(found, kept)
 
@@ -265,6 +269,27 @@ def _parse_path(text: str, storage_options: Mapping[str, Any] | None) -> LocalLo
 register_scheme("file", _parse_path)
 
 
+def _locked_directory(path: Path) -> DirectoryHold | None:
+    """Create the directory ``path`` already locked (spec §9.4): made under a name of its own (``NEW_MARKER``,
+    which gc leaves alone while it is young), locked, then renamed to ``path``, so that no gc ever sees ``path``
+    unlocked. ``None`` when it was removed before the lock (the caller takes another name)."""
+    fresh = path.with_name(path.name.replace(TEMP_MARKER, NEW_MARKER, 1))
+    fresh.mkdir()
+    hold = hold_directory(fresh)
+    if hold is None:
+        return None
+    try:
+        os.rename(fresh, path)
+    except BaseException:
+        hold.release()
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    if not hold.still_at(path):
+        hold.release()
+        return None
+    return hold
+
+
 def _is_temporary(name: str) -> bool:
     return name.startswith(".") and TEMP_MARKER in name
 
@@ -310,6 +335,8 @@ def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
     return pinned, release
 
 
+NEW_MARKER = f"{TEMP_MARKER}new-"  # a save's T before it is locked and renamed to its T name (spec §9.4)
+NEW_GRACE_S = 60.0  # such a directory that nobody holds is a leftover once this old (it lives microseconds)
 _OPEN_ATTEMPTS = 100  # opens overtaken by an overwrite (each one a new committed checkpoint) before giving up
 
 
@@ -356,8 +383,7 @@ class LocalWriter(Writer):
         location.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(_OPEN_ATTEMPTS):  # a gc may remove a new T between its mkdir and its lock: take another
             self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
-            self.temp.mkdir()
-            hold = hold_directory(self.temp)  # the mark of a live save (spec §9.4), until the commit or abort
+            hold = _locked_directory(self.temp)  # the mark of a live save (spec §9.4), until the commit or abort
             if hold is not None:
                 self._hold = hold
                 break
