@@ -19,7 +19,7 @@ from s3_server import REGION, FaultProxy, S3Server, patched_environ, s3fs_storag
 import arrayckpt
 from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
 
-MANY = 5_000  # tensors in the checkpoint whose open must cost O(1) requests
+MANY = 1_500  # tensors in the checkpoint whose open must cost O(1) requests
 
 
 def _options(proxy: FaultProxy | S3Server, **more: object) -> dict:

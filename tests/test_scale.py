@@ -186,7 +186,7 @@ def test_the_benchmark_runs_and_ends_with_its_summary_line(monkeypatch: pytest.M
 # --- the root document, read once ------------------------------------------------------------------------------
 
 
-ROOT_RANKS = 16
+ROOT_RANKS = 8
 
 
 def _load_twice(rank: int, world: int, urls: tuple[str, str], endpoint: str) -> None:
@@ -199,7 +199,7 @@ def _load_twice(rank: int, world: int, urls: tuple[str, str], endpoint: str) -> 
         assert target["step"] == 5
 
 
-def test_sixteen_ranks_read_the_root_document_once(s3_server: Any, s3_proxy: Any, s3_bucket: str):
+def test_eight_ranks_read_the_root_document_once(s3_server: Any, s3_proxy: Any, s3_bucket: str):
     """On object storage the coordinator reads the root zarr.json and sends it; each rank checks its SHA-256 on
     the bytes it got. (Every rank still asks once, after reading, whether the checkpoint was replaced meanwhile: a
     conditional GET that transfers no body while it was not.)"""
