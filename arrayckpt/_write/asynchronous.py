@@ -24,6 +24,8 @@ from .._errors import CheckpointBusyError
 from .._format.codecs import CodecChoice
 from .._format.dtypes import DType
 from .._format.keys import array_path
+from .._io.arrays import collector_paused
+from .._io.priority import background_priority
 from .._layout.box import Box
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import numpy_view
@@ -203,7 +205,8 @@ def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptio
     group = _background_group(resolve_group(options.process_group))
     request = prepare(path, options, record)
     try:
-        future = _stage_and_start(state, options, group, request, keep_copy)
+        with collector_paused():  # the caller waits for the staging, as for a save (and see _save_in_background)
+            future = _stage_and_start(state, options, group, request, keep_copy)
     except BaseException:
         request.close()  # the background save never started: release the base it opened
         raise
@@ -238,9 +241,12 @@ def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: Sa
 def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
-    the save opened is closed when it is over, committed or failed."""
+    the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the
+    collector is paused (its full collections would hold the GIL for 100 ms) and the IO worker threads run niced
+    (they would take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
     try:
-        committed = finish_save(local, error, group, request, reference)
+        with collector_paused(), background_priority():
+            committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()
         raise
