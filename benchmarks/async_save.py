@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python benchmarks/async_save.py                          # 384 MiB state, 4 rounds, /dev/shm
+    python benchmarks/async_save.py --ablate --process-bound --size-mib 256 --rounds 6 2>/dev/null
     python benchmarks/async_save.py --size-mib 256 --rounds 3 --dir /tmp
 
 A small training loop (an MLP, forward/backward/Adam step, ``torch.set_num_threads(1)``: CPU-bound steps of a few
@@ -16,9 +17,13 @@ ms) runs in the main thread. In each round, in an order rotated from round to ro
 ``arrayckpt``
     ``arrayckpt.async_save(state, path)``: the call (staging copies) is timed as blocking, then steps run until
     ``handle.done()``.
-``arrayckpt[process]``
-    The same with ``writer="process"`` (staged in shared memory, written by a daemon process), when this
-    version of arrayckpt offers it.
+``arrayckpt[not niced]``, ``arrayckpt[neither]`` (``--ablate``)
+    The same without the two things its background save does for the loop: its IO worker threads niced, and the
+    cyclic garbage collector paused (``neither``: as arrayckpt was before both).
+``bound[process]`` (``--process-bound``)
+    The best a process writer could do: one copy into shared memory allocated once, then a daemon process (started
+    once, niced as arrayckpt's IO workers are) runs a plain ``arrayckpt.save`` of it — nothing described or planned
+    in the training process, no collectives, no error reporting.
 ``dcp[thread]``, ``dcp[process]``
     ``torch.distributed.checkpoint.async_save(state, checkpoint_id=..., async_checkpointer_type=...)`` with
     ``AsyncCheckpointerType.THREAD`` / ``PROCESS`` (a one-rank gloo group on 127.0.0.1, which DCP's async path
@@ -132,12 +137,6 @@ def _init_single_rank_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def _has_process_writer() -> bool:
-    import inspect
-
-    return "writer" in inspect.signature(arrayckpt.async_save).parameters
-
-
 @dataclass(frozen=True)
 class Started:
     """A save in the background: how long its call blocked, and how to tell that it has committed."""
@@ -147,7 +146,56 @@ class Started:
     wait: Callable[[], None]
 
 
-def _starters(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, Callable[[Path], Started]]:
+@contextlib.contextmanager
+def _ablated(nice: bool, collector: bool) -> Iterator[None]:
+    """arrayckpt's background save without its niced IO workers (``nice=False``) and/or without pausing the
+    collector (``collector=False``): what each of the two buys (``--ablate``)."""
+    from arrayckpt._io import priority
+    from arrayckpt._write import asynchronous
+
+    saved = priority.BACKGROUND_NICE, asynchronous.collector_paused
+    if not nice:
+        priority.BACKGROUND_NICE = 0
+    if not collector:
+        asynchronous.collector_paused = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        priority.BACKGROUND_NICE, asynchronous.collector_paused = saved
+
+
+def _bound_writer(conn: object, shared: dict[str, torch.Tensor], nice: int) -> None:
+    """The daemon of ``--process-bound``: saves the shared-memory state to each path it is sent, niced."""
+    os.nice(nice)
+    torch.set_num_threads(1)
+    while (path := conn.recv()) is not None:  # type: ignore[attr-defined]
+        arrayckpt.save(shared, path)
+        conn.send(path)  # type: ignore[attr-defined]
+
+
+def _process_bound(state: dict[str, torch.Tensor]) -> Callable[[Path], Started]:
+    """What a process writer could do at best: staging is one copy into shared memory allocated once, and the
+    daemon (started once, niced like arrayckpt's IO workers) runs a plain ``arrayckpt.save`` of it; nothing
+    describes or plans in the training process, no collectives, no error reporting."""
+    import torch.multiprocessing as mp
+
+    from arrayckpt._io.priority import BACKGROUND_NICE
+
+    shared = {k: torch.empty_like(v).share_memory_() for k, v in state.items()}
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    ctx.Process(target=_bound_writer, args=(child, shared, BACKGROUND_NICE), daemon=True).start()
+
+    def start(path: Path) -> Started:
+        began = time.perf_counter()
+        torch._foreach_copy_(list(shared.values()), list(state.values()))
+        conn.send(str(path))
+        return Started(time.perf_counter() - began, conn.poll, conn.recv)
+    return start
+
+
+def _starters(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+              ablate: bool, process_bound: bool) -> dict[str, Callable[[Path], Started]]:
     """How each mode starts its save to a path."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -161,10 +209,17 @@ def _starters(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) 
         seconds, _ = timed(lambda: torch._foreach_copy_(list(buffers.values()), list(state.values())))
         return Started(seconds, lambda: True, lambda: None)
 
-    def ours(**options: object) -> Callable[[Path], Started]:
+    def ours(nice: bool = True, collector: bool = True, **options: object) -> Callable[[Path], Started]:
         def start(path: Path) -> Started:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_ablated(nice, collector))  # until the background save is over
+
+            def wait() -> None:
+                with stack:
+                    handle.wait()
+
             seconds, handle = timed(lambda: arrayckpt.async_save(state, path, **options))
-            return Started(seconds, handle.done, handle.wait)  # type: ignore[attr-defined]
+            return Started(seconds, handle.done, wait)  # type: ignore[attr-defined]
         return start
 
     def theirs(kind: AsyncCheckpointerType) -> Callable[[Path], Started]:
@@ -175,8 +230,11 @@ def _starters(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) 
         return start
 
     modes = {"copy": copy, "arrayckpt": ours()}
-    if _has_process_writer():
-        modes["arrayckpt[process]"] = ours(writer="process")
+    if ablate:
+        modes["arrayckpt[not niced]"] = ours(nice=False)
+        modes["arrayckpt[neither]"] = ours(nice=False, collector=False)
+    if process_bound:
+        modes["bound[process]"] = _process_bound(state)
     modes["dcp[thread]"] = theirs(AsyncCheckpointerType.THREAD)
     modes["dcp[process]"] = theirs(AsyncCheckpointerType.PROCESS)
     return modes
@@ -254,6 +312,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="the MLP's width (its steps' cost)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--baseline-s", type=float, default=1.0, help="seconds of steps of the 'none' mode")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also arrayckpt without niced IO workers, and without them nor the collector paused")
+    parser.add_argument("--process-bound", action="store_true",
+                        help="also the best a process writer could do (a daemon saving a shared-memory copy)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -261,7 +323,8 @@ def main() -> None:
     state = build_state(plan_state(args.size_mib << 20), 0)
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     trainer = Trainer(args.width, args.batch)
-    modes: dict[str, Callable[[Path], Started] | None] = {"none": None, **_starters(state, buffers)}
+    modes: dict[str, Callable[[Path], Started] | None] = {
+        "none": None, **_starters(state, buffers, args.ablate, args.process_bound)}
     results = {name: Samples() for name in modes}
     probe = Probe()
     nbytes = sum(t.nbytes for t in state.values())

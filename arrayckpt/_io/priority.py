@@ -28,10 +28,11 @@ _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def background_priority(nice: int = BACKGROUND_NICE) -> Iterator[None]:
-    """Inside, IO worker threads that this thread starts (:func:`worker_initializer`) run ``nice`` steps lower."""
+def background_priority(nice: int | None = None) -> Iterator[None]:
+    """Inside, IO worker threads that this thread starts (:func:`worker_initializer`) run ``nice`` steps lower
+    (:data:`BACKGROUND_NICE` by default)."""
     previous = getattr(_LOCAL, "nice", 0)
-    _LOCAL.nice = nice
+    _LOCAL.nice = BACKGROUND_NICE if nice is None else nice
     try:
         yield
     finally:
