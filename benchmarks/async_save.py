@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import shutil
 import statistics
@@ -267,7 +266,6 @@ def _run_mode(name: str, start: Callable[[Path], Started] | None, trainer: Train
         out.gaps += gaps
         out.max_gaps.append(max(gaps, default=0.0))
     shutil.rmtree(root / name, ignore_errors=True)
-    gc.collect()
 
 
 def _percentile(values: list[float], q: float) -> float:

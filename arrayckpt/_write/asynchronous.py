@@ -5,7 +5,10 @@ tensors, one non-blocking copy each and one synchronisation), then returns a :cl
 background thread does the rest of an ordinary save — collectives, writes, commit — from the staged
 copies, so the training loop may change its tensors right away. Buffers are allocated once per
 (array, shape, dtype) and reused by the next save. The background collectives run on a process group
-of their own, so they never interleave with the training's collectives.
+of their own, so they never interleave with the training's collectives. So that the training loop does not feel
+the save, Python's cyclic garbage collector is paused until it ends (its full collections hold the GIL for 100 ms
+and more) and the IO worker threads it starts run at a lower CPU priority (``_io/priority.py``); measured in
+``benchmarks/async_save.py``.
 """
 
 from __future__ import annotations
@@ -181,7 +184,10 @@ def async_save(
     save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
     background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
     copy once it has committed (a second host copy of the state), so that the next incremental save against
-    it compares in memory instead of reading the checkpoint back.
+    it compares in memory instead of reading the checkpoint back. While the save runs, Python's cyclic garbage
+    collector is paused (as during :func:`arrayckpt.save`; cycles the training makes meanwhile are collected after
+    it) and, on Linux, its IO worker threads run at niceness +10, so that where cores are short the training keeps
+    them and the save takes what is left.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
