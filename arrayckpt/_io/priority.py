@@ -2,9 +2,10 @@
 
 An asynchronous save writes while the training loop runs. Where cores are short (a CPU-bound loop, data loader
 workers, several ranks per node), the writer's threads — crc32c and copies into the page cache, all CPU — take
-cores from the loop: measured on 2 busy cores, a 384 MiB save written by two threads at normal priority made
+cores from the loop: measured on 2 busy cores, a 383 MiB save written by two threads at normal priority made
 training steps 3-4x slower while it ran. At niceness +10 the kernel gives the loop the cores it wants and the
-writer what is left (steps 1.2-1.4x slower, the save ~50% longer); where cores are free, nothing changes.
+writer what is left (steps 1.2-1.5x slower, the save up to 2.4x longer, about as much training time lost per save);
+where cores are free, nothing changes.
 
 Only the worker threads that the IO layer starts for a transfer are niced (a thread's niceness can only go up
 without privileges, and threads inherit their creator's): never the calling thread, which holds the GIL between
