@@ -5,7 +5,10 @@ tensors, one non-blocking copy each and one synchronisation), then returns a :cl
 background thread does the rest of an ordinary save — collectives, writes, commit — from the staged
 copies, so the training loop may change its tensors right away. Buffers are allocated once per
 (array, shape, dtype) and reused by the next save. The background collectives run on a process group
-of their own, so they never interleave with the training's collectives.
+of their own, so they never interleave with the training's collectives. So that the training loop does not feel
+the save, Python's cyclic garbage collector is paused until it ends (its full collections hold the GIL for 100 ms
+and more) and the IO worker threads it starts run at a lower CPU priority (``_io/priority.py``); measured in
+``benchmarks/async_save.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .._errors import CheckpointBusyError
 from .._format.codecs import CodecChoice
 from .._format.dtypes import DType
 from .._format.keys import array_path
+from .._io.arrays import collector_paused
+from .._io.priority import background_priority
 from .._layout.box import Box
 from .._torch.dist import Group, resolve_group
 from .._torch.dtypes import numpy_view
@@ -181,7 +186,10 @@ def async_save(
     background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
     copy once it has committed (a second host copy of the state), so that the next incremental save against
     it compares in memory instead of reading the checkpoint back. ``durable=False``: no flush to disk before the
-    commit (see :func:`arrayckpt.save`).
+    commit (see :func:`arrayckpt.save`). While the save runs, Python's cyclic garbage
+    collector is paused (as during :func:`arrayckpt.save`; cycles the training makes meanwhile are collected after
+    it) and, on Linux, its IO worker threads run at niceness +10, so that where cores are short the training keeps
+    them and the save takes what is left.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
@@ -205,7 +213,8 @@ def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptio
     group = _background_group(resolve_group(options.process_group))
     request = prepare(path, options, record)
     try:
-        future = _stage_and_start(state, options, group, request, keep_copy)
+        with collector_paused():  # the caller waits for the staging, as for a save (and see _save_in_background)
+            future = _stage_and_start(state, options, group, request, keep_copy)
     except BaseException:
         request.close()  # the background save never started: release the base it opened
         raise
@@ -240,9 +249,12 @@ def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: Sa
 def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
-    the save opened is closed when it is over, committed or failed."""
+    the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the
+    collector is paused (its full collections would hold the GIL for 100 ms) and the IO worker threads run niced
+    (they would take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
     try:
-        committed = finish_save(local, error, group, request, reference)
+        with collector_paused(), background_priority():
+            committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()
         raise
