@@ -152,17 +152,15 @@ def test_a_save_directory_appears_locked_and_one_left_unlocked_while_created_is_
     """A save's temporary directory is made under a name of its own, locked, then renamed: no gc sees it unlocked
     (a clean-up racing the save's start once removed it, and the save had to start over). One left behind by a
     process that died between the mkdir and the rename is kept while young, removed once 60 s old."""
-    import arrayckpt._storage.local as local
-
     seen: list[tuple[str, str | None]] = []
-    hold = local.hold_directory
+    hold = liveness.hold_directory
 
     def look_first(path: Path):  # what a gc would find right before the save locks its new directory
         with liveness.exclusive_directory(path) as busy:
             seen.append((path.name, busy))
         return hold(path)
 
-    monkeypatch.setattr(local, "hold_directory", look_first)
+    monkeypatch.setattr(liveness, "hold_directory", look_first)
     arrayckpt.save(_state(1), tmp_path / "step-1")
     assert len(seen) == 1 and ".step-1.arrayckpt-tmp-new-" in seen[0][0] and seen[0][1] is None
     monkeypatch.undo()

@@ -50,7 +50,7 @@ def _count(name: str, nbytes: int) -> None:
         STATS[name] += nbytes
 
 
-# Directories readers pinned (``_storage/local.py::pin_directory``: ``/proc/self/fd/N``) and the paths they were
+# Directories readers pinned (``_storage/files.py::pin_directory``: ``/proc/self/fd/N``) and the paths they were
 # opened as, so that error messages name the user's path instead of the pin.
 _PINS: dict[str, str] = {}
 _PIN = re.compile(r"/proc/self/fd/\d+(?!\d)")

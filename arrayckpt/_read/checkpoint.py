@@ -4,7 +4,7 @@
 data is read only when sliced, and only the chunks the slice touches.
 
 An open checkpoint holds storage resources until :meth:`Checkpoint.close` (or the end of a ``with`` block): on a
-local directory a descriptor that pins the directory it opened (``_storage/local.py::pin_directory``), and its
+local directory a descriptor that pins the directory it opened (``_storage/files.py::pin_directory``), and its
 TensorStore context and array handles; a delta checkpoint also the bases it opened. Closing releases them all;
 a checkpoint garbage-collected unclosed releases them then, with a :class:`ResourceWarning` as Python's files do.
 """

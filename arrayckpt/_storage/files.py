@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
+from .._io.fastio import forget_pin, remember_pin
 from .base import ROOT_METADATA, arrayckpt_keys
 
-__all__ = ["directory_files", "remove_arrayckpt_files"]
+__all__ = ["directory_files", "pin_directory", "remove_arrayckpt_files"]
 
 
 def directory_files(path: Path) -> tuple[list[str], float, str | None]:
@@ -60,3 +62,27 @@ def remove_arrayckpt_files(path: Path) -> bool:
         except OSError:  # not empty: something that is not arrayckpt's is in it
             pass
     return not os.path.lexists(path)
+
+
+def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
+    """A path that keeps naming the directory ``path`` names now, and a function that releases it.
+
+    Readers use it so that the root document and every chunk come from the same checkpoint even if the
+    path is overwritten meanwhile (an overwrite swaps directories): on Linux, ``/proc/self/fd/N`` of an open
+    directory. Elsewhere (or when ``path`` is no directory) it is just ``path``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return str(path), lambda: None
+    pinned = f"/proc/self/fd/{fd}"
+    if not os.path.isdir(pinned):
+        os.close(fd)
+        return str(path), lambda: None
+    remember_pin(pinned, str(path))  # error messages name ``path``, not the pin
+
+    def release() -> None:
+        forget_pin(pinned)
+        os.close(fd)
+
+    return pinned, release

@@ -32,6 +32,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -43,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointBusyError, StorageError
-from .base import LEASE_NAME, Claim
+from .base import LEASE_NAME, TEMP_MARKER, Claim
 
 __all__ = ["LEASE_NAME", "LEASE_RENEW_S", "LEASE_TTL_S", "MANAGER_LEASE", "MANAGER_LOCK", "MAX_LEASE_S",
-           "DirectoryHold", "HeldRoot", "Holder", "Lease", "RootLock", "exclusive_directory", "hold_directory",
-           "live_holder"]
+           "DirectoryHold", "HeldRoot", "Holder", "Lease", "RootLock", "create_held_directory", "exclusive_directory",
+           "hold_directory", "live_holder"]
 
 MANAGER_LOCK = ".arrayckpt-manager.lock"  # local manager root: the file its coordinator holds an exclusive flock on
 MANAGER_LEASE = ".arrayckpt-manager-lease"  # object-storage manager root: its lease object
@@ -179,6 +180,28 @@ def hold_directory(path: Path) -> DirectoryHold | None:
             raise StorageError(f"{path}: cannot lock the save's temporary directory: {e}") from e
         locked = False
     hold = DirectoryHold(fd, locked)
+    if not hold.still_at(path):
+        hold.release()
+        return None
+    return hold
+
+
+def create_held_directory(path: Path, fresh_marker: str) -> DirectoryHold | None:
+    """Create the directory ``path`` (a save's ``T``) already held (spec §9.4): made under a name of its own (its
+    ``TEMP_MARKER`` replaced by ``fresh_marker``, which gc leaves alone while it is young), locked, then renamed to
+    ``path``, so that no gc ever sees ``path`` unlocked. ``None`` when it was removed before the lock (the caller
+    takes another name)."""
+    fresh = path.with_name(path.name.replace(TEMP_MARKER, fresh_marker, 1))
+    fresh.mkdir()
+    hold = hold_directory(fresh)
+    if hold is None:
+        return None
+    try:
+        os.rename(fresh, path)
+    except BaseException:
+        hold.release()
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
     if not hold.still_at(path):
         hold.release()
         return None

@@ -31,7 +31,7 @@ from .._errors import (
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
-from .._io.fastio import forget_pin, read_checkpoint_file, read_regular_file, remember_pin
+from .._io.fastio import read_checkpoint_file, read_regular_file
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -46,8 +46,8 @@ from .base import (
     register_scheme,
     relative_parts,
 )
-from .files import remove_arrayckpt_files
-from .liveness import DirectoryHold, RootLock, exclusive_directory, hold_directory
+from .files import pin_directory, remove_arrayckpt_files
+from .liveness import RootLock, create_held_directory, exclusive_directory
 from .renames import exchange, fsync_dir, make_durable, rename_noreplace
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "LocalWriter",
     "file_kvstore",
     "make_durable",
-    "pin_directory",
     "read_root_json",
 ]
 
@@ -269,27 +268,6 @@ def _parse_path(text: str, storage_options: Mapping[str, Any] | None) -> LocalLo
 register_scheme("file", _parse_path)
 
 
-def _locked_directory(path: Path) -> DirectoryHold | None:
-    """Create the directory ``path`` already locked (spec §9.4): made under a name of its own (``NEW_MARKER``,
-    which gc leaves alone while it is young), locked, then renamed to ``path``, so that no gc ever sees ``path``
-    unlocked. ``None`` when it was removed before the lock (the caller takes another name)."""
-    fresh = path.with_name(path.name.replace(TEMP_MARKER, NEW_MARKER, 1))
-    fresh.mkdir()
-    hold = hold_directory(fresh)
-    if hold is None:
-        return None
-    try:
-        os.rename(fresh, path)
-    except BaseException:
-        hold.release()
-        shutil.rmtree(fresh, ignore_errors=True)
-        raise
-    if not hold.still_at(path):
-        hold.release()
-        return None
-    return hold
-
-
 def _is_temporary(name: str) -> bool:
     return name.startswith(".") and TEMP_MARKER in name
 
@@ -309,30 +287,6 @@ def _newest_mtime(path: Path) -> float:
 def file_kvstore(root: Path | str, subpath: str) -> dict[str, Any]:
     """TensorStore's ``file`` kvstore spec of ``root/subpath/`` (plain strings: called once per array)."""
     return {"driver": "file", "path": f"{root}/{subpath}/" if subpath else f"{root}/"}
-
-
-def pin_directory(path: Path) -> tuple[str, Callable[[], None]]:
-    """A path that keeps naming the directory ``path`` names now, and a function that releases it.
-
-    Readers use it so that the root document and every chunk come from the same checkpoint even if the
-    path is overwritten meanwhile (an overwrite swaps directories): on Linux, ``/proc/self/fd/N`` of an open
-    directory. Elsewhere (or when ``path`` is no directory) it is just ``path``.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return str(path), lambda: None
-    pinned = f"/proc/self/fd/{fd}"
-    if not os.path.isdir(pinned):
-        os.close(fd)
-        return str(path), lambda: None
-    remember_pin(pinned, str(path))  # error messages name ``path``, not the pin
-
-    def release() -> None:
-        forget_pin(pinned)
-        os.close(fd)
-
-    return pinned, release
 
 
 NEW_MARKER = f"{TEMP_MARKER}new-"  # a save's T before it is locked and renamed to its T name (spec §9.4)
@@ -383,7 +337,7 @@ class LocalWriter(Writer):
         location.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(_OPEN_ATTEMPTS):  # a gc may remove a new T between its mkdir and its lock: take another
             self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
-            hold = _locked_directory(self.temp)  # the mark of a live save (spec §9.4), until the commit or abort
+            hold = create_held_directory(self.temp, NEW_MARKER)  # a live save's mark (spec §9.4), until it ends
             if hold is not None:
                 self._hold = hold
                 break
