@@ -421,7 +421,8 @@ def test_three_rename_fallback_uses_a_marked_aside_directory(tmp_path, monkeypat
     monkeypatch.setattr(storage.os, "rename", recording_rename)
     arrayckpt.save({"v": 2}, path, overwrite=True)
     assert arrayckpt.open(path).plain_values["v"] == 2
-    (p_aside, aside), (temp, p), (aside_again, temp_again) = renames
+    created, (p_aside, aside), (temp, p), (aside_again, temp_again) = renames
+    assert created == (temp.replace("-tmp-", "-tmp-new-"), temp)  # T appears locked (§9.4)
     assert (p_aside, p, aside_again, temp_again) == ("ckpt", "ckpt", aside, temp)
     assert re.fullmatch(r"\.ckpt\.arrayckpt-tmp-old-[0-9a-f]{8}", aside)
     assert "`A = D/.N.arrayckpt-tmp-old-XXXXXXXX` (8 random lower-case hex digits)" in SPEC
