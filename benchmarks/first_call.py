@@ -145,7 +145,7 @@ def _run(system: str, op: str, world: int, directory: str, args: argparse.Namesp
             "heavy": sorted({m for o in outs for m in o["heavy"]})}
 
 
-def _compile_arrayckpt() -> None:
+def compile_arrayckpt() -> None:
     """Byte-compile arrayckpt's modules, as installing its wheel does (pip compiles what it installs, and torch's
     modules, DCP's included, come compiled): an editable install, or ``PYTHONDONTWRITEBYTECODE=1``, leaves them
     uncompiled, and compiling ~60 modules from source in the first call (~0.15 s here) is no cost a user pays."""
@@ -173,7 +173,7 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    _compile_arrayckpt()
+    compile_arrayckpt()
     samples: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for world in [int(r) for r in args.ranks.split(",")]:
         for repeat in range(args.repeats):

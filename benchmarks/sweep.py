@@ -262,6 +262,9 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
+    from first_call import compile_arrayckpt
+
+    compile_arrayckpt()  # as an installed wheel is (see first_call.py)
     samples: dict[tuple, list[float]] = {}
     for size in [float(s) for s in args.sizes.split(",")]:
         for world in [int(r) for r in args.ranks.split(",")]:
