@@ -151,9 +151,6 @@ def test_imports_go_down_the_layers_and_no_private_name_crosses_a_subpackage():
 # Type-only imports (under ``if TYPE_CHECKING:``) that still close a cycle, to be removed (issue 25 item 5: a protocol
 # for what the chain reader needs of a Checkpoint; each backend's leftover rules beside it). No other may be added.
 KNOWN_TYPE_ONLY_BACK_EDGES = {
-    ("_read.chain", "_read.checkpoint"),
-    ("_read.lazy", "_read.checkpoint"),
-    ("_read.reader", "_read.checkpoint"),
     ("_storage.clients", "_storage.object"),
     ("_storage.gc", "_storage.object"),
 }

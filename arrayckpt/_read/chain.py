@@ -33,7 +33,7 @@ from .._io.arrays import ArrayIO, open_array, read_failure, read_into
 from .._layout.box import Box, grid_cells
 
 if TYPE_CHECKING:
-    from .._read.checkpoint import Checkpoint
+    from .source import ChainSource
 
 __all__ = ["Dense", "Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "delta_rows", "plan_box",
            "read_plan"]
@@ -41,7 +41,7 @@ __all__ = ["Dense", "Overlay", "basic_index", "bounding_box", "dense_grid", "den
 Overlay = Callable[[], None]
 
 
-def _entry(checkpoint: Checkpoint, key: str, above: ArrayEntry | None = None) -> ArrayEntry:
+def _entry(checkpoint: ChainSource, key: str, above: ArrayEntry | None = None) -> ArrayEntry:
     """``key``'s entry in ``checkpoint`` (an alias's target: its ``key`` is then the target's); with ``above`` (the
     entry of the delta reading through it), it must be a tensor of the same dtype and shape, or the chain is
     inconsistent."""
@@ -60,11 +60,11 @@ class Dense(NamedTuple):
     """Where a key's data is stored as an array of its own shape: the layer, and the key of that array there (an
     alias's target, where the key is an alias in that layer or in one above it)."""
 
-    layer: Checkpoint
+    layer: ChainSource
     key: str
 
 
-def dense_layer(checkpoint: Checkpoint, key: str) -> Dense:
+def dense_layer(checkpoint: ChainSource, key: str) -> Dense:
     """The nearest layer of the chain (``checkpoint`` itself or a base) that stores ``key`` as an array of its
     own shape: a full array or a chunks delta (a rows delta has only rows)."""
     layer, entry = checkpoint, _entry(checkpoint, key)
@@ -74,7 +74,7 @@ def dense_layer(checkpoint: Checkpoint, key: str) -> Dense:
     return Dense(layer, entry.key)
 
 
-def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
+def dense_grid(checkpoint: ChainSource, key: str) -> tuple[int, ...]:
     """The read-chunk shape of the nearest dense layer of ``key`` (inner chunks when sharded): the grid a
     delta of ``key`` against this checkpoint compares and stores chunks on."""
     dense = dense_layer(checkpoint, key)
@@ -85,7 +85,7 @@ def dense_grid(checkpoint: Checkpoint, key: str) -> tuple[int, ...]:
     return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
 
 
-def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
+def read_plan(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
     """The reads (and overlays, to run after them in order) that fill ``out`` with ``box`` of ``key``."""
     jobs: list[ArrayIO] = []
     overlays: list[Overlay] = []
@@ -93,7 +93,7 @@ def read_plan(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> tu
     return jobs, overlays
 
 
-def plan_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray, jobs: list[ArrayIO],
+def plan_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray, jobs: list[ArrayIO],
              overlays: list[Overlay]) -> None:
     """Append to ``jobs`` the plain reads, and to ``overlays`` the overlays (to run after them, in order), that
     fill ``out`` with ``box`` of ``key``. A tensor stored whole costs one ``ArrayIO`` (``load``'s hot path)."""
@@ -119,7 +119,7 @@ def plan_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray, jobs: 
 class _Layer(NamedTuple):
     """A chunks delta being read: its base, the key, its array's spec and chunk shape."""
 
-    base: Checkpoint
+    base: ChainSource
     key: str
     spec: dict[str, Any]
     grid: tuple[int, ...]
@@ -175,20 +175,20 @@ def _present_in(present: frozenset[int], box: Box, grid: tuple[int, ...],
 
 
 
-def delta_rows(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:
+def delta_rows(checkpoint: ChainSource, entry: ArrayEntry) -> np.ndarray:
     """The row indices a rows delta of ``checkpoint`` stores (read once, then kept; -1 marks padding). Runs in
     an overlay, inside the read path's checks."""
-    cache = checkpoint.__dict__.setdefault("_rows_cache", {})
+    cache = checkpoint.rows_cache
     if entry.key not in cache:
         spec = checkpoint.rows_delta_spec(entry, "rows")
         rows = np.empty(tuple(spec["metadata"]["shape"]), np.int64)
-        read_into([ArrayIO(entry.key, spec, rows)], checkpoint._context, str(checkpoint.location))
+        read_into([ArrayIO(entry.key, spec, rows)], checkpoint.read_context, str(checkpoint.location))
         checkpoint.check_delta_rows(entry, rows)
         cache[entry.key] = rows
     return cache[entry.key]
 
 
-def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
+def _overlay_rows(checkpoint: ChainSource, entry: ArrayEntry, box: Box, out: np.ndarray) -> None:
     """Write this layer's changed rows that fall in ``box`` over ``out``."""
     rows = delta_rows(checkpoint, entry)
     positions = np.flatnonzero((rows >= box.offset[0]) & (rows < box.stop[0]))
@@ -199,17 +199,17 @@ def _overlay_rows(checkpoint: Checkpoint, entry: ArrayEntry, box: Box, out: np.n
     out[rows[positions] - box.offset[0]] = values[(slice(None), *columns)]  # out covers exactly the box
 
 
-def _read_rows_of(checkpoint: Checkpoint, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
+def _read_rows_of(checkpoint: ChainSource, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
     spec = checkpoint.rows_delta_spec(entry, name)
     where = str(checkpoint.location)
-    store = open_array(spec, checkpoint._context, entry.key, where)
+    store = open_array(spec, checkpoint.read_context, entry.key, where)
     try:
         return np.asarray(store[positions].read().result())
     except Exception as e:  # damaged, or unreachable storage (then a StorageError), named with the user's path
         raise read_failure(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: {e}", e) from e
 
 
-def _row_values(checkpoint: Checkpoint, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:
+def _row_values(checkpoint: ChainSource, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:
     """The stored new values of the rows at ``positions`` of a rows delta, dequantized if they are codes."""
     assert entry.delta is not None
     quantized = entry.delta.quantized

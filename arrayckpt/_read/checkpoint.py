@@ -114,6 +114,7 @@ class Checkpoint(Mapping[str, LazyArray]):
             if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
                 follow_base(location, self.manifest.base.path, base_roots)
             self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
+            self.rows_cache: dict[str, Any] = {}  # row indices of rows deltas, by key (chain.delta_rows)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
                 if isinstance(entry, ArrayEntry):
@@ -157,7 +158,7 @@ class Checkpoint(Mapping[str, LazyArray]):
             for array in self._arrays.values():
                 array._forget_handles()
             self._read_context = None
-            self.__dict__.pop("_rows_cache", None)
+            self.rows_cache = {}
         finally:
             self._finalizer()  # releases the pin, once
 
@@ -167,7 +168,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         """Raise :class:`ClosedCheckpointError` once closed (before any read: on local storage the pinned
         directory's descriptor number may name another directory by then)."""
         if self._closed:
@@ -175,9 +176,9 @@ class Checkpoint(Mapping[str, LazyArray]):
                                         "(open it again: arrayckpt.open)")
 
     @property
-    def _context(self) -> Any:
+    def read_context(self) -> Any:
         """The TensorStore read context (what every read of data uses: closed, it raises)."""
-        self._check_open()
+        self.check_open()
         if self._read_context is None:
             with _CONTEXT_LOCK:  # one context per checkpoint, even when threads read first at once
                 if self._read_context is None:
@@ -195,7 +196,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         ref = self.manifest.base
         if ref is None:
             raise ValueError(f"{self.location}: a full checkpoint; it has no base")
-        self._check_open()
+        self.check_open()
         location = follow_base(self.location, ref.path, self.base_roots)
         try:
             base = Checkpoint(location, self.allow_pickle, base_roots=self.base_roots)
@@ -266,7 +267,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     def node_kvstore(self, path: str) -> dict[str, Any]:
         """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage, whose
         node directories must not be symbolic links: spec §12)."""
-        self._check_open()
+        self.check_open()
         if self._base.get("driver") == "file":
             check_no_links(self._base["path"], path, str(self.location))
         return kvstore_at(self._base, path)
@@ -387,7 +388,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         entry = self.manifest.entries.get(key)
         if not isinstance(entry, PerRankEntry):
             raise KeyError(f"{self.location}: {key!r} is not a per-rank entry")
-        self._check_open()
+        self.check_open()
         arrays = {rank: np.empty(item.shape, item.dtype.numpy) for rank, item in enumerate(entry.items)
                   if isinstance(item, ArrayEntry)}
         read(self, [ArrayIO(key, self.per_rank_spec(key, rank), array) for rank, array in arrays.items()])
@@ -431,7 +432,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     def unpickle(self, keys: Sequence[str]) -> dict[str, Any]:
         """The pickled values ``keys``, unpickled (with ``allow_pickle=True`` only) with one
         :class:`arrayckpt.PickleWarning` naming them all: ``load`` unpickles a state's values in one call."""
-        self._check_open()
+        self.check_open()
         if not keys:
             return {}
         if not self.allow_pickle:

@@ -17,7 +17,7 @@ from .._read.reader import ArraySlices, ChainRead, read
 if TYPE_CHECKING:
     import torch
 
-    from .._read.checkpoint import Checkpoint
+    from .source import ChainSource
 
 __all__ = ["LazyArray"]
 
@@ -30,7 +30,7 @@ class LazyArray:
     :class:`arrayckpt.ClosedCheckpointError`.
     """
 
-    def __init__(self, checkpoint: Checkpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
+    def __init__(self, checkpoint: ChainSource, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
         self._checkpoint = checkpoint
         self.entry = entry
         self.metadata = metadata
@@ -101,7 +101,7 @@ class LazyArray:
     def __getitem__(self, index: Any) -> np.ndarray:
         """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
         touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
-        self._checkpoint._check_open()
+        self._checkpoint.check_open()
         normal = basic_index(index, self.shape)
         if normal is None:
             return self.numpy()[index]
@@ -135,7 +135,7 @@ class LazyArray:
         """The whole array as a new CPU torch tensor of the saved dtype."""
         import torch
 
-        self._checkpoint._check_open()  # before allocating
+        self._checkpoint.check_open()  # before allocating
         out = torch.empty(self.shape, dtype=self.dtype)
         self.read_into(out)
         return out
@@ -144,6 +144,6 @@ class LazyArray:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
         from .._torch.tensors import writable_numpy  # torch only when reading into torch
 
-        self._checkpoint._check_open()
+        self._checkpoint.check_open()
         out = writable_numpy(tensor, self.entry.dtype, self.key)
         read(self._checkpoint, [ChainRead(self.key, Box.whole(self.shape), out)])

@@ -11,8 +11,8 @@ per-rank arrays, pickled bytes, ``compact``, ``verify``, ``diff`` and ``show`` a
 It plans every request, runs all the plain reads at once (``_io.arrays.read_into``: concurrently, local
 uncompressed chunks on the fast path), applies the overlays in order, and then checks — once per call, whatever
 the number of requests — that the checkpoint was not replaced meanwhile: a failure caused by the checkpoint (or
-a base read through) being replaced or removed says so (:meth:`Checkpoint.raise_if_replaced`), and a success is
-checked not to have been overtaken by a replacement (:meth:`Checkpoint.check_unchanged`), since on object
+a base read through) being replaced or removed says so (:meth:`ChainSource.raise_if_replaced`), and a success is
+checked not to have been overtaken by a replacement (:meth:`ChainSource.check_unchanged`), since on object
 storage what was read could otherwise mix two checkpoints.
 
 How the plain reads run is the caller's ``execute`` (``read_into``'s signature, and by default ``read_into``):
@@ -35,7 +35,7 @@ from .._read.chain import Overlay, plan_box
 if TYPE_CHECKING:
     import tensorstore as ts
 
-    from .._read.checkpoint import Checkpoint
+    from .source import ChainSource
 
 __all__ = ["ArraySlices", "ChainRead", "Execute", "Request", "read", "read_box", "read_boxes"]
 
@@ -55,7 +55,7 @@ Request = ChainRead | ArrayIO
 Execute = Callable[[Sequence[ArrayIO], Any, str], None]
 
 
-def read(checkpoint: Checkpoint, requests: Iterable[Request], *, execute: Execute = read_into) -> None:
+def read(checkpoint: ChainSource, requests: Iterable[Request], *, execute: Execute = read_into) -> None:
     """Fill every request's memory from ``checkpoint`` (see the module docstring); after a failure some of it
     may be filled, some not.
 
@@ -71,7 +71,7 @@ def read(checkpoint: Checkpoint, requests: Iterable[Request], *, execute: Execut
         else:
             jobs.append(request)
     try:
-        execute(jobs, checkpoint._context, str(checkpoint.location))
+        execute(jobs, checkpoint.read_context, str(checkpoint.location))
         for overlay in overlays:
             overlay()
     except ArrayckptError as e:
@@ -110,12 +110,12 @@ class ArraySlices:
                 raise read_failure(f"{where}: tensor {job.key!r}: read failed: {message}", e) from e
 
 
-def read_box(checkpoint: Checkpoint, key: str, box: Box, out: np.ndarray) -> None:
+def read_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray) -> None:
     """Fill ``out`` (shaped like ``box``) with that part of tensor ``key``, through the chain."""
     read(checkpoint, [ChainRead(key, box, out)])
 
 
-def read_boxes(checkpoint: Checkpoint, key: str, boxes: Sequence[Box]) -> list[np.ndarray]:
+def read_boxes(checkpoint: ChainSource, key: str, boxes: Sequence[Box]) -> list[np.ndarray]:
     """Several boxes of tensor ``key`` into new arrays, read at once through the chain."""
     dtype = checkpoint[key].numpy_dtype
     outs = [np.empty(box.shape, dtype) for box in boxes]

@@ -1,0 +1,59 @@
+"""What the read path needs of an open checkpoint: :class:`ChainSource`, which ``Checkpoint`` implements.
+
+``reader.py`` (the one read path), ``chain.py`` (reads through a delta's chain) and ``lazy.py`` (one array's
+handle) sit below ``checkpoint.py`` and read through this protocol, so that none of them imports the class that
+imports them, and none reaches into its private members.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .._format.manifest import ArrayEntry, Manifest
+    from .._storage import Location
+
+__all__ = ["ChainSource"]
+
+
+class ChainSource(Protocol):
+    """An open checkpoint as the read path sees it (one layer of a delta chain, with its base behind it)."""
+
+    location: Location
+    manifest: Manifest
+    #: Row indices of rows deltas read so far, by key (each read once per open checkpoint).
+    rows_cache: dict[str, Any]
+
+    @property
+    def base(self) -> ChainSource:
+        """The checkpoint a delta reads through (opened on first use)."""
+
+    @property
+    def read_context(self) -> Any:
+        """The context every read of data uses (raises once the checkpoint is closed)."""
+
+    def __getitem__(self, key: str) -> Any:
+        """The lazy array of ``key``."""
+
+    def check_open(self) -> None:
+        """Raise ``ClosedCheckpointError`` once closed."""
+
+    def node_kvstore(self, path: str) -> dict[str, Any]:
+        """The kvstore spec of a node's directory."""
+
+    def present_chunks(self, key: str) -> frozenset[int]:
+        """A chunks delta's stored chunks (flat grid indices)."""
+
+    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
+        """The array spec of one part (``rows``, ``values``, ...) of a rows delta."""
+
+    def check_delta_rows(self, entry: ArrayEntry, rows: np.ndarray) -> None:
+        """Refuse row indices a rows delta must not hold."""
+
+    def check_unchanged(self) -> None:
+        """Raise when the checkpoint (or a base) was replaced since it was opened."""
+
+    def raise_if_replaced(self, error: BaseException) -> None:
+        """Raise ``ReplacedCheckpointError`` from ``error`` when the checkpoint was replaced meanwhile."""
