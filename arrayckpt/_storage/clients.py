@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import tensorstore as ts
 
-    from .object import ObjectLocation
-
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RETRIES", "driver_spec", "object_context"]
 
 # TensorStore's HTTP client has no timeout of its own: a server that stops answering mid-request would hang a
@@ -95,21 +93,22 @@ _CONTEXTS: dict[Any, ts.Context] = {}
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def object_context(location: ObjectLocation) -> ts.Context:
-    """One TensorStore context per storage configuration and process: request concurrency and retries for
-    S3/GCS; for ``memory://`` the process-wide store every save and read must share."""
-    key = (location.scheme, location.options)
+def object_context(scheme: str, options_key: tuple[tuple[str, Any], ...]) -> ts.Context:
+    """One TensorStore context per storage configuration and process (``scheme`` and the resolved, sorted storage
+    options): request concurrency and retries for S3/GCS; for ``memory://`` the process-wide store every save and
+    read must share."""
+    key = (scheme, options_key)
     with _CONTEXTS_LOCK:
         context = _CONTEXTS.get(key)
         if context is None:
-            options = location.option
+            options = dict(options_key)
             retries = {"max_retries": int(options.get("max_retries", DEFAULT_RETRIES)),
                        "initial_delay": "50ms", "max_delay": "5s"}
             limit = {"limit": int(options.get("request_concurrency", DEFAULT_CONCURRENCY))}
             spec: dict[str, Any] = {}
-            if location.scheme == "s3":
+            if scheme == "s3":
                 spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}
-            elif location.scheme == "gs":
+            elif scheme == "gs":
                 spec = {"gcs_request_retries": retries, "gcs_request_concurrency": limit}
             import tensorstore as ts  # on first use (CLI start-up)
             context = _CONTEXTS[key] = ts.Context(spec)

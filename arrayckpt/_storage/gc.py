@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
@@ -24,11 +24,8 @@ from .files import directory_files, remove_arrayckpt_files
 from .liveness import Holder, live_holder
 from .local import LocalLocation
 
-if TYPE_CHECKING:
-    from .object import ObjectLocation
-
-__all__ = ["LocalIncomplete", "ObjectLeftover", "collect_garbage", "hierarchies_above", "incomplete_leftovers",
-           "judge_incomplete", "object_leftovers"]
+__all__ = ["LocalIncomplete", "ObjectLeftover", "ObjectPrefix", "collect_garbage", "hierarchies_above",
+           "incomplete_leftovers", "judge_incomplete", "object_leftovers"]
 
 
 def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry_run: bool = False,
@@ -50,11 +47,35 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
     return [leftover.location.native for leftover in found if dry_run or leftover.remove()]  # type: ignore[return-value]
 
 
+
+class ObjectPrefix(Protocol):
+    """What the rules below need of an object-storage location (``ObjectLocation`` implements it): gc stays below
+    the backend that calls it."""
+
+    scheme: str
+    prefix: str  # no leading or trailing "/"; "" is the bucket's root
+
+    @property
+    def native(self) -> str: ...
+
+    def node_document(self, node_path: str) -> bytes | None: ...
+
+    def object_times(self) -> list[tuple[str, float | None]]: ...
+
+    def read_objects(self, keys: list[str]) -> dict[str, bytes | None]: ...
+
+    def delete_objects(self, keys: list[str]) -> None: ...
+
+    def children(self) -> list[str]: ...
+
+    def child(self, name: str) -> ObjectPrefix: ...
+
+
 @dataclass(frozen=True)
 class ObjectLeftover(Leftover):
     """An incomplete checkpoint on object storage: a prefix with arrayckpt's objects and no root document."""
 
-    location: ObjectLocation
+    location: ObjectPrefix
     keys: tuple[str, ...]  # every object under the prefix (relative to it), all arrayckpt-shaped
     age_s: float | None  # seconds since its newest object was written (None: the store gives no times)
 
@@ -67,7 +88,7 @@ class ObjectLeftover(Leftover):
         return True
 
 
-def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
+def object_leftovers(location: ObjectPrefix, min_age_s: float) -> Leftovers:
     """The incomplete checkpoints right below ``location``'s prefix that are safe to remove, and the other
     non-committed prefixes there, each with why it is kept.
 
@@ -105,7 +126,7 @@ def object_leftovers(location: ObjectLocation, min_age_s: float) -> Leftovers:
     return Leftovers(found, kept)
 
 
-def _prefix_leftovers(where: ObjectLocation, min_age_s: float) -> Leftovers:
+def _prefix_leftovers(where: ObjectPrefix, min_age_s: float) -> Leftovers:
     """The prefix ``where`` as a removable leftover, or kept with why, or neither (committed, or nothing there)."""
     document = where.node_document("")
     if document is not None:
@@ -157,7 +178,7 @@ def judge_incomplete(keys: list[str], newest: float | None, read_documents: Read
     return None, age
 
 
-def hierarchies_above(location: ObjectLocation, itself: bool = True) -> Iterator[tuple[ObjectLocation, bool]]:
+def hierarchies_above(location: ObjectPrefix, itself: bool = True) -> Iterator[tuple[ObjectPrefix, bool]]:
     """Each prefix from the bucket's root down to ``location``'s own (``itself``: included) holding a ``zarr.json``,
     with whether it is an arrayckpt checkpoint's root document: one GET per prefix, taken lazily."""
     parts = location.prefix.split("/") if location.prefix else []
@@ -173,7 +194,7 @@ def hierarchies_above(location: ObjectLocation, itself: bool = True) -> Iterator
         yield here, ours
 
 
-def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
+def _refuse_inside_hierarchy(location: ObjectPrefix) -> None:
     """Refuse a root that is, or lies inside, a Zarr hierarchy (a ``zarr.json`` at it or at a prefix above it)."""
     for here, ours in hierarchies_above(location):
         what = "a committed checkpoint" if ours else "a Zarr hierarchy (zarr.json)"
@@ -182,7 +203,7 @@ def _refuse_inside_hierarchy(location: ObjectLocation) -> None:
         raise StateError(f"{location}: lies inside {what} at {here}; gc takes a prefix that holds checkpoints")
 
 
-def _live_lease(where: ObjectLocation) -> Holder | None:
+def _live_lease(where: ObjectPrefix) -> Holder | None:
     """The live holder of the save lease in ``where``'s prefix (one GET; ``None``: none, or expired)."""
     return live_holder(where.read_objects([LEASE_NAME]).get(LEASE_NAME))
 

@@ -103,7 +103,7 @@ class ObjectLocation(Location):
         return spec
 
     def context(self) -> Any:  # a tensorstore.Context
-        return object_context(self)
+        return object_context(self.scheme, self.options)
 
     read_context = write_context = context
 
