@@ -81,6 +81,14 @@ class Location(abc.ABC):
     #: racing an overwrite can return chunks of two checkpoints, so readers must call :meth:`changed_since`
     #: after reading. Either way, a replaced checkpoint's data may be gone: reads of it then fail.
     pins_reads: ClassVar[bool] = False
+    #: Whether the ranks of a load share one read of the root document (``_storage/shared.py``): where a read is a
+    #: request (object storage); a local directory is opened, and pinned, by every process itself.
+    shares_root: ClassVar[bool] = False
+
+    def read_root_bytes(self) -> tuple[bytes, Any]:
+        """The committed root document as stored, and the token of what was read (for :meth:`changed_since`);
+        where :attr:`shares_root`. Errors as :meth:`read_root`."""
+        raise NotImplementedError(f"{self}: its root document is not shared between ranks")
 
     @abc.abstractmethod
     def __str__(self) -> str: ...

@@ -78,6 +78,7 @@ class ObjectLocation(Location):
     options: tuple[tuple[str, Any], ...] = ()  # resolved storage options, sorted (hashable)
 
     # pins_reads is False: nothing can pin a prefix, so readers check changed_since after reading
+    shares_root = True  # one GET of the root document for all the ranks of a load
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
@@ -112,6 +113,16 @@ class ObjectLocation(Location):
         object storage) and the root's storage generation, for :meth:`changed_since`."""
         document, generation = self._read_root_stamped()
         return Opened(document, self.kvstore(), lambda: None, generation)
+
+    def read_root_bytes(self) -> tuple[bytes, Any]:
+        try:
+            result = self.open_store().read(ROOT_METADATA).result()
+        except Exception as e:
+            raise StorageError(f"{self}: reading {ROOT_METADATA} failed: {e}") from e
+        if result.state != "value":
+            self.read_root()  # says what is there instead: an incomplete checkpoint, or nothing
+            raise CheckpointNotFoundError(f"{self}: no checkpoint here")
+        return bytes(result.value), result.stamp.generation
 
     def changed_since(self, generation: Any) -> bool:
         """Whether the root document is no longer the one of ``generation`` (replaced or removed): one

@@ -12,32 +12,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import CheckpointNotFoundError, StorageError
-from .._format.zarr import ROOT_METADATA
 from .base import Location, Opened, parse_root_bytes
-from .object import ObjectLocation
 
 __all__ = ["opened_from_bytes", "read_root_bytes", "shares_root"]
 
 
 def shares_root(location: Location) -> bool:
     """Whether ranks opening ``location`` should share one read of its root document (object storage)."""
-    return isinstance(location, ObjectLocation)
+    return location.shares_root
 
 
 def read_root_bytes(location: Location) -> tuple[bytes, Any]:
     """The root document of the committed checkpoint at ``location`` as stored, and the token of what was read
     (for :meth:`Location.changed_since`). Errors as :meth:`Location.read_root`."""
-    assert isinstance(location, ObjectLocation)
-    store = location.open_store()
-    try:
-        result = store.read(ROOT_METADATA).result()
-    except Exception as e:
-        raise StorageError(f"{location}: reading {ROOT_METADATA} failed: {e}") from e
-    if result.state != "value":
-        location.read_root()  # says what is there instead: an incomplete checkpoint, or nothing
-        raise CheckpointNotFoundError(f"{location}: no checkpoint here")
-    return bytes(result.value), result.stamp.generation
+    return location.read_root_bytes()
 
 
 def opened_from_bytes(location: Location, data: bytes, token: Any) -> Opened:
