@@ -288,3 +288,14 @@ def test_format_and_read_layers_need_no_torch(tmp_path):
     assert result == {"keys": ["model.b", "model.w"], "row": [4.0, 5.0, 6.0, 7.0], "bf16": "bfloat16", "step": 3,
                       "verify": True, "show": 7.0, "info": 0, "torch_loaded": False,
                       "save": ["arrayckpt.save requires PyTorch: pip install 'arrayckpt[torch]'", True]}
+
+
+def test_every_package_docstring_names_its_modules():
+    """A newcomer reads a package's ``__init__`` first: it names every module and subpackage in it."""
+    missing = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"]
+        names += [p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()]
+        missing += [f"{init.parent.name}/{name}" for name in sorted(names) if name not in docstring]
+    assert not missing, f"not named in their package's docstring: {missing}"

@@ -9,7 +9,9 @@
 - ``dcp_keys.py``: how DCP's flattened keys and arrayckpt's keys map onto each other, both ways;
 - ``dcp_values.py``: DCP's non-tensor items as arrayckpt's plain values (or, with consent, pickles);
 - ``dcp_options.py``: what the two make of the arguments of DCP's ``FileSystemWriter``/``FileSystemReader``;
-- ``lightning_io.py``: PyTorch Lightning's ``CheckpointIO`` plug-in (see its docstring);
+- ``dcp_ties.py``: tied weights through DCP's writer, stored once;
+- ``lightning_io.py``: PyTorch Lightning's ``CheckpointIO`` plug-in (see its docstring); ``lightning_callbacks.py``:
+  its callbacks' states under readable keys;
 - ``deepspeed_engine.py``: fills an initialised DeepSpeed ZeRO engine's partitions from an arrayckpt checkpoint
   (``arrayckpt.deepspeed.load``), each rank reading only its slices.
 

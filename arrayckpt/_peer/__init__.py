@@ -11,7 +11,9 @@ wrote plus the replicas it received, and every node holds the documents. Design:
 - ``wire.py``: chunk files sent between ranks over ``torch.distributed`` point-to-point calls;
 - ``save.py``: a memory save (staged on the host; in the background, the ordinary save path into node-local
   directories, then the replication);
-- ``restore.py``: a restore from the survivors (survey, choice of step, fetches, the ordinary load).
+- ``restore.py``: a restore from the survivors (survey, choice of step, fetches, the ordinary load), with
+  ``needs.py``: which chunk files a rank's targets read;
+- ``flush.py``: a memory step copied, as stored, to a durable tier;
 
 This package may use torch.distributed and every layer below the manager; the manager calls it through
 :class:`MemoryTier` only (``tier.py``: :func:`start_memory_save`, :func:`memory_restore`, :meth:`NodeMemory.clean_up`).

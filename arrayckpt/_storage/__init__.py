@@ -4,7 +4,10 @@ One interface, :class:`Location` and :class:`Writer` (``base.py``, with the call
 implemented completely by a local directory (``local.py``) and an object-storage prefix (``object.py``);
 callers hold a ``Location`` from :func:`parse_location` and never ask which one it is. Each implementation
 registers the URL schemes it serves when imported (this package imports them all). Garbage collection
-(``gc.py``) is written once, through the interface.
+(``gc.py``) is written once, through the interface. Beside them: object-storage clients and contexts
+(``clients.py``) and requests (``kvio.py``); local durability and atomic renames (``renames.py``) and arrayckpt's
+own files in a directory (``files.py``); the locks and leases of live saves and managers (``liveness.py``); one
+root document read for many ranks (``shared.py``).
 """
 
 from __future__ import annotations

@@ -71,34 +71,39 @@ def save(
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
-    ``state`` is a dict of tensors (plain, DTensor, or :class:`arrayckpt.Shard`), numpy arrays, plain
-    values (int, float, str, bool, None, bytes and lists/tuples/dicts of them), :class:`arrayckpt.PerRank`
-    values and objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and
-    lists. ``codec`` is ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`,
-    or a per-key choice (``{"optim.*": "zstd"}``). Every chunk carries a crc32c. The checkpoint
-    becomes visible only once complete; a committed checkpoint at ``path`` is replaced only with
-    ``overwrite=True``, and stays readable until the new one has committed. ``step`` and ``metrics``
-    (finite numbers by name, e.g. a validation loss) are recorded in the manifest. ``path`` may be an
-    object-storage URL (``s3://bucket/prefix``, ``gs://``, ``memory://``); ``storage_options`` then
-    configure the client (``endpoint_url``, ``region``, ``key``/``secret``/``token``, ``anon``,
-    ``max_retries``, ``request_concurrency``), else the standard AWS environment variables do.
+    The checkpoint becomes visible only once complete; a committed checkpoint at ``path`` is replaced only with
+    ``overwrite=True``, and stays readable until the new one has committed. Every chunk carries a crc32c.
 
-    With ``base`` (the path of a committed checkpoint, or an open :class:`arrayckpt.Checkpoint`) the save is
-    incremental: each tensor stores only what differs, bit for bit, from the base — nothing if unchanged,
-    the changed chunks, or the changed rows (indices and values), whichever is smallest — and reads fall
-    through to the base. Change detection reads the base back, except for keys in ``changed_rows``
-    (key -> global row indices, e.g. from an embedding's sparse gradient), whose other rows the caller
-    vouches are unchanged. ``quantize`` (key pattern -> 4 or 8 bits) stores the changed rows of matching
-    floating-point tensors quantized (lossy; the manifest records the largest error). Readers follow a base
-    beside the delta (in the same directory or prefix); one elsewhere is written all the same, with a warning that
-    its readers will need to name its root (``base_roots``, spec §10.1). A base whose own chain leads elsewhere is
-    opened from a path by those rules too: pass it opened, ``arrayckpt.open(path, base_roots=[...])``.
-
-    ``durable=False`` skips the flush to disk before the commit (locally: one ``syncfs``, which also waits for every
-    other writer on that filesystem), as ``torch.save`` does: the commit stays atomic and a crash of the process
-    leaves the previous checkpoint, but a power loss or a crash of the machine soon after may leave the committed
-    checkpoint without its data (then a load names the missing or damaged chunk). For scratch saves and for storage
-    that another tier makes durable; object stores are durable either way.
+    Args:
+        state: a dict of tensors (plain, DTensor, or :class:`arrayckpt.Shard`), numpy arrays, plain values (int,
+            float, str, bool, None, bytes and lists/tuples/dicts of them), :class:`arrayckpt.PerRank` values and
+            objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and lists.
+        path: a directory, or an object-storage URL (``s3://bucket/prefix``, ``gs://``, ``memory://``).
+        codec: ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`, or a per-key
+            choice (``{"optim.*": "zstd"}``).
+        overwrite: replace a committed checkpoint at ``path``.
+        allow_pickle: store values that are not plain (pickled; loading them needs ``allow_pickle`` too).
+        process_group: the ranks that save together (default: the default group, if initialised).
+        step: recorded in the manifest.
+        metrics: finite numbers by name (e.g. a validation loss), recorded in the manifest.
+        storage_options: for object storage: ``endpoint_url``, ``region``, ``key``/``secret``/``token``, ``anon``,
+            ``max_retries``, ``request_concurrency`` (else the standard AWS environment variables).
+        base: the path of a committed checkpoint, or an open :class:`arrayckpt.Checkpoint`: the save is
+            incremental — each tensor stores only what differs, bit for bit, from the base (nothing if unchanged,
+            the changed chunks, or the changed rows, whichever is smallest) and reads fall through to the base.
+            Readers follow a base beside the delta (same directory or prefix); one elsewhere is written all the
+            same, with a warning that its readers will need to name its root (``base_roots``, spec §10.1). A base
+            whose own chain leads elsewhere is opened from a path by those rules too: pass it opened,
+            ``arrayckpt.open(path, base_roots=[...])``.
+        changed_rows: with ``base``: key -> global row indices changed since the base (e.g. from an embedding's
+            sparse gradient); the caller vouches the other rows are unchanged, which spares reading them back.
+        quantize: with ``base``: key pattern -> 4 or 8 bits; the changed rows of matching floating-point tensors
+            are stored quantized (lossy; the manifest records the largest error).
+        durable: ``False`` skips the flush to disk before the commit (locally one ``syncfs``, which also waits
+            for every other writer on that filesystem), as ``torch.save`` does: the commit stays atomic and a
+            crash of the process leaves the previous checkpoint, but a power loss soon after may leave the
+            committed checkpoint without its data (a load then names the missing or damaged chunk). Object stores
+            are durable either way.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
