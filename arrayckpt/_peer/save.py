@@ -33,11 +33,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from .._errors import ArrayckptError, StateError
-from .._format.dtypes import DType
 from .._format.manifest import parse_root_document
 from .._format.writers import expand_runs
 from .._format.zarr import chunk_keys, grid_counts
@@ -45,15 +41,15 @@ from .._storage import LocalLocation, Writer
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import remove_arrayckpt_files
 from .._torch.dist import Group
-from .._torch.dtypes import numpy_view
 from .._write.describe import LocalState, describe_local
+from .._write.hostcopies import HostCopies
 from .._write.options import SaveOptions
 from .._write.save import SaveRequest, check_record, finish_save, prepare
 from .config import PeerMemory, Placement
 from .node import Files, FileSum, NodeMemory, StepRecord, file_sum
 from .wire import FileRef, Transfer, exchange_files
 
-__all__ = ["HostCopies", "MemorySaved", "start_memory_save"]
+__all__ = ["MemorySaved", "start_memory_save"]
 
 
 @dataclass(frozen=True)
@@ -99,53 +95,6 @@ class PeerWriter(Writer):
 
     def abort(self) -> None:
         remove_arrayckpt_files(self.location.path)
-
-
-class HostCopies:
-    """Host copies of a memory save's arrays (the ``host`` callback of ``describe_local``), allocated once per (array
-    path, shape, dtype) and reused by the next memory save: the one copy training waits for. (Not the staging buffers
-    of ``async_save``: a memory save and a durable asynchronous save in flight never wait for each other.)"""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
-        self._used: set[tuple[str, tuple[int, ...], Any]] = set()
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._cuda = False
-
-    def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
-        """The buffer for ``value``; tensors are copied into it by :meth:`finish`, in one batched call."""
-        if isinstance(value, np.ndarray):
-            slot = (path, value.shape, value.dtype)
-            array = self._buffers.get(slot)
-            if array is None:
-                array = self._buffers[slot] = np.empty(value.shape, value.dtype)
-            np.copyto(array, value)
-            self._used.add(slot)
-            return array
-        source = value.detach()
-        slot = (path, tuple(source.shape), source.dtype)
-        pinned = source.is_cuda and torch.cuda.is_available()
-        tensor = self._buffers.get(slot)
-        if tensor is None:
-            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-        self._copies.append((tensor, source))
-        self._cuda = self._cuda or pinned
-        self._used.add(slot)
-        return numpy_view(tensor, dt)
-
-    def finish(self) -> None:
-        """Copy every tensor into its buffer (device copies non-blocking, then waited for); drop unused buffers."""
-        if self._copies:
-            buffers, sources = zip(*self._copies, strict=True)
-            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
-                                 non_blocking=self._cuda)
-            self._copies.clear()
-        if self._cuda:
-            torch.cuda.synchronize()
-        for slot in set(self._buffers) - self._used:
-            del self._buffers[slot]
-        self._used.clear()
-        self._cuda = False
 
 
 def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None,

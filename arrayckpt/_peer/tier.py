@@ -19,12 +19,13 @@ from typing import Any
 from .._errors import StateError
 from .._storage import Location
 from .._torch.dist import Group
+from .._write.hostcopies import HostCopies
 from .._write.options import SaveOptions
 from .config import PeerMemory
 from .flush import Flushed, flush_memory_step
 from .node import NodeMemory
 from .restore import memory_restore
-from .save import HostCopies, MemorySaved, start_memory_save
+from .save import MemorySaved, start_memory_save
 
 __all__ = ["MemoryTier"]
 

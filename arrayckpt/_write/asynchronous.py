@@ -31,8 +31,8 @@ from .._io.arrays import collector_paused
 from .._io.priority import background_priority
 from .._layout.box import Box
 from .._torch.dist import Group, resolve_group
-from .._torch.dtypes import numpy_view
 from .describe import describe_local
+from .hostcopies import HostCopies
 from .options import SaveOptions
 from .save import SaveRequest, _attempt, check_record, finish_save, prepare
 
@@ -68,7 +68,7 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {state}, blocked {self.blocking_seconds * 1e3:.1f} ms)"
 
 
-class _Stager:
+class _Stager(HostCopies):
     """Host copies of the arrays of a save, allocated once per (array path, shape, dtype) and reused.
 
     With ``keep_copy`` the copies of a committed save are kept as they are (the next save stages into a
@@ -77,10 +77,7 @@ class _Stager:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], Any], Any] = {}
-        self._used: set[tuple[str, tuple[int, ...], Any]] = set()
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
-        self._cuda = False
+        super().__init__()
         self._views: dict[str, np.ndarray] = {}  # by array path: this staging's host copies
         self._kept: dict[tuple[str, tuple[int, ...], Any], Any] = {}  # buffers of the kept copy
         self._kept_views: dict[str, tuple[Box, np.ndarray]] = {}  # by array path: (box held, its bytes)
@@ -113,43 +110,9 @@ class _Stager:
         return lookup
 
     def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
-        """The staging buffer of ``value`` (the ``host`` callback of ``describe_local``); tensors are copied
-        into it by :meth:`finish`, all in one batched call."""
-        if isinstance(value, np.ndarray):
-            slot = (path, value.shape, value.dtype)
-            buffer = self._buffers.get(slot)
-            if buffer is None:
-                buffer = self._buffers[slot] = np.empty(value.shape, value.dtype)
-            np.copyto(buffer, value)
-            self._used.add(slot)
-            self._views[path] = buffer
-            return buffer
-        source = value.detach()
-        slot = (path, tuple(source.shape), source.dtype)
-        tensor = self._buffers.get(slot)
-        pinned = source.is_cuda and torch.cuda.is_available()
-        if tensor is None:
-            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-        self._copies.append((tensor, source))
-        self._cuda = self._cuda or pinned
-        self._used.add(slot)
-        self._views[path] = numpy_view(tensor, dt)
+        """The staging buffer of ``value`` (:meth:`HostCopies.host`), remembered as this staging's copy of ``path``."""
+        self._views[path] = super().host(key, path, value, dt)
         return self._views[path]
-
-    def finish(self) -> None:
-        """Copy every tensor into its buffer (one batched call; device copies non-blocking, then waited
-        for) and forget buffers the save did not use (the state's layout changed)."""
-        if self._copies:
-            buffers, sources = zip(*self._copies, strict=True)
-            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
-                                 non_blocking=self._cuda)
-            self._copies.clear()
-        if self._cuda:
-            torch.cuda.synchronize()
-        for slot in set(self._buffers) - self._used:
-            del self._buffers[slot]
-        self._used.clear()
-        self._cuda = False
 
 
 _EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-save")

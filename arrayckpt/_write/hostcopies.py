@@ -1,0 +1,67 @@
+"""Host copies of a save's arrays, allocated once and reused by the next save: what a background save (``async_save``,
+a peer-memory save) stages into, so that the caller may change its tensors as soon as the copy is made.
+
+One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there, and every tensor
+is copied in one batched ``torch._foreach_copy_`` (device copies non-blocking, then waited for).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._format.dtypes import DType
+from .._torch.dtypes import numpy_view
+
+__all__ = ["HostCopies"]
+
+Slot = tuple[str, tuple[int, ...], Any]  # (array path, shape, dtype)
+
+
+class HostCopies:
+    """Reusable host buffers (the ``host`` callback of ``describe_local``): :meth:`host` hands out a buffer per array,
+    :meth:`finish` copies every tensor into its buffer and forgets the buffers this save did not use."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Slot, Any] = {}
+        self._used: set[Slot] = set()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
+        self._cuda = False
+
+    def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
+        """The buffer for ``value``; numpy arrays are copied now, tensors by :meth:`finish`, in one batched call."""
+        if isinstance(value, np.ndarray):
+            slot = (path, value.shape, value.dtype)
+            array = self._buffers.get(slot)
+            if array is None:
+                array = self._buffers[slot] = np.empty(value.shape, value.dtype)
+            np.copyto(array, value)
+            self._used.add(slot)
+            return array
+        source = value.detach()
+        slot = (path, tuple(source.shape), source.dtype)
+        pinned = source.is_cuda and torch.cuda.is_available()
+        tensor = self._buffers.get(slot)
+        if tensor is None:
+            tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        self._copies.append((tensor, source))
+        self._cuda = self._cuda or pinned
+        self._used.add(slot)
+        return numpy_view(tensor, dt)
+
+    def finish(self) -> None:
+        """Copy every tensor into its buffer (device copies non-blocking, then waited for) and forget the buffers
+        this save did not use (the state's layout changed)."""
+        if self._copies:
+            buffers, sources = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
+                                 non_blocking=self._cuda)
+            self._copies.clear()
+        if self._cuda:
+            torch.cuda.synchronize()
+        for slot in set(self._buffers) - self._used:
+            del self._buffers[slot]
+        self._used.clear()
+        self._cuda = False
