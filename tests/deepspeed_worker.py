@@ -353,8 +353,14 @@ def _worker(mode: str, root: Path) -> None:
 def _torchrun(ranks: int, mode: str, root: Path) -> dict[str, Any]:
     """This file's worker in ``mode`` on ``ranks`` ranks; what its rank 0 wrote."""
     env = {**os.environ, **ENV}  # DeepSpeed's C++ ops go to torch's extension cache, compiled once per machine
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           __file__, mode, str(root)], env=env, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
+               mode, str(root)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0 and mode == "train" and "terminate called without an active exception" in done.stderr:
+        # Seen once in 3 CI-like runs: a rank of DeepSpeed's own training job (no arrayckpt code runs in "train")
+        # aborted in C++ (SIGABRT, a joinable std::thread destroyed). The job only makes DeepSpeed's checkpoints
+        # that the tests then convert; run it once more rather than fail every test on a crash of the peer's.
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         pytest.fail(f"torchrun {mode} on {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads((root / f"{mode}_{ranks}.json").read_text())
