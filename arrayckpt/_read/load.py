@@ -36,6 +36,8 @@ from .._torch.readonce import split_reads
 from .._torch.shards import PerRank, Shard, to_local_box
 from .._torch.state import Leaf, StatefulNode, Walk, walk
 from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
+from .._torch.transfer import is_staged
+from .deviceload import DeviceLoads
 
 __all__ = ["LoadResult", "load"]
 
@@ -165,7 +167,8 @@ class _LoadPlan:
         self.rank = rank
         self.world_size = world_size
         self.atomic = atomic  # stage every read in fresh host buffers, even where the target could take it
-        self.requests: list[Request] = []  # everything to read, in one call of the read path
+        self.requests: list[Request] = []  # the reads into host targets (with the device targets' reads: one call)
+        self.device = DeviceLoads()  # device targets, read through pooled host buffers
         self.in_place: list[str] = []  # keys read straight into the state's memory (not staged)
         self.copies: list[tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] = []  # (target, staged)
         self.replacements: list[tuple[Leaf, Any]] = []
@@ -175,8 +178,10 @@ class _LoadPlan:
         """Read everything concurrently (with ``share_with``: only what this rank must read, the rest
         arriving from other ranks), then copy staged data into its targets and replace plain values (only
         once every read has passed its checks)."""
+        execute = read_into if share_with is None else _read_once(share_with)
         try:
-            read(self.checkpoint, self.requests, execute=read_into if share_with is None else _read_once(share_with))
+            self.device.run(self.requests, lambda requests: read(self.checkpoint, requests, execute=execute),
+                            whole=self.atomic or share_with is not None, touched=self.in_place)
         except ArrayckptError as e:
             _note_overwritten(e, sorted(set(self.in_place)))
             raise
@@ -257,7 +262,9 @@ class _LoadPlan:
             raise StateError(f"{self.where}: {e}") from None
         if box.size == 0 and math.prod(entry.shape) != 0:
             return  # this rank holds no part of the tensor
-        if local.device.type == "cpu" and not self.atomic:
+        if is_staged(local):  # on a device: through pooled host buffers, in batches
+            self.device.add(key, local, box, entry.dtype, lambda part, out: self._request(entry, spec, part, out))
+        elif local.device.type == "cpu" and not self.atomic:
             self._read(entry, spec, box, writable_numpy(local, entry.dtype, key))
             self.in_place.append(key)
         else:
@@ -266,10 +273,13 @@ class _LoadPlan:
             self.copies.append((local, staged))
 
     def _read(self, entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> None:
+        self.requests.append(self._request(entry, spec, box, out))
+
+    @staticmethod
+    def _request(entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> Request:
         if spec is None:
-            self.requests.append(ChainRead(entry.key, box, out))
-        else:
-            self.requests.append(ArrayIO(entry.key, spec, out, box.slices() if box.shape else None))
+            return ChainRead(entry.key, box, out)
+        return ArrayIO(entry.key, spec, out, box.slices() if box.shape else None)
 
     def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
         if have != want or tuple(shape) != entry.shape:

@@ -1,7 +1,8 @@
 """The torch layer: what arrayckpt needs to know about torch — the torch side of the dtype table, host views
 of tensors, shards (DTensor and explicit), walking nested training state into named leaves, collectives, and
 read-once loading over a process group (``dtypes.py``, ``shards.py``, ``state.py``, ``aliases.py``: tied tensors,
-``tensors.py``, ``dist.py``, ``readonce.py``). Nothing below this layer imports torch.
+``tensors.py``, ``dist.py``, ``readonce.py``), and moving data between a device and pooled (pinned) host
+buffers in batches, on a side stream (``transfer.py``). Nothing below this layer imports torch.
 
 This package's own ``__init__`` imports no torch: it holds the guards that turn a missing torch (``pip install
 arrayckpt`` has none; ``arrayckpt[torch]`` adds it) into one clear error naming the extra.

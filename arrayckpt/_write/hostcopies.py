@@ -1,8 +1,10 @@
 """Host copies of a save's arrays, allocated once and reused by the next save: what a background save (``async_save``,
 a peer-memory save) stages into, so that the caller may change its tensors as soon as the copy is made.
 
-One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there, and every tensor
-is copied in one batched ``torch._foreach_copy_`` (device copies non-blocking, then waited for).
+One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there and are copied
+by their device's copier (``_torch/transfer.py``: non-blocking, on a side stream, one batch per device), host
+tensors in one batched ``torch._foreach_copy_``; :meth:`HostCopies.finish` returns once every copy is done, so
+the caller blocks for the copies only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from .._format.dtypes import DType
 from .._torch.dtypes import numpy_view
+from .._torch.transfer import SyncCopier, copy_grouped, is_staged
 
 __all__ = ["HostCopies"]
 
@@ -28,7 +31,6 @@ class HostCopies:
         self._buffers: dict[Slot, Any] = {}
         self._used: set[Slot] = set()
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
-        self._cuda = False
 
     def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
         """The buffer for ``value``; numpy arrays are copied now, tensors by :meth:`finish`, in one batched call."""
@@ -42,26 +44,25 @@ class HostCopies:
             return array
         source = value.detach()
         slot = (path, tuple(source.shape), source.dtype)
-        pinned = source.is_cuda and torch.cuda.is_available()
         tensor = self._buffers.get(slot)
         if tensor is None:
+            pinned = source.is_cuda and torch.cuda.is_available()
             tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
         self._copies.append((tensor, source))
-        self._cuda = self._cuda or pinned
         self._used.add(slot)
         return numpy_view(tensor, dt)
 
     def finish(self) -> None:
-        """Copy every tensor into its buffer (device copies non-blocking, then waited for) and forget the buffers
-        this save did not use (the state's layout changed)."""
-        if self._copies:
-            buffers, sources = zip(*self._copies, strict=True)
-            torch._foreach_copy_(list(buffers), [s.resolve_conj().resolve_neg() for s in sources],
-                                 non_blocking=self._cuda)
+        """Copy every tensor into its buffer (device copies issued per device, then waited for) and forget the
+        buffers this save did not use (the state's layout changed)."""
+        staged = [pair for pair in self._copies if is_staged(pair[1])]
+        tickets = copy_grouped(staged)
+        try:
+            SyncCopier().copy([pair for pair in self._copies if not is_staged(pair[1])])
+        finally:
+            for ticket in tickets:
+                ticket.wait()
             self._copies.clear()
-        if self._cuda:
-            torch.cuda.synchronize()
         for slot in set(self._buffers) - self._used:
             del self._buffers[slot]
         self._used.clear()
-        self._cuda = False

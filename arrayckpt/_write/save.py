@@ -46,6 +46,7 @@ from .._torch.dist import Group, resolve_group
 from .._version import __version__
 from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
 from .describe import LocalState, describe_local, host_view
+from .devicewrite import DeviceData, chunk_rows_of, device_parts, device_view, write_batched
 from .exchange import Planner, Reply, Report, Resend, exchange, planner_for
 from .options import SaveOptions
 from .transaction import WriteTransaction, begin_write
@@ -125,7 +126,8 @@ def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: S
     request = prepare(path, options, record)
     try:
         with collector_paused():
-            local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host_view))
+            host = host_view if options.base is not None else device_view  # a delta reads its data before writing
+            local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host))
             finish_save(local, error, group, request)
     finally:
         request.close()
@@ -310,7 +312,7 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
     delta, only its changed chunks, or its changed rows). Returns the quantization error by key and the
     checksums of the chunks written."""
-    jobs = []
+    jobs, device = [], []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes.pieces}
     for task in part.tasks:
@@ -327,9 +329,14 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
         if mode == "chunks":
             jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
             continue
+        if isinstance(data, DeviceData):  # copied to the host a batch at a time, below
+            device.extend(device_parts(task.key, spec, task.path, data, held, task.box,
+                                       chunk_rows_of(part.arrays[task.path].metadata)))
+            continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
-    checksums = write_all(jobs, target.write_context(), where)
-    if rank != 0 and jobs:  # on a shared filesystem each host flushes its own writes before reporting success
+    context = target.write_context()
+    checksums = write_batched(jobs, device, context, where) if device else write_all(jobs, context, where)
+    if rank != 0 and (jobs or device):  # on a shared filesystem each host flushes its writes before reporting success
         target.finish_rank_writes()
     return errors, checksums
 

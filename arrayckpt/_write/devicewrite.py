@@ -1,0 +1,135 @@
+"""A synchronous save of device (GPU) tensors: copied to pooled host buffers in batches, each batch written while
+the next one copies (``_torch/transfer.py``), so host memory holds about two batches, not the state.
+
+:func:`device_view` is the ``host`` callback of ``describe_local`` for such a save: CPU data is viewed in place
+(as :func:`describe.host_view` does), a device tensor is left where it is, as a :class:`DeviceData` standing for
+its host view until its batch is copied. Only the write of a full save takes those (``_write_tasks``); a save
+that must read its data before writing (a delta's comparison with its base) views every tensor on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._format.dtypes import DType
+from .._io.arrays import ArrayIO, Checksums, write_all
+from .._layout.box import Box
+from .._torch.dtypes import numpy_view
+from .._torch.transfer import Batch, batches, is_staged, settings
+from .describe import host_view
+
+__all__ = ["DeviceData", "DevicePart", "device_view", "write_batched"]
+
+
+@dataclass(frozen=True)
+class DeviceData:
+    """A device tensor standing for its host view in ``LocalState.data`` until its batch is copied."""
+
+    tensor: torch.Tensor
+    dt: DType
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError("internal error: device data read as host memory before it was copied")
+
+
+def device_view(key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray | DeviceData:
+    """The ``host`` callback of a synchronous full save: host memory viewed in place, device tensors deferred."""
+    if isinstance(value, torch.Tensor) and is_staged(value) and value.layout == torch.strided \
+            and type(value).__name__ != "DTensor":
+        return DeviceData(value.detach(), dt)
+    return host_view(key, path, value, dt)  # (which also refuses what cannot be saved, with its message)
+
+
+@dataclass(frozen=True)
+class DevicePart:
+    """One write of device data: ``source`` (a view of the device tensor) goes to ``index`` of the array."""
+
+    key: str
+    spec: dict[str, Any]
+    node: str
+    source: torch.Tensor
+    dt: DType
+    index: tuple[slice, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+def device_parts(key: str, spec: dict[str, Any], node: str, data: DeviceData, held: Box, box: Box,
+                 chunk_rows: int) -> list[DevicePart]:
+    """The writes of ``box`` (of the part ``held`` that ``data`` holds), split at multiples of ``chunk_rows`` into
+    pieces of about a batch each: each piece covers whole outer chunks, as the chunks' checksums require."""
+    budget = settings().batch_bytes
+    row_bytes = data.tensor.element_size() * math.prod(box.shape[1:]) if box.shape else 0
+    total = row_bytes * (box.shape[0] if box.shape else 1)
+    if not box.shape or total <= budget or chunk_rows <= 0:
+        return [DevicePart(key, spec, node, data.tensor[box.relative_to(held)], data.dt, box.slices())]
+    step = max(1, budget // max(row_bytes * chunk_rows, 1)) * chunk_rows
+    parts = []
+    for start in range(box.offset[0], box.stop[0], step):
+        piece = Box((start, *box.offset[1:]), (min(step, box.stop[0] - start), *box.shape[1:]))
+        parts.append(DevicePart(key, spec, node, data.tensor[piece.relative_to(held)], data.dt, piece.slices()))
+    return parts
+
+
+def chunk_rows_of(metadata: dict[str, Any]) -> int:
+    """Rows per outer chunk of an array's metadata (0 for a 0-d array or an unknown grid)."""
+    try:
+        shape = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        return int(shape[0]) if shape else 0
+    except (KeyError, TypeError, IndexError):
+        return 0
+
+
+def _stage(parts: Sequence[DevicePart]) -> tuple[Batch, list[ArrayIO]]:
+    """Issue the copies of one batch into buffers from the pool (returns at once), with the jobs writing them."""
+    batch, jobs, pairs = Batch(), [], []
+    try:
+        hosts = batch.views([(part.source.shape, part.source.dtype) for part in parts])
+        for part, host in zip(parts, hosts, strict=True):
+            pairs.append((host, part.source))
+            jobs.append(ArrayIO(part.key, part.spec, numpy_view(host, part.dt), part.index, part.node))
+        batch.copy(pairs)
+    except BaseException:
+        batch.settle()
+        raise
+    return batch, jobs
+
+
+def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: Any, where: str) -> Checksums:
+    """Write ``jobs`` (host data) and ``parts`` (device data), the device data a batch at a time: batch ``k + 1``
+    copies while batch ``k`` is written (the host jobs are written while the first batch copies)."""
+    out: Checksums = {}
+    groups = batches(parts, lambda part: part.nbytes, settings().batch_bytes)
+    with ExitStack() as pending:  # on an error, every batch in flight is waited for before its buffers go back
+        staged = [_stage(groups[0])] if groups else []
+        if staged:
+            pending.callback(staged[0][0].settle)
+        if jobs:
+            _merge(out, write_all(jobs, context, where))
+        for index in range(len(groups)):
+            if index + 1 < len(groups):
+                staged.append(_stage(groups[index + 1]))
+                pending.callback(staged[-1][0].settle)
+            batch, written = staged.pop(0)
+            batch.wait()
+            _merge(out, write_all(written, context, where))
+            batch.settle()
+    return out
+
+
+def _merge(out: Checksums, more: Checksums) -> None:
+    for path, found in more.items():
+        out.setdefault(path, {}).update(found)

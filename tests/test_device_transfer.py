@@ -1,0 +1,239 @@
+"""The GPU data path's logic, on CPU: pooled host buffers, batched copies overlapping the IO, and their order.
+
+There is no GPU here, so the tests route CPU tensors through the path device tensors take (``staged``) with a
+copier whose copies happen only when their ticket is waited for, as an asynchronous device copy does: a missing
+or late wait then gives wrong bytes (the buffers hold whatever was there), so a round trip that comes out equal
+proves the order, not luck. The log of copies, waits, writes and reads checks the overlap itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from policies import small_chunks
+
+import arrayckpt
+from arrayckpt._read import load as load_module
+from arrayckpt._torch import transfer
+from arrayckpt._write import devicewrite
+
+BATCH = 64 << 10
+
+
+class DeferredCopier:
+    """Copies that happen when waited for (not before), logged as ("copy", n) and ("wait", n)."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.issued = 0
+
+    def copy(self, pairs):
+        number, pending = self.issued, list(pairs)
+        self.issued += 1
+        self.log.append(("copy", number))
+        log = self.log
+
+        class Ticket:
+            done = False
+
+            def wait(self) -> None:
+                if not self.done:
+                    for destination, source in pending:
+                        destination.copy_(source)
+                    self.done = True
+                    log.append(("wait", number))
+
+        return Ticket()
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    """Every tensor staged, through a :class:`DeferredCopier`, 64 KiB batches, a fresh unpinned pool; yields the
+    log (with ("write", keys) for each batch of writes)."""
+    log: list = []
+    copier = DeferredCopier(log)
+    monkeypatch.setattr(transfer, "_pool", transfer.HostPool())
+    real_write = devicewrite.write_all
+
+    def write_all(jobs, context, where):
+        log.append(("write", sorted({job.key for job in jobs})))
+        return real_write(jobs, context, where)
+
+    monkeypatch.setattr(devicewrite, "write_all", write_all)
+    with transfer.transfer_settings(staged=lambda t: True, copier=lambda device: copier, batch_bytes=BATCH,
+                                    pinned=False):
+        yield log
+
+
+def _state() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(96, 512, generator=generator)  # 192 KiB: split into pieces at chunk rows
+    return {
+        "big": big,
+        "t": torch.randn(40, 64, generator=generator).t(),  # not contiguous
+        "half": torch.randn(300, 17, generator=generator).to(torch.bfloat16),
+        "ints": torch.arange(1000, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "step": 7,
+    }
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def _loaded(path, like: dict) -> dict:
+    """What ``path`` holds, loaded the plain way (host tensors read in place, nothing staged)."""
+    target = {key: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for key, v in like.items()}
+    with transfer.transfer_settings(staged=lambda t: False):
+        arrayckpt.load(target, path)
+    return target
+
+
+def test_save_copies_in_batches_each_written_while_the_next_copies(tmp_path, deferred):
+    state = _state()
+    small_chunks(4 << 10, 16 << 10).save(state, tmp_path / "c")
+    pool = transfer.host_pool()
+    copies = [entry for entry in deferred if entry[0] == "copy"]
+    assert len(copies) >= 4  # the state (~300 KiB) in 64 KiB batches
+    # Batch k + 1 is issued before batch k is waited for and written: the copy overlaps the write.
+    order = [entry for entry in deferred if entry[0] in ("copy", "wait")]
+    assert order[:3] == [("copy", 0), ("copy", 1), ("wait", 0)]
+    for number in range(len(copies) - 1):
+        assert order.index(("copy", number + 1)) < order.index(("wait", number))
+        wait = deferred.index(("wait", number))
+        assert deferred[wait + 1][0] == "write"  # each batch is written right after its copies are done
+    # Host memory: about two batches (plus one piece that cannot be split further), not the state.
+    state_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    assert pool.peak_bytes <= 3 * BATCH < state_bytes
+    assert pool.in_use == 0  # every buffer given back
+    _assert_equal(_loaded(tmp_path / "c", state), state)
+    assert arrayckpt.verify(tmp_path / "c").ok
+
+
+def test_pool_buffers_are_reused_by_the_next_save_and_load(tmp_path, deferred):
+    state = _state()
+    arrayckpt.save(state, tmp_path / "a")
+    pool = transfer.host_pool()
+    first = pool.allocations
+    assert first > 0
+    arrayckpt.save(state, tmp_path / "b")
+    assert pool.allocations == first  # same sizes: nothing allocated again
+    target = {key: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for key, v in state.items()}
+    arrayckpt.load(target, tmp_path / "b")
+    loaded = pool.allocations
+    arrayckpt.load(target, tmp_path / "a")
+    assert pool.allocations == loaded
+    _assert_equal(target, state)
+    pool.clear()
+    with transfer.transfer_settings(keep_bytes=0):  # nothing kept idle: every save allocates
+        arrayckpt.save(state, tmp_path / "c")
+        again = pool.allocations
+        arrayckpt.save(state, tmp_path / "d")
+        assert pool.allocations > again > first
+
+
+def test_load_reads_each_batch_while_the_previous_one_copies(tmp_path, deferred, monkeypatch):
+    state = _state()
+    arrayckpt.save(state, tmp_path / "c")
+    real_read = load_module.read
+
+    def read(checkpoint, requests, *, execute):
+        deferred.append(("read", sorted({r.key for r in requests})))
+        return real_read(checkpoint, requests, execute=execute)
+
+    monkeypatch.setattr(load_module, "read", read)
+    deferred.clear()
+    transfer.host_pool().reset_counts()
+    target = {key: torch.full_like(v, 3) if isinstance(v, torch.Tensor) else 0 for key, v in state.items()}
+    arrayckpt.load(target, tmp_path / "c")
+    _assert_equal(target, state)
+    reads = [i for i, entry in enumerate(deferred) if entry[0] == "read"]
+    copies = [entry[1] for entry in deferred if entry[0] == "copy"]
+    assert len(reads) == len(copies) >= 3
+    for k, number in enumerate(copies[:-1]):  # batch k + 1 is read after batch k's copies are issued, before
+        issued, waited = deferred.index(("copy", number)), deferred.index(("wait", number))  # they are waited for
+        assert issued < reads[k + 1] < waited
+    assert transfer.host_pool().peak_bytes <= 3 * BATCH
+    assert transfer.host_pool().in_use == 0
+
+
+def test_atomic_load_copies_nothing_until_every_read_passed(tmp_path, deferred):
+    state = _state()
+    arrayckpt.save(state, tmp_path / "c")
+    chunk = next(path for path in (tmp_path / "c" / "ints").iterdir() if path.name != "zarr.json")
+    data = chunk.read_bytes()
+    chunk.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # damage the last-read tensor
+    deferred.clear()
+    target = {key: torch.full_like(v, 3) if isinstance(v, torch.Tensor) else 0 for key, v in state.items()}
+    before = {key: v.clone() for key, v in target.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match="ints"):
+        arrayckpt.load(target, tmp_path / "c", atomic=True)
+    assert not [entry for entry in deferred if entry[0] == "copy"]
+    _assert_equal({k: v for k, v in target.items() if k in before}, before)
+    assert transfer.host_pool().in_use == 0
+    # Without atomic=True the batches copied before the damage was found are named as overwritten.
+    with pytest.raises(arrayckpt.CorruptCheckpointError) as failure:
+        arrayckpt.load(target, tmp_path / "c")
+    overwritten = failure.value.overwritten_keys
+    assert "big" in overwritten and "ints" not in overwritten
+    assert torch.equal(target["big"], state["big"])  # copied in an earlier batch
+    assert torch.equal(target["ints"], before["ints"])  # its batch failed to read: never copied
+    assert transfer.host_pool().in_use == 0
+
+
+def test_async_save_waits_for_its_staging_copies(tmp_path, deferred):
+    state = _state()
+    original = _state()
+    handle = arrayckpt.async_save(state, tmp_path / "c")
+    assert [entry for entry in deferred if entry[0] == "wait"]  # waited for before async_save returned
+    for value in state.values():  # training changes its tensors at once
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.add_(1)
+    handle.wait()
+    _assert_equal(_loaded(tmp_path / "c", state), original)  # what the tensors held when async_save returned
+
+
+def test_batches_split_by_bytes_in_order():
+    sizes = [10, 50, 30, 100, 5, 5]
+    groups = transfer.batches(sizes, lambda n: n, 60)
+    assert groups == [[10, 50], [30], [100], [5, 5]]
+    assert transfer.batches([], lambda n: n, 60) == []
+
+
+def test_pool_size_classes_waste_at_most_an_eighth():
+    pool = transfer.HostPool()
+    for nbytes in (1, 65537, 1_000_000, 123_456_789):
+        with transfer.transfer_settings(pinned=False):
+            buffer = pool.take(nbytes)
+        assert nbytes <= buffer.numel() <= max(64 << 10, nbytes * 9 // 8)
+        pool.give(buffer)
+    assert pool.in_use == 0
+
+
+def _sharded_ranks(rank: int, world: int, path: str) -> bool:
+    """Each rank saves and loads its row shard through the staged path, in batches smaller than its shard."""
+    log: list = []
+    copier = DeferredCopier(log)
+    full = torch.arange(64 * 300, dtype=torch.float32).reshape(64, 300)
+    rows = slice(rank * 32, rank * 32 + 32)
+    with transfer.transfer_settings(staged=lambda t: True, copier=lambda device: copier, batch_bytes=8 << 10,
+                                    pinned=False):
+        small_chunks(4 << 10, 8 << 10).save({"w": arrayckpt.Shard(full[rows].clone(), (64, 300), (rank * 32, 0))},
+                                             path)
+        # Loaded onto another sharding: columns, each rank half of them.
+        cols = slice(rank * 150, rank * 150 + 150)
+        target = torch.zeros(64, 150)
+        arrayckpt.load({"w": arrayckpt.Shard(target, (64, 300), (0, rank * 150))}, path)
+    return torch.equal(target, full[:, cols]) and sum(entry[0] == "copy" for entry in log) >= 2
+
+
+def test_sharded_save_and_resharded_load_through_the_staged_path(tmp_path):
+    assert run_ranks(2, _sharded_ranks, str(tmp_path / "c")) == [True, True]
