@@ -94,3 +94,32 @@ def test_async_save_writes_on_niced_workers_with_the_collector_paused(tmp_path, 
     opened = arrayckpt.open(tmp_path / "async")
     for key, value in state.items():
         assert_bit_equal(opened[key].torch(), value)
+
+
+def test_collector_pause_with_a_limit_ends_after_it_and_its_block_exit_is_then_ignored():
+    """A long background save (minutes of upload) holds the collector off only for ``limit_s``; the pause of another
+    block still open keeps it off, and the late exit of the limited block does not end that other pause."""
+    assert gc.isenabled()
+    expired = threading.Event()
+    with collector_paused(limit_s=0.05):
+        assert not gc.isenabled()
+        for _ in range(200):
+            if gc.isenabled():
+                expired.set()
+                break
+            threading.Event().wait(0.01)
+        with collector_paused():  # a synchronous load starts now
+            pass
+        assert gc.isenabled()
+    assert expired.is_set() and gc.isenabled()
+    with collector_paused():
+        with collector_paused(limit_s=0.01):
+            threading.Event().wait(0.2)
+        assert not gc.isenabled()  # the outer (unlimited) pause is still open
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", 0), ("5", 5), ("19", 19), ("25", 10), ("x", 10), ("-1", 10)])
+def test_background_niceness_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("ARRAYCKPT_BACKGROUND_NICE", value)
+    assert priority._nice_from_environment() == expected

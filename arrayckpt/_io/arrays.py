@@ -40,7 +40,7 @@ FILE_IO_CONCURRENCY = 32
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(limit_s: float | None = None) -> Iterator[None]:
     """Python's cyclic garbage collector paused for a save or load: describing, planning and reading thousands of
     tensors allocates enough objects to trigger full collections over the whole heap (measured: ~8% of a 1 GiB,
     2,186-tensor synchronous save on tmpfs). In the background thread of an asynchronous save, those collections
@@ -48,12 +48,21 @@ def collector_paused() -> Iterator[None]:
     training loop; paused, the save's objects die by reference counting without ever reaching the old generation.
     The loop's own cyclic garbage then waits for the end of the save. Pauses may overlap across threads (a
     synchronous load while an asynchronous save writes): the collector is enabled again when the last one ends,
-    if it was enabled when the first began."""
-    _PAUSE.enter()
+    if it was enabled when the first began. ``limit_s``: this block's pause ends after that long even if the block
+    has not (a background save writing to object storage for minutes must not hold back the loop's garbage that
+    long; its objects are made while describing and planning, in the first seconds)."""
+    token = _PAUSE.enter()
+    timer = None
+    if limit_s is not None:
+        timer = threading.Timer(limit_s, _PAUSE.exit, (token,))
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
-        _PAUSE.exit()
+        if timer is not None:
+            timer.cancel()
+        _PAUSE.exit(token)
 
 
 class _CollectorPause:
@@ -64,15 +73,21 @@ class _CollectorPause:
         self._depth = 0
         self._restore = False
 
-    def enter(self) -> None:
+    def enter(self) -> list[bool]:
+        """Open a pause; returns its token for :meth:`exit`."""
         with self._lock:
             if self._depth == 0:
                 self._restore = gc.isenabled()
                 gc.disable()
             self._depth += 1
+        return [True]
 
-    def exit(self) -> None:
+    def exit(self, token: list[bool]) -> None:
+        """Close the pause of ``token`` (once: a second exit, e.g. by its time limit and then its block, is ignored)."""
         with self._lock:
+            if not token[0]:
+                return
+            token[0] = False
             self._depth -= 1
             if self._depth == 0 and self._restore:
                 gc.enable()

@@ -150,9 +150,10 @@ def async_save(
     copy once it has committed (a second host copy of the state), so that the next incremental save against
     it compares in memory instead of reading the checkpoint back. ``durable=False``: no flush to disk before the
     commit (see :func:`arrayckpt.save`). While the save runs, Python's cyclic garbage
-    collector is paused (as during :func:`arrayckpt.save`; cycles the training makes meanwhile are collected after
-    it) and, on Linux, its IO worker threads run at niceness +10, so that where cores are short the training keeps
-    them and the save takes what is left.
+    collector is paused (as during :func:`arrayckpt.save`, for at most 30 s; cycles the training makes meanwhile
+    are collected after it) and, on Linux, its IO worker threads run at niceness +10 (``ARRAYCKPT_BACKGROUND_NICE``
+    sets another, 0 for none), so that where cores are short the training keeps them and the save takes what is
+    left.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> w = torch.ones(4)
@@ -209,14 +210,18 @@ def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: Sa
                             boxes if keep_copy else None)
 
 
+BACKGROUND_PAUSE_S = 30.0  # the longest a background save keeps the cyclic garbage collector paused
+
+
 def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
     the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the
-    collector is paused (its full collections would hold the GIL for 100 ms) and the IO worker threads run niced
-    (they would take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
+    collector is paused (its full collections would hold the GIL for 100 ms; at most :data:`BACKGROUND_PAUSE_S`,
+    so that a long upload does not hold back the loop's garbage) and the IO worker threads run niced (they would
+    take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
     try:
-        with collector_paused(), background_priority():
+        with collector_paused(limit_s=BACKGROUND_PAUSE_S), background_priority():
             committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()
