@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/first_call.py                        # 1, 2, 4 ranks, 3 repeats, /dev/shm, DCP pre-imported
     python benchmarks/first_call.py --ranks 2 --repeats 5
     python benchmarks/first_call.py --no-dcp-preimport     # DCP's import is then part of its first call
+    python benchmarks/first_call.py --dtype bfloat16       # an LLM-like bf16 state (ml_dtypes must not be imported)
 
 What it measures
 ----------------
@@ -89,7 +90,7 @@ def _worker(args: argparse.Namespace) -> None:
     if args.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world)
-    model = _model(args.size_mib)
+    model = _model(args.size_mib).to(getattr(torch, args.dtype))
     if args.world > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -133,7 +134,7 @@ def _run(system: str, op: str, world: int, directory: str, args: argparse.Namesp
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, __file__, "--worker", "--system", system, "--op", op, "--world", str(world),
-               "--port", str(port), "--dir", directory, "--size-mib", str(args.size_mib)]
+               "--port", str(port), "--dir", directory, "--size-mib", str(args.size_mib), "--dtype", args.dtype]
     if not args.dcp_preimport:
         command.append("--no-dcp-preimport")
     procs = [subprocess.Popen([*command, "--rank", str(rank)], stdout=subprocess.PIPE, env=env, text=True)
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--no-dcp-preimport", dest="dcp_preimport", action="store_false")
     parser.add_argument("--json", help="write every sample here")
+    parser.add_argument("--dtype", default="float32", help="the model's parameter dtype, e.g. bfloat16")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--system", "--op"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -184,7 +186,7 @@ def main() -> None:
                         samples.setdefault((world, system, op), []).append(_run(system, op, world, directory, args))
                 finally:
                     shutil.rmtree(directory, ignore_errors=True)
-    print(f"first call in a fresh process, ~{args.size_mib} MiB GPT-2-like state, {args.dir}, "
+    print(f"first call in a fresh process, ~{args.size_mib} MiB GPT-2-like {args.dtype} state, {args.dir}, "
           f"DCP {'pre-imported' if args.dcp_preimport else 'not pre-imported'}; median (min) over {args.repeats}")
     print(f"{'ranks':>5} {'op':<5} {'system':<10} {'first s':>16} {'second s':>16} {'first - DCP ms':>15} heavy")
     for (world, system, op), runs in sorted(samples.items()):

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._errors import FormatError
 
-__all__ = ["DTYPES", "DType", "dtype_by_name", "dtype_of_numpy"]
+__all__ = ["DTYPES", "DType", "as_typed", "dtype_by_name", "dtype_of_numpy"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,12 @@ class DType:
     name: str  # Zarr v3 data_type and torch.<name>
     itemsize: int
     _source: str = field(repr=False, compare=False)  # "numpy" or "ml_dtypes": the module with the scalar type
+
+    @property
+    def native(self) -> bool:
+        """Whether numpy has this type itself (else it is ``ml_dtypes``'s, and host views of torch tensors hold its
+        bytes under a same-width integer "carrier" type until values are interpreted: :func:`as_typed`)."""
+        return self._source == "numpy"
 
     @functools.cached_property
     def numpy(self) -> np.dtype:
@@ -70,6 +76,16 @@ def dtype_by_name(name: object) -> DType:
         return DTYPES[name]  # type: ignore[index]
     except (KeyError, TypeError):
         raise FormatError(f"unknown dtype {name!r}; known dtypes: {', '.join(DTYPES)}") from None
+
+
+def as_typed(array: np.ndarray, dt: DType) -> np.ndarray:
+    """``array`` with values of type ``dt``: itself, or where it holds ``dt``'s bytes under the same-width integer
+    carrier (a host view of a bfloat16 or float8 tensor, typed so that a save or load that only moves bytes never
+    imports ``ml_dtypes``), a view of it typed as ``dt``. Called where values are interpreted: TensorStore's
+    transfers (which would convert integers to floats by value), row overlays, quantization."""
+    if dt.native or array.dtype.kind not in "iu" or array.dtype.itemsize != dt.itemsize:
+        return array
+    return array.view(dt.numpy)
 
 
 def dtype_of_numpy(dtype: np.dtype) -> DType | None:

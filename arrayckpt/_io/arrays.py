@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
+from .._format.dtypes import as_typed, dtype_by_name
 from .._format.integrity import chunk_crc
 from .._format.zarr import chunk_key, grid_indices
 from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
@@ -293,7 +294,7 @@ def _write_store(store: Any, job: ArrayIO) -> Any:
     before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
     reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
     keep = job.spec.get("kvstore", {}).get("driver") != "memory"
-    return store.write(job.data, can_reference_source_data_indefinitely=keep)
+    return store.write(_typed(job), can_reference_source_data_indefinitely=keep)
 
 
 def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
@@ -326,7 +327,14 @@ def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action
 
 def _read_store(store: Any, job: ArrayIO) -> Any:
     import tensorstore as ts  # on first use (CLI start-up)
-    return ts.array(job.data, copy=False, write=True).write(store)
+    return ts.array(_typed(job), copy=False, write=True).write(store)
+
+
+def _typed(job: ArrayIO) -> np.ndarray:
+    """The job's memory typed as its array (a bfloat16/float8 host view comes carrier-typed: TensorStore would
+    convert its integers by value)."""
+    name = job.spec.get("metadata", {}).get("data_type")
+    return job.data if name is None else as_typed(job.data, dtype_by_name(name))
 
 
 def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:

@@ -128,7 +128,16 @@ def user_paths(text: str) -> str:
     return _PIN.sub(lambda m: _PINS.get(m.group(0), m.group(0)), text)
 
 
-IO_THREADS = min(8, max(2, os.cpu_count() or 2))  # more threads than cores only adds contention (measured)
+def _io_threads() -> int:
+    """Threads per transfer: ``ARRAYCKPT_IO_THREADS`` when set (e.g. cores per rank where several ranks share a
+    node's cores), else one per core, 2 to 8 (more threads than cores only adds contention, measured)."""
+    try:
+        return max(1, int(os.environ["ARRAYCKPT_IO_THREADS"]))
+    except (KeyError, ValueError):
+        return min(8, max(2, os.cpu_count() or 2))
+
+
+IO_THREADS = _io_threads()
 INLINE_BYTES = 2 << 20  # transfers up to this size (plus 4 KiB a file) run on the calling thread
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .._errors import CorruptCheckpointError
+from .._format.dtypes import as_typed
 from .._format.manifest import ArrayEntry
 from .._format.quant import QuantizedRows, dequantize_rows
 from .._format.zarr import unravel
@@ -196,6 +197,7 @@ def _overlay_rows(checkpoint: ChainSource, entry: ArrayEntry, box: Box, out: np.
         return
     values = _row_values(checkpoint, entry, positions)
     columns = tuple(slice(o, o + n) for o, n in zip(box.offset[1:], box.shape[1:], strict=True))
+    out = as_typed(out, entry.dtype)  # (a bfloat16 host view comes carrier-typed: assigning would convert by value)
     out[rows[positions] - box.offset[0]] = values[(slice(None), *columns)]  # out covers exactly the box
 
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import BaseNotAllowedError, FormatError, StateError
+from .._format.dtypes import as_typed
 from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, BaseRef
 from .._format.quant import max_abs_error, quantize_rows
@@ -249,6 +250,9 @@ def rows_jobs(task: RowsTask, plan: SavePlan, values: np.ndarray, held: Box, row
     n = len(rows)
     index = np.full(task.length, -1, np.int64)
     index[:n] = rows
+    entry = plan.entries[task.key]
+    if isinstance(entry, ArrayEntry):  # quantization reads values (a bfloat16 host view comes carrier-typed)
+        values = as_typed(values, entry.dtype)
     picked = values[task.box.relative_to(held)][rows - task.box.offset[0]]  # a copy: fancy indexing
 
     def region(shape: tuple[int, ...]) -> tuple[slice, ...]:
