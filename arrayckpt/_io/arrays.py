@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import tensorstore as ts
 
 __all__ = ["ArrayIO", "Checksums", "LazyContext", "array_spec", "check_chunk_files", "chunk_checksums",
-           "collector_paused", "open_array", "read_context", "read_into", "resolve_context", "write_all",
+           "collector_paused", "open_array", "read_context", "read_into", "resolve_context", "typed_data", "write_all",
            "write_context"]
 
 FILE_IO_CONCURRENCY = 32
@@ -294,7 +294,7 @@ def _write_store(store: Any, job: ArrayIO) -> Any:
     before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
     reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
     keep = job.spec.get("kvstore", {}).get("driver") != "memory"
-    return store.write(_typed(job), can_reference_source_data_indefinitely=keep)
+    return store.write(typed_data(job), can_reference_source_data_indefinitely=keep)
 
 
 def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
@@ -327,10 +327,10 @@ def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action
 
 def _read_store(store: Any, job: ArrayIO) -> Any:
     import tensorstore as ts  # on first use (CLI start-up)
-    return ts.array(_typed(job), copy=False, write=True).write(store)
+    return ts.array(typed_data(job), copy=False, write=True).write(store)
 
 
-def _typed(job: ArrayIO) -> np.ndarray:
+def typed_data(job: ArrayIO) -> np.ndarray:
     """The job's memory typed as its array (a bfloat16/float8 host view comes carrier-typed: TensorStore would
     convert its integers by value)."""
     name = job.spec.get("metadata", {}).get("data_type")

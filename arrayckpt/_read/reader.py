@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .._errors import ArrayckptError
-from .._io.arrays import ArrayIO, open_array, read_failure, read_into
+from .._io.arrays import ArrayIO, open_array, read_failure, read_into, typed_data
 from .._layout.box import Box
 from .._read.chain import Overlay, plan_box
 
@@ -99,12 +99,13 @@ class ArraySlices:
             if self._store is None:
                 self._store = open_array(self.spec, context, job.key, where)
             target = self._store if job.index is None else self._store[job.index]
+            data = typed_data(job)  # values are assigned: a carrier-typed view would have them converted
             try:
-                if job.data.nbytes <= SMALL_SLICE_BYTES:  # TensorStore reads into its own memory faster
-                    job.data[...] = target.read().result()
+                if data.nbytes <= SMALL_SLICE_BYTES:  # TensorStore reads into its own memory faster
+                    data[...] = target.read().result()
                 else:  # straight into the destination: no second copy in memory
                     import tensorstore as ts  # on first use (CLI start-up)
-                    ts.array(job.data, copy=False, write=True).write(target).result()
+                    ts.array(data, copy=False, write=True).write(target).result()
             except Exception as e:  # TensorStore raises ValueError/RuntimeError carrying a status code
                 message = str(e).strip() or type(e).__name__
                 raise read_failure(f"{where}: tensor {job.key!r}: read failed: {message}", e) from e
