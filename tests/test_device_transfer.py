@@ -237,3 +237,23 @@ def _sharded_ranks(rank: int, world: int, path: str) -> bool:
 
 def test_sharded_save_and_resharded_load_through_the_staged_path(tmp_path):
     assert run_ranks(2, _sharded_ranks, str(tmp_path / "c")) == [True, True]
+
+
+def test_async_save_issues_device_copies_while_it_still_walks_the_state(tmp_path, deferred, monkeypatch):
+    """Copies start in batches as the state is described (overlapping the walk), and every one is waited for before
+    async_save returns, also when describing fails half-way."""
+    from arrayckpt._write import hostcopies
+
+    monkeypatch.setattr(hostcopies, "ISSUE_BYTES", 8 << 10)
+    state = _state()
+    original = _state()
+    arrayckpt.async_save(state, tmp_path / "c").wait()
+    copies = [i for i, entry in enumerate(deferred) if entry[0] == "copy"]
+    waits = [i for i, entry in enumerate(deferred) if entry[0] == "wait"]
+    assert len(copies) >= 3 and copies[1] < waits[0]  # a second batch issued before the first was waited for
+    assert len(waits) == len(copies)
+    _assert_equal(_loaded(tmp_path / "c", state), original)
+    deferred.clear()
+    with pytest.raises(arrayckpt.PickleNotAllowedError):
+        arrayckpt.async_save({**state, "z_object": {1, 2}}, tmp_path / "d")  # fails after the tensors
+    assert {e[1] for e in deferred if e[0] == "copy"} == {e[1] for e in deferred if e[0] == "wait"} != set()

@@ -124,8 +124,10 @@ def _stage(state: Mapping[str, Any], group: Group, allow_pickle: bool,
     """This rank's state described and copied to the host; a rank-local error is returned (with several ranks), so
     that the background save raises it on every rank and none waits for this one forever."""
     try:
-        local = describe_local(state, group.rank, allow_pickle, copies.host)
-        copies.finish()
+        try:
+            local = describe_local(state, group.rank, allow_pickle, copies.host)
+        finally:
+            copies.finish()  # (also after a failure: device copies may be in flight into the buffers)
         return local, None
     except Exception as e:
         if group.size == 1:

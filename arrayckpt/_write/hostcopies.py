@@ -2,9 +2,10 @@
 a peer-memory save) stages into, so that the caller may change its tensors as soon as the copy is made.
 
 One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there and are copied
-by their device's copier (``_torch/transfer.py``: non-blocking, on a side stream, one batch per device), host
-tensors in one batched ``torch._foreach_copy_``; :meth:`HostCopies.finish` returns once every copy is done, so
-the caller blocks for the copies only.
+by their device's copier (``_torch/transfer.py``: non-blocking, on a side stream), issued in batches of
+:data:`ISSUE_BYTES` while the state is still being described, so that the copies overlap the walk of the rest of
+the state; host tensors in one batched ``torch._foreach_copy_``. :meth:`HostCopies.finish` returns once every copy
+is done, so the caller blocks for about the longer of the walk and the copies, not their sum.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from .._format.dtypes import DType
 from .._torch.dtypes import numpy_view
-from .._torch.transfer import SyncCopier, copy_grouped, is_staged
+from .._torch.transfer import SyncCopier, Ticket, copy_grouped, is_staged
 
 __all__ = ["HostCopies"]
 
 Slot = tuple[str, tuple[int, ...], Any]  # (array path, shape, dtype)
+ISSUE_BYTES = 64 << 20  # device copies are issued once this many bytes of them wait
 
 
 class HostCopies:
@@ -30,10 +32,14 @@ class HostCopies:
     def __init__(self) -> None:
         self._buffers: dict[Slot, Any] = {}
         self._used: set[Slot] = set()
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source), copied in finish()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source) of host tensors: in finish()
+        self._device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source) of device tensors not issued
+        self._device_bytes = 0
+        self._tickets: list[Ticket] = []  # device copies issued
 
     def host(self, key: str, path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
-        """The buffer for ``value``; numpy arrays are copied now, tensors by :meth:`finish`, in one batched call."""
+        """The buffer for ``value``; numpy arrays are copied now, device tensors in batches as they come, host
+        tensors by :meth:`finish`, in one batched call."""
         if isinstance(value, np.ndarray):
             slot = (path, value.shape, value.dtype)
             array = self._buffers.get(slot)
@@ -48,18 +54,30 @@ class HostCopies:
         if tensor is None:
             pinned = source.is_cuda and torch.cuda.is_available()
             tensor = self._buffers[slot] = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-        self._copies.append((tensor, source))
         self._used.add(slot)
+        if not is_staged(source):
+            self._copies.append((tensor, source))
+            return numpy_view(tensor, dt)
+        self._device.append((tensor, source))
+        self._device_bytes += tensor.numel() * tensor.element_size()
+        if self._device_bytes >= ISSUE_BYTES:
+            self._issue()
         return numpy_view(tensor, dt)
 
+    def _issue(self) -> None:
+        """Start the device copies that wait (they run while the state is still being described)."""
+        self._tickets.extend(copy_grouped(self._device))
+        self._device, self._device_bytes = [], 0
+
     def finish(self) -> None:
-        """Copy every tensor into its buffer (device copies issued per device, then waited for) and forget the
-        buffers this save did not use (the state's layout changed)."""
-        staged = [pair for pair in self._copies if is_staged(pair[1])]
-        tickets = copy_grouped(staged)
+        """Copy every tensor into its buffer and wait for the device copies; forget the buffers this save did not
+        use (the state's layout changed). Call it after describing, also when describing failed: copies may be in
+        flight into the buffers."""
         try:
-            SyncCopier().copy([pair for pair in self._copies if not is_staged(pair[1])])
+            self._issue()
+            SyncCopier().copy(self._copies)
         finally:
+            tickets, self._tickets = self._tickets, []
             for ticket in tickets:
                 ticket.wait()
             self._copies.clear()
