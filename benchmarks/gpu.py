@@ -1,258 +1,394 @@
-"""GPU state: device-to-host bandwidth, sync save, async blocking time and load into CUDA tensors, against DCP.
+"""GPU benchmark: device-to-host copies, save, async save and load of a CUDA state, arrayckpt vs PyTorch DCP.
 
-Run on a machine with a CUDA device, from the repository root::
+Run from the repository root on a machine with a CUDA device::
 
-    python benchmarks/gpu.py                       # ~4 GiB bf16 + fp32 state, 3 repeats, /dev/shm (< 5 minutes)
-    python benchmarks/gpu.py --size-gib 8 --dir /local/nvme --json gpu.json
-    python benchmarks/gpu.py --device cpu --size-gib 0.02 --repeats 1   # smoke test of the script (numbers meaningless)
+    python benchmarks/gpu.py                                   # ~4 GiB state, 3 repeats, /dev/shm (~2-3 min)
+    python benchmarks/gpu.py --size-gib 1 --repeats 1          # quick run
+    python benchmarks/gpu.py --dir /tmp --json gpu.json        # on disk, keep every sample
 
-Without CUDA (and without ``--device cpu``) it says so and exits 0.
+Without CUDA it prints a message and exits with status 0. ``--device cpu --size-gib 0.01 --repeats 1`` (an option
+not listed by ``--help``) runs the same code on CPU tensors, without pinned memory: a smoke test of the script
+itself, its numbers are meaningless.
 
-What it measures (one process, one GPU; every timed op is bracketed by ``torch.cuda.synchronize()``):
+What it measures
+----------------
+One state on the device of about ``--size-gib`` GiB, half bfloat16 and half float32 by bytes, shaped like a
+transformer's (per layer: qkv, out, MLP up/down matrices with 1-D biases, two norms' 1-D weight and bias; an
+embedding matrix fills what is left), values ~ N(0, 0.02). In one run, one warm-up round (not reported: imports,
+thread pools, pinned staging buffers allocated once) then ``--repeats`` rounds; in each round every group below
+runs every system, in an order rotated from round to round (a system that raises is reported, with its traceback
+on stderr, and left out from then on; the exit status is then 1):
 
-- ``d2h pinned`` / ``d2h pageable``: copying the whole state to host memory: into pinned buffers allocated once,
-  ``copy_(non_blocking=True)`` per tensor then one synchronize; against ``.cpu()`` per tensor (pageable). The
-  pinned time is "the time of the copies" that an asynchronous save must at least block for.
-- ``save``: ``arrayckpt.save(state, path)`` against ``dcp.save(state, checkpoint_id=path, no_dist=True)``.
-- ``async blocked`` / ``async total``: how long the call blocks training (until the tensors may change) and until the
-  checkpoint is committed: ``arrayckpt.async_save`` (blocked = until it returns; total = ``handle.wait()``), DCP's
-  ``async_save`` with its default stager (blocked = until it returns) and with ``DefaultStager(StagingOptions(
-  use_pinned_memory=True, use_async_staging=True, use_non_blocking_copy=True))`` (blocked = until its
-  ``staging_completion``; the tensors must not change before). ``blocked / d2h pinned`` is printed: arrayckpt's
-  target is at most 1.1.
-- ``load``: in place into CUDA tensors: ``arrayckpt.load`` against ``dcp.load(..., no_dist=True)``; values are
-  checked once after the timed repeats.
+``d2h``
+    The state copied to the host: ``pinned`` (``torch.empty(..., pin_memory=True)`` buffers allocated once,
+    ``copy_(non_blocking=True)`` per tensor, one synchronize) and ``pageable`` (``.cpu()`` per tensor).
+``save``
+    ``arrayckpt.save(state, path)`` vs ``torch.distributed.checkpoint.save(state, checkpoint_id=path,
+    no_dist=True)`` (DCP's defaults: one writer thread), synchronous.
+``load``
+    In place into zero-filled CUDA tensors (zeroed outside the timing): ``arrayckpt.load(dst, path)`` vs
+    ``dcp.load(dst, checkpoint_id=path, no_dist=True)``, of the checkpoints just saved; every tensor is checked
+    with ``torch.equal`` against the saved state after each load (outside the timing).
+``async blocking`` / ``async total``
+    ``arrayckpt.async_save(state, path)`` (blocking: until it returns, the state staged in pinned buffers it
+    reuses; total: until ``handle.wait()`` returns, committed) vs ``dcp.async_save(state, checkpoint_id=path,
+    no_dist=True)`` with its default stager (``dcp[default]``: pageable buffers allocated at each save), with a
+    ``DefaultStager`` kept across saves, pinned memory and non-blocking copies (``dcp[pinned]``), and the same
+    staging in a background thread (``dcp[pinned, async staging]``: the call returns before the copy is done, so
+    blocking runs until ``staging_completion`` is done, when the state may change again; the ``async returns`` row
+    is until the call returned). ``x pinned copy`` = blocking / ``d2h pinned`` (arrayckpt's target: <= 1.1).
 
-The state: transformer-like, half bfloat16 and half float32 by bytes (square matrices of ``--width`` plus a vector
-per matrix), made with ``torch.randn`` on the device. A first untimed round warms up each system (CUDA contexts,
-pinned pools, imports); per repeat the systems alternate. Reported: median and min seconds and GB/s (1e9 bytes of
-tensor data over the median).
+Every timed op runs ``gc.collect()`` first (outside the timing) and ``torch.cuda.synchronize()`` before starting
+and before stopping the clock; checkpoints are removed between rounds. Printed: one markdown table of medians and
+mins over the rounds, GB/s (1e9 bytes of tensor data / median), speed relative to DCP (DCP's median / this median;
+async rows against ``dcp[default]``). ``--json PATH`` writes every sample, the warm-up round's too.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
+import arrayckpt
 
-def _state(size_gib: float, width: int, device: str) -> dict[str, Any]:
-    """Half bf16, half fp32 by bytes: ``width`` x ``width`` matrices and a vector each."""
-    import torch
-
-    generator = torch.Generator(device=device).manual_seed(0)
-    state: dict[str, Any] = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        target = size_gib * 2**30 / 2
-        per = width * width * dtype.itemsize
-        for i in range(max(1, round(target / per))):
-            name = f"{str(dtype).split('.')[-1]}.{i}"
-            state[f"{name}.weight"] = torch.randn(width, width, generator=generator, device=device).to(dtype)
-            state[f"{name}.bias"] = torch.randn(width, generator=generator, device=device).to(dtype)
-    return state
+GB = 1e9
+GIB = 2**30
+State = dict[str, torch.Tensor]
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+Samples = dict[tuple[str, str], list[float]]  # (op, system) -> seconds, one per round
+T = TypeVar("T")
 
 
-def _nbytes(state: dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+@dataclass(frozen=True)
+class Env:
+    """Where the state lives and where checkpoints go; ``sync`` waits for the device (a no-op on CPU)."""
+
+    device: torch.device
+    root: Path
+    cuda: bool  # the device is a CUDA one (not the CPU of the smoke test)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
+# ------------------------------------------------------------------------------------------------ the state
 
 
-def _timed(fn: Callable[[], Any], device: str) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
+def plan_group(budget: int, dtype: torch.dtype, prefix: str, width: int) -> list[Spec]:
+    """Transformer-like layers of one dtype filling ``budget`` bytes, an embedding matrix taking the rest; the
+    width shrinks (multiples of 64) until at least 4 layers fit, so that tiny smoke sizes keep the same shapes."""
+    size = dtype.itemsize
+    d = max(64, width // 64 * 64)
+    while d > 64 and 4 * 12 * d * d * size > budget:
+        d -= 64
+    layer = [("attn.qkv.weight", (3 * d, d)), ("attn.qkv.bias", (3 * d,)), ("attn.out.weight", (d, d)),
+             ("attn.out.bias", (d,)), ("mlp.up.weight", (4 * d, d)), ("mlp.up.bias", (4 * d,)),
+             ("mlp.down.weight", (d, 4 * d)), ("mlp.down.bias", (d,)), ("norm1.weight", (d,)), ("norm1.bias", (d,)),
+             ("norm2.weight", (d,)), ("norm2.bias", (d,))]
+    layer_bytes = sum(math.prod(shape) for _, shape in layer) * size
+    layers = max(1, budget // layer_bytes)
+    specs = [(f"{prefix}.layers.{i}.{name}", shape, dtype) for i in range(layers) for name, shape in layer]
+    rows = (budget - layers * layer_bytes) // (d * size)
+    if rows > 0:
+        specs.append((f"{prefix}.embed.weight", (rows, d), dtype))
+    return specs
 
 
-def _d2h(state: dict[str, Any], device: str) -> dict[str, Callable[[], Any]]:
-    import torch
+def build_state(specs: list[Spec], device: torch.device, seed: int) -> State:
+    """Random values made on the device itself (a CPU generator would take tens of seconds for 4 GiB)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {name: torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
+            .to(dtype) for name, shape, dtype in specs}
 
-    pinned = device == "cuda"
-    buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
 
-    def to_pinned() -> None:
+def check_equal(expected: State, actual: State, system: str) -> None:
+    """Every loaded tensor equals the saved one (a raise, not an assert, so that ``python -O`` checks too)."""
+    for key, tensor in expected.items():
+        if not torch.equal(tensor, actual[key]):
+            raise AssertionError(f"{system}: {key} differs from the saved tensor after load")
+
+
+# ------------------------------------------------------------------------------------------------ the systems
+
+
+@functools.cache
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    # DCP warns on every call without a process group, even with no_dist=True; that is the intended use here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    return dcp
+
+
+def d2h_modes(env: Env, state: State) -> dict[str, Callable[[], object]]:
+    """The two ways to copy the state to the host; the pinned buffers are allocated once, here."""
+    buffers = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=env.cuda) for k, t in state.items()}
+
+    def pinned() -> None:
         for key, tensor in state.items():
-            buffers[key].copy_(tensor, non_blocking=pinned)
+            buffers[key].copy_(tensor, non_blocking=env.cuda)
 
-    return {"d2h pinned": to_pinned, "d2h pageable": lambda: [t.cpu() for t in state.values()]}
+    def pageable() -> list[torch.Tensor]:
+        return [t.cpu() for t in state.values()]  # returned, so freed after the clock stops
+
+    return {"pinned": pinned, "pageable (.cpu())": pageable}
 
 
-class _Systems:
-    """The timed operations of arrayckpt and DCP on one state; every checkpoint goes under ``root``."""
+def sync_systems() -> tuple[dict[str, Callable[[State, Path], object]], dict[str, Callable[[State, Path], object]]]:
+    """The synchronous saves and the in-place loads, by system."""
+    dcp = _dcp()
+    return ({"arrayckpt": lambda state, path: arrayckpt.save(state, os.fspath(path)),
+             "dcp": lambda state, path: dcp.save(state, checkpoint_id=os.fspath(path), no_dist=True)},
+            {"arrayckpt": lambda dst, path: arrayckpt.load(dst, os.fspath(path)),
+             "dcp": lambda dst, path: dcp.load(dst, checkpoint_id=os.fspath(path), no_dist=True)})
 
-    def __init__(self, state: dict[str, Any], root: str, device: str) -> None:
-        self.state, self.root, self.device = state, root, device
-        self.counter = 0
-        self.stager: Any = None
-        if device == "cuda":
+
+def async_modes(env: Env, state: State, notes: list[str]) -> tuple[dict[str, Callable[[Path], Any]], list[Any]]:
+    """How each system starts an async save to a path, and the DCP stagers to close at the end (kept across saves
+    so that their pinned buffers are reused, as arrayckpt's are)."""
+    dcp = _dcp()
+    modes: dict[str, Callable[[Path], Any]] = {
+        "arrayckpt": lambda path: arrayckpt.async_save(state, os.fspath(path)),
+        "dcp[default]": lambda path: dcp.async_save(state, checkpoint_id=os.fspath(path), no_dist=True),
+    }
+    stagers = []
+    for name, in_background in (("dcp[pinned]", False), ("dcp[pinned, async staging]", True)):
+        try:  # pinned memory and non-blocking copies need CUDA (DCP raises otherwise): off in the CPU smoke test
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
+            stager = DefaultStager(StagingOptions(use_pinned_memory=env.cuda, use_shared_memory=False,
+                                                  use_async_staging=in_background, use_non_blocking_copy=env.cuda))
+        except Exception as e:  # an older or newer torch: measure the rest
+            notes.append(f"{name} skipped: DCP's DefaultStager/StagingOptions failed ({type(e).__name__}: {e})")
+            continue
+        stagers.append(stager)
+        modes[name] = lambda path, stager=stager: dcp.async_save(state, checkpoint_id=os.fspath(path), no_dist=True,
+                                                                 async_stager=stager)
+    return modes, stagers
 
-    def path(self) -> str:
-        self.counter += 1
-        return os.path.join(self.root, f"ckpt-{self.counter}")
 
-    def save(self, system: str) -> tuple[float, str]:
-        import torch.distributed.checkpoint as dcp
+def _wait_until_committed(started: Any) -> None:
+    """arrayckpt's SaveHandle, DCP's Future, or DCP's AsyncSaveResponse (staging in the background)."""
+    wait = started.wait if isinstance(started, arrayckpt.SaveHandle) else (
+        getattr(started, "upload_completion", started).result)
+    wait()
 
-        import arrayckpt
 
-        path = self.path()
-        if system == "arrayckpt":
-            return _timed(lambda: arrayckpt.save(self.state, path), self.device), path
-        return _timed(lambda: dcp.save(self.state, checkpoint_id=path, no_dist=True), self.device), path
+def timed(env: Env, fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` took, the device synchronised before starting and before stopping the clock."""
+    gc.collect()
+    env.sync()
+    start = time.perf_counter()
+    result = fn()
+    env.sync()
+    seconds = time.perf_counter() - start
+    del result  # e.g. the pageable copies: freed outside the timing
+    return seconds
 
-    def load(self, system: str, path: str) -> float:
-        import torch.distributed.checkpoint as dcp
 
-        import arrayckpt
+def timed_async(env: Env, start_save: Callable[[Path], Any], path: Path) -> tuple[float, float, float]:
+    """(call returned, blocking, total) seconds of one async save: blocking runs until the state may change again
+    (DCP's staging_completion where it stages in the background), total until committed."""
+    gc.collect()
+    env.sync()
+    start = time.perf_counter()
+    started = start_save(path)
+    returned = time.perf_counter() - start
+    staging = getattr(started, "staging_completion", None)
+    if staging is not None:
+        staging.result()
+    env.sync()
+    blocking = time.perf_counter() - start
+    _wait_until_committed(started)
+    env.sync()
+    return returned, blocking, time.perf_counter() - start
 
-        if system == "arrayckpt":
-            return _timed(lambda: arrayckpt.load(self.state, path), self.device)
-        return _timed(lambda: dcp.load(self.state, checkpoint_id=path, no_dist=True), self.device)
 
-    def async_save(self, system: str) -> tuple[float, float]:
-        """(blocked, total) seconds."""
-        import torch.distributed.checkpoint as dcp
+def _rotated(names: list[str], round_: int) -> list[str]:
+    return names[round_ % len(names):] + names[:round_ % len(names)]
 
-        import arrayckpt
 
-        path = self.path()
-        _sync(self.device)
-        start = time.perf_counter()
-        if system == "arrayckpt":
-            handle = arrayckpt.async_save(self.state, path)
-            blocked = time.perf_counter() - start
-            handle.wait()
-        elif system == "dcp":
-            future = dcp.async_save(self.state, checkpoint_id=path, no_dist=True)
-            blocked = time.perf_counter() - start
-            future.result()
-        else:  # dcp with its pinned, asynchronous stager
-            response = dcp.async_save(self.state, checkpoint_id=path, no_dist=True, async_stager=self.stager)
-            staged = getattr(response, "staging_completion", None)  # an AsyncSaveResponse with async staging
-            if staged is not None:
-                staged.result()
-            blocked = time.perf_counter() - start
-            getattr(response, "upload_completion", response).result()
-        total = time.perf_counter() - start
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+@dataclass
+class Systems:
+    """What each group runs, by system name, and the (group, system) pairs that failed (left out from then on)."""
+
+    d2h: dict[str, Callable[[], object]]
+    save: dict[str, Callable[[State, Path], object]]
+    load: dict[str, Callable[[State, Path], object]]
+    asynchronous: dict[str, Callable[[Path], Any]]
+    failed: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def attempt(self, group: str, name: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None where it raised: reported once (traceback on stderr) and that system left out of the
+        group, so that one broken system does not cost the rest of a run on a lent GPU."""
+        if (group, name) in self.failed:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            traceback.print_exc()
+            self.failed[(group, name)] = f"{type(e).__name__}: {e}"
+            return None
+
+
+def run_round(env: Env, state: State, dst: State, systems: Systems, round_: int, out: Samples) -> None:
+    """One round: every group, every system, in an order rotated by ``round_``; checkpoints removed after."""
+
+    def record(op: str, name: str, seconds: float | None) -> None:
+        if seconds is not None:
+            out.setdefault((op, name), []).append(seconds)
+
+    for name in _rotated(list(systems.d2h), round_):
+        record("d2h", name, systems.attempt("d2h", name, functools.partial(timed, env, systems.d2h[name])))
+    saved = {name: env.root / f"save-{_slug(name)}" for name in systems.save}
+    for name in _rotated(list(systems.save), round_):
+        save = functools.partial(timed, env, functools.partial(systems.save[name], state, saved[name]))
+        record("save", name, seconds := systems.attempt("save", name, save))
+        if seconds is None:
+            systems.failed.setdefault(("load", name), "its save failed")
+    for name in _rotated(list(systems.load), round_):
+        for tensor in dst.values():
+            tensor.zero_()
+
+        def load(name: str = name) -> float:
+            seconds = timed(env, functools.partial(systems.load[name], dst, saved[name]))
+            check_equal(state, dst, name)
+            return seconds
+        record("load", name, systems.attempt("load", name, load))
+    for path in saved.values():
         shutil.rmtree(path, ignore_errors=True)
-        return blocked, total
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-
-
-def _round(systems: _Systems, repeat: int, samples: dict[tuple[str, str], list[float]] | None) -> None:
-    """One round of every measurement, systems alternating by ``repeat`` (``samples`` None: a warm-up)."""
-    def add(op: str, system: str, seconds: float) -> None:
-        if samples is not None:
-            samples.setdefault((op, system), []).append(seconds)
-
-    for op, fn in _d2h(systems.state, systems.device).items():
-        add(op, "torch", _timed(fn, systems.device))
-    order = ["arrayckpt", "dcp"] if repeat % 2 == 0 else ["dcp", "arrayckpt"]
-    for system in order:
-        seconds, path = systems.save(system)
-        add("save", system, seconds)
-        add("load", system, systems.load(system, path))
+    for name in _rotated(list(systems.asynchronous), round_):
+        path = env.root / f"async-{_slug(name)}"
+        times = systems.attempt("async", name, functools.partial(timed_async, env, systems.asynchronous[name], path))
+        for op, seconds in zip(("async returns", "async blocking", "async total"), times or (), strict=False):
+            record(op, name, seconds)
         shutil.rmtree(path, ignore_errors=True)
-    kinds = order + (["dcp pinned stager"] if systems.stager is not None else [])
-    for system in kinds:
-        blocked, total = systems.async_save(system)
-        add("async blocked", system, blocked)
-        add("async total", system, total)
 
 
-def _check(systems: _Systems) -> None:
-    """Each system's load gives back the saved values (once, untimed)."""
-    import torch
-
-    saved = {k: v.clone() for k, v in systems.state.items()}
-    for system in ("arrayckpt", "dcp"):
-        _, path = systems.save(system)
-        for value in systems.state.values():
-            value.zero_()
-        systems.load(system, path)
-        shutil.rmtree(path, ignore_errors=True)
-        for key, value in saved.items():
-            if not torch.equal(systems.state[key], value):
-                raise SystemExit(f"{system}: {key} differs after the load")
+OPS = ("d2h", "save", "load", "async blocking", "async returns", "async total")
+BASELINES = {"save": "dcp", "load": "dcp", "async blocking": "dcp[default]", "async total": "dcp[default]"}
 
 
-def _table(samples: dict[tuple[str, str], list[float]], nbytes: int, header: str) -> str:
-    lines = [header, "", "| op | system | median s | min s | GB/s | note |", "| --- | --- | ---: | ---: | ---: | --- |"]
-    copy = statistics.median(samples[("d2h pinned", "torch")])
-    for (op, system), values in samples.items():
-        median = statistics.median(values)
-        note = f"{median / copy:.2f}x the pinned copy" if op == "async blocked" else ""
-        if op in ("save", "load") and system == "arrayckpt" and (op, "dcp") in samples:
-            note = f"DCP/arrayckpt {statistics.median(samples[(op, 'dcp')]) / median:.2f}"
-        lines.append(f"| {op} | {system} | {median:.3f} | {min(values):.3f} | {nbytes / median / 1e9:.2f} | {note} |")
+def table(samples: Samples, systems: Systems, nbytes: int) -> str:
+    """The markdown table: median and min seconds, GB/s, blocking over the pinned copy, speed relative to DCP."""
+    names = {"d2h": list(systems.d2h), "save": list(systems.save), "load": list(systems.load)}
+    copy = statistics.median(samples.get(("d2h", "pinned"), [math.nan]))
+    lines = ["| op | system | median s | min s | GB/s | x pinned copy | speed x DCP |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for op in OPS:
+        for name in names.get(op, list(systems.asynchronous)):
+            values = samples.get((op, name))
+            if not values or (op == "async returns" and "async staging" not in name):  # = blocking
+                continue
+            median = statistics.median(values)
+            ratio = f"{median / copy:.2f}" if op == "async blocking" else ""
+            base = samples.get((op, BASELINES.get(op, "")))
+            speed = f"{statistics.median(base) / median:.2f}" if base else ""
+            lines.append(f"| {op} | {name} | {median:.3f} | {min(values):.3f} | {nbytes / GB / median:.2f} | "
+                         f"{ratio} | {speed} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gib", type=float, default=4.0)
-    parser.add_argument("--width", type=int, default=4096, help="matrices are width x width")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a smoke test of this script (numbers meaningless)")
-    parser.add_argument("--json", help="write every sample here")
-    args = parser.parse_args()
+# ------------------------------------------------------------------------------------------------ main
 
-    import torch
 
-    import arrayckpt
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=4.0, help="state size (half bf16, half fp32 by bytes)")
+    parser.add_argument("--repeats", type=int, default=3, help="reported rounds, after one warm-up round")
+    parser.add_argument("--dir", default=None, help="where checkpoints go, in a temporary directory removed at the end "
+                        "(default: /dev/shm if it exists and has room, else the temporary directory)")
+    parser.add_argument("--width", type=int, default=2048, help="the layers' hidden size (smaller for tiny states)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write every sample (warm-up round's too) here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)  # cpu: smoke
+    return parser.parse_args(argv)
 
+
+def pick_dir(requested: str | None, nbytes: int) -> str:
+    """Where checkpoints go: 2 exist at once; /dev/shm is passed over where too small (often 64 MiB in a container)."""
+    need = int(2.5 * nbytes) + (64 << 20)
+    candidates = [requested] if requested else [d for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]
+    for candidate in candidates:
+        if shutil.disk_usage(candidate).free >= need:
+            return candidate
+    raise SystemExit(f"no room for the checkpoints in {', '.join(candidates)}: they need {need / GIB:.1f} GiB free; "
+                     "pass --dir or a smaller --size-gib")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu.py: no CUDA device here; run it on a machine with one (or --device cpu to smoke-test the script)")
-        return
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    state = _state(args.size_gib, args.width if args.device == "cuda" else min(args.width, 512), args.device)
-    nbytes = _nbytes(state)
-    root = tempfile.mkdtemp(prefix="gpu-bench-", dir=args.dir)
-    systems = _Systems(state, root, args.device)
-    samples: dict[tuple[str, str], list[float]] = {}
+        print("benchmarks/gpu.py: no CUDA device (torch.cuda.is_available() is False); nothing measured. "
+              "Run it on a machine with a GPU, or `--device cpu --size-gib 0.01 --repeats 1` to smoke-test the script.")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    total = int(args.size_gib * GIB)
+    specs = plan_group(total // 2, torch.bfloat16, "bf16", args.width) + plan_group(
+        total // 2, torch.float32, "fp32", args.width)
+    nbytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+    if args.device == "cuda" and (free := torch.cuda.mem_get_info(device)[0]) < 2.2 * nbytes:  # state + dst
+        raise SystemExit(f"{free / GIB:.1f} GiB free on the GPU, {2.2 * nbytes / GIB:.1f} GiB needed: pass a "
+                         "smaller --size-gib")
+    directory = pick_dir(args.dir, nbytes)
+    began = time.perf_counter()
+    state = build_state(specs, device, args.seed)
+    dst = {k: torch.zeros_like(t) for k, t in state.items()}
+    mib = {str(d).removeprefix("torch."): sum(t.nbytes for t in state.values() if t.dtype == d) >> 20
+           for d in (torch.bfloat16, torch.float32)}
+    meta = {"device": torch.cuda.get_device_name(device) if args.device == "cuda" else "cpu (smoke test: numbers "
+            "meaningless)", "torch": torch.__version__, "cuda": torch.version.cuda, "arrayckpt": arrayckpt.__version__,
+            "tensors": len(state), "bytes": nbytes, "mib_by_dtype": mib, "dir": directory, "repeats": args.repeats}
+    print(f"device: {meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}); arrayckpt {meta['arrayckpt']}")
+    print(f"state: {len(state)} tensors, {nbytes / GIB:.2f} GiB ({', '.join(f'{m} MiB {d}' for d, m in mib.items())});"
+          f" checkpoints in {directory}; 1 warm-up round + {args.repeats}", flush=True)
+    env = Env(device, Path(tempfile.mkdtemp(prefix="arrayckpt-gpu-", dir=directory)), args.device == "cuda")
+    notes: list[str] = []
+    modes, stagers = async_modes(env, state, notes)
+    systems = Systems(d2h_modes(env, state), *sync_systems(), modes)
+    samples: Samples = {}
+    warmup: Samples = {}
     try:
-        _round(systems, 0, None)  # warm-up: imports, CUDA contexts, pinned pools and stagers
-        for repeat in range(args.repeats):
-            _round(systems, repeat, samples)
-        _check(systems)
+        for round_ in range(args.repeats + 1):
+            run_round(env, state, dst, systems, round_, samples if round_ else warmup)
+            print(f"round {round_} done{' (warm-up)' if not round_ else ''}, {time.perf_counter() - began:.0f} s",
+                  flush=True)
     finally:
-        systems.close()
-        shutil.rmtree(root, ignore_errors=True)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test: numbers meaningless)"
-    header = (f"{device}; torch {torch.__version__}, arrayckpt {arrayckpt.__version__}; state {nbytes / 2**30:.2f} "
-              f"GiB ({len(state)} tensors, bf16 + fp32); {args.dir}; median of {args.repeats} after a warm-up round")
-    print(_table(samples, nbytes, header))
-    if args.json:
-        with open(args.json, "w") as f:
-            rows = [{"op": op, "system": system, "seconds": v} for (op, system), v in samples.items()]
-            json.dump({"header": header, "bytes": nbytes, "samples": rows}, f, indent=1)
+        for stager in stagers:
+            stager.close()
+        shutil.rmtree(env.root, ignore_errors=True)
+    notes += [f"FAILED: {group} {name}: {why}" for (group, name), why in systems.failed.items()]
+    if args.json is not None:  # before the table, so that the samples are kept whatever happens
+        keyed = {kind: {f"{op} | {name}": v for (op, name), v in s.items()} for kind, s in
+                 (("samples", samples), ("warmup", warmup))}
+        args.json.write_text(json.dumps({"meta": meta, "notes": notes, **keyed}, indent=1))
+    print(f"\n{table(samples, systems, nbytes)}")
+    for note in notes:
+        print(f"note: {note}")
+    return 1 if systems.failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
