@@ -161,3 +161,23 @@ def test_durable_false_skips_the_flush_and_nothing_else(tmp_path: Path, monkeypa
             assert torch.equal(torch.from_numpy(checkpoint["w"][:]), state["w"])
     arrayckpt.save({"w": torch.ones(2)}, tmp_path / "fast", overwrite=True, durable=False)  # the exchange path too
     assert flushed == [] and arrayckpt.open(tmp_path / "fast")["w"][:].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("files", [3, 40])  # on the calling thread, and on the thread pool
+def test_make_durable_fsyncs_every_file_then_every_directory(tmp_path, monkeypatch, files):
+    """A local save's flush is an fsync of what it wrote (not a filesystem-wide syncfs, which would wait for every
+    other writer there): every file below the root, then every directory, so that names are durable after data."""
+    from arrayckpt._storage import renames
+
+    for i in range(files):
+        folder = tmp_path / f"a{i % 3}" / "c"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{i}").write_bytes(b"x" * i)
+    flushed: list[str] = []
+    real = renames._fsync_path
+    monkeypatch.setattr(renames, "_fsync_path", lambda path: (flushed.append(path), real(path))[1])
+    renames.make_durable(tmp_path)
+    every_file = {str(p) for p in tmp_path.rglob("*") if p.is_file()}
+    every_directory = {str(p) for p in tmp_path.rglob("*") if p.is_dir()} | {str(tmp_path)}
+    assert set(flushed) == every_file | every_directory and len(flushed) == len(set(flushed))
+    assert max(flushed.index(f) for f in every_file) < min(flushed.index(d) for d in every_directory)

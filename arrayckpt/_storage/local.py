@@ -2,9 +2,10 @@
 
 A save writes into a hidden sibling directory, ``.<name>.arrayckpt-tmp-<12 hex digits>``, and its commit
 renames that into place (an atomic exchange when replacing an old checkpoint, after which the old one is
-removed), so the path only ever holds a whole checkpoint. Everything written is made durable (one
-``syncfs``) before the rename. Readers pin the directory they opened (``/proc/self/fd/N``), so an overwrite
-meanwhile can never mix two checkpoints' chunks in one read (:attr:`LocalLocation.pins_reads`).
+removed), so the path only ever holds a whole checkpoint. Everything written is made durable (an ``fsync`` of
+each file and directory, ``renames.py::make_durable``) before the rename. Readers pin the directory they opened
+(``/proc/self/fd/N``), so an overwrite meanwhile can never mix two checkpoints' chunks in one read
+(:attr:`LocalLocation.pins_reads`).
 
 The interface and the call order of a save are in ``_storage/base.py``.
 """

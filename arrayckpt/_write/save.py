@@ -100,11 +100,10 @@ def save(
             sparse gradient); the caller vouches the other rows are unchanged, which spares reading them back.
         quantize: with ``base``: key pattern -> 4 or 8 bits; the changed rows of matching floating-point tensors
             are stored quantized (lossy; the manifest records the largest error).
-        durable: ``False`` skips the flush to disk before the commit (locally one ``syncfs``, which also waits
-            for every other writer on that filesystem), as ``torch.save`` does: the commit stays atomic and a
-            crash of the process leaves the previous checkpoint, but a power loss soon after may leave the
-            committed checkpoint without its data (a load then names the missing or damaged chunk). Object stores
-            are durable either way.
+        durable: ``False`` skips the flush to disk before the commit (locally an ``fsync`` of every file written),
+            as ``torch.save`` does: the commit stays atomic and a crash of the process leaves the previous
+            checkpoint, but a power loss soon after may leave the committed checkpoint without its data (a load
+            then names the missing or damaged chunk). Object stores are durable either way.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
