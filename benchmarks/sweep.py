@@ -28,8 +28,8 @@ is the maximum over the ranks.
   takes part too: ``torch.save`` to one file (no flush) and ``torch.load(weights_only=True)`` + ``copy_``.
 
 Reported per cell: median seconds over the repeats of each system, ``DCP/arrayckpt`` (> 1: arrayckpt is faster)
-and, where measured, ``plain/arrayckpt``, ``plain+crc/arrayckpt`` and ``torch/arrayckpt``. The machine may be shared and have few cores:
-trust medians, and rerun a cell that looks off.
+and, where measured, ``plain/arrayckpt``, ``plain+crc/arrayckpt`` and ``torch/arrayckpt``. The machine may be
+shared and have few cores: trust medians, and rerun a cell that looks off.
 """
 
 from __future__ import annotations
