@@ -20,7 +20,7 @@ import torch
 from .._format.dtypes import DType
 from .._layout.box import Box
 from .._torch.tensors import writable_numpy
-from .._torch.transfer import Batch, batches, settings
+from .._torch.transfer import ALIGN, Batch, aligned, batches, settings
 from .reader import Request
 
 __all__ = ["DeviceLoads"]
@@ -53,8 +53,9 @@ class DeviceLoads:
             request: Callable[[Box, np.ndarray], Request]) -> None:
         """Fill ``tensor`` (on a device) with ``box`` of the array, which ``request(box, host array)`` reads, once
         :meth:`run` runs. A tensor bigger than a batch is split into row ranges of about a batch each."""
+        tensor = tensor.detach()  # filled outside autograd (a parameter that requires grad, a DTensor's local view)
         row_bytes = tensor.element_size() * math.prod(box.shape[1:]) if box.shape else 0
-        budget = settings().batch_bytes
+        budget = settings().batch_bytes - ALIGN  # a piece with its alignment padding fits a batch
         if not box.shape or row_bytes * box.shape[0] <= budget:
             self._targets.append(_Target(key, tensor, box, dt, request))
             return
@@ -70,7 +71,7 @@ class DeviceLoads:
         ``whole``: every read before the first copy (one call of ``read_batch``); else pipelined. The keys of the
         device tensors whose copies were issued are appended to ``touched`` as they are (a failed read later
         leaves those holding the checkpoint's bytes)."""
-        groups = batches(self._targets, lambda target: target.nbytes, settings().batch_bytes)
+        groups = batches(self._targets, lambda target: aligned(target.nbytes), settings().batch_bytes)
         if not groups:
             read_batch(requests)
             return

@@ -26,8 +26,8 @@ from typing import Protocol, TypeVar
 import torch
 
 __all__ = [
-    "Batch", "Copier", "HostPool", "SyncCopier", "Ticket", "TransferSettings", "batches", "copier_for",
-    "copy_grouped", "host_pool", "is_staged", "settings", "transfer_settings",
+    "ALIGN", "Batch", "Copier", "HostPool", "SyncCopier", "Ticket", "TransferSettings", "aligned", "batches",
+    "copier_for", "copy_grouped", "host_pool", "is_staged", "settings", "transfer_settings",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
@@ -61,11 +61,17 @@ class SyncCopier:
 
 
 class _EventTicket:
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self._event = event
+    """Waits for an event; keeps the batch's tensors alive until then (a source that only the state walk held, e.g.
+    a tensor ``state_dict()`` made, would otherwise be freed and its memory reused while the copy still reads it)."""
+
+    def __init__(self, event: torch.cuda.Event, pairs: list) -> None:
+        self._event: torch.cuda.Event | None = event
+        self._pairs: list | None = pairs
 
     def wait(self) -> None:
-        self._event.synchronize()
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = self._pairs = None
 
 
 class CudaCopier:
@@ -84,17 +90,24 @@ class CudaCopier:
     def copy(self, pairs: Pairs) -> Ticket:
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream):
-            _foreach_copy(pairs, non_blocking=True)
-            event = torch.cuda.Event()
+            try:
+                _foreach_copy(pairs, non_blocking=True)
+            except BaseException:  # some copies may be queued: let them end before the buffers can be reused
+                self._stream.synchronize()
+                raise
+            event = torch.cuda.Event(blocking=True)  # waited for without spinning a core the training loop wants
             event.record(self._stream)
-        return _EventTicket(event)
+        return _EventTicket(event, list(pairs))
 
 
 def _foreach_copy(pairs: Pairs, non_blocking: bool) -> None:
+    """Copy ``pairs`` (destination, source) in one batched call, outside autograd (a load's destinations may be
+    parameters that require grad)."""
     if pairs:
         destinations, sources = zip(*pairs, strict=True)
-        torch._foreach_copy_(list(destinations), [s.resolve_conj().resolve_neg() for s in sources],
-                             non_blocking=non_blocking)
+        with torch.no_grad():
+            torch._foreach_copy_([d.detach() for d in destinations],
+                                 [s.detach().resolve_conj().resolve_neg() for s in sources], non_blocking=non_blocking)
 
 
 def _default_copier(device: torch.device) -> Copier:
@@ -124,7 +137,7 @@ class TransferSettings:
 
 
 _settings = TransferSettings()
-_ALIGN = 64  # bytes: where each tensor of a batch starts in the batch's buffer
+ALIGN = 64  # bytes: where each tensor of a batch starts in the batch's buffer
 _copiers: dict[tuple[Callable, torch.device], Copier] = {}
 _lock = threading.Lock()
 
@@ -168,7 +181,15 @@ def copy_grouped(pairs: Pairs) -> list[Ticket]:
     for pair in pairs:
         device = pair[0].device if pair[0].device.type != "cpu" else pair[1].device
         by_device.setdefault(device, []).append(pair)
-    return [copier_for(device).copy(group) for device, group in by_device.items()]
+    tickets: list[Ticket] = []
+    try:
+        for device, group in by_device.items():
+            tickets.append(copier_for(device).copy(group))
+    except BaseException:  # the devices issued before the failure: done before anyone reuses their buffers
+        for ticket in tickets:
+            ticket.wait()
+        raise
+    return tickets
 
 
 class Batch:
@@ -184,7 +205,7 @@ class Batch:
         offsets, end = [], 0
         for shape, dtype in tensors:
             offsets.append(end)
-            end += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+            end += aligned(math.prod(shape) * dtype.itemsize)
         taken = _pool.take(end)
         self.buffers.append(taken)
         return [view(taken[offset:], shape, dtype) for offset, (shape, dtype) in
@@ -203,9 +224,8 @@ class Batch:
         try:
             self.wait()
         finally:
-            for buffer in self.buffers:
-                _pool.give(buffer)
-            self.buffers = []
+            buffers, self.buffers = self.buffers, []
+            _pool.give(buffers)
 
 
 def batches(items: Sequence[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
@@ -226,8 +246,11 @@ class HostPool:
     """Host buffers by size class, handed out and given back, kept between saves and loads (up to
     ``keep_bytes`` idle) so that pinned memory is allocated and registered once per job, not per save.
 
-    Size classes are 8 per power of two (at most 12.5% unused), from 64 KiB. Thread-safe. Counts what it did
-    (``allocations``, ``peak_bytes`` handed out at once) for tests and benchmarks.
+    Size classes are 8 per power of two (at most 12.5% unused), from 64 KiB; pinned buffers are powers of two,
+    which is what torch's pinned allocator reserves for them anyway (so the counts are the memory really pinned,
+    and a 256 MiB batch pins 256 MiB: batches count their alignment padding, :func:`aligned`). Pinned buffers the
+    pool does not keep are handed back to the driver (torch's pinned cache would keep them for good). Thread-safe.
+    Counts what it did (``allocations``, ``peak_bytes`` handed out at once) for tests and benchmarks.
     """
 
     def __init__(self) -> None:
@@ -240,7 +263,8 @@ class HostPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 buffer of at least ``nbytes`` (pinned per the settings)."""
-        size = _size_class(nbytes)
+        pinned = _settings.pinned if _settings.pinned is not None else torch.cuda.is_available()
+        size = _size_class(nbytes, pinned)
         with self._lock:
             free = self._free.get(size)
             buffer = free.pop() if free else None
@@ -249,26 +273,34 @@ class HostPool:
             self.in_use += size
             self.peak_bytes = max(self.peak_bytes, self.in_use)
         if buffer is None:
-            pinned = _settings.pinned if _settings.pinned is not None else torch.cuda.is_available()
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
             with self._lock:
                 self.allocations += 1
         return buffer
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """Hand ``buffer`` back (no copy may still be in flight to or from it)."""
-        size = buffer.numel()
+    def give(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Hand ``buffers`` back (no copy may still be in flight to or from them)."""
+        dropped = False
         with self._lock:
-            self.in_use -= size
-            if self._idle + size <= _settings.keep_bytes:
-                self._free.setdefault(size, []).append(buffer)
-                self._idle += size
+            for buffer in buffers:
+                size = buffer.numel()
+                self.in_use -= size
+                if self._idle + size <= _settings.keep_bytes:
+                    self._free.setdefault(size, []).append(buffer)
+                    self._idle += size
+                else:
+                    dropped = dropped or buffer.is_pinned()
+        if dropped:
+            _release_pinned()
 
     def clear(self) -> None:
-        """Drop the idle buffers (their memory goes back to the allocator)."""
+        """Drop the idle buffers (their memory goes back to the allocator, pinned memory to the driver)."""
         with self._lock:
+            pinned = any(b.is_pinned() for free in self._free.values() for b in free)
             self._free.clear()
             self._idle = 0
+        if pinned:
+            _release_pinned()
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -281,10 +313,25 @@ def view(buffer: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torc
     return buffer[:nbytes].view(dtype).view(tuple(shape))
 
 
-def _size_class(nbytes: int) -> int:
+def _size_class(nbytes: int, pinned: bool = False) -> int:
     nbytes = max(nbytes, 64 << 10)
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
     step = 1 << max(nbytes.bit_length() - 4, 0)  # 8 classes per power of two
     return -(-nbytes // step) * step
+
+
+def aligned(nbytes: int) -> int:
+    """What ``nbytes`` of a tensor take in a batch's buffer (:meth:`Batch.views` starts each at 64 bytes)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _release_pinned() -> None:
+    """Give the pinned blocks torch's allocator caches but nobody uses back to the driver (torch keeps them until
+    told: a whole-state load's staging would otherwise stay pinned for the rest of the job)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 _pool = HostPool()

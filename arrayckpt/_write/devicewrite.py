@@ -22,7 +22,7 @@ from .._format.dtypes import DType
 from .._io.arrays import ArrayIO, Checksums, write_all
 from .._layout.box import Box
 from .._torch.dtypes import numpy_view
-from .._torch.transfer import Batch, batches, is_staged, settings
+from .._torch.transfer import ALIGN, Batch, aligned, batches, is_staged, settings
 from .describe import host_view
 
 __all__ = ["DeviceData", "DevicePart", "device_view", "write_batched"]
@@ -71,7 +71,7 @@ def device_parts(key: str, spec: dict[str, Any], node: str, data: DeviceData, he
                  chunk_rows: int) -> list[DevicePart]:
     """The writes of ``box`` (of the part ``held`` that ``data`` holds), split at multiples of ``chunk_rows`` into
     pieces of about a batch each: each piece covers whole outer chunks, as the chunks' checksums require."""
-    budget = settings().batch_bytes
+    budget = settings().batch_bytes - ALIGN  # a piece with its alignment padding fits a batch
     row_bytes = data.tensor.element_size() * math.prod(box.shape[1:]) if box.shape else 0
     total = row_bytes * (box.shape[0] if box.shape else 1)
     if not box.shape or total <= budget or chunk_rows <= 0:
@@ -112,7 +112,7 @@ def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: Any, wh
     """Write ``jobs`` (host data) and ``parts`` (device data), the device data a batch at a time: batch ``k + 1``
     copies while batch ``k`` is written (the host jobs are written while the first batch copies)."""
     out: Checksums = {}
-    groups = batches(parts, lambda part: part.nbytes, settings().batch_bytes)
+    groups = batches(parts, lambda part: aligned(part.nbytes), settings().batch_bytes)
     with ExitStack() as pending:  # on an error, every batch in flight is waited for before its buffers go back
         staged = [_stage(groups[0])] if groups else []
         if staged:

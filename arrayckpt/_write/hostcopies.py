@@ -66,8 +66,8 @@ class HostCopies:
 
     def _issue(self) -> None:
         """Start the device copies that wait (they run while the state is still being described)."""
-        self._tickets.extend(copy_grouped(self._device))
-        self._device, self._device_bytes = [], 0
+        pairs, self._device, self._device_bytes = self._device, [], 0  # (never issued twice, even after a failure)
+        self._tickets.extend(copy_grouped(pairs))
 
     def finish(self) -> None:
         """Copy every tensor into its buffer and wait for the device copies; forget the buffers this save did not
