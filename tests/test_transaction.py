@@ -198,3 +198,11 @@ def test_make_durable_skips_a_memory_filesystem(monkeypatch):
         assert renames._memory_backed(Path(directory))
         renames.make_durable(Path(directory))
     assert flushed == []
+
+
+def test_make_durable_skips_files_removed_while_it_runs(tmp_path):
+    """Ranks share the temporary directory: another rank's writer removes its own temporary files (TensorStore's
+    ``.__lock``) while this rank flushes; a file gone since it was listed is not an error."""
+    from arrayckpt._storage import renames
+
+    renames._fsync_path(str(tmp_path / "gone.__lock"))  # listed, then removed: nothing to flush

@@ -110,7 +110,12 @@ def _memory_backed(path: Path) -> bool:
 
 
 def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """fsync one file or directory; one gone since it was listed is skipped (another rank's writer, sharing the
+    directory, removes its own temporary files, e.g. TensorStore's ``.__lock``: nothing of this save to flush)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
     try:
         os.fsync(fd)
     finally:
