@@ -281,3 +281,15 @@ def test_pinned_size_classes_are_what_torch_pins_and_batches_fit_them():
     sizes = [1000, 3000, 60_000, 100]  # aligned: 1024, 3008, 60032, 128
     assert all(sum(transfer.aligned(n) for n in group) <= 64 << 10
                for group in transfer.batches(sizes, transfer.aligned, 64 << 10))
+
+
+def test_row_pieces_fit_the_budget_at_whole_multiples():
+    from arrayckpt._layout.box import Box, row_pieces
+
+    box = Box((8, 0), (100, 4))
+    assert row_pieces(box, 16, 10_000) == [box]  # fits
+    pieces = row_pieces(box, 16, 16 * 30, multiple=8)  # 30 rows fit: 24 (3 chunks of 8) per piece
+    assert [p.offset[0] for p in pieces] == [8, 32, 56, 80, 104] and pieces[-1].stop[0] == 108
+    assert all(p.shape[0] * 16 <= 16 * 30 for p in pieces)
+    assert row_pieces(box, 16, 1, multiple=8)[0].shape[0] == 8  # never less than one multiple
+    assert row_pieces(Box((), ()), 0, 1) == [Box((), ())]

@@ -206,3 +206,19 @@ def test_make_durable_skips_files_removed_while_it_runs(tmp_path):
     from arrayckpt._storage import renames
 
     renames._fsync_path(str(tmp_path / "gone.__lock"))  # listed, then removed: nothing to flush
+
+
+def test_make_durable_never_follows_a_link_or_blocks_on_a_fifo(tmp_path):
+    """Only what the save wrote is flushed: a link planted in its directory is not followed, a FIFO does not hang."""
+    import os
+
+    from arrayckpt._storage import renames
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x")
+    inside = tmp_path / "t"
+    inside.mkdir()
+    (inside / "link").symlink_to(outside)
+    os.mkfifo(inside / "fifo")
+    (inside / "data").write_bytes(b"y" * 10)
+    renames.make_durable(inside)  # returns (a FIFO opened blocking would wait for a writer forever)

@@ -53,6 +53,19 @@ class Box:
         return cls((0,) * len(shape), shape)
 
 
+def row_pieces(box: Box, row_bytes: int, budget: int, multiple: int = 1) -> list[Box]:
+    """``box`` cut along its first dimension into pieces of at most ``budget`` bytes (``row_bytes`` a row) where
+    it can be, each a whole number of ``multiple`` rows counted from its start (a piece is never less than
+    ``multiple`` rows); ``[box]`` when it fits, is 0-d, or ``multiple`` is 0. Device transfers go a batch at a
+    time: a tensor bigger than a batch is moved in such pieces (at chunk rows for writes, whose chunks' checksums
+    need whole chunks)."""
+    if not box.shape or multiple <= 0 or row_bytes * box.shape[0] <= budget:
+        return [box]
+    step = max(1, budget // max(row_bytes * multiple, 1)) * multiple
+    return [Box((start, *box.offset[1:]), (min(step, box.stop[0] - start), *box.shape[1:]))
+            for start in range(box.offset[0], box.stop[0], step)]
+
+
 def grid_cells(box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, Box]]:
     """The chunks of the regular grid ``grid`` over an array of ``shape`` that meet ``box``: (flat C-order index,
     the chunk's box clipped to the array), in C order, lazily (memory does not grow with the number of chunks)."""

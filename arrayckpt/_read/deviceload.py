@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._format.dtypes import DType
-from .._layout.box import Box
+from .._layout.box import Box, row_pieces
 from .._torch.tensors import writable_numpy
 from .._torch.transfer import ALIGN, Batch, aligned, batches, settings
 from .reader import Request
@@ -56,14 +56,8 @@ class DeviceLoads:
         tensor = tensor.detach()  # filled outside autograd (a parameter that requires grad, a DTensor's local view)
         row_bytes = tensor.element_size() * math.prod(box.shape[1:]) if box.shape else 0
         budget = settings().batch_bytes - ALIGN  # a piece with its alignment padding fits a batch
-        if not box.shape or row_bytes * box.shape[0] <= budget:
-            self._targets.append(_Target(key, tensor, box, dt, request))
-            return
-        step = max(1, budget // max(row_bytes, 1))
-        for start in range(0, box.shape[0], step):
-            rows = min(step, box.shape[0] - start)
-            piece = Box((box.offset[0] + start, *box.offset[1:]), (rows, *box.shape[1:]))
-            self._targets.append(_Target(key, tensor[start:start + rows], piece, dt, request))
+        for piece in row_pieces(box, row_bytes, budget):
+            self._targets.append(_Target(key, tensor[piece.relative_to(box)], piece, dt, request))
 
     def run(self, requests: list[Request], read_batch: ReadBatch, *, whole: bool, touched: list[str]) -> None:
         """Read ``requests`` (the host reads) and every device target's box, and copy the latter to their devices.

@@ -112,11 +112,16 @@ def _memory_backed(path: Path) -> bool:
 def _fsync_path(path: str) -> None:
     """fsync one file or directory; one gone since it was listed is skipped (another rank's writer, sharing the
     directory, removes its own temporary files, e.g. TensorStore's ``.__lock``: nothing of this save to flush)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
+    try:  # never through a link, never blocking on a FIFO: only what the save wrote itself is there to flush
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP):
+            return
+        raise
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # (a special file, which no save writes: nothing to flush)
+            raise
     finally:
         os.close(fd)

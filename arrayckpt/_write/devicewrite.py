@@ -20,12 +20,12 @@ import torch
 
 from .._format.dtypes import DType
 from .._io.arrays import ArrayIO, Checksums, write_all
-from .._layout.box import Box
+from .._layout.box import Box, row_pieces
 from .._torch.dtypes import numpy_view
 from .._torch.transfer import ALIGN, Batch, aligned, batches, is_staged, settings
 from .describe import host_view
 
-__all__ = ["DeviceData", "DevicePart", "device_view", "write_batched"]
+__all__ = ["DeviceData", "DevicePart", "device_parts", "device_view", "write_batched"]
 
 
 @dataclass(frozen=True)
@@ -69,28 +69,12 @@ class DevicePart:
 
 def device_parts(key: str, spec: dict[str, Any], node: str, data: DeviceData, held: Box, box: Box,
                  chunk_rows: int) -> list[DevicePart]:
-    """The writes of ``box`` (of the part ``held`` that ``data`` holds), split at multiples of ``chunk_rows`` into
-    pieces of about a batch each: each piece covers whole outer chunks, as the chunks' checksums require."""
-    budget = settings().batch_bytes - ALIGN  # a piece with its alignment padding fits a batch
+    """The writes of ``box`` (of the part ``held`` that ``data`` holds), cut at multiples of ``chunk_rows`` (the
+    outer chunk's rows) into pieces of about a batch each."""
     row_bytes = data.tensor.element_size() * math.prod(box.shape[1:]) if box.shape else 0
-    total = row_bytes * (box.shape[0] if box.shape else 1)
-    if not box.shape or total <= budget or chunk_rows <= 0:
-        return [DevicePart(key, spec, node, data.tensor[box.relative_to(held)], data.dt, box.slices())]
-    step = max(1, budget // max(row_bytes * chunk_rows, 1)) * chunk_rows
-    parts = []
-    for start in range(box.offset[0], box.stop[0], step):
-        piece = Box((start, *box.offset[1:]), (min(step, box.stop[0] - start), *box.shape[1:]))
-        parts.append(DevicePart(key, spec, node, data.tensor[piece.relative_to(held)], data.dt, piece.slices()))
-    return parts
-
-
-def chunk_rows_of(metadata: dict[str, Any]) -> int:
-    """Rows per outer chunk of an array's metadata (0 for a 0-d array or an unknown grid)."""
-    try:
-        shape = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-        return int(shape[0]) if shape else 0
-    except (KeyError, TypeError, IndexError):
-        return 0
+    budget = settings().batch_bytes - ALIGN  # a piece with its alignment padding fits a batch
+    return [DevicePart(key, spec, node, data.tensor[piece.relative_to(held)], data.dt, piece.slices())
+            for piece in row_pieces(box, row_bytes, budget, chunk_rows)]
 
 
 def _stage(parts: Sequence[DevicePart]) -> tuple[Batch, list[ArrayIO]]:

@@ -46,7 +46,7 @@ from .._torch.dist import Group, resolve_group
 from .._version import __version__
 from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
 from .describe import LocalState, describe_local, host_view
-from .devicewrite import DeviceData, chunk_rows_of, device_parts, device_view, write_batched
+from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Planner, Reply, Report, Resend, exchange, planner_for
 from .options import SaveOptions
 from .transaction import WriteTransaction, begin_write
@@ -329,8 +329,8 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
             jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
             continue
         if isinstance(data, DeviceData):  # copied to the host a batch at a time, below
-            device.extend(device_parts(task.key, spec, task.path, data, held, task.box,
-                                       chunk_rows_of(part.arrays[task.path].metadata)))
+            outer = part.arrays[task.path].outer_chunk
+            device.extend(device_parts(task.key, spec, task.path, data, held, task.box, outer[0] if outer else 0))
             continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
     context = target.write_context()
