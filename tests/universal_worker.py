@@ -19,14 +19,11 @@ import functools
 import importlib
 import io
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import deepspeed_worker as dw
-import pytest
 import torch
 
 TRAIN_STEPS, NEXT_STEPS = dw.TRAIN_STEPS, dw.NEXT_STEPS
@@ -95,18 +92,12 @@ def _worker(mode: str, root: Path) -> None:
     results = _train(root, world, rank) if mode == "train" else _resume(root, world)
     if rank == 0:
         (root / f"universal_{mode}_{world}.json").write_text(json.dumps(results))
-    dist.barrier()
+    dw.leave(dist)
 
 
 def torchrun(ranks: int, mode: str, root: Path) -> dict[str, Any]:
     """This file's worker in ``mode`` on ``ranks`` ranks; what its rank 0 wrote."""
-    env = {**os.environ, **dw.ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                                                  os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           __file__, mode, str(root)], env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        pytest.fail(f"torchrun {mode} on {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return json.loads((root / f"universal_{mode}_{ranks}.json").read_text())
+    return dw.torchrun(__file__, ranks, mode, root, f"universal_{mode}_{ranks}.json")
 
 
 if __name__ == "__main__":
