@@ -165,6 +165,37 @@ def test_load_reads_each_batch_while_the_previous_one_copies(tmp_path, deferred,
     assert transfer.host_pool().in_use == 0
 
 
+def test_dcp_load_through_the_reader_fills_device_targets_in_batches(tmp_path, deferred, monkeypatch):
+    """``dcp.load`` with :class:`ArrayckptReader`: device targets go through the same pooled, pipelined path."""
+    import torch.distributed.checkpoint as dcp
+
+    from arrayckpt._integrations import dcp_reader
+    from arrayckpt.dcp import ArrayckptReader
+
+    state = _state()
+    arrayckpt.save(state, tmp_path / "c")
+    real_read = dcp_reader.read
+
+    def read(checkpoint, requests, **kwargs):
+        deferred.append(("read", sorted({r.key for r in requests})))
+        return real_read(checkpoint, requests, **kwargs)
+
+    monkeypatch.setattr(dcp_reader, "read", read)
+    deferred.clear()
+    transfer.host_pool().reset_counts()
+    target = {key: torch.full_like(v, 3) if isinstance(v, torch.Tensor) else 0 for key, v in state.items()}
+    dcp.load(target, storage_reader=ArrayckptReader(tmp_path / "c"))
+    _assert_equal(target, state)
+    copies = [entry[1] for entry in deferred if entry[0] == "copy"]
+    reads = [i for i, entry in enumerate(deferred) if entry[0] == "read" and entry[1]]
+    assert len(copies) >= 3 and len(reads) >= len(copies)
+    for number in copies[:-1]:  # the next batch is read while this one's copies are in flight
+        issued, waited = deferred.index(("copy", number)), deferred.index(("wait", number))
+        assert any(issued < i < waited for i in reads)
+    assert 0 < transfer.host_pool().peak_bytes <= 3 * BATCH
+    assert transfer.host_pool().in_use == 0
+
+
 def test_atomic_load_copies_nothing_until_every_read_passed(tmp_path, deferred):
     state = _state()
     arrayckpt.save(state, tmp_path / "c")

@@ -15,7 +15,9 @@ ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``)
   as one stored chunk covering all of it, so DCP's planner asks each rank for exactly the boxes its targets
   hold; ``read_data`` reads those boxes through arrayckpt's one read path (``_read/reader.py``: concurrently,
   every chunk's checksum checked, deltas read through their chain), straight into the targets' memory where it
-  can (a CPU tensor of the stored dtype), else through a staging buffer and ``copy_`` as DCP's own reader does.
+  can (a CPU tensor of the stored dtype); device (GPU) targets of the stored dtype through pooled, pinned host
+  buffers, each batch copied to the device while the next one is read (``_read/deviceload.py``, as
+  ``arrayckpt.load`` does); anything else through a staging buffer and ``copy_`` as DCP's own reader does.
 - Plain values are offered under the keys DCP's flattening gives them (``dcp_keys.py``: ``optim.param_groups``
   is asked for as ``optim.param_groups.0.lr``, …) as ``BYTE_IO`` items, ``torch.save``d into the ``BytesIO``
   handed to ``planner.load_bytes``. numpy arrays are ``BYTE_IO`` items too (read whole). Pickled values load only
@@ -52,22 +54,34 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError
+from .._format.dtypes import DType
 from .._format.keys import dotted
 from .._format.manifest import PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import collector_paused
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.deviceload import DeviceLoads
 from .._read.reader import ChainRead, read
 from .._storage import parse_location
 from .._torch.dtypes import torch_dtype
 from .._torch.tensors import overlaps_itself, writable_numpy
+from .._torch.transfer import is_staged
 from .dcp_keys import dcp_path, dcp_terminals
 from .dcp_options import check_reader_options
 
 __all__ = ["ArrayckptReader"]
 
 STAGED_BATCH_BYTES = 512 << 20  # reads staged outside their targets are done in batches of about this size
+
+
+@dataclass(frozen=True)
+class _DeviceRead:
+    """A box of a tensor for a device target of the stored dtype (read through :class:`DeviceLoads`)."""
+
+    key: str
+    box: Box
+    dtype: DType
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,7 @@ class ArrayckptReader(StorageReader):
             decoded: dict[str, Any] = {}  # plain values decoded once, however many DCP keys they give
             with collector_paused():
                 batch: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, ChainRead]] = []
+                device, on_device = DeviceLoads(), []
                 staged = 0
                 for item in plan.items:
                     if item.type == LoadItemType.BYTE_IO:
@@ -232,13 +247,20 @@ class ArrayckptReader(StorageReader):
                     target, buffer, request = self._tensor_read(checkpoint, item, planner)
                     if request.box.size == 0 and request.box.shape:  # nothing to read (a rank holding no rows)
                         planner.commit_tensor(item, target)
-                        continue
-                    batch.append((item, target, buffer, request))
-                    staged += 0 if buffer is None else buffer.numel() * buffer.element_size()
-                    if staged >= STAGED_BATCH_BYTES:
-                        _run(checkpoint, batch, planner)
-                        batch, staged = [], 0
+                    elif isinstance(request, _DeviceRead):  # in batches through pooled host buffers
+                        device.add(request.key, target, request.box, request.dtype,
+                                   lambda box, out, key=request.key: ChainRead(key, box, out))
+                        on_device.append((item, target))
+                    else:
+                        batch.append((item, target, buffer, request))
+                        staged += 0 if buffer is None else buffer.numel() * buffer.element_size()
+                        if staged >= STAGED_BATCH_BYTES:
+                            _run(checkpoint, batch, planner)
+                            batch, staged = [], 0
                 _run(checkpoint, batch, planner)
+                device.run([], lambda requests: read(checkpoint, requests), whole=False, touched=[])
+                for item, target in on_device:
+                    planner.commit_tensor(item, target)
         finally:
             _close(self._open)
         future: Future[None] = Future()
@@ -264,8 +286,9 @@ class ArrayckptReader(StorageReader):
         return source
 
     def _tensor_read(self, checkpoint: Checkpoint, item: ReadItem, planner: LoadPlanner
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, ChainRead]:
-        """The target of one tensor item, the buffer it is staged in (``None``: read in place) and its read."""
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, ChainRead | _DeviceRead]:
+        """The target of one tensor item, the buffer it is staged in (``None``: read in place or on a device) and
+        its read."""
         source = self._source(item)
         entry = checkpoint.manifest.array_entry(source.key)  # through an alias to its target
         assert entry is not None
@@ -277,9 +300,11 @@ class ArrayckptReader(StorageReader):
             raise StateError(f"{checkpoint.location}: tensor {source.key!r}: the planner's target has shape "
                              f"{list(target.shape)} for a read of shape {list(box.shape)}")
         dtype = torch_dtype(entry.dtype)
-        if (target.device.type == "cpu" and target.dtype == dtype and target.layout == torch.strided
-                and not target.is_conj() and not target.is_neg()
-                and not overlaps_itself(tuple(target.shape), tuple(target.stride()))):
+        plain = (target.dtype == dtype and target.layout == torch.strided and not target.is_conj()
+                 and not target.is_neg() and not overlaps_itself(tuple(target.shape), tuple(target.stride())))
+        if plain and is_staged(target):
+            return target, None, _DeviceRead(source.key, box, entry.dtype)
+        if plain and target.device.type == "cpu":
             return target, None, ChainRead(source.key, box, writable_numpy(target, entry.dtype, source.key))
         buffer = torch.empty(box.shape, dtype=dtype)
         return target, buffer, ChainRead(source.key, box, writable_numpy(buffer, entry.dtype, source.key))
