@@ -324,3 +324,44 @@ def test_row_pieces_fit_the_budget_at_whole_multiples():
     assert all(p.shape[0] * 16 <= 16 * 30 for p in pieces)
     assert row_pieces(box, 16, 1, multiple=8)[0].shape[0] == 8  # never less than one multiple
     assert row_pieces(Box((), ()), 0, 1) == [Box((), ())]
+
+
+def test_deepspeed_flat_reads_stage_in_pooled_batches_and_give_them_back(tmp_path, monkeypatch):
+    """``arrayckpt.deepspeed.load`` reads partitions (flat element ranges) through pooled host buffers, a batch at a
+    time, handed back after each batch, also when a read fails."""
+    from arrayckpt._integrations import deepspeed_engine
+    from arrayckpt._read.checkpoint import open_checkpoint
+
+    monkeypatch.setattr(transfer, "_pool", transfer.HostPool())
+    monkeypatch.setattr(deepspeed_engine, "READ_BATCH_BYTES", BATCH)
+    generator = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(96, 512, generator=generator), "s": torch.tensor(3.5),
+             "v": torch.arange(5000, dtype=torch.float64)}
+    arrayckpt.save(state, tmp_path / "c")
+    slices = [("a", 700, 3000), ("a", 0, 0), ("s", 0, 1), ("v", 4999, 1), ("a", 20000, 20000), ("v", 10, 4000)]
+    calls = []
+    real_read = deepspeed_engine.read
+
+    def read(checkpoint, requests):
+        calls.append(len(requests))
+        if len(calls) == 3 and failing:
+            raise arrayckpt.CorruptCheckpointError("damaged")
+        return real_read(checkpoint, requests)
+
+    monkeypatch.setattr(deepspeed_engine, "read", read)
+    for failing in (False, True):
+        got, calls[:] = {}, []
+        reads = deepspeed_engine.FlatReads(open_checkpoint(tmp_path / "c"))
+        for key, start, numel in slices:
+            reads.add(key, start, numel,
+                      lambda piece, at=(key, start, numel), into=got: into.__setitem__(at, piece.clone()))
+        if failing:
+            with pytest.raises(arrayckpt.CorruptCheckpointError):
+                reads.run()
+        else:
+            reads.run()
+            for key, start, numel in slices:
+                assert torch.equal(got[key, start, numel], state[key].reshape(-1)[start:start + numel])
+            assert len(calls) >= 3  # in batches of at most BATCH (a bigger slice alone)
+        assert transfer.host_pool().in_use == 0 and reads.planned == []
+    assert transfer.host_pool().allocations <= 3  # the batches' buffers are reused

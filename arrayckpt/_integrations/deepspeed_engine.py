@@ -41,6 +41,7 @@ from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._read.reader import ChainRead, read
 from .._torch.tensors import writable_numpy
+from .._torch.transfer import Batch, aligned, batches
 
 __all__ = ["FlatReads", "Parts", "load_engine"]
 
@@ -55,46 +56,61 @@ def _rows(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, int, int
     return start // row, -(-(start + numel) // row), row
 
 
+@dataclass(frozen=True)
+class _Slice:
+    """One planned slice: the rows of array ``key`` it spans (``rows``: their shape), where in them it starts."""
+
+    key: str
+    rows: tuple[int, ...]
+    first: int  # the first row
+    dtype: torch.dtype
+    skip: int  # elements of the first row before the slice
+    numel: int
+    then: Callable[[torch.Tensor], Any]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.rows) * self.dtype.itemsize
+
+
 class FlatReads:
     """Slices of flattened arrays (``[start, start + numel)``), planned first and then read together, in batches of
     about :data:`READ_BATCH_BYTES`, only the rows each slice spans; ``then(slice)`` puts each in place (the slice is
-    valid during the call only)."""
+    valid during the call only: it is a view of a pooled host buffer, pinned where CUDA is there, so a copy to a
+    GPU partition runs at the link's pinned speed and no batch allocates fresh memory)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
-        self.planned: list[tuple[str, int, int, Callable[[torch.Tensor], Any]]] = []
+        self.planned: list[_Slice] = []
 
     def add(self, key: str, start: int, numel: int, then: Callable[[torch.Tensor], Any]) -> None:
-        self.planned.append((key, start, numel, then))
+        array = self.checkpoint[key]
+        shape = tuple(array.shape) or (1,)
+        first, last, row = _rows(shape, start, numel) if numel else (0, 0, 1)
+        self.planned.append(_Slice(key, (last - first, *shape[1:]), first, array.dtype, start - first * row, numel,
+                                   then))
 
     def run(self) -> None:
-        batch: list[tuple[torch.Tensor, int, int, Callable[[torch.Tensor], Any]]] = []
-        requests: list[ChainRead] = []
-        held = 0
-        for key, start, numel, then in self.planned:
-            array = self.checkpoint[key]
-            shape = tuple(array.shape) or (1,)
-            first, last, row = _rows(shape, start, numel) if numel else (0, 0, 1)
-            out = torch.empty((last - first, *shape[1:]), dtype=array.dtype)
-            if numel and not array.shape:  # a 0-d array: its one element
-                requests.append(ChainRead(key, Box((), ()), writable_numpy(out.reshape(()), array.entry.dtype, key)))
-            elif numel:
-                box = Box((first,) + (0,) * (len(shape) - 1), tuple(out.shape))
-                requests.append(ChainRead(key, box, writable_numpy(out, array.entry.dtype, key)))
-            batch.append((out, start - first * row, numel, then))
-            held += out.nbytes
-            if held >= READ_BATCH_BYTES:
-                self._finish(requests, batch)
-                held = 0
-        self._finish(requests, batch)
-        self.planned.clear()
+        try:
+            for group in batches(self.planned, lambda piece: aligned(piece.nbytes), READ_BATCH_BYTES):
+                batch = Batch()
+                try:
+                    outs = batch.views([(piece.rows, piece.dtype) for piece in group])
+                    read(self.checkpoint, [self._request(piece, out) for piece, out in zip(group, outs, strict=True)
+                                           if piece.numel])
+                    for piece, out in zip(group, outs, strict=True):
+                        piece.then(out.reshape(-1)[piece.skip:piece.skip + piece.numel])
+                finally:
+                    batch.settle()
+        finally:
+            self.planned.clear()
 
-    def _finish(self, requests: list[ChainRead], batch: list[tuple[torch.Tensor, int, int, Callable]]) -> None:
-        read(self.checkpoint, requests)
-        for out, skip, numel, then in batch:
-            then(out.reshape(-1)[skip:skip + numel])
-        requests.clear()
-        batch.clear()
+    def _request(self, piece: _Slice, out: torch.Tensor) -> ChainRead:
+        dt = self.checkpoint[piece.key].entry.dtype
+        if not self.checkpoint[piece.key].shape:  # a 0-d array: its one element
+            return ChainRead(piece.key, Box((), ()), writable_numpy(out.reshape(()), dt, piece.key))
+        box = Box((piece.first,) + (0,) * (len(piece.rows) - 1), piece.rows)
+        return ChainRead(piece.key, box, writable_numpy(out, dt, piece.key))
 
 
 def _optimizer(engine: Any) -> tuple[int, Any]:
