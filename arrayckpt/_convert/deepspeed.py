@@ -17,7 +17,9 @@ What comes out (every parameter under the name the module gives it)::
 
 With mixed precision the module's bf16/fp16 weights are not kept: DeepSpeed sets them from the master weights
 after every step (``update_lp_params``: ``bit16.copy_(fp32)``), so they are ``model.<name>`` cast to the module's
-dtype, bit for bit. ``model.*`` equals what DeepSpeed's ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
+dtype, bit for bit. A tied parameter (``shared_params``: GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``)
+is stored once, its other name an alias of it (spec §5.1), as ``arrayckpt.save`` stores a tied module's state
+dict. ``model.*`` equals what DeepSpeed's ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
 returns (which also casts floating buffers to fp32; here they keep their dtype).
 
 The partitions are unflattened only from DeepSpeed's own mapping metadata, exactly as its ``utils/zero_to_fp32.py``
@@ -358,8 +360,17 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
     for name in names:
         key = f"model.{name}"
         source = shared.get(name) if name not in by_name else None
-        if name in by_name or source in by_name:
-            p = by_name[name if name in by_name else source]
+        if name in model:  # a tie's source, made when its alias came first
+            continue
+        if source in by_name:  # a tie (shared_params: this name -> the one DeepSpeed keeps): an alias (spec §5.1)
+            p = by_name[source]
+            if source not in model:
+                model[source] = torch.empty(p.shape, dtype=parts.masters[0][p.group].dtype, device="meta")
+                fetchers[f"model.{source}"] = master(p)
+            model[name] = model[source]  # one meta object under both names: the writer aliases them
+            fetchers[key] = fetchers[f"model.{source}"]
+        elif name in by_name:
+            p = by_name[name]
             fetchers[key] = master(p)
             model[name] = torch.empty(p.shape, dtype=parts.masters[0][p.group].dtype, device="meta")
         elif zero3 and name not in buffers and name in frozen:
