@@ -9,9 +9,9 @@ import errno
 import os
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .._io.pools import kept_pool
 from .base import TEMP_MARKER
 
 __all__ = ["exchange", "fsync_dir", "make_durable", "rename_noreplace"]
@@ -66,14 +66,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def make_durable(root: Path) -> None:
-    """Flush everything written below ``root``: ``fsync`` of every file, then every directory, there, 16 at a time.
+    """Flush everything written below ``root``: ``fsync`` of every file and every directory there, 16 at a time.
 
     Not ``syncfs``, which is one call but waits for every writer on the filesystem (logs, other jobs, a data
     loader's cache), and not an fsync by each writer thread right after its file (each one a journal commit of its
     own, entangled with the other writers' data on ext4's ordered mode). Concurrent fsyncs share journal commits.
     Measured on ext4, 512 MiB in 32 tensors, beside a process writing 1.5 GB files in a loop: ``syncfs`` 1.62 s,
     an fsync per file by its writer 1.90 s, this 1.04–1.06 s, DCP 1.19–1.20 s; with nothing else writing 0.46–0.49
-    s (``syncfs`` 0.52–0.54 s), DCP 0.61–0.74 s. The same on every platform.
+    s (``syncfs`` 0.52–0.54 s), DCP 0.61–0.74 s. The same on every platform. Files and directories are flushed
+    together, in no order: the save is published (renamed) only after every one of them is durable, so none has to
+    come first, and one round shares the journal's commits (a 1 MiB save on ext4: 2.0 ms, files then directories
+    2.5 ms).
     """
     if _memory_backed(root):
         return  # tmpfs, ramfs: nothing outlives a power loss there, and their fsync does nothing but cost a syscall
@@ -81,16 +84,9 @@ def make_durable(root: Path) -> None:
     for directory, _, names in os.walk(root):
         directories.append(directory)
         files.extend(os.path.join(directory, name) for name in names)
-    if len(files) + len(directories) <= _INLINE_FSYNCS:
-        for path in files + directories:
-            _fsync_path(path)
-        return
-    with ThreadPoolExecutor(_FSYNC_THREADS) as pool:
-        list(pool.map(_fsync_path, files))
-        list(pool.map(_fsync_path, directories))  # after their files: the names are then durable with the data
+    list(kept_pool("fsync", _FSYNC_THREADS).map(_fsync_path, files + directories))  # kept: 16 new threads ~1 ms
 
 
-_INLINE_FSYNCS = 16  # this many paths or fewer are flushed on the calling thread (threads would cost more)
 _FSYNC_THREADS = 16  # fsyncs mostly wait for the disk and the journal: several at once share its commits
 
 
