@@ -34,7 +34,8 @@ import crc32c
 from .._errors import ArrayckptError, FormatError
 from .._format.manifest import parse_root_document
 from .._format.zarr import parse_chunk_key
-from .._io.fastio import check_no_links, read_checkpoint_file
+from .._io.fastio import IO_THREADS, check_no_links, read_checkpoint_file
+from .._io.pools import kept_pool
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import directory_files, remove_arrayckpt_files
 
@@ -55,6 +56,9 @@ class FileSum:
 
     size: int
     crc: int
+
+
+_ABSENT = "absent"  # a chunk file this node does not hold (not damage: another node may)
 
 
 def file_sum(data: bytes | memoryview) -> FileSum:
@@ -246,28 +250,31 @@ class NodeMemory:
                                   nodes, str(record_file))
         if record.id != manifest.id or record.step != step:
             raise FormatError(f"{record_file}: names step {record.step} id {record.id}, the tree holds {manifest.id}")
-        intact: dict[str, frozenset[str]] = {}
+        files = [(path, key, expected) for path, keys in record.files.items() for key, expected in keys.items()]
+        found = kept_pool("io", IO_THREADS).map(lambda file: self._check_file(step, *file), files)  # read, crc'd
+        intact: dict[str, set[str]] = {path: set() for path in record.files}  # in parallel: a restore waits on it
         damaged = []
-        for path, keys in record.files.items():
-            good = set()
-            for key, expected in keys.items():
-                try:
-                    data = self.read_file(step, path, key)
-                except FileNotFoundError:
-                    continue
-                except (ArrayckptError, OSError) as e:
-                    damaged.append(f"{path}/{key} ({e})")
-                    continue
-                if file_sum(data) == expected:
-                    good.add(key)
-                else:
-                    damaged.append(f"{path}/{key}")
-            intact[path] = frozenset(good)
+        for (path, key, _), problem in zip(files, found, strict=True):
+            if problem is None:
+                intact[path].add(key)
+            elif problem is not _ABSENT:
+                damaged.append(f"{path}/{key}{problem}")
         if damaged:
             warnings.warn(f"{where}: {len(damaged)} chunk file(s) damaged (size or crc32c differ from the step's "
                           f"record), refused: {', '.join(damaged[:5])}; other copies are used", RuntimeWarning,
                           stacklevel=4)
-        return Holding(step, record.id, record, root_bytes, intact)
+        return Holding(step, record.id, record, root_bytes, {path: frozenset(keys) for path, keys in intact.items()})
+
+    def _check_file(self, step: int, path: str, key: str, expected: FileSum) -> str | None:
+        """``None`` when the chunk file is here and matches the record, :data:`_ABSENT` when it is not here, else
+        what the warning says after its name."""
+        try:
+            data = self.read_file(step, path, key)
+        except FileNotFoundError:
+            return _ABSENT
+        except (ArrayckptError, OSError) as e:
+            return f" ({e})"
+        return None if file_sum(data) == expected else ""
 
     # --- clean-up ---------------------------------------------------------------------------------------------
 
