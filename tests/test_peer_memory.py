@@ -88,7 +88,14 @@ def test_restore_from_peers_after_losing_a_node_on_4_and_3_ranks_and_past_a_dama
     own.write_bytes(bytes(data))
     results = run_ranks(4, _resume, root, [n[0], n[0], n[1], n[1]], 2)
     _check(results, 4, 3)
+    # The first survey checks sizes only; the load meets the damage, and the restore tries again reading every file
+    assert any("met a damaged chunk file" in w and "trying again" in w for w in results[0][4]), results[0][4]
     assert any("damaged" in w and "c.0.0" in w for w in results[0][4]), results[0][4]
+    # A cut file is refused by its size alone: no second try
+    own.write_bytes(bytes(data[:-1]))
+    results = run_ranks(4, _resume, root, [n[0], n[0], n[1], n[1]], 2)
+    _check(results, 4, 3)
+    assert not any("trying again" in w for w in results[0][4]), results[0][4]
     # Node 1 is lost; its ranks restart on a fresh node: 4 ranks, then 3, from node 0's memory alone.
     shutil.rmtree(n[1])
     _check(run_ranks(4, _resume, root, [n[0], n[0], n[2], n[2]], 2), 4, 3)

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 import uuid
 import warnings
@@ -228,20 +229,24 @@ class NodeMemory:
 
     # --- what is here, checked ----------------------------------------------------------------------------------
 
-    def holdings(self) -> list[Holding]:
+    def holdings(self, read: bool = True) -> list[Holding]:
         """Every committed step here with the chunk files that match its record (read and checksummed: a damaged
         or missing file is left out, with a warning naming it). A step whose record or root document cannot be
-        read is left out with a warning."""
+        read is left out with a warning.
+
+        ``read=False`` checks each file's size only (a regular file, no link on its way): for a restore, whose load
+        checks every chunk's crc32c anyway and, when one fails, surveys again reading everything — reading every
+        file here first would read the step twice."""
         out = []
         for step in self.committed_steps():
             try:
-                out.append(self._holding(step))
+                out.append(self._holding(step, read))
             except (ArrayckptError, OSError) as e:
                 warnings.warn(f"{self.step_path(step)}: memory step not usable here ({e})", RuntimeWarning,
                               stacklevel=3)
         return out
 
-    def _holding(self, step: int) -> Holding:
+    def _holding(self, step: int, read: bool = True) -> Holding:
         where = str(self.step_path(step))
         root_bytes = read_checkpoint_file(where, ROOT_METADATA, f"{where}/{ROOT_METADATA}")
         manifest, nodes = parse_root_document(parse_root_bytes(root_bytes, where), where)
@@ -251,7 +256,7 @@ class NodeMemory:
         if record.id != manifest.id or record.step != step:
             raise FormatError(f"{record_file}: names step {record.step} id {record.id}, the tree holds {manifest.id}")
         files = [(path, key, expected) for path, keys in record.files.items() for key, expected in keys.items()]
-        found = kept_pool("io", IO_THREADS).map(lambda file: self._check_file(step, *file), files)  # read, crc'd
+        found = kept_pool("io", IO_THREADS).map(lambda file: self._check_file(step, *file, read), files)
         intact: dict[str, set[str]] = {path: set() for path in record.files}  # in parallel: a restore waits on it
         damaged = []
         for (path, key, _), problem in zip(files, found, strict=True):
@@ -265,16 +270,22 @@ class NodeMemory:
                           stacklevel=4)
         return Holding(step, record.id, record, root_bytes, {path: frozenset(keys) for path, keys in intact.items()})
 
-    def _check_file(self, step: int, path: str, key: str, expected: FileSum) -> str | None:
-        """``None`` when the chunk file is here and matches the record, :data:`_ABSENT` when it is not here, else
-        what the warning says after its name."""
+    def _check_file(self, step: int, path: str, key: str, expected: FileSum, read: bool) -> str | None:
+        """``None`` when the chunk file is here and matches the record (``read``: its size and crc32c, else its
+        size), :data:`_ABSENT` when it is not here, else what the warning says after its name."""
         try:
-            data = self.read_file(step, path, key)
+            if read:
+                return None if file_sum(self.read_file(step, path, key)) == expected else ""
+            root, relative = str(self.step_path(step)), f"{path}/{key}"
+            check_no_links(root, relative, f"{root}/{relative}")
+            found = os.lstat(f"{root}/{relative}")
         except FileNotFoundError:
             return _ABSENT
         except (ArrayckptError, OSError) as e:
             return f" ({e})"
-        return None if file_sum(data) == expected else ""
+        if not stat.S_ISREG(found.st_mode):
+            return " (not a regular file)"
+        return None if found.st_size == expected.size else ""
 
     # --- clean-up ---------------------------------------------------------------------------------------------
 

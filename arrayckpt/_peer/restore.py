@@ -4,8 +4,8 @@ fetch what each node lacks from a peer, then the ordinary ``load`` from the node
 Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
 
     every rank:   its node's id                                                          [all_gather]
-    node leaders: every committed memory step here, each chunk file read and checked against the step's record
-                  (damaged ones refused, with a warning)                                 [all_gather]
+    node leaders: every committed memory step here, each chunk file's size checked against the step's record
+                  (missing or cut ones refused)                                          [all_gather]
     every rank:   the newest step (at least ``at_least``) whose chunk files the survivors hold whole, between them
     a holder:     the step's documents and record                                       [broadcast]
     every rank:   the chunk files its targets meet (``needs.py``)                        [all_gather]
@@ -14,7 +14,11 @@ Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
     every rank:   load(state, <its node dir>/step-N, atomic=True)                       [all_gather of outcomes]
 
 Any failure is reported on every rank alike, with a warning saying why, and ``None`` is returned: the caller
-restores from the durable tiers instead (an atomic load leaves ``state`` as it was).
+restores from the durable tiers instead (an atomic load leaves ``state`` as it was). A damaged chunk (its crc32c
+differs: met by the load, or by the check of a fetched file) first gets one more try: the node leaders survey again,
+this time reading and checksumming every file they hold (damaged ones refused, with a warning naming them), so that
+another node's good copy is used. The first survey checks sizes only because the load checks every chunk anyway:
+reading everything first would read the step twice.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import crc32c
 
-from .._errors import ArrayckptError
+from .._errors import ArrayckptError, CorruptCheckpointError
 from .._format.manifest import parse_root_document
 from .._read.load import load
 from .._storage.base import parse_root_bytes
@@ -75,14 +79,14 @@ class Survey:
         return any(s.step == step and s.id == ident for s in self.summaries[rank])
 
 
-def survey(node: NodeMemory, group: Group) -> Survey:
-    """Every node's committed memory steps and intact chunk files (read and checked by each node's leader: its
-    lowest rank); collective."""
+def survey(node: NodeMemory, group: Group, read: bool = True) -> Survey:
+    """Every node's committed memory steps and intact chunk files (checked by each node's leader, its lowest rank:
+    read and checksummed, or with ``read=False`` their sizes only); collective."""
     ids = group.all_gather(node.id)
     summaries: list[StepSummary] = []
     if ids.index(node.id) == group.rank:
         summaries = [StepSummary(h.step, h.id, {p: len(k) for p, k in h.record.files.items()}, h.intact)
-                     for h in node.holdings()]
+                     for h in node.holdings(read)]
     return Survey(ids, group.all_gather(summaries))
 
 
@@ -91,7 +95,21 @@ def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, loa
     """Restore the newest memory step (not older than ``at_least``; with ``only``, that step) the surviving nodes
     hold whole into ``state``; its step, or ``None`` (with a warning saying why, where memory held anything) when
     the caller must use the durable tiers."""
-    found = survey(node, group)
+    try:
+        return _attempt(state, node, group, load_options, at_least, only, read=False)
+    except _Damaged as e:
+        if group.is_coordinator:
+            warnings.warn(f"{node.directory}: peer memory restore met a damaged chunk file ({e}); checking every "
+                          "chunk file held in memory and trying again", RuntimeWarning, stacklevel=3)
+    return _attempt(state, node, group, load_options, at_least, only, read=True)
+
+
+def _attempt(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
+             at_least: int | None, only: int | None, read: bool) -> int | None:
+    """One try of :func:`memory_restore`, surveying with ``read`` (see :func:`survey`). Raises :class:`_Damaged`
+    when a chunk file was found damaged and ``read`` was off (the caller tries again, reading); other failures
+    warn and return ``None``."""
+    found = survey(node, group, read)
     ids, surveyed = found.ids, found.summaries
     choice = choose(ids, surveyed, at_least, only)
     if choice.step is None or choice.id is None:
@@ -106,6 +124,8 @@ def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, loa
         held = found.held_by(group.rank, step, choice.id)
         return _restore(state, node, group, load_options, choice, ids, source, held)
     except _Failed as e:
+        if isinstance(e, _Damaged) and not read:
+            raise
         if group.is_coordinator:
             warnings.warn(f"{where}: peer memory cannot restore step {step}: {e}; restoring from the durable tiers",
                           RuntimeWarning, stacklevel=3)
@@ -116,12 +136,19 @@ class _Failed(Exception):
     """A stage failed on some rank (every rank raises it alike)."""
 
 
+class _Damaged(_Failed):
+    """A stage failed on some rank because a chunk file's content is damaged (``CorruptCheckpointError``)."""
+
+
 def _agree(group: Group, error: BaseException | None, what: str) -> None:
-    """Raise :class:`_Failed` on every rank when ``error`` happened on any."""
-    reports = group.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-    for rank, text in enumerate(reports):
-        if text is not None:
-            raise _Failed(f"{what} failed on rank {rank}: {text}")
+    """Raise :class:`_Failed` on every rank when ``error`` happened on any (:class:`_Damaged` when it was a damaged
+    chunk on every rank that failed)."""
+    report = None if error is None else (f"{type(error).__name__}: {error}", isinstance(error, CorruptCheckpointError))
+    failed = [(rank, report) for rank, report in enumerate(group.all_gather(report)) if report is not None]
+    if failed:
+        rank, (text, _) = failed[0]
+        kind = _Damaged if all(damaged for _, (_, damaged) in failed) else _Failed
+        raise kind(f"{what} failed on rank {rank}: {text}")
 
 
 def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
