@@ -113,6 +113,26 @@ def test_both_copies_lost_falls_back_to_the_durable_tier_with_a_warning(tmp_path
     assert any("not whole" in w and "step 3" in w for w in results[0][4]), results[0][4]
 
 
+def test_a_restore_that_fails_on_one_rank_changes_no_rank(tmp_path: Path):
+    """Both copies of rank 0's rows damaged (same size) and no durable step yet: the restore finds nothing to restore
+    on every rank, and rank 1, whose own reads were good, must not keep them (an atomic load protects one rank: the
+    ranks agree after their reads, before any state changes)."""
+    root = str(tmp_path / "root")
+    dirs = [str(tmp_path / f"node{i}") for i in range(2)]
+    run_ranks(2, _train, root, dirs, 1, 1)  # memory step 1 only (the durable tier saves every 2 steps)
+    for directory in dirs:
+        chunk = Path(directory, "step-00000001", "w", "c.0.0")
+        data = bytearray(chunk.read_bytes())
+        data[3] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    results = run_ranks(2, _resume, root, dirs, 1)
+    for rank, (restored, w, b, plain, _) in enumerate(results):
+        assert restored is None and plain == 0, rank
+        assert not w.any() and not b.any(), rank  # still the zeros it had
+    assert any("trying again" in w for w in results[0][4]), results[0][4]
+    assert any("not whole" in w and "step 1" in w for w in results[0][4]), results[0][4]
+
+
 def _over_limit(rank: int, world: int, root: str, dirs: list[str]) -> str:
     manager = _manager(root, dirs[rank], 1, max_bytes=64)
     try:

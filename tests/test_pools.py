@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
+import subprocess
+import sys
 
 import arrayckpt
-from arrayckpt._io.fastio import IO_THREADS
 from arrayckpt._io.pools import kept_pool
 
 
@@ -21,28 +20,79 @@ def test_a_kept_pool_is_the_same_threads_from_call_to_call():
 
 def test_a_forked_child_gets_pools_of_its_own(tmp_path):
     """A child made by ``fork`` (a data loader's worker, a launcher) inherits the parent's pool objects but not their
-    threads: without a fresh pool its first save would wait forever."""
-    pools = [("io", IO_THREADS), ("fsync", 16)]
-    for name, threads in pools:  # the parent's pools exist, and have a thread idle
-        kept_pool(name, threads).submit(lambda: None).result()
-    pid = os.fork()
-    if pid == 0:  # the child: a save and a load through the kept pools, killed by the alarm if they hang
-        code = 1
-        try:
-            signal.alarm(60)
-            assert all(kept_pool(name, threads).submit(lambda: 7).result() == 7 for name, threads in pools)
-            state = {f"t{i}": arrayckpt_tensor(i) for i in range(8)}
-            arrayckpt.save(state, tmp_path / "c")
-            out = {key: value.clone().zero_() for key, value in state.items()}
-            arrayckpt.load(out, tmp_path / "c")
-            code = 0 if all(out[key].equal(state[key]) for key in state) else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    threads: without a fresh pool its first save would wait forever. Forked from a fresh interpreter (forking the
+    test process, with the threads other tests left, could deadlock on a lock one of them held)."""
+    script = f"""
+import os, signal, sys, torch, arrayckpt
+from arrayckpt._io.fastio import IO_THREADS
+from arrayckpt._io.pools import kept_pool
+pools = [("io", IO_THREADS), ("fsync", 16)]
+for name, threads in pools:  # the parent's pools exist, and have a thread idle
+    kept_pool(name, threads).submit(lambda: None).result()
+pid = os.fork()
+if pid == 0:  # the child: a task on each kept pool, a save and a load through them; the alarm ends a hang
+    code = 1
+    try:
+        signal.alarm(60)
+        assert all(kept_pool(name, threads).submit(lambda: 7).result() == 7 for name, threads in pools)
+        state = {{f"t{{i}}": torch.full((512, 256), float(i)) for i in range(8)}}  # 4 MiB: more than runs inline
+        arrayckpt.save(state, {str(tmp_path / "c")!r})
+        out = {{key: value.clone().zero_() for key, value in state.items()}}
+        arrayckpt.load(out, {str(tmp_path / "c")!r})
+        code = 0 if all(out[key].equal(state[key]) for key in state) else 2
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
-def arrayckpt_tensor(i: int):
-    import torch
+def test_map_kept_raises_only_once_every_started_task_ended():
+    """A failed transfer must not leave others writing into buffers its caller hands back or reuses."""
+    import threading
+    import time
 
-    return torch.full((512, 256), float(i))  # 8 x 512 KiB: more than the fast path runs on the calling thread
+    import pytest
+
+    from arrayckpt._io.pools import map_kept
+
+    ended: list[int] = []
+    stop = threading.Event()
+
+    def task(i: int) -> int:
+        if i == 0:
+            raise OSError("disk gone")
+        for _ in range(50):  # a long transfer that looks at the stop flag between pieces
+            if stop.is_set():
+                break
+            time.sleep(0.01)
+        ended.append(i)
+        return i
+
+    with pytest.raises(OSError, match="disk gone"):
+        map_kept("test-errors", 2, task, list(range(4)), on_error=stop.set)
+    assert stop.is_set()
+    snapshot = list(ended)
+    time.sleep(0.2)
+    assert ended == snapshot  # nothing still running after the raise
+    assert list(map_kept("test-errors", 2, lambda x: x * x, [1, 2, 3])) == [1, 4, 9]
+
+
+def test_a_save_from_an_atexit_handler_still_flushes_and_commits(tmp_path):
+    """Once the interpreter shuts down no pool takes new work: the transfers and the flush run on the calling thread
+    (a final save from an ``atexit`` handler, or a background save ending as the main thread returns)."""
+    script = f"""
+import atexit, torch, arrayckpt
+path = {str(tmp_path / "c")!r}
+def final():
+    arrayckpt.save({{"w": torch.ones(512, 1024), "v": torch.zeros(512, 1024), "step": 1}}, path)
+    print("saved", flush=True)
+atexit.register(final)
+arrayckpt.save({{"w": torch.ones(512, 1024), "v": torch.zeros(512, 1024)}}, path + "0")  # the kept pools exist
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-2000:]
+    with arrayckpt.open(tmp_path / "c") as checkpoint:
+        assert checkpoint.value("step") == 1 and checkpoint["w"][:].sum() == 512 * 1024

@@ -24,7 +24,6 @@ import struct
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
 from .._format.integrity import crc_combine
-from .pools import kept_pool
+from .pools import map_kept
 from .priority import worker_initializer
 
 __all__ = ["STATS", "RowLayout", "check_no_links", "forget_pin", "read_checkpoint_file", "read_regular_file",
@@ -474,12 +473,10 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
     failed = threading.Event()
     if len(batches) == 1 or sum(loads) <= INLINE_BYTES:  # starting threads would cost more than they save
         failures = [f for batch in batches for f in _run_batch(batch, fn, failed)]
-    elif (initializer := worker_initializer()) is not None:  # a background save: threads of its own, niced
-        with ThreadPoolExecutor(len(batches), initializer=initializer) as pool:
-            failures = [f for batch in pool.map(lambda b: _run_batch(b, fn, failed), batches) for f in batch]
-    else:
-        pool = kept_pool("io", IO_THREADS)
-        failures = [f for batch in pool.map(lambda b: _run_batch(b, fn, failed), batches) for f in batch]
+    else:  # on the kept threads; in a background save on niced threads of its own
+        done = map_kept("io", IO_THREADS, lambda b: _run_batch(b, fn, failed), batches, on_error=failed.set,
+                        initializer=worker_initializer())
+        failures = [f for batch in done for f in batch]
     if failures:
         key, error = failures[0]
         if isinstance(error, CorruptCheckpointError):

@@ -36,7 +36,7 @@ from .._errors import ArrayckptError, FormatError
 from .._format.manifest import parse_root_document
 from .._format.zarr import parse_chunk_key
 from .._io.fastio import IO_THREADS, check_no_links, read_checkpoint_file
-from .._io.pools import kept_pool
+from .._io.pools import map_kept
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import directory_files, remove_arrayckpt_files
 
@@ -256,7 +256,7 @@ class NodeMemory:
         if record.id != manifest.id or record.step != step:
             raise FormatError(f"{record_file}: names step {record.step} id {record.id}, the tree holds {manifest.id}")
         files = [(path, key, expected) for path, keys in record.files.items() for key, expected in keys.items()]
-        found = kept_pool("io", IO_THREADS).map(lambda file: self._check_file(step, *file, read), files)
+        found = map_kept("io", IO_THREADS, lambda file: self._check_file(step, *file, read), files)
         intact: dict[str, set[str]] = {path: set() for path in record.files}  # in parallel: a restore waits on it
         damaged = []
         for (path, key, _), problem in zip(files, found, strict=True):

@@ -11,7 +11,8 @@ Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
     every rank:   the chunk files its targets meet (``needs.py``)                        [all_gather]
     every rank:   the same transfer plan: each file a node lacks comes from one holder (spread over holders and
                   their ranks); sends and receives it, checking each file         [point-to-point, all_gather]
-    every rank:   load(state, <its node dir>/step-N, atomic=True)                       [all_gather of outcomes]
+    every rank:   load(state, <its node dir>/step-N, atomic=True), the ranks agreeing after their reads, before
+                  any state changes (``load_together``: all restored, or none)       [all_gather, all_gather]
 
 Any failure is reported on every rank alike, with a warning saying why, and ``None`` is returned: the caller
 restores from the durable tiers instead (an atomic load leaves ``state`` as it was). A damaged chunk (its crc32c
@@ -32,7 +33,7 @@ import crc32c
 
 from .._errors import ArrayckptError, CorruptCheckpointError
 from .._format.manifest import parse_root_document
-from .._read.load import load
+from .._read.load import load_together
 from .._storage.base import parse_root_bytes
 from .._torch.dist import Group
 from .needs import needed_files
@@ -180,7 +181,7 @@ def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_opti
         error = e
     _agree(group, error, "fetching chunk files from peers")
     try:
-        load(state, node.step_path(step), process_group=group, **{"atomic": True, **load_options})
+        load_together(state, node.step_path(step), group, **load_options)  # all ranks restored, or none
     except ArrayckptError as e:
         error = e
     _agree(group, error, "loading")
