@@ -328,7 +328,7 @@ def test_row_pieces_fit_the_budget_at_whole_multiples():
 
 def test_deepspeed_flat_reads_stage_in_pooled_batches_and_give_them_back(tmp_path, monkeypatch):
     """``arrayckpt.deepspeed.load`` reads partitions (flat element ranges) through pooled host buffers, a batch at a
-    time, handed back after each batch, also when a read fails."""
+    time, handed back after each batch, also when a read fails; one bigger than a batch in a buffer of its own."""
     from arrayckpt._integrations import deepspeed_engine
     from arrayckpt._read.checkpoint import open_checkpoint
 
@@ -365,3 +365,4 @@ def test_deepspeed_flat_reads_stage_in_pooled_batches_and_give_them_back(tmp_pat
             assert len(calls) >= 3  # in batches of at most BATCH (a bigger slice alone)
         assert transfer.host_pool().in_use == 0 and reads.planned == []
     assert transfer.host_pool().allocations <= 3  # the batches' buffers are reused
+    assert transfer.host_pool().peak_bytes <= BATCH  # a slice bigger than a batch is not pooled (pinned, rounded up)

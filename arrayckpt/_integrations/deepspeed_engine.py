@@ -95,7 +95,10 @@ class FlatReads:
             for group in batches(self.planned, lambda piece: aligned(piece.nbytes), READ_BATCH_BYTES):
                 batch = Batch()
                 try:
-                    outs = batch.views([(piece.rows, piece.dtype) for piece in group])
+                    if len(group) == 1 and aligned(group[0].nbytes) > READ_BATCH_BYTES:  # not pooled: the pool
+                        outs = [torch.empty(group[0].rows, dtype=group[0].dtype)]  # would pin it rounded up
+                    else:
+                        outs = batch.views([(piece.rows, piece.dtype) for piece in group])
                     read(self.checkpoint, [self._request(piece, out) for piece, out in zip(group, outs, strict=True)
                                            if piece.numel])
                     for piece, out in zip(group, outs, strict=True):
