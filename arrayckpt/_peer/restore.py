@@ -33,7 +33,7 @@ import crc32c
 
 from .._errors import ArrayckptError, CorruptCheckpointError
 from .._format.manifest import parse_root_document
-from .._read.load import load_together
+from .._read.together import load_together
 from .._storage.base import parse_root_bytes
 from .._torch.dist import Group
 from .needs import needed_files

@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,6 +40,13 @@ from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
 
 __all__ = ["LoadResult", "load"]
+
+
+class Settles(Protocol):
+    """What an atomic load on several ranks settles between its reads and the first change to its state (see
+    ``together.py``): ``settle(error)`` reports this rank's outcome and raises if any rank failed."""
+
+    def settle(self, error: ArrayckptError | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,53 +110,6 @@ def load(
         return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
 
 
-def load_together(state: Mapping[str, Any], path: str | os.PathLike[str], group: Group, **options: Any) -> LoadResult:
-    """:func:`load` with ``atomic=True`` (unless ``options`` turn it off) whose ranks agree before any changes its
-    state: every rank's reads and checks passed, or every rank raises (its own error, or the first failing rank's,
-    named) with ``state`` untouched everywhere. A load of one step that must restore all ranks or none (a restore
-    from peer memory, which falls back to another source when it fails). Collective: every rank calls it once."""
-    if not options.get("atomic", True) or group.size == 1:
-        return load(state, path, process_group=group, **options)
-    location = parse_location(path, options.get("storage_options"))
-    agreement = _Agreement(group)
-    try:
-        with Checkpoint(location, options.get("allow_pickle", False), None,
-                        parse_roots(options.get("base_roots"), options.get("storage_options"))) as checkpoint:
-            return _load(state, checkpoint, group, strict=options.get("strict", True),
-                         read_once=options.get("read_once", False), atomic=True, agreement=agreement)
-    except ArrayckptError as e:
-        if not agreement.reached:  # failed before its reads (opening, matching the state): tell the others
-            agreement.settle(e)
-        raise
-
-
-class _Agreement:
-    """One ``all_gather`` of the ranks' outcomes, between an atomic load's reads and the first change to the state."""
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self.reached = False
-
-    def settle(self, error: ArrayckptError | None) -> None:
-        """Report this rank's outcome; raise ``error``, or the first failing rank's error (named) if another failed."""
-        self.reached = True
-        reports = self.group.all_gather(None if error is None else _picklable(error))
-        if error is not None:
-            raise error
-        for rank, failed in enumerate(reports):
-            if failed is not None:
-                failed.args = (f"rank {rank}: {failed.args[0] if failed.args else failed}", *failed.args[1:])
-                raise failed
-
-
-def _picklable(error: ArrayckptError) -> ArrayckptError:
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:
-        return ArrayckptError(f"{type(error).__name__}: {error}")
-
-
 def _shared_root(location: Location, group: Group) -> tuple:
     """The coordinator reads the root document (one GET) and sends its bytes to every rank, which checks them and
     opens the checkpoint from them; a failed read is raised on every rank."""
@@ -167,7 +126,7 @@ def _shared_root(location: Location, group: Group) -> tuple:
 
 
 def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, strict: bool, read_once: bool,
-          atomic: bool, agreement: _Agreement | None = None) -> LoadResult:
+          atomic: bool, agreement: Settles | None = None) -> LoadResult:
     """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises); with an
     ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state."""
     where = str(checkpoint.location)
@@ -211,7 +170,7 @@ class _LoadPlan:
     """How every entry reaches its leaf; built (and validated) before any array data is read."""
 
     def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int, atomic: bool = False,
-                 agreement: _Agreement | None = None) -> None:
+                 agreement: Settles | None = None) -> None:
         self.checkpoint = checkpoint
         self.agreement = agreement  # settled after every read (atomic: one read call), before the state changes
         self.where = str(checkpoint.location)
