@@ -37,6 +37,7 @@ import torch
 
 from .._convert.common import nested_state
 from .._errors import FormatError, KeyMismatchError, StateError
+from .._format.dtypes import DType
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._read.reader import ChainRead, read
@@ -64,6 +65,8 @@ class _Slice:
     rows: tuple[int, ...]
     first: int  # the first row
     dtype: torch.dtype
+    stored: DType  # the array's dtype as stored (how its bytes are viewed)
+    scalar: bool  # a 0-d array (its one element)
     skip: int  # elements of the first row before the slice
     numel: int
     then: Callable[[torch.Tensor], Any]
@@ -87,8 +90,8 @@ class FlatReads:
         array = self.checkpoint[key]
         shape = tuple(array.shape) or (1,)
         first, last, row = _rows(shape, start, numel) if numel else (0, 0, 1)
-        self.planned.append(_Slice(key, (last - first, *shape[1:]), first, array.dtype, start - first * row, numel,
-                                   then))
+        self.planned.append(_Slice(key, (last - first, *shape[1:]), first, array.dtype, array.entry.dtype,
+                                   not array.shape, start - first * row, numel, then))
 
     def run(self) -> None:
         try:
@@ -108,12 +111,12 @@ class FlatReads:
         finally:
             self.planned.clear()
 
-    def _request(self, piece: _Slice, out: torch.Tensor) -> ChainRead:
-        dt = self.checkpoint[piece.key].entry.dtype
-        if not self.checkpoint[piece.key].shape:  # a 0-d array: its one element
-            return ChainRead(piece.key, Box((), ()), writable_numpy(out.reshape(()), dt, piece.key))
+    @staticmethod
+    def _request(piece: _Slice, out: torch.Tensor) -> ChainRead:
+        if piece.scalar:
+            return ChainRead(piece.key, Box((), ()), writable_numpy(out.reshape(()), piece.stored, piece.key))
         box = Box((piece.first,) + (0,) * (len(piece.rows) - 1), piece.rows)
-        return ChainRead(piece.key, box, writable_numpy(out, dt, piece.key))
+        return ChainRead(piece.key, box, writable_numpy(out, piece.stored, piece.key))
 
 
 def _optimizer(engine: Any) -> tuple[int, Any]:
