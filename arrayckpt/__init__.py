@@ -61,6 +61,7 @@ if TYPE_CHECKING:
         StateError,
         StorageError,
         TorchNotInstalledError,
+        UntrustedDirectoryError,
     )
     from ._format.codecs import Codec
     from ._manage.manager import CheckpointManager
@@ -125,6 +126,7 @@ _LAZY: dict[str, str] = {
     "StorageError": "._errors",
     "TensorDiff": "._tools.inspect",
     "TorchNotInstalledError": "._errors",
+    "UntrustedDirectoryError": "._errors",
     "VerifyReport": "._tools.verify",
     "async_save": "._write.asynchronous",
     "compact": "._write.compact",

@@ -28,6 +28,7 @@ __all__ = [
     "StateError",
     "StorageError",
     "TorchNotInstalledError",
+    "UntrustedDirectoryError",
     "outside_stacklevel",
     "warn_unpickling",
 ]
@@ -90,6 +91,12 @@ class BaseNotAllowedError(ArrayckptError, PermissionError):
     holding the delta checkpoint): the caller must name a root that holds it (``base_roots=[...]``, CLI
     ``--base-root``) to have it read. A checkpoint from an untrusted source could otherwise make a reader open
     any directory or URL, with the delta checkpoint's credentials (spec §10.1, §12)."""
+
+
+class UntrustedDirectoryError(ArrayckptError, PermissionError):
+    """A peer-memory directory (or one above it) that another local user could change: not owned by this user,
+    writable by others, or a link. Its steps are never loaded and nothing is written into it (``docs/PEER_MEMORY.md``,
+    "A shared host")."""
 
 
 class StorageError(ArrayckptError, OSError):

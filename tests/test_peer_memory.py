@@ -67,6 +67,32 @@ def _resume(rank: int, world: int, root: str, dirs: list[str], rpn: int) -> tupl
             [str(w.message) for w in caught])
 
 
+def _resume_damaged_after_survey(rank: int, world: int, root: str, dirs: list[str], rpn: int, chunk: str) -> tuple:
+    """:func:`_resume` where ``chunk`` is good when the first survey checks it, then damaged again before the load."""
+    from arrayckpt._peer.node import NodeMemory
+
+    damaged = Path(chunk).read_bytes()
+    good = Path(chunk.replace("node0", "node1")).read_bytes()  # node 1's replica
+    holdings = NodeMemory.holdings
+    calls = []
+
+    def damage_after_first_survey(self: NodeMemory) -> list:
+        if rank == 0 and not calls:
+            Path(chunk).write_bytes(good)
+            out = holdings(self)
+            Path(chunk).write_bytes(damaged)
+        else:
+            out = holdings(self)
+        calls.append(1)
+        return out
+
+    NodeMemory.holdings = damage_after_first_survey  # type: ignore[method-assign]
+    try:
+        return _resume(rank, world, root, dirs, rpn)
+    finally:
+        NodeMemory.holdings = holdings  # type: ignore[method-assign]
+
+
 def _check(results: list[tuple], world: int, step: int) -> None:
     for rank, (restored, w, b, plain, _) in enumerate(results):
         start, count = _rows(rank, world)
@@ -88,14 +114,19 @@ def test_restore_from_peers_after_losing_a_node_on_4_and_3_ranks_and_past_a_dama
     own.write_bytes(bytes(data))
     results = run_ranks(4, _resume, root, [n[0], n[0], n[1], n[1]], 2)
     _check(results, 4, 3)
-    # The first survey checks sizes only; the load meets the damage, and the restore tries again reading every file
-    assert any("met a damaged chunk file" in w and "trying again" in w for w in results[0][4]), results[0][4]
-    assert any("damaged" in w and "c.0.0" in w for w in results[0][4]), results[0][4]
-    # A cut file is refused by its size alone: no second try
+    # The survey checks every file's sums against the record: the damage is refused there, no second try
+    assert any("damaged" in w and "w/c.0.0" in w for w in results[0][4]), results[0][4]
+    assert not any("trying again" in w for w in results[0][4]), results[0][4]
+    # A cut file is refused by its size
     own.write_bytes(bytes(data[:-1]))
     results = run_ranks(4, _resume, root, [n[0], n[0], n[1], n[1]], 2)
     _check(results, 4, 3)
-    assert not any("trying again" in w for w in results[0][4]), results[0][4]
+    assert any("damaged" in w and "w/c.0.0" in w for w in results[0][4]), results[0][4]
+    # Damage after the survey (met by the load) makes the restore survey again and take the other copy
+    own.write_bytes(bytes(data))
+    results = run_ranks(4, _resume_damaged_after_survey, root, [n[0], n[0], n[1], n[1]], 2, str(own))
+    _check(results, 4, 3)
+    assert any("met a damaged chunk file" in w and "trying again" in w for w in results[0][4]), results[0][4]
     # Node 1 is lost; its ranks restart on a fresh node: 4 ranks, then 3, from node 0's memory alone.
     shutil.rmtree(n[1])
     _check(run_ranks(4, _resume, root, [n[0], n[0], n[2], n[2]], 2), 4, 3)
@@ -125,12 +156,41 @@ def test_a_restore_that_fails_on_one_rank_changes_no_rank(tmp_path: Path):
         data = bytearray(chunk.read_bytes())
         data[3] ^= 0xFF
         chunk.write_bytes(bytes(data))
-    results = run_ranks(2, _resume, root, dirs, 1)
+    results = run_ranks(2, _resume_damaged_after_survey_both, root, dirs)
     for rank, (restored, w, b, plain, _) in enumerate(results):
         assert restored is None and plain == 0, rank
         assert not w.any() and not b.any(), rank  # still the zeros it had
     assert any("trying again" in w for w in results[0][4]), results[0][4]
     assert any("not whole" in w and "step 1" in w for w in results[0][4]), results[0][4]
+
+
+def _resume_damaged_after_survey_both(rank: int, world: int, root: str, dirs: list[str]) -> tuple:
+    """:func:`_resume` where both copies of rank 0's rows are good when first surveyed, damaged before the load: only
+    rank 0's load meets the damage; rank 1's good reads must not change its state."""
+    from arrayckpt._peer.node import NodeMemory
+
+    chunk = Path(dirs[rank], "step-00000001", "w", "c.0.0")
+    damaged = chunk.read_bytes()
+    holdings = NodeMemory.holdings
+    calls = []
+
+    def damage_after_first_survey(self: NodeMemory) -> list:
+        if not calls:
+            data = bytearray(damaged)
+            data[3] ^= 0xFF  # the original bytes
+            chunk.write_bytes(bytes(data))
+            out = holdings(self)
+            chunk.write_bytes(damaged)
+        else:
+            out = holdings(self)
+        calls.append(1)
+        return out
+
+    NodeMemory.holdings = damage_after_first_survey  # type: ignore[method-assign]
+    try:
+        return _resume(rank, world, root, dirs, 1)
+    finally:
+        NodeMemory.holdings = holdings  # type: ignore[method-assign]
 
 
 def _over_limit(rank: int, world: int, root: str, dirs: list[str]) -> str:
@@ -185,8 +245,14 @@ def test_clean_up_removes_ended_jobs_memory_and_interrupted_steps_only(tmp_path:
     removed = manager.clean_up(min_age_s=0)
     manager.close()
     assert str(interrupted) in removed and not interrupted.exists()
-    assert not ended.step_path(7).exists() and not (shm / "ended" / "node.json").exists()
-    assert (shm / "ended" / "notes.txt").exists()  # not arrayckpt's: stays
+    assert str(shm / "ended") not in removed  # it holds a file that is not arrayckpt's: all of it stays
+    assert ended.step_path(7).exists() and (shm / "ended" / "node.json").exists()
+    (shm / "ended" / "notes.txt").unlink()
+    manager = arrayckpt.CheckpointManager(tmp_path / "root", memory=arrayckpt.PeerMemory(
+        every_steps=1, ranks_per_node=1, directory=shm / "mine"))
+    assert str(shm / "ended") in manager.clean_up(min_age_s=0)
+    manager.close()
+    assert not (shm / "ended").exists()
     assert live.step_path(3).exists() and (shm / "foreign" / "step-00000001").exists()
     live.close()
 

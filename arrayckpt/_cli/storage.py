@@ -24,8 +24,9 @@ def add_gc(commands: Any) -> argparse.ArgumentParser:
                          "removed, at any age: its lock or lease marks it (spec §9.4)")
     gc.add_argument("--memory", metavar="DIR", action="append", default=[],
                     help="also remove the peer-memory directories of ended jobs right below DIR (e.g. "
-                         "/dev/shm/arrayckpt, where PeerMemory keeps them by default): those no running manager "
-                         "holds, untouched for --min-age; only arrayckpt's files in them. May be repeated")
+                         "/dev/shm/arrayckpt-UID, where PeerMemory keeps them by default): your own, that no running "
+                         "manager holds, untouched for --min-age, holding only arrayckpt's files (others are listed "
+                         "as kept, with why). May be repeated")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=cmd_gc)
@@ -41,10 +42,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.memory:
         from pathlib import Path
 
-        from .._peer.node import ended_memory_directories
+        from .._peer.sweep import ended_memory_directories
 
+        kept = list(kept)
         for parent in args.memory:
-            removed += ended_memory_directories(Path(parent), args.min_age, remove=not args.dry_run)
+            swept = ended_memory_directories(Path(parent), args.min_age, remove=not args.dry_run)
+            removed += swept.removed
+            kept += swept.kept
     if args.json:
         report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
         if kept:

@@ -23,12 +23,27 @@ from .._errors import CorruptCheckpointError
 from .dtypes import dtype_by_name
 from .integrity import crc_combine
 
-__all__ = ["MISSING", "stored_content_crc"]
+__all__ = ["MISSING", "max_chunk_file_bytes", "stored_content_crc"]
 
 MISSING = 2**64 - 1  # shard index entry of an inner chunk that is not stored
 _CRC = struct.Struct("<I")
 _CRC32C: dict[str, Any] = {"name": "crc32c"}
 _BYTES_ANY = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
+
+
+def max_chunk_file_bytes(metadata: dict[str, Any]) -> int:
+    """An upper bound on the size of any chunk file of the array described by ``metadata`` (valid array metadata):
+    its elements, plus what compression can add (zstd and blosc add well under 1/16 and a few KiB per block), plus
+    each inner chunk's crc32c and the shard index. What a peer announces beyond this is not a chunk file of it."""
+    itemsize = dtype_by_name(metadata["data_type"]).itemsize
+    outer = list(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    raw = math.prod(outer) * itemsize
+    codecs = metadata.get("codecs", [])
+    pieces = 1
+    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+        inner = codecs[0].get("configuration", {}).get("chunk_shape", outer)
+        pieces = math.prod(-(-o // max(1, i)) for o, i in zip(outer, inner, strict=False))
+    return raw + raw // 16 + pieces * (4096 + 16) + 64
 
 
 def _plain(codecs: object, itemsize: int) -> bool:

@@ -7,7 +7,11 @@ wrote plus the replicas it received, and every node holds the documents. Design:
 ``spec/FORMAT.md`` §15.
 
 - ``config.py``: :class:`PeerMemory` (the user's settings) and the placement of replicas over failure domains;
-- ``node.py``: one node's directory (its steps, their file lists, listing with checks, retention, clean-up);
+- ``private.py``: the memory directory made private and checked to be (no other user may change it);
+- ``record.py``: a memory step's record (every chunk file with what its bytes must be) and the check of a file;
+- ``node.py``: one node's directory (its steps, what it holds intact, retention; nothing read or written through a
+  link);
+- ``sweep.py``: memory directories of ended jobs, removed whole or not at all;
 - ``wire.py``: chunk files sent between ranks over ``torch.distributed`` point-to-point calls;
 - ``save.py``: a memory save (staged on the host; in the background, the ordinary save path into node-local
   directories, then the replication);

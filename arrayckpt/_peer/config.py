@@ -18,9 +18,14 @@ from typing import Any
 
 from .._errors import StateError
 
-__all__ = ["DEFAULT_PARENT", "PeerMemory", "Placement"]
+__all__ = ["PeerMemory", "Placement", "default_parent"]
 
-DEFAULT_PARENT = Path("/dev/shm/arrayckpt")  # where default memory directories go (one per manager root)
+
+def default_parent() -> Path:
+    """Where default memory directories go (one per manager root): ``/dev/shm/arrayckpt-<uid>``, one per user, made
+    private (mode 0700) and checked to be this user's on every open (``private.py``), so that no other user can plant
+    a step or a link in it; predictable, so that a restarted job finds its memory again."""
+    return Path(f"/dev/shm/arrayckpt-{os.geteuid()}")
 
 
 @dataclass(frozen=True)
@@ -31,9 +36,10 @@ class PeerMemory:
 
     ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE`` from ``torchrun``) or ``nodes`` (one failure-domain label per
     rank) says which ranks are lost together. ``directory`` is this node's memory directory (default
-    ``/dev/shm/arrayckpt/<hash of the manager's root>``: a restarted job finds it again). ``keep`` memory steps are
-    kept per node. Host memory per node = (chunks its ranks write + replicas it holds) x ``keep``; a save that would
-    need more than ``max_bytes`` per node is refused.
+    ``/dev/shm/arrayckpt-<uid>/<hash of the manager's root>``: a restarted job finds it again); it must be yours
+    and writable by you alone (made so when missing), else the manager refuses it (:class:`UntrustedDirectoryError`).
+    ``keep`` memory steps are kept per node. Host memory per node = (chunks its ranks write + replicas it holds) x
+    ``keep``; a save that would need more than ``max_bytes`` per node is refused.
 
     >>> import arrayckpt
     >>> arrayckpt.PeerMemory(every_steps=100, ranks_per_node=8, max_bytes=64 << 30).replicas
@@ -69,7 +75,7 @@ class PeerMemory:
         """This node's memory directory for the manager whose root is ``root``."""
         if self.directory is not None:
             return Path(self.directory).expanduser().absolute()
-        return DEFAULT_PARENT / hashlib.sha256(root.encode()).hexdigest()[:16]
+        return default_parent() / hashlib.sha256(root.encode()).hexdigest()[:16]
 
     def placement(self, world_size: int) -> Placement:
         """The failure domains of ``world_size`` ranks and where their replicas go."""

@@ -44,7 +44,8 @@ from .._storage.base import parse_root_bytes
 from .._storage.kvio import wait_all, write_key
 from .._torch.dist import Group
 from .._write.transaction import WriteTransaction, begin_write
-from .node import NodeMemory, StepRecord, file_sum
+from .node import NodeMemory
+from .record import StepRecord, file_sum
 from .restore import choose, pick_holder, ranks_by_node, share_documents, survey
 
 __all__ = ["Flushed", "flush_memory_step"]

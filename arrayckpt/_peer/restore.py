@@ -4,8 +4,9 @@ fetch what each node lacks from a peer, then the ordinary ``load`` from the node
 Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
 
     every rank:   its node's id                                                          [all_gather]
-    node leaders: every committed memory step here, each chunk file's size checked against the step's record
-                  (missing or cut ones refused)                                          [all_gather]
+    node leaders: every committed memory step here, each chunk file checked against the step's record: its size,
+                  the crc32c of its bytes before the trailer, the trailer (read through mmap, no copy; missing,
+                  damaged ones and valid chunk files of another step refused)              [all_gather]
     every rank:   the newest step (at least ``at_least``) whose chunk files the survivors hold whole, between them
     a holder:     the step's documents and record                                       [broadcast]
     every rank:   the chunk files its targets meet (``needs.py``)                        [all_gather]
@@ -15,11 +16,13 @@ Call order (every rank calls :func:`memory_restore`; collectives in brackets)::
                   any state changes (``load_together``: all restored, or none)       [all_gather, all_gather]
 
 Any failure is reported on every rank alike, with a warning saying why, and ``None`` is returned: the caller
-restores from the durable tiers instead (an atomic load leaves ``state`` as it was). A damaged chunk (its crc32c
-differs: met by the load, or by the check of a fetched file) first gets one more try: the node leaders survey again,
-this time reading and checksumming every file they hold (damaged ones refused, with a warning naming them), so that
-another node's good copy is used. The first survey checks sizes only because the load checks every chunk anyway:
-reading everything first would read the step twice.
+restores from the durable tiers instead (an atomic load leaves ``state`` as it was). A chunk found damaged after the
+survey (by the load, or by the check of a fetched file) first gets one more try: the node leaders survey again
+(damaged files refused, with a warning naming them), so that another node's good copy is used.
+
+Why the survey checks every file's content sums and not only its size: each chunk's own crc32c (checked by the
+load) passes for any valid chunk file, also one of another step or job copied over this one's; only the record's
+sums tie a file to its step (``node.py``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from typing import Any
 
 import crc32c
 
-from .._errors import ArrayckptError, CorruptCheckpointError
+from .._errors import ArrayckptError, CorruptCheckpointError, UntrustedDirectoryError
 from .._format.manifest import parse_root_document
 from .._read.together import load_together
 from .._storage.base import parse_root_bytes
 from .._torch.dist import Group
 from .needs import needed_files
-from .node import NodeMemory, StepRecord
+from .node import NodeMemory
+from .record import StepRecord
 from .wire import FileRef, Transfer, exchange_files
 
 __all__ = ["Survey", "choose", "memory_restore", "pick_holder", "ranks_by_node", "share_documents", "survey"]
@@ -80,14 +84,18 @@ class Survey:
         return any(s.step == step and s.id == ident for s in self.summaries[rank])
 
 
-def survey(node: NodeMemory, group: Group, read: bool = True) -> Survey:
-    """Every node's committed memory steps and intact chunk files (checked by each node's leader, its lowest rank:
-    read and checksummed, or with ``read=False`` their sizes only); collective."""
+def survey(node: NodeMemory, group: Group) -> Survey:
+    """Every node's committed memory steps and intact chunk files (checked by each node's leader, its lowest rank,
+    against the step's record: ``NodeMemory.holdings``); collective. A leader whose directory is no longer private
+    offers nothing (with a warning)."""
     ids = group.all_gather(node.id)
     summaries: list[StepSummary] = []
     if ids.index(node.id) == group.rank:
-        summaries = [StepSummary(h.step, h.id, {p: len(k) for p, k in h.record.files.items()}, h.intact)
-                     for h in node.holdings(read)]
+        try:
+            summaries = [StepSummary(h.step, h.id, {p: len(k) for p, k in h.record.files.items()}, h.intact)
+                         for h in node.holdings()]
+        except UntrustedDirectoryError as e:
+            warnings.warn(f"peer memory of this node not used: {e}", RuntimeWarning, stacklevel=3)
     return Survey(ids, group.all_gather(summaries))
 
 
@@ -97,20 +105,19 @@ def memory_restore(state: Mapping[str, Any], node: NodeMemory, group: Group, loa
     hold whole into ``state``; its step, or ``None`` (with a warning saying why, where memory held anything) when
     the caller must use the durable tiers."""
     try:
-        return _attempt(state, node, group, load_options, at_least, only, read=False)
+        return _attempt(state, node, group, load_options, at_least, only, first=True)
     except _Damaged as e:
         if group.is_coordinator:
             warnings.warn(f"{node.directory}: peer memory restore met a damaged chunk file ({e}); checking every "
-                          "chunk file held in memory and trying again", RuntimeWarning, stacklevel=3)
-    return _attempt(state, node, group, load_options, at_least, only, read=True)
+                          "chunk file held in memory again and trying again", RuntimeWarning, stacklevel=3)
+    return _attempt(state, node, group, load_options, at_least, only, first=False)
 
 
 def _attempt(state: Mapping[str, Any], node: NodeMemory, group: Group, load_options: Mapping[str, Any],
-             at_least: int | None, only: int | None, read: bool) -> int | None:
-    """One try of :func:`memory_restore`, surveying with ``read`` (see :func:`survey`). Raises :class:`_Damaged`
-    when a chunk file was found damaged and ``read`` was off (the caller tries again, reading); other failures
-    warn and return ``None``."""
-    found = survey(node, group, read)
+             at_least: int | None, only: int | None, first: bool) -> int | None:
+    """One try of :func:`memory_restore`. Raises :class:`_Damaged` on the ``first`` try when a chunk file was found
+    damaged after the survey (the caller tries once more); other failures warn and return ``None``."""
+    found = survey(node, group)
     ids, surveyed = found.ids, found.summaries
     choice = choose(ids, surveyed, at_least, only)
     if choice.step is None or choice.id is None:
@@ -125,7 +132,7 @@ def _attempt(state: Mapping[str, Any], node: NodeMemory, group: Group, load_opti
         held = found.held_by(group.rank, step, choice.id)
         return _restore(state, node, group, load_options, choice, ids, source, held)
     except _Failed as e:
-        if isinstance(e, _Damaged) and not read:
+        if isinstance(e, _Damaged) and first:
             raise
         if group.is_coordinator:
             warnings.warn(f"{where}: peer memory cannot restore step {step}: {e}; restoring from the durable tiers",
@@ -166,7 +173,7 @@ def _restore(state: Mapping[str, Any], node: NodeMemory, group: Group, load_opti
         manifest, nodes = parse_root_document(parse_root_bytes(documents[""], where), where)
         files = StepRecord.parse(record, nodes, where).files
         if not held and ids.index(node.id) == group.rank:  # a node without it (or with another save of that step)
-            node.remove_step(step)
+            node.prepare_step(step)
             node.write_documents(step, documents)
         needs = needed_files(state, manifest, nodes)
     except (ArrayckptError, OSError, ValueError) as e:

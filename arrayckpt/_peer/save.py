@@ -3,7 +3,8 @@ the replication, the commit.
 
 Call order (every rank calls :func:`start_memory_save`; collectives in brackets)::
 
-    node leaders: remove an earlier memory step of this number from their directory
+    node leaders: remove an earlier memory step of this number from their directory and make its directory anew
+                  (refused, on every rank, when something that is not arrayckpt's is in its place)
     every rank:   copies its arrays into host buffers (reused by the next memory save) and returns: training goes on
     in the background, on a process group of its own (never interleaved with the training's collectives):
     every rank:   the ordinary save of the staged copy into <node dir>/step-N (rank_target: its own node's dir)
@@ -12,8 +13,10 @@ Call order (every rank calls :func:`start_memory_save`; collectives in brackets)
                     documents into its node's directory (PeerWriter: no rename, no look into other nodes)
     coordinator:  reads the step's documents back                                  [broadcast] ->
     node leaders: write them into their directory (the root document last)
-    every rank:   reads its own chunk files (which ones: the manifest's created.writers), their sizes and crc32c
+    every rank:   reads its own chunk files (which ones: the manifest's created.writers), their sizes and sums
                                                                                    [all_gather] -> the step's record
+                  (each rank checks every file another rank announces: a chunk key of the step, a size its array's
+                  chunks can have)
     every rank:   refuses the step if a node would hold more than max_bytes x keep
     every rank:   sends its files to its partners on the next nodes, receives its sources' (point-to-point),
                   checks and writes them                                          [all_gather of the acks]
@@ -35,8 +38,9 @@ from typing import Any
 
 from .._errors import ArrayckptError, StateError
 from .._format.manifest import parse_root_document
+from .._format.stored import max_chunk_file_bytes
 from .._format.writers import expand_runs
-from .._format.zarr import chunk_keys, grid_counts
+from .._format.zarr import chunk_keys, grid_counts, parse_chunk_key
 from .._storage import LocalLocation, Writer
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import remove_arrayckpt_files
@@ -46,7 +50,8 @@ from .._write.hostcopies import HostCopies
 from .._write.options import SaveOptions
 from .._write.save import SaveRequest, check_record, finish_save, prepare
 from .config import PeerMemory, Placement
-from .node import Files, FileSum, NodeMemory, StepRecord, file_sum
+from .node import NodeMemory, write_below
+from .record import Files, FileSum, StepRecord, file_sum
 from .wire import FileRef, Transfer, exchange_files
 
 __all__ = ["MemorySaved", "start_memory_save"]
@@ -82,16 +87,19 @@ class PeerWriter(Writer):
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Any:
         for path, document in documents.items():
-            directory = self.location.path / path if path else self.location.path
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / ROOT_METADATA).write_bytes(document)
+            self._write(f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, document)
         return lambda: None
 
     def missing(self, chunks: Mapping[str, Any]) -> list[str]:
         return []
 
     def commit(self, root_document: bytes) -> None:
-        (self.location.path / ROOT_METADATA).write_bytes(root_document)
+        self._write(ROOT_METADATA, root_document)
+
+    def _write(self, relative: str, data: bytes) -> None:
+        """Write a document of the step (no link followed below the memory directory)."""
+        step = self.location.path
+        write_below(step.parent, f"{step.name}/{relative}", data)
 
     def abort(self) -> None:
         remove_arrayckpt_files(self.location.path)
@@ -104,9 +112,14 @@ def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str,
     replication run on ``executor``, their collectives on ``background`` (a group of its own over the same ranks as
     ``group``). The caller must not start another memory save (which reuses ``copies``) before the future is done."""
     placement = memory.placement(group.size)
-    leader = placement.leader(group.rank)
-    if leader:
-        node.remove_step(step)
+    prepared: BaseException | None = None
+    if placement.leader(group.rank):
+        try:
+            node.prepare_step(step)
+        except (ArrayckptError, OSError) as e:  # raised on every rank by the save's first collective
+            if group.size == 1:
+                raise
+            prepared = ArrayckptError(f"{type(e).__name__}: {e}")
     path = node.step_path(step)
     own = dataclasses.replace(options, step=step, metrics=metrics, base=None, changed_rows=None, quantize=None,
                               overwrite=True, storage_options=None, rank_target=LocalLocation(path, flush=False))
@@ -116,6 +129,8 @@ def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str,
     except BaseException:
         request.close()
         raise
+    if prepared is not None:
+        local, error = None, prepared
     return executor.submit(_save_and_replicate, local, error, request, step, memory, node, background, placement)
 
 
@@ -170,15 +185,16 @@ def _replicate(step: int, memory: PeerMemory, node: NodeMemory, group: Group, pl
         mine = {ref: data for ref, data in _own_files(step, node, manifest.created, nodes, group)}
     except (ArrayckptError, OSError) as e:
         error = f"rank {group.rank}: {e}"
-    reports = group.all_gather((error, [(r.array_path, r.key, r.sum.size, r.sum.crc) for r in mine]))
+    reports = group.all_gather((error, [(r.array_path, r.key, r.sum.size, r.sum.body, r.sum.tail) for r in mine]))
     failed = [text for text, _ in reports if text is not None]
     if failed:
         raise ArrayckptError(f"{where}: memory save failed: {failed[0]}")
     files: Files = {}
-    by_rank: list[tuple[FileRef, ...]] = []
-    for _, refs in reports:
-        by_rank.append(tuple(FileRef(p, k, FileSum(size, crc)) for p, k, size, crc in refs))
-        for ref in by_rank[-1]:
+    by_rank = [_announced(refs, nodes, rank, where) for rank, (_, refs) in enumerate(reports)]
+    for refs in by_rank:
+        for ref in refs:
+            if ref.key in files.get(ref.array_path, {}):
+                raise ArrayckptError(f"{where}: memory save failed: chunk file {ref} announced by two ranks")
             files.setdefault(ref.array_path, {})[ref.key] = ref.sum
     _check_bound(memory, placement, by_rank, where)
     transfers = [Transfer(rank, partner, refs) for rank, refs in enumerate(by_rank)
@@ -218,6 +234,36 @@ def _own_files(step: int, node: NodeMemory, created: Mapping[str, Any], nodes: M
             data = node.read_file(step, path, key)
             out.append((FileRef(path, key, file_sum(data)), data))
     return out
+
+
+def _announced(refs: object, nodes: Mapping[str, Any], rank: int, where: str) -> tuple[FileRef, ...]:
+    """The chunk files rank ``rank`` says it wrote, each checked by :func:`_announced_file`."""
+    out = []
+    for item in refs if isinstance(refs, list) else [refs]:
+        ref = _announced_file(item, nodes)
+        if ref is None:
+            raise ArrayckptError(f"{where}: memory save failed: rank {rank} announced {item!r}, which is not a chunk "
+                                 "file of this step")
+        out.append(ref)
+    return tuple(out)
+
+
+def _announced_file(item: object, nodes: Mapping[str, Any]) -> FileRef | None:
+    """``(array path, key, size, crc32c, trailer)`` from a peer as a :class:`FileRef`, or ``None`` unless the key is a
+    chunk key of an array of the step (so that no path leaves the step's directory) and the size one such a chunk
+    file can have (so that no receiver allocates more)."""
+    if not (isinstance(item, tuple) and len(item) == 5):
+        return None
+    path, key, size, body, tail = item
+    metadata = nodes.get(path) if isinstance(path, str) else None
+    if not (isinstance(metadata, dict) and metadata.get("node_type") == "array" and isinstance(key, str)
+            and parse_chunk_key(metadata, key) is not None):
+        return None
+    if not (isinstance(size, int) and isinstance(body, int) and isinstance(tail, int)):
+        return None
+    if not (4 <= size <= max_chunk_file_bytes(metadata) and 0 <= body < 2**32 and 0 <= tail < 2**32):
+        return None
+    return FileRef(path, key, FileSum(size, body, tail))
 
 
 def _check_bound(memory: PeerMemory, placement: Placement, by_rank: list[tuple[FileRef, ...]], where: str) -> None:

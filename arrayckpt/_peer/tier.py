@@ -26,6 +26,7 @@ from .flush import Flushed, flush_memory_step
 from .node import NodeMemory
 from .restore import memory_restore
 from .save import MemorySaved, start_memory_save
+from .sweep import ended_memory_directories
 
 __all__ = ["MemoryTier"]
 
@@ -106,8 +107,11 @@ class MemoryTier:
         return self.node.committed_steps()
 
     def clean_up(self, min_age_s: float) -> list[str]:
+        """Remove interrupted memory saves in this node's directory, and the memory directories of ended jobs beside
+        it (``sweep.py``); what was removed."""
         self.wait()
-        return self.node.clean_up(min_age_s)
+        removed = self.node.clean_up(min_age_s)
+        return removed + ended_memory_directories(self.node.directory.parent, min_age_s, remove=True).removed
 
     def close(self) -> None:
         """Wait for the memory save in flight (raising its failure), then let the node's directory go."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .._errors import CollectiveError, CorruptCheckpointError
 from .._torch.dist import Group
-from .node import FileSum, file_sum
+from .record import FileSum, file_sum
 
 __all__ = ["FileRef", "Transfer", "exchange_files"]
 
