@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -176,3 +177,64 @@ def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141
     assert err == ""
+
+
+# --- issue 5, items 1 and 6: text from a checkpoint never acts on the terminal --------------------------------------
+
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+HOSTILE = "\x1b[2J\r\x07\u202e"
+
+
+@pytest.fixture(scope="module")
+def hostile_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("hostile-text")
+    arrayckpt.save({f"w{HOSTILE}": torch.ones(2), "note": f"a{HOSTILE}b", f"k{HOSTILE}\nx": 3}, root / "a")
+    arrayckpt.save({f"w{HOSTILE}": torch.zeros(2), "note": "plain", f"k{HOSTILE}\nx": 4}, root / "b")
+    return root / "a", root / "b"
+
+
+@pytest.mark.parametrize("command", [["info", "{a}"], ["info", "{a}", "--tree"], ["info", "{a}", "--json"],
+                                     ["show", "{a}", "note"], ["show", "{a}", f"w{HOSTILE}"],
+                                     ["show", "{a}", f"k{HOSTILE}\nx"], ["diff", "{a}", "{b}"],
+                                     ["diff", "{a}", "{b}", "--json"]], ids=lambda c: " ".join(c[:1] + c[2:3]))
+def test_control_characters_from_a_checkpoint_are_printed_escaped(hostile_pair: tuple[Path, Path], command: list[str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = hostile_pair
+    main([part.format(a=a, b=b) for part in command])
+    out, err = capsys.readouterr()
+    assert not RAW_CONTROL.search(out + err), repr(out + err)
+    if "--json" not in command:
+        assert "\\x1b[2J\\r\\x07\\u202e" in out and "\nx" not in out, out  # shown, escaped, and on its key's line
+
+
+def test_an_error_quoting_a_path_with_a_newline_is_one_escaped_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / f"new\nline{HOSTILE}"
+    assert main(["info", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert not RAW_CONTROL.search(err) and len(err.strip().splitlines()) == 1, repr(err)
+    assert "new\\nline\\x1b[2J" in err, err
+
+
+@pytest.mark.parametrize("command", [["info", "{p}"], ["show", "{p}", "w"], ["convert", "{p}", "{p}.safetensors"],
+                                     ["convert", "{p}", "{p}-megatron", "--to", "megatron"]],
+                         ids=lambda c: " ".join(c[:1] + c[3:]))
+def test_errors_name_a_checkpoint_whose_name_has_a_newline(tmp_path: Path, command: list[str],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "new\nline"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "zarr.json").write_text("{damaged")
+    assert main([part.format(p=path) for part in command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"arrayckpt: error: {tmp_path}/new\\nline: "), repr(err)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"new\nline: root zarr.json is damaged"):
+        arrayckpt.load({"w": torch.zeros(2)}, path)
+
+
+def test_verify_names_a_checkpoint_whose_name_has_a_newline(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    path = tmp_path / "new\nline"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "w" / "c.0").write_bytes(b"xx")
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 2 and f"DAMAGED {tmp_path}/new\\nline: 1 problem(s)" in out, out

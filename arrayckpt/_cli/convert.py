@@ -14,6 +14,7 @@ from typing import Any
 from .._errors import FormatError
 from .._tools.estimate import human_bytes
 from .common import Counter, print_json
+from .text import emit
 
 __all__ = ["add_compact", "add_convert"]
 
@@ -104,17 +105,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print()
         return 0
     took = f" ({result.selected}* with the prefix stripped)" if result.selected else ""
-    print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
+    emit(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
           f"tensors{took}, {human_bytes(result.bytes)}")
     if result.tied:
-        print("left out as tied: " + ", ".join(f"{alias} (= {name})" for alias, name in result.tied.items()))
+        emit("left out as tied: " + ", ".join(f"{alias} (= {name})" for alias, name in result.tied.items()))
     if result.skipped:
         shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10
                                                   else "")
         why = "not the model's weights" if result.target_format == "hf" else f"{result.target_format} cannot hold them"
-        print(f"not converted ({why}): {shown}", file=sys.stderr)
+        emit(f"not converted ({why}): {shown}", file=sys.stderr)
     for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
+        emit(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -142,6 +143,6 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_dict())
         return 0
-    print(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
+    emit(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
           f"{human_bytes(result.bytes_written)}")
     return 0
