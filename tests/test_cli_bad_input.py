@@ -238,3 +238,38 @@ def test_verify_names_a_checkpoint_whose_name_has_a_newline(tmp_path: Path, caps
     assert main(["verify", str(path)]) == 1
     out = capsys.readouterr().out
     assert len(out.splitlines()) == 2 and f"DAMAGED {tmp_path}/new\\nline: 1 problem(s)" in out, out
+
+
+# --- issue 5, item 3: a file the user names is read only when it is a small regular file ----------------------------
+
+
+@pytest.fixture
+def not_small_files(tmp_path: Path) -> dict[str, Path]:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(65 << 20)  # sparse: 65 MiB claimed, nothing stored
+    return {"device": Path("/dev/zero"), "fifo": fifo, "huge": huge}
+
+
+@pytest.mark.parametrize(("what", "said"), [("device", "is a device, not a regular file"),
+                                            ("fifo", "is a pipe (FIFO), not a regular file"),
+                                            ("huge", "holds 68,157,440 bytes, more than the 67,108,864")])
+@pytest.mark.parametrize(("option", "to", "holds"), [("--config", "hf", "a config.json"),
+                                                     ("--param-names", "deepspeed", "the parameter names")])
+def test_a_named_file_must_be_small_and_regular(corpus: dict[str, Path], not_small_files: dict[str, Path],
+                                                capsys: pytest.CaptureFixture[str], what: str, said: str, option: str,
+                                                to: str, holds: str) -> None:
+    out = not_small_files["fifo"].parent / "out"
+    named = not_small_files[what]
+    assert main(["convert", str(corpus["good"]), str(out), "--to", to, option, str(named)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"arrayckpt: error: {named}: {said}{err.split(said)[1]}" and holds in err, err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_the_python_api_checks_the_config_file_too(corpus: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(arrayckpt.FormatError, match=r"^/dev/zero: is a device, not a regular file; name the file"):
+        arrayckpt.convert(corpus["good"], tmp_path / "hf", to_format="hf", config="/dev/zero")
+    assert not (tmp_path / "hf").exists()

@@ -263,3 +263,16 @@ def test_lying_safetensors_headers_are_format_errors(tmp_path, capsys, header, m
     with pytest.raises(arrayckpt.FormatError, match=match):
         arrayckpt.convert(src, tmp_path / "out")
     _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match=match)
+
+
+# --- issue 5, item 3: a metadata document is read only when it is of a sane size ------------------------------------
+
+
+def test_a_root_document_claiming_a_gigabyte_is_refused_unread(ckpt: Path, capsys) -> None:
+    arrayckpt.save({"w": torch.ones(2)}, ckpt)
+    with open(ckpt / "zarr.json", "r+b") as f:
+        f.truncate((1 << 30) + 1)  # sparse: nothing stored, a gigabyte claimed
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"zarr.json holds more than 1,073,741,824 bytes"):
+        arrayckpt.open(ckpt)
+    code, err = _cli(capsys, "info", str(ckpt))
+    _assert_one_line_error(code, err, f"{ckpt}: zarr.json holds more than")

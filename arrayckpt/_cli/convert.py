@@ -8,7 +8,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from .._errors import FormatError
@@ -123,10 +122,12 @@ def _param_names(path: str | None) -> list[str] | None:
     """``--param-names FILE``: one name per line (blank lines ignored)."""
     if path is None:
         return None
+    from .._io.smallfiles import read_user_file
+
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read the parameter names: {e.strerror or e}") from None
+        text = read_user_file(path, "the parameter names (one a line)").decode()
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: the parameter names are not UTF-8 text ({e.reason} at byte {e.start})") from None
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 

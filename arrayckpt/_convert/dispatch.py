@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .._errors import ArrayckptError, CheckpointExistsError, CheckpointNotFoundError, FormatError
 from .._format.zarr import ROOT_METADATA
+from .._io.smallfiles import check_user_file
 from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
 from .common import ConvertResult, Progress
@@ -127,6 +128,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     hf = HfOptions(select, dict(tie or {}), config)
     if (select is not None or tie or config is not None) and to_format != "hf":
         raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
+    if config is not None:  # read whole when the export is written: refuse /dev/zero, a FIFO or a huge file now
+        check_user_file(Path(config) / "config.json" if Path(config).is_dir() else config, "a config.json")
     if param_names is not None and to_format != "deepspeed":
         raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
     source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
