@@ -497,6 +497,35 @@ def test_a_link_inside_a_checkpoint_is_never_followed(tree, where, command, code
     assert "never follows a link" in message
 
 
+@pytest.mark.parametrize("command", ["info", "verify", "show", "convert"])
+def test_a_root_document_linked_to_a_device_is_damage_not_a_directory_of_checkpoints(tmp_path, capsys, command):
+    """``zarr.json -> /dev/zero``: the checkpoint is refused as damaged (its array directories, each with its own
+    ``zarr.json``, are not counted as "a directory of 1 checkpoint(s)")."""
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "zarr.json").unlink()
+    os.symlink("/dev/zero", path / "zarr.json")
+    argv = {"show": [str(path), "w"], "convert": [str(path), str(tmp_path / "out.safetensors")]}.get(command,
+                                                                                                   [str(path)])
+    assert cli([command, *argv]) in (1, 2)
+    printed = capsys.readouterr()
+    text = printed.err if command != "verify" else printed.out
+    assert "zarr.json is a symbolic link" in text and "checkpoint(s)" not in printed.out + printed.err, text
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_manager_root_counts_no_linked_step(tmp_path, capsys):
+    """A step directory that is a link, or whose root document is one, is not one of the root's checkpoints."""
+    for step in ("step-1", "step-2"):
+        arrayckpt.save({"w": torch.ones(2)}, tmp_path / "root" / step)
+    os.symlink(tmp_path / "root/step-1", tmp_path / "root/step-9")
+    (tmp_path / "root/step-2/zarr.json").rename(tmp_path / "elsewhere.json")
+    os.symlink(tmp_path / "elsewhere.json", tmp_path / "root/step-2/zarr.json")
+    assert cli(["info", str(tmp_path / "root")]) == 2
+    err = capsys.readouterr().err
+    assert "a directory of 1 checkpoint(s)" in err and "(found: step-1)" in err, err
+
+
 def test_a_linked_node_document_is_reported_by_verify_and_never_copied(tree):
     src = tree / "src/ckpt"
     (src / "w/zarr.json").unlink()

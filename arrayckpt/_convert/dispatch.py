@@ -37,7 +37,7 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     """The format of an existing checkpoint at ``path`` (``None`` when it cannot tell)."""
     p = Path(path)
     if p.is_dir():
-        if (p / ROOT_METADATA).is_file():
+        if os.path.lexists(p / ROOT_METADATA):  # a link or device in its place too: the reader refuses it, naming it
             return "arrayckpt"
         if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
