@@ -593,3 +593,19 @@ def test_a_dcp_data_file_named_outside_or_with_a_nul_is_refused(tree, relative):
     (tree / "src/dcp/.metadata").write_bytes(pickle.dumps(metadata))
     with untouched(tree, "out"), pytest.raises(arrayckpt.FormatError, match="a data file outside the checkpoint"):
         arrayckpt.convert(tree / "src/dcp", tree / "out/ckpt")
+
+
+# --- URLs with dot segments (issue 5, item 5) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "fix"), [("s3://bucket/a/../b", "s3://bucket/b"), ("s3://bucket/a/./b", "s3://bucket/a/b"),
+                                          ("gs://bucket/a//b/..", "gs://bucket/a")])
+def test_a_url_with_dot_segments_is_a_location_error_naming_the_fix(url, fix, capsys):
+    with pytest.raises(arrayckpt.LocationError, match=rf"^'{url}': the prefix must not contain '\.', '\.\.' or empty "
+                                                      rf"segments .*; write the prefix they stand for: '{fix}'$"):
+        arrayckpt.open(url)
+    with pytest.raises(ValueError, match="must not contain"):  # still a ValueError for callers that catch that
+        arrayckpt.load({"w": torch.zeros(1)}, url)
+    assert cli(["info", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"arrayckpt: error: '{url}': the prefix must not contain") and err.count("\n") == 1

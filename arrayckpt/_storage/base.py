@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError
+from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError, LocationError
 from .._format.integrity import check_root_integrity
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
@@ -423,7 +423,7 @@ def parse_location(path: str | os.PathLike[str] | Location,
     parser = _PARSERS.get(scheme)
     if parser is None:
         others = ", ".join(s + "://" for s in _PARSERS if s != "file")
-        raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
+        raise LocationError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
                          f"or one of {others}")
     return parser(rest if scheme == "file" else text, storage_options)
 

@@ -28,6 +28,7 @@ from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    LocationError,
     StorageError,
 )
 from .._format.manifest import is_arrayckpt_root
@@ -262,7 +263,8 @@ class LocalLeftover(Leftover):
 def _parse_path(text: str, storage_options: Mapping[str, Any] | None) -> LocalLocation:
     """A local path (or a ``file://`` URL's path), made absolute."""
     if storage_options:
-        raise ValueError(f"{text!r}: storage_options apply to object-storage URLs only")
+        raise LocationError(f"{text!r}: storage_options apply to object-storage URLs only; pass them with an s3://, "
+                            "gs:// or memory:// URL, or leave them out")
     return LocalLocation(Path(text).expanduser().absolute())
 
 
