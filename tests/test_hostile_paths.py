@@ -609,3 +609,36 @@ def test_a_url_with_dot_segments_is_a_location_error_naming_the_fix(url, fix, ca
     assert cli(["info", url]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"arrayckpt: error: '{url}': the prefix must not contain") and err.count("\n") == 1
+
+
+# --- bases reached through a link (issue 5, item 7) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"manager-restore"}))  # moved, it has no base beside it
+def test_a_base_whose_directory_is_a_link_is_not_followed(tree, command):
+    """``src/run/step-1``, the delta's ``../step-1``, is a link to a byte-identical base outside ``src/run``:
+    following it would succeed, and read (or copy) whatever the link names. Lexically the base is beside the delta;
+    on disk it is not: refused, naming the link."""
+    delta = _delta(tree)
+    shutil.move(tree / "src/run/step-1", tree / "sentinel/step-1")
+    os.symlink(tree / "sentinel/step-1", tree / "src/run/step-1")
+    with untouched(tree, "out"):
+        refused(command, delta, tree / "out", f"{tree}/src/run/step-1, a symbolic link",
+                error=arrayckpt.BaseNotAllowedError)
+
+
+@pytest.mark.parametrize("how", ["python", "sync"])
+def test_copy_never_writes_a_base_through_a_link_at_the_destination(tree, how):
+    """Copying ``src/run/step-2`` (base ``../step-1``) to ``dst/run/step-2`` places the base at ``dst/run/step-1``;
+    a link there (to the user's directory) is refused before anything is written, and the user's directory stays
+    as it was."""
+    delta = _delta(tree)
+    (tree / "dst/run").mkdir(parents=True)
+    (tree / "sentinel/empty").mkdir()
+    os.symlink(tree / "sentinel/empty", tree / "dst/run/step-1")
+    with untouched(tree):
+        if how == "python":
+            with pytest.raises(arrayckpt.BaseNotAllowedError, match=r"dst/run/step-1, a symbolic link"):
+                arrayckpt.copy(delta, tree / "dst/run/step-2")
+        else:
+            assert "dst/run/step-1, a symbolic link" in _cli("sync", "{src}", "{out}")(delta, tree / "dst/run/step-2")

@@ -17,8 +17,9 @@ from typing import BinaryIO
 
 from .._errors import CorruptCheckpointError, FormatError
 
-__all__ = ["DOCUMENT_LIMIT", "USER_FILE_LIMIT", "check_no_links", "check_user_file", "forget_pin", "open_nonblocking",
-           "read_bounded", "read_checkpoint_file", "read_regular_file", "read_user_file", "remember_pin", "user_paths"]
+__all__ = ["DOCUMENT_LIMIT", "USER_FILE_LIMIT", "check_no_links", "check_user_file", "first_link", "forget_pin",
+           "open_nonblocking", "read_bounded", "read_checkpoint_file", "read_regular_file", "read_user_file",
+           "remember_pin", "user_paths"]
 
 USER_FILE_LIMIT = 64 << 20  # a config.json or a list of parameter names: far below this
 DOCUMENT_LIMIT = 1 << 30  # a checkpoint's metadata document: far above any real one, far below a crafted one
@@ -124,6 +125,14 @@ def check_no_links(root: str, relative: str, where: str) -> None:
     the user's choice); stop quietly at the first level that does not exist (whoever reads it reports that). A
     checkpoint holds directories and regular files only (spec §12): a link inside one could name any file of this
     machine, which a reader would read and ``copy`` would write elsewhere. One ``lstat`` per segment, lexically."""
+    link = first_link(root, relative)
+    if link is not None:
+        raise CorruptCheckpointError(user_paths(f"{where}: {link} {_LINK}"))
+
+
+def first_link(root: str, relative: str) -> str | None:
+    """The first path from ``root`` down ``relative`` (segment by segment, lexically) that is a symbolic link;
+    ``None`` when there is none down to the first level that does not exist. ``root`` itself is not looked at."""
     path = root.rstrip("/")
     for segment in relative.split("/"):
         if not segment:
@@ -132,9 +141,10 @@ def check_no_links(root: str, relative: str, where: str) -> None:
         try:
             mode = os.lstat(path).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return None
         if stat.S_ISLNK(mode):
-            raise CorruptCheckpointError(user_paths(f"{where}: {path} {_LINK}"))
+            return path
+    return None
 
 
 def read_checkpoint_file(root: str, relative: str, name: str) -> bytes:

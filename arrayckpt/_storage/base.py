@@ -176,6 +176,12 @@ class Location(abc.ABC):
         bucket, _, prefix = rest.partition("/")
         return Tree(f"{scheme}://{bucket}", tuple(s for s in prefix.split("/") if s))
 
+    def refuse_links_below(self, ancestor: Tree, where: str) -> None:
+        """Refuse a symbolic link at any level from ``ancestor`` (which holds this location, lexically) down to this
+        location: a base reached through one could be anywhere, and ``copy`` would write through it. ``where``
+        starts the error. Object storage has no links: nothing to check."""
+        return None
+
     @abc.abstractmethod
     def resolve(self, reference: str) -> Location:
         """The location that ``reference``, written in a checkpoint at this location, names: a path relative
@@ -345,9 +351,11 @@ def follow_base(delta: Location, reference: str, roots: Iterable[Location] = ())
     if own.holds(where):
         raise FormatError(f"{delta}: its base reference {shown(reference)} names the checkpoint itself or a place "
                           "inside it; it was damaged or crafted")
-    if any(root.tree.holds(where) for root in roots):
-        return target
-    if not is_location_reference(reference) and own.parent.holds(where, strictly=True):
+    holding = [root.tree for root in roots if root.tree.holds(where)]
+    if not holding and not is_location_reference(reference) and own.parent.holds(where, strictly=True):
+        holding = [own.parent]
+    if holding:  # lexically inside: and on disk too, through no link (the place named may itself be one)
+        target.refuse_links_below(holding[0], f"{delta}: its base reference {shown(reference)}")
         return target
     place = "outside the directory holding it" if not is_location_reference(reference) else \
         "an absolute location, which is followed only inside a root you name"
