@@ -28,9 +28,15 @@ DOCUMENT_LIMIT = 1 << 30  # a checkpoint's metadata document: far above any real
 def read_bounded(file: BinaryIO, limit: int) -> bytes | None:
     """The whole of the open regular ``file``, or ``None`` when it holds more than ``limit`` bytes (its size is
     checked before anything is read, so a sparse file claiming terabytes costs nothing)."""
-    if os.fstat(file.fileno()).st_size > limit:
+    size = os.fstat(file.fileno()).st_size
+    if size > limit:
         return None
-    data = file.read(limit + 1)  # the file may have grown since fstat
+    data = file.read(size)  # as much memory as the file holds (``read(limit)`` would take ``limit`` at once)
+    while len(data) <= limit:  # a file that grew since fstat: read on, in pieces, up to the limit
+        more = file.read(min(1 << 20, limit + 1 - len(data)))
+        if not more:
+            break
+        data += more
     return None if len(data) > limit else data
 
 
