@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = cli_message(e)
     except RecursionError:  # input nested too deeply for Python
         message = "the input is nested too deeply to be read (damaged or crafted?)"
-    except MemoryError:
-        message = "the input asks for more memory than there is (damaged or crafted?)"
+    except MemoryError as e:  # ours names the checkpoint and the tensor
+        message = cli_message(e) if str(e) else "the input asks for more memory than there is (damaged or crafted?)"
     emit(f"arrayckpt: error: {message}", file=sys.stderr)
     return 2

@@ -9,12 +9,13 @@ when used, after checking that torch is there."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from .._errors import ArrayckptError, CheckpointExistsError, CheckpointNotFoundError, FormatError
@@ -191,7 +192,8 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             param_names: Sequence[str] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
     if target == "hf":
-        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint, \
+                _no_new_empty_directory(Path(dst)):
             return to_hf(checkpoint, dst, hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
     if target == "safetensors":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
@@ -201,6 +203,20 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     extra = {"param_names": param_names} if target == "deepspeed" else {}
     with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
         return out_of(checkpoint, dst, overwrite=overwrite, progress=progress, **extra)
+
+
+@contextlib.contextmanager
+def _no_new_empty_directory(target: Path) -> Iterator[None]:
+    """On failure, remove ``target`` when the block created it and left it empty: an export that fails (a tensor
+    that cannot be read) leaves nothing new behind, as the other formats' writers do (a directory that was there
+    stays, whatever it holds)."""
+    existed = os.path.lexists(target)
+    try:
+        yield
+    except BaseException:
+        if not existed and target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+            target.rmdir()
+        raise
 
 
 # The converters that need torch, by format: module and function, imported when used.
