@@ -22,6 +22,7 @@ __all__ = [
     "FormatError",
     "IncompleteCheckpointError",
     "KeyMismatchError",
+    "LocationError",
     "PickleNotAllowedError",
     "PickleWarning",
     "ReplacedCheckpointError",
@@ -69,6 +70,11 @@ class ReplacedCheckpointError(CorruptCheckpointError):
 
 class FormatError(ArrayckptError, ValueError):
     """Metadata does not follow the arrayckpt format (wrong types, unknown version, unsafe paths)."""
+
+
+class LocationError(ArrayckptError, ValueError):
+    """A path or URL cannot name a checkpoint's location as written (an unsupported scheme, no bucket, a prefix with
+    ``.``, ``..`` or empty segments, unknown storage options): the message names it and says how to write it."""
 
 
 class StateError(ArrayckptError, ValueError):

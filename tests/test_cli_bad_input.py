@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -176,3 +177,99 @@ def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141
     assert err == ""
+
+
+# --- issue 5, items 1 and 6: text from a checkpoint never acts on the terminal --------------------------------------
+
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+HOSTILE = "\x1b[2J\r\x07\u202e"
+
+
+@pytest.fixture(scope="module")
+def hostile_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("hostile-text")
+    arrayckpt.save({f"w{HOSTILE}": torch.ones(2), "note": f"a{HOSTILE}b", f"k{HOSTILE}\nx": 3}, root / "a")
+    arrayckpt.save({f"w{HOSTILE}": torch.zeros(2), "note": "plain", f"k{HOSTILE}\nx": 4}, root / "b")
+    return root / "a", root / "b"
+
+
+@pytest.mark.parametrize("command", [["info", "{a}"], ["info", "{a}", "--tree"], ["info", "{a}", "--json"],
+                                     ["show", "{a}", "note"], ["show", "{a}", f"w{HOSTILE}"],
+                                     ["show", "{a}", f"k{HOSTILE}\nx"], ["diff", "{a}", "{b}"],
+                                     ["diff", "{a}", "{b}", "--json"]], ids=lambda c: " ".join(c[:1] + c[2:3]))
+def test_control_characters_from_a_checkpoint_are_printed_escaped(hostile_pair: tuple[Path, Path], command: list[str],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = hostile_pair
+    main([part.format(a=a, b=b) for part in command])
+    out, err = capsys.readouterr()
+    assert not RAW_CONTROL.search(out + err), repr(out + err)
+    if "--json" not in command:
+        assert "\\x1b[2J\\r\\x07\\u202e" in out and "\nx" not in out, out  # shown, escaped, and on its key's line
+
+
+def test_an_error_quoting_a_path_with_a_newline_is_one_escaped_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / f"new\nline{HOSTILE}"
+    assert main(["info", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert not RAW_CONTROL.search(err) and len(err.strip().splitlines()) == 1, repr(err)
+    assert "new\\nline\\x1b[2J" in err, err
+
+
+@pytest.mark.parametrize("command", [["info", "{p}"], ["show", "{p}", "w"], ["convert", "{p}", "{p}.safetensors"],
+                                     ["convert", "{p}", "{p}-megatron", "--to", "megatron"]],
+                         ids=lambda c: " ".join(c[:1] + c[3:]))
+def test_errors_name_a_checkpoint_whose_name_has_a_newline(tmp_path: Path, command: list[str],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "new\nline"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "zarr.json").write_text("{damaged")
+    assert main([part.format(p=path) for part in command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"arrayckpt: error: {tmp_path}/new\\nline: "), repr(err)
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"new\nline: root zarr.json is damaged"):
+        arrayckpt.load({"w": torch.zeros(2)}, path)
+
+
+def test_verify_names_a_checkpoint_whose_name_has_a_newline(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    path = tmp_path / "new\nline"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "w" / "c.0").write_bytes(b"xx")
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 2 and f"DAMAGED {tmp_path}/new\\nline: 1 problem(s)" in out, out
+
+
+# --- issue 5, item 3: a file the user names is read only when it is a small regular file ----------------------------
+
+
+@pytest.fixture
+def not_small_files(tmp_path: Path) -> dict[str, Path]:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(65 << 20)  # sparse: 65 MiB claimed, nothing stored
+    return {"device": Path("/dev/zero"), "fifo": fifo, "huge": huge}
+
+
+@pytest.mark.parametrize(("what", "said"), [("device", "is a device, not a regular file"),
+                                            ("fifo", "is a pipe (FIFO), not a regular file"),
+                                            ("huge", "holds 68,157,440 bytes, more than the 67,108,864")])
+@pytest.mark.parametrize(("option", "to", "holds"), [("--config", "hf", "a config.json"),
+                                                     ("--param-names", "deepspeed", "the parameter names")])
+def test_a_named_file_must_be_small_and_regular(corpus: dict[str, Path], not_small_files: dict[str, Path],
+                                                capsys: pytest.CaptureFixture[str], what: str, said: str, option: str,
+                                                to: str, holds: str) -> None:
+    out = not_small_files["fifo"].parent / "out"
+    named = not_small_files[what]
+    assert main(["convert", str(corpus["good"]), str(out), "--to", to, option, str(named)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"arrayckpt: error: {named}: {said}{err.split(said)[1]}" and holds in err, err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_the_python_api_checks_the_config_file_too(corpus: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(arrayckpt.FormatError, match=r"^/dev/zero: is a device, not a regular file; name the file"):
+        arrayckpt.convert(corpus["good"], tmp_path / "hf", to_format="hf", config="/dev/zero")
+    assert not (tmp_path / "hf").exists()

@@ -263,3 +263,60 @@ def test_lying_safetensors_headers_are_format_errors(tmp_path, capsys, header, m
     with pytest.raises(arrayckpt.FormatError, match=match):
         arrayckpt.convert(src, tmp_path / "out")
     _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match=match)
+
+
+# --- issue 5, item 3: a metadata document is read only when it is of a sane size ------------------------------------
+
+
+def test_a_root_document_claiming_a_gigabyte_is_refused_unread(ckpt: Path, capsys) -> None:
+    arrayckpt.save({"w": torch.ones(2)}, ckpt)
+    with open(ckpt / "zarr.json", "r+b") as f:
+        f.truncate((1 << 30) + 1)  # sparse: nothing stored, a gigabyte claimed
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"zarr.json holds more than 1,073,741,824 bytes"):
+        arrayckpt.open(ckpt)
+    code, err = _cli(capsys, "info", str(ckpt))
+    _assert_one_line_error(code, err, f"{ckpt}: zarr.json holds more than")
+
+
+# --- issue 5, item 2: a tensor claiming gigabytes its files do not hold ---------------------------------------------
+
+
+@pytest.fixture
+def claims_32_gib(tmp_path: Path) -> Path:
+    """A 1.7 KB checkpoint whose (resealed) root document says ``w`` is float32[2**33]: 32 GiB in 512 chunks,
+    of which ``c.0`` is the 16 bytes saved for a float32[4] (and ``missing``: not there at all)."""
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.ones(4)}, path)
+    n = 1 << 33
+
+    def claim(document):
+        _entries(document)["w"]["shape"] = [n]
+        document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
+        array = document["consolidated_metadata"]["metadata"]["w"]
+        array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
+    _edit_root(path, claim)
+    return path
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["short chunk", "missing chunk"])
+@pytest.mark.parametrize("to", [["--to", "megatron"], ["--to", "dcp"], ["--to", "hf"], ["--to", "torch"], []],
+                         ids=["megatron", "dcp", "hf", "torch", "safetensors"])
+def test_convert_of_a_tensor_claiming_32_gib_fails_before_allocating(claims_32_gib, capsys, to, missing):
+    if missing:
+        (claims_32_gib / "w/c.0").unlink()
+    before = sorted(p.name for p in claims_32_gib.parent.iterdir())
+    out = claims_32_gib.parent / ("out.pt" if to == ["--to", "torch"] else "out.safetensors" if not to else "out")
+    code, err = _cli(capsys, "convert", str(claims_32_gib), str(out), *to)
+    _assert_one_line_error(code, err, f"{claims_32_gib}: tensor 'w': ")
+    assert "c.0" in err and sorted(p.name for p in claims_32_gib.parent.iterdir()) == before  # nothing left behind
+
+
+def test_a_tensor_too_big_to_allocate_is_an_error_naming_it(claims_32_gib, monkeypatch, capsys):
+    from arrayckpt._read import lazy
+
+    monkeypatch.setattr(lazy, "PROBE_BYTES", 1 << 62)  # no probe: straight to the allocation
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("can't allocate memory")))
+    with arrayckpt.open(claims_32_gib) as ckpt, pytest.raises(MemoryError, match=r"ckpt: tensor 'w' \(float32"
+                                                                                  r"\[8589934592\], 34,359,738,368 "
+                                                                                  r"bytes\) is more than this machine"):
+        ckpt["w"].torch()

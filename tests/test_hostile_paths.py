@@ -497,6 +497,35 @@ def test_a_link_inside_a_checkpoint_is_never_followed(tree, where, command, code
     assert "never follows a link" in message
 
 
+@pytest.mark.parametrize("command", ["info", "verify", "show", "convert"])
+def test_a_root_document_linked_to_a_device_is_damage_not_a_directory_of_checkpoints(tmp_path, capsys, command):
+    """``zarr.json -> /dev/zero``: the checkpoint is refused as damaged (its array directories, each with its own
+    ``zarr.json``, are not counted as "a directory of 1 checkpoint(s)")."""
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.ones(2)}, path)
+    (path / "zarr.json").unlink()
+    os.symlink("/dev/zero", path / "zarr.json")
+    argv = {"show": [str(path), "w"], "convert": [str(path), str(tmp_path / "out.safetensors")]}.get(command,
+                                                                                                   [str(path)])
+    assert cli([command, *argv]) in (1, 2)
+    printed = capsys.readouterr()
+    text = printed.err if command != "verify" else printed.out
+    assert "zarr.json is a symbolic link" in text and "checkpoint(s)" not in printed.out + printed.err, text
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_manager_root_counts_no_linked_step(tmp_path, capsys):
+    """A step directory that is a link, or whose root document is one, is not one of the root's checkpoints."""
+    for step in ("step-1", "step-2"):
+        arrayckpt.save({"w": torch.ones(2)}, tmp_path / "root" / step)
+    os.symlink(tmp_path / "root/step-1", tmp_path / "root/step-9")
+    (tmp_path / "root/step-2/zarr.json").rename(tmp_path / "elsewhere.json")
+    os.symlink(tmp_path / "elsewhere.json", tmp_path / "root/step-2/zarr.json")
+    assert cli(["info", str(tmp_path / "root")]) == 2
+    err = capsys.readouterr().err
+    assert "a directory of 1 checkpoint(s)" in err and "(found: step-1)" in err, err
+
+
 def test_a_linked_node_document_is_reported_by_verify_and_never_copied(tree):
     src = tree / "src/ckpt"
     (src / "w/zarr.json").unlink()
@@ -564,3 +593,52 @@ def test_a_dcp_data_file_named_outside_or_with_a_nul_is_refused(tree, relative):
     (tree / "src/dcp/.metadata").write_bytes(pickle.dumps(metadata))
     with untouched(tree, "out"), pytest.raises(arrayckpt.FormatError, match="a data file outside the checkpoint"):
         arrayckpt.convert(tree / "src/dcp", tree / "out/ckpt")
+
+
+# --- URLs with dot segments (issue 5, item 5) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "fix"), [("s3://bucket/a/../b", "s3://bucket/b"), ("s3://bucket/a/./b", "s3://bucket/a/b"),
+                                          ("gs://bucket/a//b/..", "gs://bucket/a")])
+def test_a_url_with_dot_segments_is_a_location_error_naming_the_fix(url, fix, capsys):
+    with pytest.raises(arrayckpt.LocationError, match=rf"^'{url}': the prefix must not contain '\.', '\.\.' or empty "
+                                                      rf"segments .*; write the prefix they stand for: '{fix}'$"):
+        arrayckpt.open(url)
+    with pytest.raises(ValueError, match="must not contain"):  # still a ValueError for callers that catch that
+        arrayckpt.load({"w": torch.zeros(1)}, url)
+    assert cli(["info", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"arrayckpt: error: '{url}': the prefix must not contain") and err.count("\n") == 1
+
+
+# --- bases reached through a link (issue 5, item 7) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"manager-restore"}))  # moved, it has no base beside it
+def test_a_base_whose_directory_is_a_link_is_not_followed(tree, command):
+    """``src/run/step-1``, the delta's ``../step-1``, is a link to a byte-identical base outside ``src/run``:
+    following it would succeed, and read (or copy) whatever the link names. Lexically the base is beside the delta;
+    on disk it is not: refused, naming the link."""
+    delta = _delta(tree)
+    shutil.move(tree / "src/run/step-1", tree / "sentinel/step-1")
+    os.symlink(tree / "sentinel/step-1", tree / "src/run/step-1")
+    with untouched(tree, "out"):
+        refused(command, delta, tree / "out", f"{tree}/src/run/step-1, a symbolic link",
+                error=arrayckpt.BaseNotAllowedError)
+
+
+@pytest.mark.parametrize("how", ["python", "sync"])
+def test_copy_never_writes_a_base_through_a_link_at_the_destination(tree, how):
+    """Copying ``src/run/step-2`` (base ``../step-1``) to ``dst/run/step-2`` places the base at ``dst/run/step-1``;
+    a link there (to the user's directory) is refused before anything is written, and the user's directory stays
+    as it was."""
+    delta = _delta(tree)
+    (tree / "dst/run").mkdir(parents=True)
+    (tree / "sentinel/empty").mkdir()
+    os.symlink(tree / "sentinel/empty", tree / "dst/run/step-1")
+    with untouched(tree):
+        if how == "python":
+            with pytest.raises(arrayckpt.BaseNotAllowedError, match=r"dst/run/step-1, a symbolic link"):
+                arrayckpt.copy(delta, tree / "dst/run/step-2")
+        else:
+            assert "dst/run/step-1, a symbolic link" in _cli("sync", "{src}", "{out}")(delta, tree / "dst/run/step-2")

@@ -8,12 +8,12 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from .._errors import FormatError
 from .._tools.estimate import human_bytes
 from .common import Counter, print_json
+from .text import emit
 
 __all__ = ["add_compact", "add_convert"]
 
@@ -104,17 +104,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print()
         return 0
     took = f" ({result.selected}* with the prefix stripped)" if result.selected else ""
-    print(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
+    emit(f"converted {result.source_format} {args.src} -> {result.target_format} {args.dst}: {result.tensors} "
           f"tensors{took}, {human_bytes(result.bytes)}")
     if result.tied:
-        print("left out as tied: " + ", ".join(f"{alias} (= {name})" for alias, name in result.tied.items()))
+        emit("left out as tied: " + ", ".join(f"{alias} (= {name})" for alias, name in result.tied.items()))
     if result.skipped:
         shown = ", ".join(result.skipped[:10]) + (f" ... ({len(result.skipped)} in all)" if len(result.skipped) > 10
                                                   else "")
         why = "not the model's weights" if result.target_format == "hf" else f"{result.target_format} cannot hold them"
-        print(f"not converted ({why}): {shown}", file=sys.stderr)
+        emit(f"not converted ({why}): {shown}", file=sys.stderr)
     for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
+        emit(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -122,10 +122,12 @@ def _param_names(path: str | None) -> list[str] | None:
     """``--param-names FILE``: one name per line (blank lines ignored)."""
     if path is None:
         return None
+    from .._io.smallfiles import read_user_file
+
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read the parameter names: {e.strerror or e}") from None
+        text = read_user_file(path, "the parameter names (one a line)").decode()
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: the parameter names are not UTF-8 text ({e.reason} at byte {e.start})") from None
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
@@ -142,6 +144,6 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_dict())
         return 0
-    print(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
+    emit(f"compacted {' -> '.join(result.chain)} into {result.destination}: {result.arrays} arrays, "
           f"{human_bytes(result.bytes_written)}")
     return 0

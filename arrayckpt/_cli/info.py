@@ -32,16 +32,16 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:  # closing it closes the bases too
         info = info_dict(checkpoint)
-    from .text import info_lines, terminal_width, tree_lines, zarr_hint
+    from .text import emit, info_lines, terminal_width, tree_lines, zarr_hint
 
     width = 0 if args.wide else terminal_width()
     if args.json:
         print_json(info)
     elif args.tree:
-        print("\n".join(tree_lines(info, width)))
+        emit(*tree_lines(info, width))
     else:
         note = zarr_hint(t["dtype"] for t in info["tensors"].values())
-        print("\n".join(info_lines(info, width, [note] if note else [])))
+        emit(*info_lines(info, width, [note] if note else []))
     return 0
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._tools.estimate import human_bytes
 from .common import Counter, print_json
+from .text import emit
 
 if TYPE_CHECKING:
     from .._read.checkpoint import Checkpoint
@@ -60,7 +61,7 @@ def print_zarr_hint(dtypes: Iterable[str]) -> None:
     note = zarr_hint(dtypes)
     if note:
         width = terminal_width()
-        print("\n".join(textwrap.wrap(note, width, subsequent_indent="      ")) if width else note)
+        emit(*(textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -75,20 +76,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print_json(report.to_dict())
         return 0 if report.ok else 1
     for damage in report.damage[:MAX_DAMAGE_LINES]:
-        print(f"DAMAGED {damage.key or '(checkpoint)'}: {damage.file}: {damage.problem}")
+        emit(f"DAMAGED {damage.key or '(checkpoint)'}: {damage.file}: {damage.problem}")
     if len(report.damage) > MAX_DAMAGE_LINES:
-        print(f"... and {len(report.damage) - MAX_DAMAGE_LINES} more (--json lists all)")
+        emit(f"... and {len(report.damage) - MAX_DAMAGE_LINES} more (--json lists all)")
     checked = f"{report.arrays} arrays, {report.chunks} chunks, {human_bytes(report.bytes_checked)} checked"
     for what in report.unprotected:
-        print(f"unprotected: {what}")
+        emit(f"unprotected: {what}")
     if report.ok:
-        print(f"OK {report.path}: {checked}")
+        emit(f"OK {report.path}: {checked}")
         from .._read.checkpoint import open_checkpoint
 
         with open_checkpoint(args.path, base_roots=args.base_root) as checkpoint:
             print_zarr_hint(array.entry.dtype.name for array in checkpoint.values())
         return 0
-    print(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
+    emit(f"DAMAGED {report.path}: {len(report.damage)} problem(s) in {len(report.damaged_keys)} entr"
           f"{'y' if len(report.damaged_keys) == 1 else 'ies'} ({checked})")
     return 1
 
@@ -117,12 +118,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             elif isinstance(entry, PerRankEntry):
                 value = per_rank_values(checkpoint, args.key)
                 if not args.json:
-                    print(f"{args.key}: per rank ({len(value)} rank{'' if len(value) == 1 else 's'})")
-                    print("\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(value)))
+                    emit(f"{args.key}: per rank ({len(value)} rank{'' if len(value) == 1 else 's'})",
+                         *(f"  rank {rank}: {text}" for rank, text in enumerate(value)))
                     return 0
             else:
                 value = checkpoint.value(args.key)
-            print_json({"key": args.key, "value": value}) if args.json else print(f"{args.key} = {value!r}")
+            print_json({"key": args.key, "value": value}) if args.json else emit(f"{args.key} = {value!r}")
             return 0
         summary = show(checkpoint, args.key, args.slice, max_values=args.max_values)
     if args.json:
@@ -131,16 +132,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     shape = "×".join(map(str, summary.shape)) or "scalar"
     selected = "×".join(map(str, summary.selected_shape)) or "scalar"
     where = f"[{args.slice}]" if args.slice else ""
-    print(f"{summary.key}{where}  {summary.dtype}  shape {shape}  selected {selected} ({summary.count} values)")
+    emit(f"{summary.key}{where}  {summary.dtype}  shape {shape}  selected {selected} ({summary.count} values)")
     if summary.count:
-        print(f"min {summary.min}  max {summary.max}  mean {summary.mean}  std {summary.std}  "
+        emit(f"min {summary.min}  max {summary.max}  mean {summary.mean}  std {summary.std}  "
               f"nan {summary.nan_count}  inf {summary.inf_count}")
     if summary.values is not None:
         import numpy as np
 
-        print(np.array2string(np.asarray(summary.values), threshold=args.max_values))
+        emit(*np.array2string(np.asarray(summary.values), threshold=args.max_values).splitlines())
     if summary.note:
-        print(f"({summary.note})")
+        emit(f"({summary.note})")
     return 0
 
 
@@ -174,20 +175,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print_json(report.to_dict())
         return 0 if report.identical else 1
     for key in report.only_in_a:
-        print(f"only in A: {key}")
+        emit(f"only in A: {key}")
     for key in report.only_in_b:
-        print(f"only in B: {key}")
+        emit(f"only in B: {key}")
     for key, change in report.changed.items():
-        print(f"changed:   {key}: {change}")
+        emit(f"changed:   {key}: {change}")
     for t in report.tensors:
         if t.differing_elements:
             chunks = "" if t.differing_chunks is None else f", {t.differing_chunks}/{t.chunks} chunks"
             extra = f", {t.nonfinite} NaN/inf" if t.nonfinite else ""
             elements = f"{t.differing_elements} element{'' if t.differing_elements == 1 else 's'}"
-            print(f"differs:   {t.key}: {elements}{chunks}, max abs {t.max_abs:.6g}, "
+            emit(f"differs:   {t.key}: {elements}{chunks}, max abs {t.max_abs:.6g}, "
                   f"max rel {t.max_rel:.6g}{extra}")
     for key, (a, b) in report.values.items():
-        print(f"value:     {key}: {a!r} -> {b!r}")
+        emit(f"value:     {key}: {a!r} -> {b!r}")
     same = sum(1 for t in report.tensors if not t.differing_elements)
-    print("identical" if report.identical else f"{same} of {len(report.tensors)} common tensors identical")
+    emit("identical" if report.identical else f"{same} of {len(report.tensors)} common tensors identical")
     return 0 if report.identical else 1

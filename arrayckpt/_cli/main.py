@@ -29,6 +29,7 @@ from .inspect import add_diff, add_show, add_verify
 from .report import add_report
 from .sizing import add_estimate, add_interval
 from .storage import add_gc, add_sync
+from .text import emit, escaped
 
 __all__ = ["build_parser", "cli_message", "main"]
 
@@ -53,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cli_message(error: BaseException) -> str:
-    """An error's text in command-line terms (``--overwrite``, not ``overwrite=True``), on one line."""
+    """An error's text in command-line terms (``--overwrite``, not ``overwrite=True``), on one line: a newline or
+    other control character in it (a path or key from the checkpoint: ``a\\nb``) is escaped, not collapsed into a
+    space, so that the path printed is the path on disk."""
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     text = text.replace("pass overwrite=True (--overwrite)", "pass --overwrite")
     text = text.replace("with overwrite=True", "with --overwrite").replace("overwrite=True", "--overwrite")
-    return " ".join(text.split()) or type(error).__name__
+    return escaped(text.strip()) or type(error).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in READ_COMMANDS.get(args.command, ()):
             explained = explain_path(getattr(args, name))
             if explained is not None:
-                print(f"arrayckpt: error: {explained}", file=sys.stderr)
+                emit(f"arrayckpt: error: {explained}", file=sys.stderr)
                 return 2
         return args.func(args)
     except BrokenPipeError:  # `arrayckpt info ... | head`: stop writing, quietly
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = cli_message(e)
     except RecursionError:  # input nested too deeply for Python
         message = "the input is nested too deeply to be read (damaged or crafted?)"
-    except MemoryError:
-        message = "the input asks for more memory than there is (damaged or crafted?)"
-    print(f"arrayckpt: error: {message}", file=sys.stderr)
+    except MemoryError as e:  # ours names the checkpoint and the tensor
+        message = cli_message(e) if str(e) else "the input asks for more memory than there is (damaged or crafted?)"
+    emit(f"arrayckpt: error: {message}", file=sys.stderr)
     return 2

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .common import add_base_root_option
+from .text import emit
 
 __all__ = ["add_report"]
 
@@ -61,7 +62,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         if e.name != "matplotlib":
             raise
-        print(f"arrayckpt: error: {e}", file=sys.stderr)
+        emit(f"arrayckpt: error: {e}", file=sys.stderr)
         return 2
     unreadable = [t for t in data.tensors if t.error]
     written = {"output": str(output), "bytes": output.stat().st_size, **({"png": args.png} if args.png else {}),
@@ -70,12 +71,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(written))
     else:
         extra = f" and {args.png}" if args.png else ""
-        print(f"wrote {output} ({written['bytes'] / 1024:.0f} KiB){extra}")
+        emit(f"wrote {output} ({written['bytes'] / 1024:.0f} KiB){extra}")
     if not unreadable:
         return 0
     first = unreadable[0]
     what = ("no tensor could be read" if len(unreadable) == len(data.tensors) else
             f"{len(unreadable)} of {len(data.tensors)} tensors could not be read")
-    print(f"arrayckpt: error: {what} (the report lists them; `arrayckpt verify` names every damaged chunk): "
+    emit(f"arrayckpt: error: {what} (the report lists them; `arrayckpt verify` names every damaged chunk): "
           f"{first.key!r}: {' '.join(str(first.error).split())}", file=sys.stderr)
     return 1

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .common import add_base_root_option
+from .text import emit
 
 __all__ = ["add_gc", "add_sync"]
 
@@ -56,9 +57,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     for path in removed:
-        print(f"{'would remove' if args.dry_run else 'removed'} {path}")
+        emit(f"{'would remove' if args.dry_run else 'removed'} {path}")
     for path, reason in kept:
-        print(f"kept {path}: {reason}")
+        emit(f"kept {path}: {reason}")
     n = len(removed)
     what = f"{n} leftover{'' if n == 1 else 's'}"
     summary = f"would remove {what}" if args.dry_run else f"removed {what}"
@@ -67,7 +68,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     f"directory needs before it is removed)")
     elif not n:
         summary = f"nothing to remove in {args.root}"
-    print(summary)
+    emit(summary)
     return 0
 
 
@@ -110,12 +111,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
         print()
         return 0
     if not result.copied:
-        print(f"{result.destination} already holds {result.source} (id {result.id}): nothing to copy")
+        emit(f"{result.destination} already holds {result.source} (id {result.id}): nothing to copy")
         return 0
-    print(f"copied {result.source} -> {result.destination}: {len(result.copied)} checkpoint(s) "
+    emit(f"copied {result.source} -> {result.destination}: {len(result.copied)} checkpoint(s) "
           f"({', '.join(result.copied)}), {result.objects} chunk files, {result.bytes_copied / 2**20:.1f} MiB")
     if result.skipped:
-        print(f"already in place: {', '.join(result.skipped)}")
+        emit(f"already in place: {', '.join(result.skipped)}")
     return 0
 
 

@@ -6,27 +6,59 @@ line is longer than ``width`` (the terminal's, or ``COLUMNS``; output into a pip
 ``COLUMNS`` is set, so that ``grep`` and scripts see whole keys and paths). Long keys and paths lose their middle
 (``model.layers.…mlp.weight``), other lines their end (``…``); ``--wide`` (``width=0``) prints everything. Pure
 functions of their arguments; no torch or TensorStore at import.
+
+:func:`emit` is the one way the commands print text for a person: every line passes through :func:`escaped`, so a
+key, value, path or error message from a checkpoint cannot move the cursor, clear the screen, reorder the text (bidi
+controls) or start a line of its own.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import textwrap
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TextIO
 
 from .._tools.estimate import human_bytes
 
-__all__ = ["info_header", "info_lines", "ranks_text", "site_dirs", "terminal_width", "tree_lines", "writers_summary",
-           "zarr_hint"]
+__all__ = ["emit", "escaped", "info_header", "info_lines", "ranks_text", "site_dirs", "terminal_width", "tree_lines",
+           "writers_summary", "zarr_hint"]
 
 ELLIPSIS = "…"
 MIN_KEY = 16  # the narrowest the key column gets (narrower terminals clip whole lines)
 LISTED_RANKS = 8  # ranks listed one by one in the writers summary; more are summarised
 HOOK_PTH = "arrayckpt-zarr-dtypes.pth"  # the start-up hook's file in site-packages (setup.py installs it)
 HOOK_DISABLE_ENV = "ARRAYCKPT_NO_ZARR_HOOK"  # what turns it off (`_arrayckpt_zarr_hook.DISABLE_ENV`)
+
+
+# What a terminal acts on rather than shows: C0 (newline and tab included), DEL, C1, the bidi controls (which
+# reorder what follows them: "Trojan Source"), the Unicode line and paragraph separators, and the byte order mark.
+CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def escaped(text: str) -> str:
+    """``text`` with every control character written out as Python writes it in a string (``\\x1b``, ``\\n``,
+    ``\\u202e``), so that text from a checkpoint prints as what it is and on one line.
+
+    >>> escaped("a\\x1b[2Jb\\rc")
+    'a\\\\x1b[2Jb\\\\rc'
+    """
+    return CONTROLS.sub(_escape, text)
+
+
+def emit(*lines: str, file: TextIO | None = None) -> None:
+    """Print ``lines`` for a person (on stdout, or ``file``), one line each, every control character in them escaped:
+    the one place where the commands' text output meets a terminal (JSON output escapes on its own)."""
+    print("\n".join(escaped(line) for line in lines), file=sys.stdout if file is None else file)
 
 
 def terminal_width() -> int:
@@ -55,13 +87,13 @@ def middle(text: str, width: int) -> str:
     return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
 
 
-def _with_path(prefix: str, path: str, suffix: str, width: int) -> str:
-    """``prefix + path + suffix`` in ``width`` characters, shortening the path in the middle first; on two lines
+def _with_path(prefix: str, path: str, suffix: str, width: int) -> list[str]:
+    """``prefix + path + suffix`` in ``width`` characters, shortening the path in the middle first; two lines
     (the suffix indented below) when the path would keep fewer than ``MIN_KEY`` characters."""
     room = width - len(prefix) - len(suffix) if width else 0
     if width and room < MIN_KEY:
-        return clip(prefix + middle(path, width - len(prefix)), width) + "\n" + clip("  " + suffix.strip(), width)
-    return prefix + middle(path, room) + suffix
+        return [clip(prefix + middle(path, width - len(prefix)), width), clip("  " + suffix.strip(), width)]
+    return [prefix + middle(path, room) + suffix]
 
 
 def writers_summary(record: object) -> str:
@@ -137,42 +169,43 @@ def ranks_text(ranks: list[str]) -> str:
 
 
 def info_lines(info: Mapping[str, Any], width: int, notes: Iterable[str] = ()) -> list[str]:
-    """Everything ``arrayckpt info`` prints (``info``: ``info.info_dict``'s data), no line longer than ``width``
-    (0: no limit); ``notes`` (the zarr data-type note) follow the table, wrapped."""
-    out = [_with_path("checkpoint ", info["path"], info_header(info)[len("checkpoint ") + len(info["path"]):], width)]
+    """Everything ``arrayckpt info`` prints (``info``: ``info.info_dict``'s data), one line each (for :func:`emit`,
+    which escapes them), no line longer than ``width`` (0: no limit); ``notes`` (the zarr data-type note) follow the
+    table, wrapped."""
+    out = _with_path("checkpoint ", info["path"], info_header(info)[len("checkpoint ") + len(info["path"]):], width)
     out += created_lines(info["created"], width)
     out.append("")
     out += _table(info, width)
     n = len(info["tensors"])
-    out.append(f"\n{n} tensor{'' if n == 1 else 's'}, {human_bytes(info['total_bytes'])}")
+    out += ["", f"{n} tensor{'' if n == 1 else 's'}, {human_bytes(info['total_bytes'])}"]
     for note in notes:
         out += textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]
     if info["aliases"]:
-        out.append(clip("\naliases (one tensor saved under two keys, e.g. tied weights: stored once, under the key on "
-                        "the right)", width))
+        out += ["", clip("aliases (one tensor saved under two keys, e.g. tied weights: stored once, under the key on "
+                         "the right)", width)]
         out += [clip(f"  {key} -> {target}", width) for key, target in info["aliases"].items()]
     if len(info["chain"]) > 1:
-        out.append(clip(f"\ndelta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest "
-                        "first):", width))
+        out += ["", clip(f"delta checkpoint: stores {human_bytes(info['stored_bytes'] or 0)} itself; chain (newest "
+                         "first):", width)]
         for layer in info["chain"]:
             if "error" in layer:
                 out.append(clip(f"  {layer['path']}  UNREADABLE: {layer['error']}", width))
                 continue
             stored = human_bytes(layer["stored_bytes"]) if layer["stored_bytes"] is not None else "?"
             kind = "delta" if layer["delta"] else "full"
-            out.append(_with_path("  ", layer["path"], f"  step {layer['step']}  {kind}, {stored}", width))
+            out += _with_path("  ", layer["path"], f"  step {layer['step']}  {kind}, {stored}", width)
     if info["per_rank"]:
-        out.append(clip("\nper-rank entries (`arrayckpt show PATH KEY`: each rank's)", width))
+        out += ["", clip("per-rank entries (`arrayckpt show PATH KEY`: each rank's)", width)]
         out += [clip(f"  {key}  {ranks_text(ranks)}", width) for key, ranks in info["per_rank"].items()]
     if info["values"]:
-        out.append("\nvalues (`arrayckpt show PATH KEY`: one in full)")
+        out += ["", "values (`arrayckpt show PATH KEY`: one in full)"]
         out += [clip(f"  {key} = {value!r}", width) for key, value in info["values"].items()]
     return out
 
 
 def tree_lines(info: Mapping[str, Any], width: int) -> list[str]:
     """``info --tree``: the keys as a tree of their dotted parts, containers once, leaves with what they hold."""
-    out = [_with_path("checkpoint ", info["path"], info_header(info)[len("checkpoint ") + len(info["path"]):], width)]
+    out = _with_path("checkpoint ", info["path"], info_header(info)[len("checkpoint ") + len(info["path"]):], width)
     leaves = {key: (f"{t['dtype']} {'×'.join(map(str, t['shape'])) or 'scalar'}  {human_bytes(t['nbytes'])}  "
                     f"{t['codec']}") for key, t in info["tensors"].items()}
     leaves.update({key: f"= {value!r}" for key, value in info["values"].items()})

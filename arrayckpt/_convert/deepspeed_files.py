@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._errors import FormatError
+from .._io.smallfiles import read_regular_file
 from .common import refusal_reason
 
 __all__ = ["DEEPSPEED_KEYS", "LAYOUT_KEYS", "OPTIMIZER_KEYS", "ZeroFiles", "find_zero_files", "load_pt", "load_value",
@@ -42,6 +43,7 @@ OPTIMIZER_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow",
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+LATEST_LIMIT = 1 << 16  # a `latest` file names one tag directory: a few bytes
 UNSUPPORTED_FILES = {  # file name patterns of layouts not read here, and what they are
     re.compile(r"layer_\d+.*\.pt"): "pipeline-parallel layer files",
     re.compile(r"(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt|expp_rank_\d+_.*\.pt"): "MoE expert files",
@@ -119,7 +121,7 @@ def tag_directory(src: Path) -> Path:
         raise FormatError(f"{src}: neither a DeepSpeed tag directory (no *_model_states.pt) nor a checkpoint "
                           "directory with a 'latest' (or 'latest_universal') file; give the tag directory (e.g. "
                           ".../global_step100)")
-    tag = latest.read_text().strip()
+    tag = read_regular_file(latest, str(latest), limit=LATEST_LIMIT).decode(errors="replace").strip()
     if not tag or "/" in tag or tag in (".", ".."):
         raise FormatError(f"{latest}: names {tag!r}, not a tag directory")
     if not (src / tag).is_dir():

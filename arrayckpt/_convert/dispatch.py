@@ -9,16 +9,18 @@ when used, after checking that torch is there."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from .._errors import ArrayckptError, CheckpointExistsError, CheckpointNotFoundError, FormatError
 from .._format.zarr import ROOT_METADATA
+from .._io.smallfiles import check_user_file
 from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
 from .common import ConvertResult, Progress
@@ -36,7 +38,7 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     """The format of an existing checkpoint at ``path`` (``None`` when it cannot tell)."""
     p = Path(path)
     if p.is_dir():
-        if (p / ROOT_METADATA).is_file():
+        if os.path.lexists(p / ROOT_METADATA):  # a link or device in its place too: the reader refuses it, naming it
             return "arrayckpt"
         if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
@@ -127,6 +129,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     hf = HfOptions(select, dict(tie or {}), config)
     if (select is not None or tie or config is not None) and to_format != "hf":
         raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
+    if config is not None:  # read whole when the export is written: refuse /dev/zero, a FIFO or a huge file now
+        check_user_file(Path(config) / "config.json" if Path(config).is_dir() else config, "a config.json")
     if param_names is not None and to_format != "deepspeed":
         raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
     source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
@@ -188,7 +192,8 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             param_names: Sequence[str] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
     if target == "hf":
-        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint, \
+                _no_new_empty_directory(Path(dst)):
             return to_hf(checkpoint, dst, hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
     if target == "safetensors":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
@@ -198,6 +203,20 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
     extra = {"param_names": param_names} if target == "deepspeed" else {}
     with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
         return out_of(checkpoint, dst, overwrite=overwrite, progress=progress, **extra)
+
+
+@contextlib.contextmanager
+def _no_new_empty_directory(target: Path) -> Iterator[None]:
+    """On failure, remove ``target`` when the block created it and left it empty: an export that fails (a tensor
+    that cannot be read) leaves nothing new behind, as the other formats' writers do (a directory that was there
+    stays, whatever it holds)."""
+    existed = os.path.lexists(target)
+    try:
+        yield
+    except BaseException:
+        if not existed and target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+            target.rmdir()
+        raise
 
 
 # The converters that need torch, by format: module and function, imported when used.

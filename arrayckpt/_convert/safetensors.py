@@ -33,6 +33,7 @@ import numpy as np
 
 from .._errors import ArrayckptError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
+from .._io.smallfiles import USER_FILE_LIMIT, read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
@@ -202,7 +203,7 @@ def _safetensors_source(src: Path) -> _StSource:
         return _StSource(files)
     if src.name.endswith(".json"):
         try:
-            index = json.loads(src.read_text())
+            index = json.loads(read_regular_file(src, str(src), limit=USER_FILE_LIMIT))  # not /dev/zero, a FIFO
             weight_map = index["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:

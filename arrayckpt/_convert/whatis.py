@@ -6,6 +6,8 @@ checkpoint". Both the command line and ``convert`` use it; it imports nothing (t
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["checkpoint_steps", "explain_path"]
@@ -15,8 +17,18 @@ MAX_LISTED = 8
 
 
 def checkpoint_steps(directory: Path) -> list[str]:
-    """The names of the committed checkpoints directly inside ``directory`` (a manager's root), sorted."""
-    return sorted(child.name for child in directory.iterdir() if (child / ROOT_DOCUMENT).is_file())
+    """The names of the committed checkpoints directly inside ``directory`` (a manager's root), sorted: directories
+    with a root document, both reached without a link (a link is never followed into or inside a checkpoint)."""
+    return sorted(child.name for child in directory.iterdir()
+                  if _is_real(child, stat.S_ISDIR) and _is_real(child / ROOT_DOCUMENT, stat.S_ISREG))
+
+
+def _is_real(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Whether ``path`` itself (not what a link there names) is of ``kind`` (``stat.S_ISDIR``, ``stat.S_ISREG``)."""
+    try:
+        return kind(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _local(path: str) -> Path | None:
@@ -36,8 +48,8 @@ def explain_path(path: str, verb: str = "name") -> str | None:
     try:
         if p.is_file():
             return _explain_file(path, p)
-        if not p.is_dir() or (p / ROOT_DOCUMENT).is_file():
-            return None
+        if not p.is_dir() or os.path.lexists(p / ROOT_DOCUMENT):  # a checkpoint, or a damaged one (a link, a device
+            return None  # in its root document's place): the reader says which, naming it
         convert = f"convert it with `arrayckpt convert {path} OUT`"
         if (p / ".metadata").is_file():
             kind = "a Megatron-Core torch_dist" if (p / "metadata.json").is_file() else "a PyTorch DCP"

@@ -14,11 +14,9 @@ TensorStore. Tests check both directions against TensorStore and zarr-python.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import math
 import os
-import re
 import stat
 import struct
 import sys
@@ -36,6 +34,17 @@ from .._format.integrity import crc_combine
 from .pools import map_kept
 from .priority import worker_initializer
 
+# The regular-file readers and the pins moved to smallfiles.py; re-exported here, where their users import them.
+from .smallfiles import (
+    check_no_links,
+    forget_pin,
+    open_nonblocking,
+    read_checkpoint_file,
+    read_regular_file,
+    remember_pin,
+    user_paths,
+)
+
 __all__ = ["STATS", "RowLayout", "check_no_links", "forget_pin", "read_checkpoint_file", "read_regular_file",
            "read_rows", "remember_pin", "row_layout", "user_paths", "write_rows"]
 
@@ -48,84 +57,6 @@ _STATS_LOCK = threading.Lock()
 def _count(name: str, nbytes: int) -> None:
     with _STATS_LOCK:
         STATS[name] += nbytes
-
-
-# Directories readers pinned (``_storage/files.py::pin_directory``: ``/proc/self/fd/N``) and the paths they were
-# opened as, so that error messages name the user's path instead of the pin.
-_PINS: dict[str, str] = {}
-_PIN = re.compile(r"/proc/self/fd/\d+(?!\d)")
-
-
-def remember_pin(pinned: str, path: str) -> None:
-    """Record that ``pinned`` (``/proc/self/fd/N``) stands for ``path`` until :func:`forget_pin`."""
-    _PINS[pinned] = path
-
-
-def forget_pin(pinned: str) -> None:
-    """Forget a pin (call it before closing the descriptor, whose number another pin may take next)."""
-    _PINS.pop(pinned, None)
-
-
-def read_regular_file(path: str | os.PathLike[str], name: str, follow: bool = True) -> bytes:
-    """The bytes of a (metadata) file, refusing anything but a regular file: a FIFO in a hostile checkpoint would
-    block a plain read forever. Opened without blocking, checked with ``fstat``; ``name`` names it in the error.
-    ``follow=False``: a symbolic link at ``path`` is refused too (:func:`read_checkpoint_file`)."""
-    fd = _open_nonblocking(path, follow, name)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # reading a directory raises IsADirectoryError below
-            raise CorruptCheckpointError(f"{name} is not a regular file (a pipe or device in its place); the "
-                                         "checkpoint is damaged: remove it, or restore the file")
-        with open(fd, "rb", closefd=False) as file:
-            return file.read()
-    finally:
-        os.close(fd)
-
-
-def check_no_links(root: str, relative: str, where: str) -> None:
-    """Refuse a symbolic link at any level of ``relative`` below the checkpoint directory ``root`` (which may be one:
-    the user's choice); stop quietly at the first level that does not exist (whoever reads it reports that). A
-    checkpoint holds directories and regular files only (spec §12): a link inside one could name any file of this
-    machine, which a reader would read and ``copy`` would write elsewhere. One ``lstat`` per segment, lexically."""
-    path = root.rstrip("/")
-    for segment in relative.split("/"):
-        if not segment:
-            continue
-        path = f"{path}/{segment}"
-        try:
-            mode = os.lstat(path).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        if stat.S_ISLNK(mode):
-            raise CorruptCheckpointError(user_paths(f"{where}: {path} {_LINK}"))
-
-
-def read_checkpoint_file(root: str, relative: str, name: str) -> bytes:
-    """The bytes of the regular file ``relative`` below the checkpoint directory ``root``, reached without following
-    a link at any level below ``root`` (``FileNotFoundError`` when it is absent); ``name`` names it in errors."""
-    check_no_links(root, relative.rpartition("/")[0], name)
-    return read_regular_file(f"{root.rstrip('/')}/{relative}", name, follow=False)
-
-
-_LINK = ("is a symbolic link; arrayckpt never follows a link inside a checkpoint (one from an untrusted source could "
-         "name any file of this machine): replace it by what it points to")
-
-
-def _open_nonblocking(path: str | os.PathLike[str], follow: bool, name: str) -> int:
-    """A non-blocking read descriptor of ``path``; without ``follow``, a symbolic link there is damage."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow:
-            raise CorruptCheckpointError(user_paths(f"{name} {_LINK}")) from None
-        raise
-
-
-def user_paths(text: str) -> str:
-    """``text`` (an error message) with every pinned directory replaced by the path it was opened as."""
-    if "/proc/self/fd/" not in text:
-        return text
-    return _PIN.sub(lambda m: _PINS.get(m.group(0), m.group(0)), text)
 
 
 def _io_threads() -> int:
@@ -365,7 +296,7 @@ def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], wher
 def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], target: memoryview) -> None:
     """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c."""
     try:
-        fd = _open_nonblocking(path, False, f"chunk file {path}")  # no link; never blocks: a FIFO is refused below
+        fd = open_nonblocking(path, False, f"chunk file {path}")  # no link; never blocks: a FIFO is refused below
     except FileNotFoundError:
         raise _missing(path) from None
     try:

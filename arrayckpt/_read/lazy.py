@@ -14,6 +14,8 @@ from .._layout.box import Box
 from .._read.chain import basic_index, bounding_box
 from .._read.reader import ArraySlices, ChainRead, read
 
+PROBE_BYTES = 256 << 20  # an array bigger than this is probed (first and last elements read) before it is allocated
+
 if TYPE_CHECKING:
     import torch
 
@@ -124,8 +126,17 @@ class LazyArray:
         return out[relative]
 
     def numpy(self) -> np.ndarray:
-        """The whole array as numpy."""
+        """The whole array as numpy (a big one probed first: :meth:`_probe`)."""
+        self._probe()
         return self[(slice(None),) * len(self.shape)]
+
+    def _probe(self) -> None:
+        """For an array of more than ``PROBE_BYTES``, read its first and last elements (through the chain) before
+        the whole is allocated: a crafted root document claiming gigabytes that its chunk files do not hold fails
+        here, on the missing or short data (an error naming the chunk, never zeros), not after the allocation."""
+        if self.nbytes > PROBE_BYTES:
+            self[(0,) * self.ndim]
+            self[tuple(n - 1 for n in self.shape)]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
@@ -136,7 +147,13 @@ class LazyArray:
         import torch
 
         self._checkpoint.check_open()  # before allocating
-        out = torch.empty(self.shape, dtype=self.dtype)
+        self._probe()
+        try:
+            out = torch.empty(self.shape, dtype=self.dtype)
+        except (RuntimeError, MemoryError):  # torch's allocator says RuntimeError
+            raise MemoryError(f"{self._checkpoint.location}: tensor {self.key!r} ({self.entry.dtype.name}"
+                              f"{list(self.shape)}, {self.nbytes:,} bytes) is more than this machine can allocate; "
+                              "read it in slices (ckpt[key][a:b]), or use a machine with more memory") from None
         self.read_into(out)
         return out
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError
+from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError, LocationError
 from .._format.integrity import check_root_integrity
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
@@ -175,6 +175,12 @@ class Location(abc.ABC):
             return Tree("file", tuple(s for s in os.path.normpath(scheme).split("/") if s))
         bucket, _, prefix = rest.partition("/")
         return Tree(f"{scheme}://{bucket}", tuple(s for s in prefix.split("/") if s))
+
+    def refuse_links_below(self, ancestor: Tree, where: str) -> None:
+        """Refuse a symbolic link at any level from ``ancestor`` (which holds this location, lexically) down to this
+        location: a base reached through one could be anywhere, and ``copy`` would write through it. ``where``
+        starts the error. Object storage has no links: nothing to check."""
+        return None
 
     @abc.abstractmethod
     def resolve(self, reference: str) -> Location:
@@ -345,9 +351,11 @@ def follow_base(delta: Location, reference: str, roots: Iterable[Location] = ())
     if own.holds(where):
         raise FormatError(f"{delta}: its base reference {shown(reference)} names the checkpoint itself or a place "
                           "inside it; it was damaged or crafted")
-    if any(root.tree.holds(where) for root in roots):
-        return target
-    if not is_location_reference(reference) and own.parent.holds(where, strictly=True):
+    holding = [root.tree for root in roots if root.tree.holds(where)]
+    if not holding and not is_location_reference(reference) and own.parent.holds(where, strictly=True):
+        holding = [own.parent]
+    if holding:  # lexically inside: and on disk too, through no link (the place named may itself be one)
+        target.refuse_links_below(holding[0], f"{delta}: its base reference {shown(reference)}")
         return target
     place = "outside the directory holding it" if not is_location_reference(reference) else \
         "an absolute location, which is followed only inside a root you name"
@@ -423,7 +431,7 @@ def parse_location(path: str | os.PathLike[str] | Location,
     parser = _PARSERS.get(scheme)
     if parser is None:
         others = ", ".join(s + "://" for s in _PARSERS if s != "file")
-        raise ValueError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
+        raise LocationError(f"{text!r}: URL scheme {scheme!r} is not supported; use a local path, file://, "
                          f"or one of {others}")
     return parser(rest if scheme == "file" else text, storage_options)
 

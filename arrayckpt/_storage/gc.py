@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
+from .._io.fastio import read_regular_file
 from .base import LEASE_NAME, ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
 from .files import directory_files, remove_arrayckpt_files
 from .liveness import Holder, live_holder
@@ -282,7 +283,7 @@ def _local_incomplete(location: LocalLocation, min_age_s: float) -> Leftovers:
         out: dict[str, bytes | None] = {}
         for name in names:
             try:
-                out[name] = (path / name).read_bytes()
+                out[name] = read_regular_file(path / name, str(path / name), follow=False)  # bounded, no link
             except FileNotFoundError:
                 out[name] = None
         return out

@@ -24,15 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import (
+    BaseNotAllowedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    LocationError,
     StorageError,
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
 from .._io.fastio import read_checkpoint_file, read_regular_file
+from .._io.smallfiles import first_link
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -40,6 +43,7 @@ from .base import (
     Leftovers,
     Location,
     Opened,
+    Tree,
     Writer,
     check_child_name,
     parse_location,
@@ -191,6 +195,13 @@ class LocalLocation(Location):
                                         f"{max(0.0, age):.0f} s ago, under the minimum age of {min_age_s:g} s"))
         return Leftovers(found, kept)
 
+    def refuse_links_below(self, ancestor: Tree, where: str) -> None:
+        link = first_link("/" + "/".join(ancestor.parts), "/".join(self.tree.parts[len(ancestor.parts):]))
+        if link is not None:
+            raise BaseNotAllowedError(f"{where} leads through {link}, a symbolic link; arrayckpt never follows a link "
+                                      "to or inside a checkpoint (it could lead anywhere, and a copy would write "
+                                      "through it): replace the link by the directory it points to, or remove it")
+
     def resolve(self, reference: str) -> Location:
         if "://" in reference or os.path.isabs(reference):
             return parse_location(reference)  # a URL gets no options from a local location: it has none
@@ -262,7 +273,8 @@ class LocalLeftover(Leftover):
 def _parse_path(text: str, storage_options: Mapping[str, Any] | None) -> LocalLocation:
     """A local path (or a ``file://`` URL's path), made absolute."""
     if storage_options:
-        raise ValueError(f"{text!r}: storage_options apply to object-storage URLs only")
+        raise LocationError(f"{text!r}: storage_options apply to object-storage URLs only; pass them with an s3://, "
+                            "gs:// or memory:// URL, or leave them out")
     return LocalLocation(Path(text).expanduser().absolute())
 
 

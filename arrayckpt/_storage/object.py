@@ -31,6 +31,7 @@ from .._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    LocationError,
     StorageError,
 )
 from .._format.manifest import is_arrayckpt_root
@@ -296,19 +297,21 @@ def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not bucket:
-        raise ValueError(f"{text!r}: no bucket in the URL (expected {scheme}://BUCKET/PREFIX)")
+        raise LocationError(f"{text!r}: no bucket in the URL; write {scheme}://BUCKET/PREFIX")
     if any(part in (".", "..") for part in prefix.split("/")) or "//" in prefix:
-        raise ValueError(f"{text!r}: the prefix must not contain '.', '..' or empty segments")
+        raise LocationError(f"{text!r}: the prefix must not contain '.', '..' or empty segments (object storage "
+                            f"would keep them in the keys, not resolve them); write the prefix they stand for: "
+                            f"{scheme + '://' + bucket + posixpath.normpath('/' + prefix)!r}")
     options = dict(storage_options or {})
     unknown = set(options) - _OPTION_NAMES
     if unknown:
-        raise ValueError(f"{text!r}: unknown storage option(s) {sorted(unknown)}; known: {sorted(_OPTION_NAMES)}")
+        raise LocationError(f"{text!r}: unknown storage option(s) {sorted(unknown)}; known: {sorted(_OPTION_NAMES)}")
     if scheme == "s3":
         options.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
         options.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
     options = {k: v for k, v in options.items() if v is not None}
     if bool(options.get("key")) != bool(options.get("secret")):  # a usage error, before any request is made
-        raise ValueError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
+        raise LocationError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
     return ObjectLocation(scheme, bucket, prefix, tuple(sorted(options.items())))
 
 
