@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -199,6 +200,10 @@ def _safetensors_source(src: Path) -> _StSource:
         files = sorted(src.glob("*.safetensors"))
         if len(files) != 1:
             raise FormatError(f"{src}: {len(files)} .safetensors files and no index JSON; name the file to convert")
+        shard = re.fullmatch(r".*-\d{5}-of-(\d{5})\.safetensors", files[0].name)
+        if shard and int(shard.group(1)) > 1:  # what a killed export or a partial download leaves
+            raise FormatError(f"{files[0]}: one shard of {int(shard.group(1))}, and no index JSON beside it; the "
+                              "export is incomplete: export it again (or name the file to convert just it)")
         return _StSource(files)
     if src.name.endswith(".json"):
         try:
