@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +58,10 @@ from .hf_ties import Tie, model_check, option_ties, resolve_ties
 from .safetensors import (
     DEFAULT_FILE_METADATA,
     SAFETENSORS_INDEX,
+    WEIGHTS,
     check_storable,
     cut_shards,
+    earlier_weights,
     shard_files,
     write_file,
 )
@@ -70,8 +71,6 @@ __all__ = ["HF_MAX_SHARD_BYTES", "HfOptions", "Selection", "refuse_earlier_expor
 
 HF_MAX_SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size, "50GB"
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"  # a one-file export; from_pretrained looks for it first
-WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what from_pretrained would load
 FLOATS = ("float64", "float32", "float16", "bfloat16")
 NO_CONFIG = ("no config.json given (--config): from_pretrained needs the model's beside the weights, and the "
              "model's tied weights were not looked up (only those the checkpoint stores once, and those a tie names, "
@@ -191,7 +190,7 @@ def to_hf(checkpoint: Checkpoint, dst: str | os.PathLike[str], options: HfOption
     files = shard_files(target, len(shards))
     commit = SAFETENSORS_INDEX if len(files) > 1 else WEIGHTS
     writes = [*files, *([target / SAFETENSORS_INDEX] if len(files) > 1 else []), *([target / CONFIG] if copied else [])]
-    old = [p.name for p in _earlier_weights(target)]  # from_pretrained would load a stale shard or index: removed
+    old = [p.name for p in earlier_weights(target)]  # from_pretrained would load a stale shard or index: removed
     total = sum(sizes.values())
     with held_temporary(target, WEIGHTS) as temporary:
         done = 0
@@ -239,17 +238,10 @@ def refuse_earlier_export(target: Path, overwrite: bool, *also: str) -> None:
     files or index (or any of ``also``). Other files (tokenizer, README) may be there."""
     if target.exists() and not target.is_dir():
         raise FormatError(f"{target}: a Hugging Face export is a directory, and this is a file")
-    found = [*_earlier_weights(target), *(target / name for name in also if (target / name).exists())]
+    found = [*earlier_weights(target), *(target / name for name in also if (target / name).exists())]
     if found and not overwrite:
         raise CheckpointExistsError(f"{target}: already holds {', '.join(p.name for p in found)}; pass "
                                     "overwrite=True (--overwrite) to replace an earlier export")
-
-
-def _earlier_weights(target: Path) -> list[Path]:
-    """The weight files and index in ``target`` (those from_pretrained would load)."""
-    if not target.is_dir():
-        return []
-    return sorted(p for p in target.iterdir() if WEIGHT_FILE.fullmatch(p.name) or p.name == SAFETENSORS_INDEX)
 
 
 def _write_index(path: Path, files: list[Path], shards: list[list[str]], total: int, parameters: int) -> None:
