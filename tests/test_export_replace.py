@@ -38,7 +38,7 @@ import tensorstore  # imported (~1 s), not used: TensorStore refuses a fork once
 import arrayckpt, arrayckpt._convert.dispatch, arrayckpt._convert.hf
 from arrayckpt._storage import renames
 src, dst, to_format, options, steps = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4]), sys.argv[5]
-if to_format != "hf":
+if to_format not in ("hf", "safetensors"):
     import arrayckpt._convert.megatron, arrayckpt._convert.deepspeed_universal
 def run(k):
     calls = [0]
@@ -128,20 +128,22 @@ def _same(a: Weights, b: Weights) -> bool:
     return set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def _export_hf(src: Path, dst: Path, shards: int) -> None:
-    arrayckpt.convert(src, dst, to_format="hf", overwrite=True, max_shard_bytes=6 * 64 // shards)
+def _export_hf(src: Path, dst: Path, shards: int, to_format: str = "hf") -> None:
+    arrayckpt.convert(src, dst, to_format=to_format, overwrite=True, max_shard_bytes=6 * 64 // shards)
 
 
-@pytest.mark.parametrize(("old_shards", "new_shards"), [(3, 2), (2, 2), (1, 3), (3, 1)],
-                         ids=["other-count", "same-names", "one-to-shards", "shards-to-one"])
-def test_a_killed_hf_export_leaves_the_old_or_the_new_export_or_none(tmp_path, old_shards, new_shards):
+@pytest.mark.parametrize(("old_shards", "new_shards", "to_format"),
+                         [(3, 2, "hf"), (2, 2, "hf"), (1, 3, "hf"), (3, 1, "hf"), (2, 2, "safetensors")],
+                         ids=["other-count", "same-names", "one-to-shards", "shards-to-one", "safetensors"])
+def test_a_killed_hf_export_leaves_the_old_or_the_new_export_or_none(tmp_path, old_shards, new_shards, to_format):
+    """(``--to safetensors`` into a directory replaces an earlier export the same way.)"""
     import torch
 
     old, new = _weights(1), _weights(2)
     arrayckpt.save({k: torch.from_numpy(v) for k, v in old.items()}, tmp_path / "old")
     arrayckpt.save({k: torch.from_numpy(v) for k, v in new.items()}, tmp_path / "new")
     out, pristine = tmp_path / "deep" / "er" / "hf", tmp_path / "pristine"
-    _export_hf(tmp_path / "old", pristine, old_shards)  # missing parents are made
+    _export_hf(tmp_path / "old", pristine, old_shards, to_format)  # missing parents are made
     for name, text in USER_FILES.items():
         (pristine / name).write_text(text)
     seen: dict[str, set[str]] = {"transformers": set(), "arrayckpt": set()}
@@ -164,13 +166,13 @@ def test_a_killed_hf_export_leaves_the_old_or_the_new_export_or_none(tmp_path, o
         if _hidden(out) and not collected and "tmp-new-" not in _hidden(out)[0]:  # what the kill left, gc removes
             collected.extend(Path(p) for p in arrayckpt.gc(out, min_age_s=0))
             assert collected and not _hidden(out)
-        _export_hf(tmp_path / "new", out, new_shards)  # a rerun
+        _export_hf(tmp_path / "new", out, new_shards, to_format)  # a rerun
         assert _same(_by_transformers(out), new) and _same(_by_arrayckpt(out), new)
         assert not _hidden(out) and {name: (out / name).read_text() for name in USER_FILES} == USER_FILES
         count = len(list(out.glob("*.safetensors")))
         assert count == new_shards and (out / "model.safetensors.index.json").exists() == (new_shards > 1)
 
-    kills = _kill_at_every_step(tmp_path / "new", out, "hf", {"max_shard_bytes": 6 * 64 // new_shards},
+    kills = _kill_at_every_step(tmp_path / "new", out, to_format, {"max_shard_bytes": 6 * 64 // new_shards},
                                 "replace,rename,unlink", reset, check)
     assert kills > 5 and collected
     assert {"old", "new"} <= seen["transformers"] and {"old", "new"} <= seen["arrayckpt"]
