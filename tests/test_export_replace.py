@@ -215,7 +215,9 @@ def test_a_killed_megatron_export_leaves_the_old_or_the_new_export(tmp_path):
 
     assert _kill_at_every_step(tmp_path / "new", out, "megatron", {}, "replace,rename", reset, check) >= 3
     assert seen == {1, 2}
-    arrayckpt.convert(tmp_path / "old", tmp_path / "a" / "b" / "made", to_format="megatron")  # parents made
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")  # through a temporary arrayckpt checkpoint: parents made
+    arrayckpt.convert(tmp_path / "w.pt", tmp_path / "a" / "b" / "made", to_format="megatron")
+    assert os.listdir(tmp_path / "a" / "b") == ["made"]
 
 
 def test_a_megatron_export_never_replaces_a_directory_holding_other_files(tmp_path):

@@ -38,7 +38,7 @@ from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
-from .switch import held_temporary, refuse_foreign, switch_directory
+from .switch import held_temporary, refuse_foreign, switch_directory, switched_path
 
 __all__ = ["MetadataUnpickler", "dcp_file", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata",
            "refuse_pickles", "stream_into_dcp", "to_dcp"]
@@ -343,7 +343,7 @@ def new_directory(target: Path, owned: Callable[[str], bool], what: str) -> Iter
     the new one at every instant. A directory there holding files not ``owned`` (``what``'s own) is refused first:
     they would go with it. On failure nothing partial is left, and DCP's wrapped error is raised as itself
     (:func:`_dcp_cause`)."""
-    target = target.absolute()
+    target = switched_path(target)
     refuse_foreign(target, owned, what)
     try:
         with held_temporary(target.parent, target.name) as temporary:

@@ -57,7 +57,7 @@ from .._storage.renames import exchange, fsync_dir, make_durable, rename_norepla
 from .._torch.tensors import writable_numpy
 from .common import ConvertResult, Progress, nested_state, refuse_existing
 from .deepspeed_files import DEEPSPEED_KEYS
-from .switch import held_temporary, switch_directory
+from .switch import held_temporary, switch_directory, switched_path
 from .universal_plan import MODEL, Source, Trainable, plan_source
 
 __all__ = ["LATEST", "MODEL_STATES", "OPTIMIZER_STATE", "ZERO3_MODEL_STATES", "param_directory", "to_universal"]
@@ -296,7 +296,7 @@ def to_universal(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwri
         refuse_existing(target, overwrite)
     source = plan_source(checkpoint, param_names)
     tag = _tag(checkpoint, source)
-    place = target.absolute()
+    place = switched_path(target)
     with held_temporary(place.parent, place.name) as temporary:  # its parents are made
         writer = _write_tag(checkpoint, source, temporary / tag, progress)
         (temporary / LATEST).write_text(tag)

@@ -159,7 +159,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     elif os.path.exists(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
     place = Path(dst).absolute()
-    with held_temporary(place.parent, place.name) as temp:  # (parents made; after a kill, gc removes it)
+    # parents made; after a kill gc removes it; not named as the export's own, which removes its own leftovers
+    with held_temporary(place.parent, f"{place.name}.source") as temp:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
         try:
             result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,

@@ -25,7 +25,7 @@ from .._storage.liveness import create_held_directory
 from .._storage.local import NEW_MARKER, LocalLeftover, LocalLocation
 from .._storage.renames import exchange, fsync_dir, make_durable, rename_noreplace
 
-__all__ = ["clean_leftovers", "held_temporary", "refuse_foreign", "switch_directory", "switch_files"]
+__all__ = ["clean_leftovers", "held_temporary", "refuse_foreign", "switch_directory", "switch_files", "switched_path"]
 
 _ATTEMPTS = 100  # a gc without the minimum age may remove a fresh temporary directory before its lock: take another
 
@@ -61,6 +61,12 @@ def held_temporary(parent: Path, name: str) -> Iterator[Path]:
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
         hold.release()
+
+
+def switched_path(target: Path) -> Path:
+    """The absolute path a directory export switches: where a link at ``target`` points (as a save to a link saves
+    there), since the exchange would swap the link itself away."""
+    return Path(os.path.realpath(target)) if target.is_symlink() else target.absolute()
 
 
 def refuse_foreign(target: Path, owned: Callable[[str], bool], what: str) -> None:
