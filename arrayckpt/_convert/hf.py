@@ -35,7 +35,8 @@ A kill can leave:
 3. during the moves, a name taken: no entry point, so ``from_pretrained`` fails ("no file named
    model.safetensors") and arrayckpt's reader refuses several ``.safetensors`` files without an index, or one
    shard (``-of-00003``) without its index;
-4. after the commit: the new export, whole, maybe beside old shards nothing names (and the temporary directory).
+4. after the commit: the new export, whole, maybe beside old shards nothing names (and the temporary directory;
+   arrayckpt's reader refuses ``model.safetensors`` beside such shards, not knowing which is meant).
 
 A rerun of the export removes what 1, 3 and 4 left; ``arrayckpt gc DIR`` removes the temporary directory (never
 one a running export holds). The user's files are never touched.
