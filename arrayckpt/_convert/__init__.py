@@ -1,6 +1,7 @@
 """Converters between arrayckpt and torch.save files, Hugging Face safetensors, PyTorch DCP and Megatron-Core
 ``torch_dist`` checkpoints, and from DeepSpeed ZeRO checkpoints (read only), streaming one tensor at a time:
-``dispatch.py`` chooses, ``common.py`` holds what they share, one module per format: ``torch_save.py``,
+``dispatch.py`` chooses, ``common.py`` holds what they share, ``switch.py`` puts an export in place (written aside,
+then switched in), one module per format: ``torch_save.py``,
 ``safetensors.py``, ``dcp.py`` (with ``dcp_payload.py``: a DCP chunk read into its place), ``megatron.py``,
 ``deepspeed.py`` (ZeRO in; ``deepspeed_files.py`` finds its files without running its code),
 ``deepspeed_universal.py`` and ``deepspeed_universal_read.py`` (Universal Checkpoint out and in, with

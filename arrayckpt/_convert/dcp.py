@@ -22,10 +22,9 @@ import contextlib
 import io
 import os
 import pickle
-import shutil
-import uuid
+import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,11 +38,13 @@ from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
+from .switch import held_temporary, refuse_foreign, switch_directory, switched_path
 
-__all__ = ["MetadataUnpickler", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata", "refuse_pickles",
-           "stream_into_dcp", "to_dcp"]
+__all__ = ["MetadataUnpickler", "dcp_file", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata",
+           "refuse_pickles", "stream_into_dcp", "to_dcp"]
 
 METADATA_FILE = ".metadata"
+DISTCP_FILE = re.compile(r"__\d+_\d+\.distcp")  # the data files of DCP's FileSystemWriter
 _DCP = "torch.distributed.checkpoint"
 # (module, name) pairs a DCP .metadata pickle may name; nothing else is ever imported.
 ALLOWED_GLOBALS = frozenset({
@@ -263,7 +264,7 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     refuse_pickles(checkpoint)
     state, skipped = nested_state(checkpoint, lambda key: meta_tensor(checkpoint, key))
     keys = frozenset(k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None)
-    with new_directory(target, (METADATA_FILE,)) as temporary:
+    with new_directory(target, dcp_file, "a DCP checkpoint") as temporary:
         total = stream_into_dcp(checkpoint, state, keys, temporary, flatten=True, progress=progress)
     files = tuple(sorted(str(p) for p in target.iterdir()))
     return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
@@ -335,17 +336,20 @@ def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, Any], keys: frozens
 
 
 @contextlib.contextmanager
-def new_directory(target: Path, markers: tuple[str, ...]) -> Iterator[Path]:
-    """A temporary directory beside ``target`` to write a checkpoint into; once the block succeeds it becomes
-    ``target`` (:func:`_move_into_place`; ``markers``: the files that make the directory a checkpoint, in the
-    order they are put in place, last of all). On failure nothing partial is left, and DCP's wrapped error is
-    raised as itself (:func:`_dcp_cause`)."""
-    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+def new_directory(target: Path, owned: Callable[[str], bool], what: str) -> Iterator[Path]:
+    """A held temporary directory beside ``target`` to write a checkpoint into (``switch.py``: hidden, removed by a
+    rerun or ``arrayckpt gc`` after a kill); once the block succeeds it is made durable and switched into place
+    whole (exchanged with an earlier directory, which is then removed), so ``target`` holds the old checkpoint or
+    the new one at every instant. A directory there holding files not ``owned`` (``what``'s own) is refused first:
+    they would go with it. On failure nothing partial is left, and DCP's wrapped error is raised as itself
+    (:func:`_dcp_cause`)."""
+    target = switched_path(target)
+    refuse_foreign(target, owned, what)
     try:
-        yield temporary
-        _move_into_place(temporary, target, markers)
+        with held_temporary(target.parent, target.name) as temporary:
+            yield temporary
+            switch_directory(temporary, target)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        shutil.rmtree(temporary, ignore_errors=True)
         cause = _dcp_cause(e)
         failure = write_failure(cause, target)  # a full disk: torch's zip writer says "unexpected pos"
         if failure is not None:
@@ -355,20 +359,9 @@ def new_directory(target: Path, markers: tuple[str, ...]) -> Iterator[Path]:
         raise cause from None
 
 
-def _move_into_place(temporary: Path, target: Path, markers: tuple[str, ...]) -> None:
-    """A complete checkpoint written to ``temporary`` to ``target``: renamed there in one step when nothing (or an
-    empty directory) is there, else (``overwrite=True``) its files moved in one by one, the ``markers`` (what
-    makes it a checkpoint: DCP's ``.metadata``; Megatron's ``metadata.json`` too) removed first, the last one
-    first, and put back last, in order; the other files there are left alone."""
-    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
-        os.replace(temporary, target)
-        return
-    for marker in reversed(markers):
-        (target / marker).unlink(missing_ok=True)
-    rank = {name: i + 1 for i, name in enumerate(markers)}
-    for item in sorted(temporary.iterdir(), key=lambda p: rank.get(p.name, 0)):
-        os.replace(item, target / item.name)
-    temporary.rmdir()
+def dcp_file(name: str) -> bool:
+    """A file DCP's save writes (``.metadata``, ``__<rank>_<n>.distcp``)."""
+    return name == METADATA_FILE or DISTCP_FILE.fullmatch(name) is not None
 
 
 def _dcp_cause(error: BaseException) -> BaseException:

@@ -32,7 +32,8 @@ from its saved attributes), because DeepSpeed's loader uses the object it finds 
 (one converted from DeepSpeed) therefore needs DeepSpeed installed to convert.
 
 One tensor is read, written and dropped at a time, so memory stays near the largest tensor. Everything goes to a
-temporary directory beside ``OUT`` first; ``latest_universal`` is written last.
+hidden directory beside ``OUT`` first (``switch.py``: a rerun or ``arrayckpt gc`` removes it after a kill), made
+durable, then switched in (:func:`_install`); ``latest_universal`` is put in place last.
 """
 
 from __future__ import annotations
@@ -40,23 +41,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import shutil
 import sys
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._errors import CheckpointNotFoundError, FormatError
+from .._errors import FormatError
 from .._format.manifest import ArrayEntry, PerRankEntry
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, read
+from .._storage.renames import exchange, fsync_dir, make_durable, rename_noreplace
 from .._torch.tensors import writable_numpy
-from .common import ConvertResult, Progress, nested_state, refuse_existing, replaced_atomically
+from .common import ConvertResult, Progress, nested_state, refuse_existing
 from .deepspeed_files import DEEPSPEED_KEYS
+from .switch import held_temporary, switch_directory, switched_path
 from .universal_plan import MODEL, Source, Trainable, plan_source
 
 __all__ = ["LATEST", "MODEL_STATES", "OPTIMIZER_STATE", "ZERO3_MODEL_STATES", "param_directory", "to_universal"]
@@ -265,21 +266,21 @@ def _tag(checkpoint: Checkpoint, source: Source) -> str:
 
 
 def _install(temporary: Path, target: Path, tag: str) -> None:
-    """Move the tag written in ``temporary`` into ``target`` (a new directory, or one to add it to, replacing an
-    earlier tag of that name) and write ``latest_universal`` last."""
-    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
-        if target.exists():
-            target.rmdir()
-        os.replace(temporary, target)
+    """Switch the export written in ``temporary`` into ``target``. Where nothing (or an empty directory) is there,
+    the whole directory in one step. Otherwise ``target`` is a DeepSpeed checkpoint directory whose other tags and
+    files are kept: the tag goes in in one step (exchanged with an earlier tag of that name, which ``temporary``
+    then holds, to be removed), then ``latest_universal`` is replaced by the new one, in one step too. A kill in
+    between leaves the new tag beside the one ``latest_universal`` still names (or, the same name, the new tag
+    already named): DeepSpeed's load reads the old export or the new one, whole."""
+    if not target.is_dir() or not any(target.iterdir()):
+        switch_directory(temporary, target)
         return
-    old = target / f".{tag}.old-{uuid.uuid4().hex[:8]}"
-    if (target / tag).exists():
-        os.replace(target / tag, old)
-    os.replace(temporary / tag, target / tag)
-    with replaced_atomically(target / LATEST) as temp:
-        temp.write_text(tag)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(temporary, ignore_errors=True)
+    make_durable(temporary)
+    if not rename_noreplace(temporary / tag, target / tag):
+        exchange(temporary / tag, target / tag)
+    fsync_dir(target)
+    os.replace(temporary / LATEST, target / LATEST)
+    fsync_dir(target)
 
 
 def to_universal(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
@@ -293,17 +294,13 @@ def to_universal(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwri
         raise FormatError(f"{target}: not a directory; a DeepSpeed checkpoint is a directory")
     if target.is_dir() and any(target.iterdir()):
         refuse_existing(target, overwrite)
-    if not target.absolute().parent.is_dir():
-        raise CheckpointNotFoundError(f"{target.absolute().parent}: no such directory to write {target.name} into")
     source = plan_source(checkpoint, param_names)
     tag = _tag(checkpoint, source)
-    temporary = target.absolute().parent / f".{target.name}.universal-{uuid.uuid4().hex[:8]}"
-    try:
+    place = switched_path(target)
+    with held_temporary(place.parent, place.name) as temporary:  # its parents are made
         writer = _write_tag(checkpoint, source, temporary / tag, progress)
         (temporary / LATEST).write_text(tag)
-        _install(temporary, target, tag)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _install(temporary, place, tag)
     skipped = tuple(k for k, e in checkpoint.manifest.entries.items() if isinstance(e, PerRankEntry))
     return ConvertResult("arrayckpt", "deepspeed", writer.tensors, writer.bytes, (str(target / tag),
                          str(target / LATEST)), skipped, notes=source.notes)

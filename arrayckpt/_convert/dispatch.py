@@ -13,8 +13,6 @@ import contextlib
 import dataclasses
 import importlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from .._torch import require_torch
 from .common import ConvertResult, Progress
 from .hf import HfOptions, refuse_earlier_export, to_hf
 from .safetensors import to_safetensors
+from .switch import held_temporary
 from .whatis import checkpoint_steps, explain_path
 
 __all__ = ["FORMATS", "convert", "detect_format"]
@@ -163,19 +162,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         refuse_earlier_export(Path(dst), overwrite)
     elif os.path.exists(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
-    parent = Path(dst).absolute().parent
-    if not parent.is_dir():
-        raise CheckpointNotFoundError(f"{parent}: no such directory to write {Path(dst).name} into")
-    temp = tempfile.mkdtemp(prefix=f".{Path(dst).name}.arrayckpt-", dir=parent)
-    try:
+    place = Path(dst).absolute()
+    # parents made; after a kill gc removes it; not named as the export's own, which removes its own leftovers
+    with held_temporary(place.parent, f"{place.name}.source") as temp:
         first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
         try:
             result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
                              max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
         except ArrayckptError as e:
             raise _naming_source(e, os.path.join(temp, "ckpt"), src) from e
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     return dataclasses.replace(result, source_format=first.source_format,
                                skipped=tuple(dict.fromkeys(first.skipped + result.skipped)))
 

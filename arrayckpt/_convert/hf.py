@@ -17,8 +17,29 @@ as ``save_pretrained`` leaves them out (``hf_ties.py``); a given ``config.json``
 ``config.json`` already in the directory is the model's, read for its ties and checks). Weight files of an
 earlier export that this one does not replace are removed (with ``overwrite``), or the export is refused: a
 stale shard or index beside the new files would be loaded instead of them. Other files (tokenizer, README) are
-left alone. Tensors stream one at a time (``safetensors.py::write_file``); no torch is needed unless
+the user's, left alone. Tensors stream one at a time (``safetensors.py::write_file``); no torch is needed unless
 transformers is asked which weights the config's model ties.
+
+Replacing an earlier export (``switch.py``). ``from_pretrained`` finds the weights through ``model.safetensors``
+(preferred where both are there) or else ``model.safetensors.index.json``, whose ``weight_map`` names the shards;
+arrayckpt's own reader looks for the index first. The new files (and a copied ``config.json`` whose bytes differ
+from the one there) are written into ``.model.safetensors.arrayckpt-tmp-<hex>/`` inside the directory, made
+durable, then moved in: the *commit* (the index, or ``model.safetensors`` alone) last. Where no other new file
+takes a name already there and the old export's entry point is the new one's (shards to shards of another count,
+one file to one file), every move before the commit adds files the old entry point does not name. Otherwise (the
+same shard count, one file to shards or back, a new ``config.json``) the old entry points are removed first.
+A kill can leave:
+
+1. before the moves: the old export, whole; the temporary directory beside it;
+2. during the moves, no name taken: the old export (its entry point names none of the new files);
+3. during the moves, a name taken: no entry point, so ``from_pretrained`` fails ("no file named
+   model.safetensors") and arrayckpt's reader refuses several ``.safetensors`` files without an index, or one
+   shard (``-of-00003``) without its index;
+4. after the commit: the new export, whole, maybe beside old shards nothing names (and the temporary directory;
+   arrayckpt's reader refuses ``model.safetensors`` beside such shards, not knowing which is meant).
+
+A rerun of the export removes what 1, 3 and 4 left; ``arrayckpt gc DIR`` removes the temporary directory (never
+one a running export holds). The user's files are never touched.
 """
 
 from __future__ import annotations
@@ -26,7 +47,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,22 +54,24 @@ from pathlib import Path
 from .._errors import CheckpointExistsError, FormatError, StateError
 from .._format.manifest import AliasEntry, ArrayEntry, Entry
 from .._read.checkpoint import Checkpoint
-from .common import ConvertResult, Progress, replaced_atomically
+from .common import ConvertResult, Progress
 from .hf_ties import Tie, model_check, option_ties, resolve_ties
 from .safetensors import (
     DEFAULT_FILE_METADATA,
     SAFETENSORS_INDEX,
+    WEIGHTS,
     check_storable,
     cut_shards,
+    earlier_weights,
     shard_files,
     write_file,
 )
+from .switch import held_temporary, switch_files
 
 __all__ = ["HF_MAX_SHARD_BYTES", "HfOptions", "Selection", "refuse_earlier_export", "select_model", "to_hf"]
 
 HF_MAX_SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size, "50GB"
 CONFIG = "config.json"
-WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # what from_pretrained would load
 FLOATS = ("float64", "float32", "float16", "bfloat16")
 NO_CONFIG = ("no config.json given (--config): from_pretrained needs the model's beside the weights, and the "
              "model's tied weights were not looked up (only those the checkpoint stores once, and those a tie names, "
@@ -167,22 +189,21 @@ def to_hf(checkpoint: Checkpoint, dst: str | os.PathLike[str], options: HfOption
     sizes = {name: checkpoint[key].nbytes for name, key in tensors.items()}
     shards = cut_shards(sizes, max_shard_bytes or HF_MAX_SHARD_BYTES)
     files = shard_files(target, len(shards))
+    commit = SAFETENSORS_INDEX if len(files) > 1 else WEIGHTS
     writes = [*files, *([target / SAFETENSORS_INDEX] if len(files) > 1 else []), *([target / CONFIG] if copied else [])]
-    target.mkdir(parents=True, exist_ok=True)
+    old = [p.name for p in earlier_weights(target)]  # from_pretrained would load a stale shard or index: removed
     total = sum(sizes.values())
-    done = 0
-    for file, names in zip(files, shards, strict=True):
-        done = write_file(checkpoint, {name: tensors[name] for name in names}, file, DEFAULT_FILE_METADATA, done,
-                          total, progress)
-    if len(files) > 1:
-        _write_index(target / SAFETENSORS_INDEX, files, shards, total,
-                     sum(math.prod(checkpoint[key].shape) for key in tensors.values()))
-    if copied is not None:
-        with replaced_atomically(target / CONFIG) as temp:
-            temp.write_bytes(copied.text)
-    for path in _earlier_weights(target):
-        if path not in writes:  # from_pretrained would load a stale shard or index beside the new files
-            path.unlink(missing_ok=True)
+    with held_temporary(target, WEIGHTS) as temporary:
+        done = 0
+        for file, names in zip(files, shards, strict=True):
+            done = write_file(checkpoint, {name: tensors[name] for name in names}, temporary / file.name,
+                              DEFAULT_FILE_METADATA, done, total, progress)
+        if len(files) > 1:
+            _write_index(temporary / SAFETENSORS_INDEX, files, shards, total,
+                         sum(math.prod(checkpoint[key].shape) for key in tensors.values()))
+        if copied is not None and not _holds(target / CONFIG, copied.text):
+            (temporary / CONFIG).write_bytes(copied.text)
+        switch_files(temporary, target, commit, (WEIGHTS, SAFETENSORS_INDEX), old)
     notes = (*(check.notes if check else (NO_CONFIG,)), *ties.notes, *_dtype_notes(checkpoint, config, tensors))
     return ConvertResult("arrayckpt", "hf", len(tensors), total, tuple(str(p) for p in writes), selection.skipped,
                          selected=selection.prefix, tied=ties.aliases, notes=notes)
@@ -218,25 +239,27 @@ def refuse_earlier_export(target: Path, overwrite: bool, *also: str) -> None:
     files or index (or any of ``also``). Other files (tokenizer, README) may be there."""
     if target.exists() and not target.is_dir():
         raise FormatError(f"{target}: a Hugging Face export is a directory, and this is a file")
-    found = [*_earlier_weights(target), *(target / name for name in also if (target / name).exists())]
+    found = [*earlier_weights(target), *(target / name for name in also if (target / name).exists())]
     if found and not overwrite:
         raise CheckpointExistsError(f"{target}: already holds {', '.join(p.name for p in found)}; pass "
                                     "overwrite=True (--overwrite) to replace an earlier export")
 
 
-def _earlier_weights(target: Path) -> list[Path]:
-    """The weight files and index in ``target`` (those from_pretrained would load)."""
-    if not target.is_dir():
-        return []
-    return sorted(p for p in target.iterdir() if WEIGHT_FILE.fullmatch(p.name) or p.name == SAFETENSORS_INDEX)
-
-
 def _write_index(path: Path, files: list[Path], shards: list[list[str]], total: int, parameters: int) -> None:
-    """``model.safetensors.index.json`` as ``save_pretrained`` writes it (sorted keys, two-space indent)."""
+    """``model.safetensors.index.json`` as ``save_pretrained`` writes it (sorted keys, two-space indent), naming
+    the ``files`` by their names."""
     index = {"metadata": {"total_parameters": parameters, "total_size": total},
              "weight_map": {name: file.name for file, names in zip(files, shards, strict=True) for name in names}}
-    with replaced_atomically(path) as temp:
-        temp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _holds(path: Path, text: bytes) -> bool:
+    """Whether the file ``path`` holds exactly ``text`` (a ``config.json`` to copy that is there already is left
+    as it is: it cannot mix with the old export's weights)."""
+    try:
+        return path.is_file() and path.read_bytes() == text
+    except OSError:
+        return False
 
 
 def _dtype_notes(checkpoint: Checkpoint, config: _ConfigFile | None, tensors: Mapping[str, str]) -> tuple[str, ...]:

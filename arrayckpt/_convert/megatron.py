@@ -63,7 +63,7 @@ from .._format.manifest import ArrayEntry, Entry, PerRankEntry
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refusal_reason, refuse_existing, restore_containers
-from .dcp import METADATA_FILE, from_dcp, meta_tensor, new_directory, refuse_pickles, stream_into_dcp
+from .dcp import METADATA_FILE, dcp_file, from_dcp, meta_tensor, new_directory, refuse_pickles, stream_into_dcp
 
 __all__ = ["COMMON_FILE", "CONFIG_FILE", "WRITTEN_CONFIG", "checkpoint_directory", "from_megatron", "to_megatron"]
 
@@ -157,7 +157,10 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     """An arrayckpt checkpoint into a Megatron-Core ``torch_dist`` directory (the mapping is this module's
     docstring): ``common.pt``, then DCP's own save of the ShardedTensors and ShardedObjects, each tensor read only
     when written and appended to one ``__0_0.distcp`` (memory: the largest tensor), then ``metadata.json``;
-    written beside ``dst`` and moved into place complete. ``notes`` say when ``common.pt`` holds what Megatron's
+    written into a hidden directory beside ``dst`` and switched into place whole (``dcp.py::new_directory``): a
+    kill leaves the old checkpoint or the new one there, and the hidden directory a rerun or ``arrayckpt gc``
+    removes. An earlier directory is replaced whole, so one holding anything but a Megatron checkpoint's files
+    (``metadata.json``, ``common.pt``, DCP's) is refused. ``notes`` say when ``common.pt`` holds what Megatron's
     loader (``torch.load``, ``weights_only=True``) refuses without an allow-list."""
     target = Path(dst)
     if target.exists() and any(target.iterdir()):
@@ -175,8 +178,7 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     keys = frozenset(e.key for e in parts.tensors)
     state: dict[str, Any] = {e.key: meta_tensor(checkpoint, e.key) for e in parts.tensors} | objects
     notes = []
-    with new_directory(target, (METADATA_FILE, CONFIG_FILE)) as temporary:
-        temporary.mkdir()
+    with new_directory(target, _megatron_file, "a Megatron checkpoint") as temporary:
         _write_durably(temporary / COMMON_FILE, functools.partial(torch.save, common))  # first: then its tensors go
         del common
         refused = _weights_only_refusal(temporary / COMMON_FILE)
@@ -245,6 +247,11 @@ def _nested(checkpoint: Checkpoint, entries: Iterable[Entry]) -> dict[Any, Any]:
             node = node.setdefault(part, {})
         node[entry.parts[-1]] = value
     return restore_containers(root, (), checkpoint.manifest.containers)
+
+
+def _megatron_file(name: str) -> bool:
+    """A file of a Megatron ``torch_dist`` checkpoint (what an earlier export, or Megatron's save, wrote)."""
+    return name in (CONFIG_FILE, COMMON_FILE) or dcp_file(name)
 
 
 def _write_durably(file: Path, write: Callable[[IO[bytes]], Any]) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,18 +32,22 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArrayckptError, FormatError, StateError
+from .._errors import ArrayckptError, CheckpointExistsError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
 from .._io.smallfiles import USER_FILE_LIMIT, read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
+from .switch import held_temporary, switch_files
 
-__all__ = ["DEFAULT_FILE_METADATA", "SAFETENSORS_INDEX", "ST_DTYPES", "ST_NAMES", "check_storable", "cut_shards",
-           "from_safetensors", "shard_files", "source_record", "to_safetensors", "write_file"]
+__all__ = ["DEFAULT_FILE_METADATA", "SAFETENSORS_INDEX", "ST_DTYPES", "ST_NAMES", "WEIGHTS", "check_storable",
+           "cut_shards", "earlier_weights", "from_safetensors", "shard_files", "source_record", "to_safetensors",
+           "write_file"]
 
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # the safetensors library's own limit on the JSON header
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"  # a one-file export in a directory; from_pretrained looks for it first
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # the weight files of an export
 DEFAULT_FILE_METADATA = {"format": "pt"}  # what transformers expects in __metadata__ to load a file
 ST_DTYPES: dict[str, DType] = {st: DTYPES[name] for st, name in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
@@ -200,6 +205,10 @@ def _safetensors_source(src: Path) -> _StSource:
         files = sorted(src.glob("*.safetensors"))
         if len(files) != 1:
             raise FormatError(f"{src}: {len(files)} .safetensors files and no index JSON; name the file to convert")
+        shard = re.fullmatch(r".*-\d{5}-of-(\d{5})\.safetensors", files[0].name)
+        if shard and int(shard.group(1)) > 1:  # what a killed export or a partial download leaves
+            raise FormatError(f"{files[0]}: one shard of {int(shard.group(1))}, and no index JSON beside it; the "
+                              "export is incomplete: export it again (or name the file to convert just it)")
         return _StSource(files)
     if src.name.endswith(".json"):
         try:
@@ -288,7 +297,9 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
                    max_shard_bytes: int | None = None, progress: Progress | None = None) -> ConvertResult:
     """The checkpoint's tensors into one safetensors file, or shards plus ``model.safetensors.index.json``.
 
-    ``dst`` is the file (``model.safetensors``); with shards (``max_shard_bytes`` exceeded) it is a directory.
+    ``dst`` is the file (``model.safetensors``); with shards (``max_shard_bytes`` exceeded) it is a directory,
+    where an earlier export's weight files are replaced (``overwrite``) as a Hugging Face export replaces them
+    (``hf.py``: a kill leaves the old export, the new one, or none that loads; stale shards are removed).
     Tensors are written one at a time, read as numpy (no torch needed). Plain values have no place in
     safetensors and are skipped. safetensors cannot alias, so a tensor stored once under two keys (tied weights)
     is written under both, its bytes twice: every key of the state is in the file, for any reader and for
@@ -301,29 +312,40 @@ def to_safetensors(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overw
     check_storable(checkpoint, keys)
     shards = cut_shards({k: checkpoint[k].nbytes for k in keys}, max_shard_bytes)
     target = Path(dst)
-    if len(shards) == 1 and not target.is_dir():
-        files = [target]
-    else:
-        target.mkdir(parents=True, exist_ok=True)
-        files = shard_files(target, len(shards))
-    for file in files:
-        refuse_existing(file, overwrite)
     total = sum(checkpoint[k].nbytes for k in keys)
     file_metadata, index_metadata = _carried_metadata(checkpoint)
-    done = 0
-    for file, names in zip(files, shards, strict=True):
-        done = write_file(checkpoint, {k: k for k in names}, file, file_metadata, done, total, progress)
+    if len(shards) == 1 and not target.is_dir():  # one file, replaced atomically
+        refuse_existing(target, overwrite)
+        write_file(checkpoint, {k: k for k in shards[0]}, target, file_metadata, 0, total, progress)
+        return ConvertResult("arrayckpt", "safetensors", len(keys), total, (str(target),), skipped)
+    files = shard_files(target, len(shards))
+    found = earlier_weights(target)
+    if found and not overwrite:
+        raise CheckpointExistsError(f"{target}: already holds {', '.join(p.name for p in found)}; pass "
+                                    "overwrite=True (--overwrite) to replace an earlier export")
     written = [str(f) for f in files]
-    if len(files) > 1:
-        totals = {"total_size": total, "total_parameters": sum(math.prod(checkpoint[k].shape) for k in keys)}
-        index = {"metadata": index_metadata | totals,
-                 "weight_map": {k: f.name for f, names in zip(files, shards, strict=True) for k in names}}
-        index_path = target / SAFETENSORS_INDEX
-        refuse_existing(index_path, overwrite)
-        with replaced_atomically(index_path) as temp:
-            temp.write_bytes(json.dumps(index, indent=2).encode())
-        written.append(str(index_path))
+    with held_temporary(target, WEIGHTS) as temporary:  # switched in as a Hugging Face export is (hf.py)
+        done = 0
+        for file, names in zip(files, shards, strict=True):
+            done = write_file(checkpoint, {k: k for k in names}, temporary / file.name, file_metadata, done, total,
+                              progress)
+        if len(files) > 1:
+            totals = {"total_size": total, "total_parameters": sum(math.prod(checkpoint[k].shape) for k in keys)}
+            index = {"metadata": index_metadata | totals,
+                     "weight_map": {k: f.name for f, names in zip(files, shards, strict=True) for k in names}}
+            (temporary / SAFETENSORS_INDEX).write_bytes(json.dumps(index, indent=2).encode())
+            written.append(str(target / SAFETENSORS_INDEX))
+        switch_files(temporary, target, SAFETENSORS_INDEX if len(files) > 1 else WEIGHTS, (WEIGHTS, SAFETENSORS_INDEX),
+                     [p.name for p in found])
     return ConvertResult("arrayckpt", "safetensors", len(keys), total, tuple(written), skipped)
+
+
+def earlier_weights(target: Path) -> list[Path]:
+    """The weight files and index of an earlier export in the directory ``target`` (what ``from_pretrained``
+    would load: ``model.safetensors``, ``model-00001-of-00003.safetensors``, the index)."""
+    if not target.is_dir():
+        return []
+    return sorted(p for p in target.iterdir() if WEIGHT_FILE.fullmatch(p.name) or p.name == SAFETENSORS_INDEX)
 
 
 def check_storable(checkpoint: Checkpoint, keys: list[str]) -> None:
