@@ -320,3 +320,35 @@ def test_a_tensor_too_big_to_allocate_is_an_error_naming_it(claims_32_gib, monke
                                                                                   r"\[8589934592\], 34,359,738,368 "
                                                                                   r"bytes\) is more than this machine"):
         ckpt["w"].torch()
+
+
+@pytest.mark.parametrize("source, file", [("dcp", ".metadata"), ("megatron", "metadata.json"),
+                                          ("megatron-latest", "latest_checkpointed_iteration.txt")])
+def test_a_fifo_or_device_in_place_of_a_foreign_metadata_file_is_refused_at_once(tmp_path, capsys, source, file):
+    """A source checkpoint's metadata read by the converters is a bounded regular file: a FIFO there would block a
+    plain read forever, /dev/zero would exhaust memory."""
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    if source == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(src))
+    elif source == "megatron":
+        (src / "common.pt").write_bytes(b"")
+    else:
+        (src / "iter_0000001").mkdir()
+    (src / file).unlink(missing_ok=True)
+    os.mkfifo(src / file)
+    code = main(["convert", str(src), str(tmp_path / "out"), "--from", source.partition("-")[0]])
+    err = capsys.readouterr().err
+    if source == "megatron-latest":  # not a regular file: not taken for the pointer to an iteration
+        assert code != 0 and "no metadata.json" in err, err
+    else:
+        assert code != 0 and file in err and "regular file" in err, err
+    os.unlink(src / file)
+    os.symlink("/dev/zero", src / file)
+    code = main(["convert", str(src), str(tmp_path / "out"), "--from", source.partition("-")[0]])
+    err = capsys.readouterr().err
+    assert code != 0 and (file in err or source == "megatron-latest" and "no metadata.json" in err), err

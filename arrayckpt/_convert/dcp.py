@@ -32,6 +32,7 @@ import torch
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, warn_unpickling
 from .._format.manifest import PickleEntry
+from .._io.smallfiles import read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .._write.options import SaveOptions
@@ -88,9 +89,8 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
     """The ``Metadata`` of the DCP checkpoint in directory ``path``, unpickled with :class:`MetadataUnpickler`."""
     file = Path(path) / METADATA_FILE
-    try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
+    try:  # a regular file of bounded size (not a FIFO, which would block; not /dev/zero)
+        metadata = MetadataUnpickler(io.BytesIO(read_regular_file(file, str(file)))).load()
     except FileNotFoundError:
         raise FormatError(f"{path}: no {METADATA_FILE}; not a DCP checkpoint (or its save did not finish)") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:

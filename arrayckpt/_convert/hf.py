@@ -53,6 +53,7 @@ from pathlib import Path
 
 from .._errors import CheckpointExistsError, FormatError, StateError
 from .._format.manifest import AliasEntry, ArrayEntry, Entry
+from .._io.smallfiles import read_user_file
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress
 from .hf_ties import Tie, model_check, option_ties, resolve_ties
@@ -225,7 +226,7 @@ def _read_config(config: str | os.PathLike[str] | None) -> _ConfigFile | None:
         return None
     path = Path(config) / CONFIG if Path(config).is_dir() else Path(config)
     try:
-        text = path.read_bytes()
+        text = read_user_file(path, "a config.json")  # a regular file of bounded size: not /dev/zero or a FIFO
         data = json.loads(text)
     except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"{config}: not a readable config.json ({e})") from None

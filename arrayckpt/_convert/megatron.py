@@ -60,6 +60,7 @@ import torch
 
 from .._errors import FormatError, PickleNotAllowedError, warn_unpickling
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry
+from .._io.smallfiles import read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refusal_reason, refuse_existing, restore_containers
@@ -77,6 +78,7 @@ WRITTEN_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                   "common_backend_version": 1}
 # ShardedObject.unique_key: f"{key}/shard_{'.'.join(global_offset)}_{'.'.join(global_shape)}", as
 # ShardedObject.empty_from_unique_key parses it back (Megatron's load_sharded_metadata does, for every DCP bytes item)
+_SMALL_FILE = 16 << 20  # metadata.json, latest_checkpointed_iteration.txt: a few hundred bytes in practice
 SHARDED_OBJECT = re.compile(r"[^/]+/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")
 
 
@@ -85,7 +87,7 @@ def checkpoint_directory(src: Path) -> Path:
     latest = src / LATEST_FILE
     if (src / CONFIG_FILE).is_file() or not latest.is_file():
         return src
-    text = latest.read_text().strip()
+    text = read_regular_file(latest, str(latest), limit=_SMALL_FILE).decode(errors="replace").strip()
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
     if name is None or not (src / name).is_dir():
         raise FormatError(f"{latest}: names {text!r}, but there is no {src / (name or text)} checkpoint directory")
@@ -95,7 +97,7 @@ def checkpoint_directory(src: Path) -> Path:
 def _config(directory: Path) -> dict[str, Any]:
     file = directory / CONFIG_FILE
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(read_regular_file(file, str(file), limit=_SMALL_FILE))
     except FileNotFoundError:
         raise FormatError(f"{directory}: no {CONFIG_FILE}; not a Megatron-Core dist_checkpointing checkpoint (or "
                           "its save did not finish: metadata.json is written last)") from None
