@@ -220,16 +220,49 @@ def test_a_killed_megatron_export_leaves_the_old_or_the_new_export(tmp_path):
     assert os.listdir(tmp_path / "a" / "b") == ["made"]
 
 
-def test_a_megatron_export_never_replaces_a_directory_holding_other_files(tmp_path):
+@pytest.mark.parametrize("to_format", ["megatron", "dcp"])
+def test_an_export_beside_user_files_keeps_them_and_a_kill_never_leaves_a_mix(tmp_path, to_format):
+    """A directory holding a checkpoint and a file of the user's: the export cannot swap the directory (the file
+    would go), so it moves its files in one by one, the entry points first out and last in; after a kill at any
+    step the directory loads as the old export, the new one, or not at all, and the user's file is there."""
     import torch
 
-    arrayckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
-    arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out", to_format="megatron")
-    (tmp_path / "out" / "notes.txt").write_text("mine")
-    before = sorted(os.listdir(tmp_path / "out"))
-    with pytest.raises(arrayckpt.CheckpointExistsError, match="'notes.txt', which is not part of a Megatron"):
-        arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out", to_format="megatron", overwrite=True)
-    assert sorted(os.listdir(tmp_path / "out")) == before and not _hidden(tmp_path)
+    for name, value in (("old", 1.0), ("new", 2.0)):
+        arrayckpt.save({"w": torch.full((3,), value), "step": int(value)}, tmp_path / name)
+    out, pristine = tmp_path / "out", tmp_path / "pristine"
+    arrayckpt.convert(tmp_path / "old", pristine, to_format=to_format)
+    (pristine / "notes.txt").write_text("mine")
+    seen = set()
+
+    def reset() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(pristine, out)
+
+    def loaded() -> float | None:
+        import torch.distributed.checkpoint as dcp
+
+        if to_format == "megatron" and not (out / "metadata.json").is_file():
+            return None  # Megatron's loader finds no checkpoint here
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        state = {"w": torch.zeros(3)}
+        try:
+            dcp.load(state, checkpoint_id=out, no_dist=True)
+        except (Exception, CheckpointException):  # any refusal to load counts: what matters is that no mix loads
+            return None
+        assert len(set(state["w"].tolist())) == 1, state  # never a mix of the two
+        return state["w"][0].item()
+
+    def check() -> None:
+        value = loaded()
+        assert value in (1.0, 2.0, None), value
+        seen.add(value)
+        assert (out / "notes.txt").read_text() == "mine"
+        arrayckpt.convert(tmp_path / "new", out, to_format=to_format, overwrite=True)
+        assert loaded() == 2.0 and (out / "notes.txt").read_text() == "mine" and not _hidden(tmp_path)
+
+    assert _kill_at_every_step(tmp_path / "new", out, to_format, {}, "replace,rename,unlink", reset, check) >= 3
+    assert 1.0 in seen and None in seen
 
 
 def _trained(step: int, scale: float) -> tuple[dict[str, object], float]:

@@ -2,7 +2,7 @@
 
 Every entry point that opens a checkpoint from a path (``load``, ``verify``, ``show``, ``diff``, ``compact``,
 ``convert``, an incremental ``save`` / ``async_save`` from ``base=`` a path, the manager, the command line) must
-have released its pin (``_io/fastio.py``'s registry, and the directory descriptor) when it returns or raises,
+have released its pin (``_io/smallfiles.py``'s registry, and the directory descriptor) when it returns or raises,
 with no garbage-collection pass: a checkpoint and its lazy arrays reference each other, so one dropped unclosed
 would hold its directory until the cyclic collector runs, then warn (``ResourceWarning``). The collector is
 disabled while an operation runs, so that a leak stays visible instead of being collected by chance.
@@ -23,7 +23,7 @@ import torch
 
 import arrayckpt
 from arrayckpt import cli
-from arrayckpt._io import fastio
+from arrayckpt._io import smallfiles
 from arrayckpt._read.checkpoint import opened
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
@@ -81,12 +81,12 @@ def _check_releases(root: Path, op: Callable[[int], Any]) -> None:
     unclosed that a collection would warn about."""
     op(0)  # a first run: the second one may hit what the first one left behind (a delta's bases, outputs)
     gc.collect()
-    pins = dict(fastio._PINS)
+    pins = dict(smallfiles._PINS)
     assert _settled_fds_under(root) == []
     gc.disable()  # a leak stays visible: nothing is collected by chance while the operation runs
     try:
         op(1)
-        assert fastio._PINS == pins, f"pins left open: {set(fastio._PINS.values()) - set(pins.values())}"
+        assert smallfiles._PINS == pins, f"pins left open: {set(smallfiles._PINS.values()) - set(pins.values())}"
         assert [t for t in _fds_under(root) if os.path.isdir(t)] == []  # a pinned directory: released at once
         assert _settled_fds_under(root) == []
     finally:

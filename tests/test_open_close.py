@@ -1,7 +1,7 @@
 """An open checkpoint is closed deterministically: ``with arrayckpt.open(path) as ckpt:`` or ``ckpt.close()``.
 
 Closing releases what it holds (on a local directory the descriptor pinning the directory, with the pin's entry in
-``_io/fastio.py``; the bases a delta opened); it is idempotent; afterwards every read of data raises
+``_io/smallfiles.py``; the bases a delta opened); it is idempotent; afterwards every read of data raises
 ``ClosedCheckpointError`` naming the checkpoint, while what is in memory (keys, shapes, manifest, plain values)
 stays readable. A checkpoint dropped unclosed releases its pin when collected, with a ``ResourceWarning``.
 """
@@ -25,7 +25,7 @@ from policies import SHARDED
 
 import arrayckpt
 from arrayckpt import ClosedCheckpointError
-from arrayckpt._io import fastio
+from arrayckpt._io import smallfiles
 
 CLOSED = "the checkpoint was closed"
 PINS_FDS = os.path.isdir("/proc/self/fd")  # local directories are pinned by descriptor on Linux only
@@ -62,7 +62,7 @@ def _open_fds(under: Path | None = None) -> int:
 def _pins() -> dict[str, str]:
     """The directories pinned now, once checkpoints dropped unclosed (``save`` opens its base) are collected."""
     gc.collect()
-    return dict(fastio._PINS)
+    return dict(smallfiles._PINS)
 
 
 @pytest.mark.skipif(not PINS_FDS, reason="local directories are pinned by descriptor on Linux only")
@@ -71,11 +71,11 @@ def test_with_releases_the_pin(tmp_path: Path) -> None:
     arrayckpt.save(_state(), path, allow_pickle=True)
     pins, fds = _pins(), _open_fds(tmp_path)
     with arrayckpt.open(path) as ckpt:
-        assert str(path) in fastio._PINS.values() and _open_fds(tmp_path) == fds + 1
+        assert str(path) in smallfiles._PINS.values() and _open_fds(tmp_path) == fds + 1
         assert ckpt["w"][1].tolist() == [4.0, 5.0, 6.0, 7.0]
         assert not ckpt.closed
     assert ckpt.closed
-    assert fastio._PINS == pins and _open_fds(tmp_path) == fds
+    assert smallfiles._PINS == pins and _open_fds(tmp_path) == fds
 
 
 def test_enter_returns_the_checkpoint_and_close_twice_is_fine(where: str) -> None:
@@ -127,7 +127,7 @@ def test_an_exception_inside_with_still_closes(where: str) -> None:
     with pytest.raises(RuntimeError, match="boom"), arrayckpt.open(where) as ckpt:
         ckpt["w"][0]
         raise RuntimeError("boom")
-    assert ckpt.closed and fastio._PINS == pins
+    assert ckpt.closed and smallfiles._PINS == pins
 
 
 def _chain(tmp_path: Path) -> list[Path]:
@@ -152,9 +152,9 @@ def test_closing_a_delta_closes_the_bases_it_opened(tmp_path: Path) -> None:
         chain = ckpt.chain()
         assert len(chain) == 3
         if PINS_FDS:
-            assert sorted(fastio._PINS.values()) == sorted([*pins.values(), *map(str, paths)])
+            assert sorted(smallfiles._PINS.values()) == sorted([*pins.values(), *map(str, paths)])
     assert all(layer.closed for layer in chain)
-    assert fastio._PINS == pins
+    assert smallfiles._PINS == pins
     with pytest.raises(ClosedCheckpointError, match=f"{paths[2]}: {CLOSED}"):
         ckpt.base  # noqa: B018 - opening a base after close is a read too
     with pytest.raises(ClosedCheckpointError, match=f"{paths[2]}: {CLOSED}"):
@@ -168,7 +168,7 @@ def test_a_delta_never_read_through_opens_no_base_and_closes(tmp_path: Path) -> 
     pins = _pins()
     with arrayckpt.open(paths[2]) as ckpt:
         assert "base" not in ckpt.__dict__
-    assert fastio._PINS == pins
+    assert smallfiles._PINS == pins
 
 
 def _collected(open_it: Callable[[], object]) -> list[warnings.WarningMessage]:
@@ -194,7 +194,7 @@ def test_an_unclosed_checkpoint_is_released_when_collected_with_a_resource_warni
     caught = [w for w in _collected(read_through_the_chain) if str(tmp_path) in str(w.message)]
     assert [str(w.message).split(":")[0] for w in caught] == [str(paths[2])]  # once, for the one opened
     assert "never closed" in str(caught[0].message)
-    assert fastio._PINS == pins
+    assert smallfiles._PINS == pins
 
 
 def test_a_closed_checkpoint_is_collected_quietly(where: str) -> None:
@@ -216,7 +216,7 @@ def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
     with pytest.raises(arrayckpt.FormatError, match="shape"):
         arrayckpt.open(path)
     gc.collect()
-    assert fastio._PINS == pins and _open_fds(tmp_path) == fds
+    assert smallfiles._PINS == pins and _open_fds(tmp_path) == fds
 
 
 def test_a_replaced_base_is_released_at_once(tmp_path: Path) -> None:
@@ -229,5 +229,6 @@ def test_a_replaced_base_is_released_at_once(tmp_path: Path) -> None:
     with arrayckpt.open(tmp_path / "b") as ckpt:
         with pytest.raises(arrayckpt.CorruptCheckpointError, match="not the checkpoint it was saved against"):
             ckpt["w"][0]
-        assert fastio._PINS.keys() - pins.keys() == {next(p for p, v in fastio._PINS.items() if v.endswith("/b"))}
-    assert fastio._PINS == pins
+        base_pin = next(p for p, v in smallfiles._PINS.items() if v.endswith("/b"))
+        assert smallfiles._PINS.keys() - pins.keys() == {base_pin}
+    assert smallfiles._PINS == pins

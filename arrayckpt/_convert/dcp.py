@@ -24,7 +24,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,7 +39,7 @@ from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
-from .switch import held_temporary, refuse_foreign, switch_directory, switched_path
+from .switch import held_temporary, switch_directory, switch_files, switched_path
 
 __all__ = ["MetadataUnpickler", "dcp_file", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata",
            "refuse_pickles", "stream_into_dcp", "to_dcp"]
@@ -264,7 +264,7 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     refuse_pickles(checkpoint)
     state, skipped = nested_state(checkpoint, lambda key: meta_tensor(checkpoint, key))
     keys = frozenset(k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None)
-    with new_directory(target, dcp_file, "a DCP checkpoint") as temporary:
+    with new_directory(target, dcp_file, [METADATA_FILE]) as temporary:
         total = stream_into_dcp(checkpoint, state, keys, temporary, flatten=True, progress=progress)
     files = tuple(sorted(str(p) for p in target.iterdir()))
     return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
@@ -336,19 +336,25 @@ def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, Any], keys: frozens
 
 
 @contextlib.contextmanager
-def new_directory(target: Path, owned: Callable[[str], bool], what: str) -> Iterator[Path]:
+def new_directory(target: Path, owned: Callable[[str], bool], entries: Sequence[str]) -> Iterator[Path]:
     """A held temporary directory beside ``target`` to write a checkpoint into (``switch.py``: hidden, removed by a
     rerun or ``arrayckpt gc`` after a kill); once the block succeeds it is made durable and switched into place
     whole (exchanged with an earlier directory, which is then removed), so ``target`` holds the old checkpoint or
-    the new one at every instant. A directory there holding files not ``owned`` (``what``'s own) is refused first:
-    they would go with it. On failure nothing partial is left, and DCP's wrapped error is raised as itself
+    the new one at every instant. Where ``target`` also holds files that are not ``owned`` (a user's notes beside
+    the checkpoint), they stay: the new files are moved in one by one instead, the loader's ``entries`` (the first
+    one last, as the commit) so that a kill leaves the old checkpoint, the new one, or one that does not load
+    (``switch.py::switch_files``). On failure nothing partial is left, and DCP's wrapped error is raised as itself
     (:func:`_dcp_cause`)."""
     target = switched_path(target)
-    refuse_foreign(target, owned, what)
+    old = [e.name for e in os.scandir(target)] if target.is_dir() else []
+    keep_others = any(not owned(name) for name in old)
     try:
         with held_temporary(target.parent, target.name) as temporary:
             yield temporary
-            switch_directory(temporary, target)
+            if keep_others:
+                switch_files(temporary, target, entries[0], entries, [name for name in old if owned(name)])
+            else:
+                switch_directory(temporary, target)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         cause = _dcp_cause(e)
         failure = write_failure(cause, target)  # a full disk: torch's zip writer says "unexpected pos"

@@ -161,8 +161,9 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     when written and appended to one ``__0_0.distcp`` (memory: the largest tensor), then ``metadata.json``;
     written into a hidden directory beside ``dst`` and switched into place whole (``dcp.py::new_directory``): a
     kill leaves the old checkpoint or the new one there, and the hidden directory a rerun or ``arrayckpt gc``
-    removes. An earlier directory is replaced whole, so one holding anything but a Megatron checkpoint's files
-    (``metadata.json``, ``common.pt``, DCP's) is refused. ``notes`` say when ``common.pt`` holds what Megatron's
+    removes. Files of the user's beside an earlier checkpoint stay (its files are then replaced one by one, the
+    entry points ``metadata.json`` and ``.metadata`` first out and last in: a kill may leave a directory that does
+    not load, never a mix). ``notes`` say when ``common.pt`` holds what Megatron's
     loader (``torch.load``, ``weights_only=True``) refuses without an allow-list."""
     target = Path(dst)
     if target.exists() and any(target.iterdir()):
@@ -180,7 +181,7 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     keys = frozenset(e.key for e in parts.tensors)
     state: dict[str, Any] = {e.key: meta_tensor(checkpoint, e.key) for e in parts.tensors} | objects
     notes = []
-    with new_directory(target, _megatron_file, "a Megatron checkpoint") as temporary:
+    with new_directory(target, _megatron_file, [CONFIG_FILE, METADATA_FILE]) as temporary:
         _write_durably(temporary / COMMON_FILE, functools.partial(torch.save, common))  # first: then its tensors go
         del common
         refused = _weights_only_refusal(temporary / COMMON_FILE)

@@ -16,16 +16,16 @@ import glob
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from .._errors import CheckpointExistsError, StorageError
+from .._errors import StorageError
 from .._storage.base import TEMP_MARKER
 from .._storage.liveness import create_held_directory
 from .._storage.local import NEW_MARKER, LocalLeftover, LocalLocation
 from .._storage.renames import exchange, fsync_dir, make_durable, rename_noreplace
 
-__all__ = ["clean_leftovers", "held_temporary", "refuse_foreign", "switch_directory", "switch_files", "switched_path"]
+__all__ = ["clean_leftovers", "held_temporary", "switch_directory", "switch_files", "switched_path"]
 
 _ATTEMPTS = 100  # a gc without the minimum age may remove a fresh temporary directory before its lock: take another
 
@@ -67,19 +67,6 @@ def switched_path(target: Path) -> Path:
     """The absolute path a directory export switches: where a link at ``target`` points (as a save to a link saves
     there), since the exchange would swap the link itself away."""
     return Path(os.path.realpath(target)) if target.is_symlink() else target.absolute()
-
-
-def refuse_foreign(target: Path, owned: Callable[[str], bool], what: str) -> None:
-    """Refuse to replace a directory holding anything but ``what``'s own files (``owned(name)``): replacing the
-    directory whole would remove the others, which are someone else's."""
-    if not target.is_dir():
-        return
-    foreign = sorted(e.name for e in os.scandir(target) if not (owned(e.name) and e.is_file(follow_symlinks=False)))
-    if foreign:
-        raise CheckpointExistsError(
-            f"{target}: holds {', '.join(map(repr, foreign[:3]))}{' ...' if len(foreign) > 3 else ''}, which is not "
-            f"part of {what}, and the export replaces the directory whole; move those elsewhere, or choose another "
-            "path")
 
 
 def switch_directory(temporary: Path, target: Path) -> None:
