@@ -29,6 +29,12 @@ the ``.pth`` line stays negligible.
 import os
 import sys
 
+TYPE_CHECKING = False  # (typing.TYPE_CHECKING, without importing typing at start-up)
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
 TRIGGER = "zarr"
 """The module whose completed import registers the types."""
 
@@ -101,7 +107,8 @@ class _RegisteringLoader:
 class _ZarrImportFinder:
     """A ``sys.meta_path`` finder that only ever answers for ``zarr``, by wrapping the real spec's loader."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+    def find_spec(self, fullname: str, path: "Sequence[str] | None" = None,
+                  target: "ModuleType | None" = None) -> "ModuleSpec | None":
         if fullname != TRIGGER:
             return None  # the only work done for every other import: one string comparison
         try:

@@ -31,10 +31,11 @@ def _register_zarr_types() -> None:
         try:
             import _arrayckpt_zarr_hook as hook
         except ImportError:
-            hook = None
-        if hook is not None and hook.os.environ.get(hook.DISABLE_ENV, "") in ("", "0"):
-            hook.install()
-            return
+            pass
+        else:
+            if hook.os.environ.get(hook.DISABLE_ENV, "") in ("", "0"):
+                hook.install()
+                return
     importlib.import_module("._zarr_dtypes", __name__)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 __all__ = [
     "ArrayckptError",
@@ -154,7 +155,7 @@ def warn_unpickling(what: str) -> None:
 def outside_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn``, in the function that calls this one, of the first caller outside
     arrayckpt: the warning then names the user's line (which the default filter shows once), not arrayckpt's."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "arrayckpt":
         frame, level = frame.f_back, level + 1

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeGuard, overload
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeGuard, cast, overload
 
 import ml_dtypes
 import numpy as np
@@ -76,7 +76,7 @@ class MLDtypesFloat(ZDType[np.dtype[Any], np.generic], HasItemSize):
     @classmethod
     def _native(cls) -> np.dtype[Any]:
         """The native-byte-order numpy dtype of this type."""
-        return cls.dtype_cls()
+        return cls.dtype_cls()  # type: ignore[call-overload]  # a DType class (numpy's stubs type only np.dtype())
 
     @classmethod
     def _uint(cls) -> type[np.unsignedinteger[Any]]:
@@ -144,7 +144,7 @@ class MLDtypesFloat(ZDType[np.dtype[Any], np.generic], HasItemSize):
 
     def _from_bits(self, bits: int) -> np.generic:
         """The scalar whose raw bits are ``bits``."""
-        return np.array(bits, dtype=self._uint()).view(self._native())[()]
+        return cast(np.generic, np.array(bits, dtype=self._uint()).view(self._native())[()])  # 0-d: a scalar
 
     def _to_bits(self, value: np.generic) -> int:
         """The raw bits of a scalar of this type."""
@@ -152,7 +152,7 @@ class MLDtypesFloat(ZDType[np.dtype[Any], np.generic], HasItemSize):
 
     def _from_float(self, value: float) -> np.generic:
         """Round a Python float to this type (round to nearest even, as ml_dtypes and TensorStore do)."""
-        return np.array(value, dtype=np.float64).astype(self._native())[()]
+        return cast(np.generic, np.array(value, dtype=np.float64).astype(self._native())[()])  # 0-d: a scalar
 
     def _canonical_nan_bits(self) -> int:
         """The bits of the NaN that ``"NaN"`` denotes: what ml_dtypes (and TensorStore) make of a NaN."""

@@ -113,12 +113,13 @@ def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
     while layer is not None:
         out.append({"path": str(layer.location), "step": layer.step, "id": layer.manifest.id,
                     "stored_bytes": layer.manifest.stored_bytes, "delta": layer.manifest.base is not None})
-        if layer.manifest.base is None:
+        base = layer.manifest.base
+        if base is None:
             break
         try:
             layer = layer.base
         except ArrayckptError as e:
-            out.append({"path": layer.manifest.base.path, "error": str(e)})
+            out.append({"path": base.path, "error": str(e)})
             layer = None
     return out
 

@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -214,7 +214,8 @@ def _overlap(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     start = np.array([c[0] for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
     end = start + np.array([c[1] for c in chunks], dtype=np.int64).reshape(len(chunks), -1)
     for i in range(0, len(chunks), 256):  # blocks of rows: bounded temporaries
-        hit = ((start[i:i + 256, None, :] < end[None, :, :]) & (start[None, :, :] < end[i:i + 256, None, :])).all(-1)
+        hit = (start[i:i + 256, None, :] < end[None, :, :]) & (start[None, :, :] < end[i:i + 256, None, :])
+        hit = cast(np.ndarray, hit.all(-1))
         hit[np.arange(hit.shape[0]), np.arange(i, i + hit.shape[0])] = False
         if hit.any():
             return True

@@ -51,7 +51,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -167,7 +167,8 @@ class _Partitions:
 
 
 def _partitions(optim: list[dict[str, Any]], files: list[Path], zero3: bool) -> _Partitions:
-    masters, states = [], []
+    masters: list[list[torch.Tensor]] = []
+    states: list[list[dict[str, torch.Tensor]]] = []
     scalars: list[dict[str, Any]] = []
     for rank, (sd, file) in enumerate(zip(optim, files, strict=True)):
         if zero3:
@@ -182,7 +183,7 @@ def _partitions(optim: list[dict[str, Any]], files: list[Path], zero3: bool) -> 
             paddings = sd.get("group_paddings") or [0] * len(flat or [])
             if isinstance(base, dict):  # rigid: the base optimizer's state_dict, partitions with their padding
                 per_group = [base.get("state", {}).get(g, {}) for g in range(len(flat or []))]
-                padded = [t.numel() + p for t, p in zip(flat, paddings, strict=True)]
+                padded = [t.numel() + p for t, p in zip(cast("list[torch.Tensor]", flat), paddings, strict=True)]
             else:  # elastic_checkpoint: one state dict per group, padding already cut
                 per_group = base if isinstance(base, list) else None
                 padded = [t.numel() for t in flat] if isinstance(flat, list) else []
@@ -382,18 +383,18 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
             if zero3 and name not in buffers and tensor.numel() == 0:
                 raise FormatError(f"{files.model_files[0]}: {name!r} is a partitioned placeholder with no "
                                   "frozen_param_fragments to rebuild it from")
-            fetchers[key] = (lambda t=tensor: t, [tensor])
+            fetchers[key] = (lambda t=tensor: t, [tensor])  # type: ignore[misc]
             model[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     for p in params:
         entry: dict[str, Any] = {}
         for k in parts.states[0][p.group]:
             dtype = parts.states[0][p.group][k].dtype
-            fetchers[f"optim.state.{p.name}.{k}"] = joined(p.pieces, lambda piece, k=k: parts.states[piece.rank][
-                piece.group][k], p.shape) if p.pieces else (lambda s=p.shape, d=dtype: torch.empty(s, dtype=d), [])
+            fetchers[f"optim.state.{p.name}.{k}"] = joined(p.pieces, lambda piece, k=k: parts.states[piece.rank][  # type: ignore[misc]
+                piece.group][k], p.shape) if p.pieces else (lambda s=p.shape, d=dtype: torch.empty(s, dtype=d), [])  # type: ignore[misc]
             entry[k] = torch.empty(p.shape, dtype=dtype, device="meta")
         for k, value in parts.scalars[p.group].items():
             if isinstance(value, torch.Tensor):
-                fetchers[f"optim.state.{p.name}.{k}"] = (lambda v=value: v, [])
+                fetchers[f"optim.state.{p.name}.{k}"] = (lambda v=value: v, [])  # type: ignore[misc]
                 entry[k] = torch.empty(value.shape, dtype=value.dtype, device="meta")
             else:
                 entry[k] = value

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,8 @@ def _zero_stage(value: object) -> int:
 
 
 _SCALERS = "deepspeed.runtime.fp16.loss_scaler"
-ALLOW_LIST: list[tuple[Any, str]] = [
-    (LossScalerState, f"{_SCALERS}.{name}") for name in ("LossScaler", "DynamicLossScaler", "LossScalerBase")
-] + [
+ALLOW_LIST: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    *((LossScalerState, f"{_SCALERS}.{name}") for name in ("LossScaler", "DynamicLossScaler", "LossScalerBase")),
     (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]

@@ -194,7 +194,7 @@ def _model_states(checkpoint: Checkpoint, source: Source, module: dict[str, torc
                   values: Mapping[str, Any], frozen: list[str]) -> dict[str, Any]:
     """The model-states dict: DeepSpeed's values as saved (a DeepSpeed source) or what its loader needs (others),
     the shapes, the module with placeholders, and the client state at the top level."""
-    entries = checkpoint.manifest.entries
+    entries = {k: e for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry)}  # the tensors'
     shape = {name: torch.Size(entries[f"{MODEL}.{name}"].shape) for name in source.trainable} | \
         {name: torch.Size(entries[f"{MODEL}.{name}"].shape) for name in frozen}
     deepspeed = values.get("deepspeed", {}) if source.from_deepspeed else {}

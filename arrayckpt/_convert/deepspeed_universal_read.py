@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -98,7 +98,7 @@ def _param_groups(optimizer: dict[str, Any], names: list[list[str]], file: Path)
         if not isinstance(params, list) or not all(isinstance(j, int) and 0 <= j < len(names) for j in params):
             raise FormatError(f"{file}: param_groups {str(groups)[:120]} do not index its {len(names)} parameter "
                               "groups (param_shapes)")
-        out.append({**{k: v for k, v in group.items() if k != "params"},
+        out.append({**{k: v for k, v in cast("dict[str, Any]", group).items() if k != "params"},
                     "params": [n for j in params for n in names[j]]})
     return out
 
@@ -145,7 +145,7 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
                 entry[moment] = lazy(f"optim.state.{name}.{moment}", file, shape)
             step = load_value(directory / "step.pt") if (directory / "step.pt").is_file() else steps[j]
             if isinstance(step, torch.Tensor):
-                fetchers[f"optim.state.{name}.step"] = lambda s=step: s
+                fetchers[f"optim.state.{name}.step"] = lambda s=step: s  # type: ignore[misc]
                 entry["step"] = torch.empty(step.shape, dtype=step.dtype, device="meta")
             elif step is not None:
                 entry["step"] = step
@@ -159,12 +159,12 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
         if not isinstance(tensor, torch.Tensor):
             raise FormatError(f"{states_file}: module entry {name!r} is not a tensor")
         if tensor.numel() == 0 and file.is_file():  # a placeholder: the data is in zero/
-            shape = tuple(frozen_shapes[name]) if name in frozen_shapes else None
-            model[name] = lazy(f"model.{name}", file, shape, tensor.dtype)
+            saved_shape = tuple(frozen_shapes[name]) if name in frozen_shapes else None
+            model[name] = lazy(f"model.{name}", file, saved_shape, tensor.dtype)
         elif tensor.numel() == 0 and math.prod(frozen_shapes.get(name, (0,))) > 0:
             skipped.append(f"model.{name}")
         else:
-            fetchers[f"model.{name}"] = lambda t=tensor: t
+            fetchers[f"model.{name}"] = lambda t=tensor: t  # type: ignore[misc]
             model[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     model = {n: model[n] for n in [*module, *(n for group in names for n in group)] if n in model}
     optim: dict[str, Any] = {"state": state}

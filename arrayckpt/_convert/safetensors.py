@@ -410,7 +410,7 @@ def write_file(checkpoint: Checkpoint, tensors: Mapping[str, str], file: Path, m
         f.write(struct.pack("<Q", len(text)) + text)
         for key in tensors.values():
             data = np.ascontiguousarray(checkpoint[key].numpy())
-            f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+            f.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
             done += data.nbytes
             del data
             if progress is not None:

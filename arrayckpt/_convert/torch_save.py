@@ -226,7 +226,8 @@ def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None
             else:
                 return NotImplemented
             stride = tuple(math.prod(deferred.shape[d + 1:]) for d in range(len(deferred.shape)))
-            args = (_StorageStub(deferred), 0, deferred.shape, stride, False, collections.OrderedDict())
+            args: tuple[Any, ...] = (_StorageStub(deferred), 0, deferred.shape, stride, False,
+                                     collections.OrderedDict())
             if deferred.dtype in LEGACY_STORAGE_NAMES:
                 return _rebuild_tensor_v2, args
             return _rebuild_tensor_v3, (*args, deferred.dtype)

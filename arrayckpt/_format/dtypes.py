@@ -40,7 +40,8 @@ class DType:
             return np.dtype(self.name)
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, self.name))
+        dtype: np.dtype = np.dtype(getattr(ml_dtypes, self.name))
+        return dtype
 
     @property
     def fill_value(self) -> object:

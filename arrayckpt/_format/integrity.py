@@ -83,7 +83,7 @@ def chunk_crc(data: np.ndarray) -> int:
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
     flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return crc32c.crc32c(flat)
+    return crc32c.crc32c(flat.data)
 
 
 class ChunkDigest:

@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from .._errors import FormatError
 from .alias import AliasEntry, alias_problem, parse_alias
@@ -115,7 +115,7 @@ class ArrayEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "keys": list(self.parts),
             "path": self.path,
@@ -208,7 +208,7 @@ class Manifest:
     integrity: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "format_version": self.format_version,
             "step": self.step,
             "created": dict(self.created),
@@ -346,7 +346,7 @@ def parse_entry(key: object, data: object) -> Entry:
                       "per_rank and alias (a newer arrayckpt may know more: upgrade)")
 
 
-def _nonneg_int(value: object) -> bool:
+def _nonneg_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -422,7 +422,7 @@ def _check_structure(entries: Mapping[str, Entry], containers: Mapping[str, str]
                                   f"({path!r} below {path[:i]!r}); a Zarr array cannot have children")
 
 
-def is_arrayckpt_root(document: object) -> bool:
+def is_arrayckpt_root(document: object) -> TypeGuard[dict[str, Any]]:
     """Whether a parsed root ``zarr.json`` is arrayckpt's (it carries the manifest); a foreign Zarr group is not."""
     return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
         MANIFEST_ATTRIBUTE in document["attributes"]

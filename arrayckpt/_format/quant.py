@@ -282,7 +282,8 @@ def _unit_losses(
     np.clip(codes, 0, levels, out=codes)
     steps -= codes
     squared = np.einsum("kij,kij->ki", steps, steps)
-    return squared / (per_unit * per_unit)
+    errors: np.ndarray = squared / (per_unit * per_unit)
+    return errors
 
 
 # --- packing and dequantization -------------------------------------------------------------------------------
@@ -294,7 +295,8 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
         return codes
     if codes.shape[1] % 2:
         codes = np.concatenate([codes, np.zeros((codes.shape[0], 1), np.uint8)], axis=1)
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    packed: np.ndarray = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed
 
 
 def _unpack(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:

@@ -37,7 +37,7 @@ def max_chunk_file_bytes(metadata: dict[str, Any]) -> int:
     each inner chunk's crc32c and the shard index. What a peer announces beyond this is not a chunk file of it."""
     itemsize = dtype_by_name(metadata["data_type"]).itemsize
     outer = list(metadata["chunk_grid"]["configuration"]["chunk_shape"])
-    raw = math.prod(outer) * itemsize
+    raw: int = math.prod(outer) * itemsize
     codecs = metadata.get("codecs", [])
     pieces = 1
     if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
@@ -98,7 +98,7 @@ def _clipped_crc(body: memoryview, chunk: list[int], extent: list[int], itemsize
     if extent[1:] == chunk[1:]:  # clipped along the first dimension only: a prefix of the bytes
         return crc32c.crc32c(body[:math.prod(extent) * itemsize])
     array = np.frombuffer(body, np.uint8).reshape(*chunk, itemsize)
-    return crc32c.crc32c(np.ascontiguousarray(array[tuple(slice(0, e) for e in extent)]))
+    return crc32c.crc32c(np.ascontiguousarray(array[tuple(slice(0, e) for e in extent)]).data)
 
 
 def _sharded_crc(data: memoryview, outer: list[int], inner: list[int], extent: list[int], itemsize: int,
@@ -121,7 +121,7 @@ def _sharded_crc(data: memoryview, outer: list[int], inner: list[int], extent: l
     total = 0
     for flat in range(n):
         position = np.unravel_index(flat, counts) if len(counts) else ()
-        start = [p * i for p, i in zip(position, inner, strict=True)]
+        start = [int(p) * i for p, i in zip(position, inner, strict=True)]
         part = [max(0, min(i, e - s)) for i, e, s in zip(inner, extent, start, strict=True)]
         offset, nbytes = (int(v) for v in index[flat])
         if offset == MISSING and nbytes == MISSING:
@@ -141,4 +141,4 @@ def _sharded_crc(data: memoryview, outer: list[int], inner: list[int], extent: l
             whole[target] = np.frombuffer(body, np.uint8).reshape(*inner, itemsize)
     if whole is None:
         return total
-    return crc32c.crc32c(np.ascontiguousarray(whole[tuple(slice(0, e) for e in extent)]))
+    return crc32c.crc32c(np.ascontiguousarray(whole[tuple(slice(0, e) for e in extent)]).data)

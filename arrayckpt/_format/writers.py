@@ -90,7 +90,8 @@ def ranks_at(runs: object, count: int, positions: np.ndarray) -> np.ndarray | No
     table = np.asarray(runs, dtype=np.int64).reshape(-1, 4)
     k = np.searchsorted(np.asarray(starts, dtype=np.int64), where, side="right") - 1
     first, step, each = table[k, 0], table[k, 1], table[k, 3]
-    return first + step * ((where - np.asarray(starts, dtype=np.int64)[k]) // each)
+    out: np.ndarray = first + step * ((where - np.asarray(starts, dtype=np.int64)[k]) // each)
+    return out
 
 
 MAX_COUNTED = 1 << 24  # rank entries `writer_counts` expands at most (a record is informational: a bigger one is not)

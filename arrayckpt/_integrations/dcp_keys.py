@@ -122,7 +122,7 @@ def regroup(plain: Sequence[tuple[str, Key, Any]], pickled: Iterable[tuple[str, 
     return result
 
 
-class _Node(dict):  # type: ignore[type-arg]
+class _Node(dict):
     """A container being rebuilt (its leaves are wrapped in :class:`_Leaf`)."""
 
 

@@ -249,7 +249,7 @@ class ArrayckptReader(StorageReader):
                         planner.commit_tensor(item, target)
                     elif isinstance(request, _DeviceRead):  # in batches through pooled host buffers
                         device.add(request.key, target, request.box, request.dtype,
-                                   lambda box, out, key=request.key: ChainRead(key, box, out))
+                                   lambda box, out, key=request.key: ChainRead(key, box, out))  # type: ignore[misc]
                         on_device.append((item, target))
                     else:
                         batch.append((item, target, buffer, request))

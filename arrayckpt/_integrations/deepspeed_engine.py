@@ -128,7 +128,8 @@ def _optimizer(engine: Any) -> tuple[int, Any]:
         raise StateError(f"arrayckpt.deepspeed.load fills ZeRO stage 1, 2 or 3 engines; this engine runs stage "
                          f"{stage!r}")
     missing = [a for a in needs[stage] if not hasattr(optimizer, a)]
-    if stage == 3 and not missing and any(g is None for g in optimizer.fp16_partitioned_groups_flat):
+    if stage == 3 and not missing and optimizer is not None and \
+            any(g is None for g in optimizer.fp16_partitioned_groups_flat):
         missing = ["fp16_partitioned_groups_flat (parameters offloaded to NVMe)"]
     if missing:
         raise StateError(f"this DeepSpeed engine's ZeRO {stage} optimizer has no {', '.join(missing)}; "
@@ -256,7 +257,7 @@ def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list
                 mapping.optim_fragment = {}
                 for k in moments:
                     reads.add(f"optim.state.{name}.{k}", address.start, address.numel,
-                              lambda piece, m=mapping, k=k: m.optim_fragment.__setitem__(k, piece.clone()))
+                              lambda piece, m=mapping, k=k: m.optim_fragment.__setitem__(k, piece.clone()))  # type: ignore[misc]
     reads.run()
     for i, group in enumerate(optimizer.bit16_groups if load_optim else []):
         flat = optimizer.optimizer.param_groups[i]["params"][0]

@@ -244,10 +244,10 @@ def _fold(value: Any) -> Any:
             return {FOLDED: [[k, v] for k, v in items.items()]}
         return items if any(items[k] is not value[k] for k in items) else value
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        items = [_fold(v) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
+        folded = [_fold(v) for v in value]
+        if all(a is b for a, b in zip(folded, value, strict=True)):
             return value
-        return items if isinstance(value, list) else tuple(items)
+        return folded if isinstance(value, list) else tuple(folded)
     return value
 
 

@@ -339,7 +339,8 @@ def typed_data(job: ArrayIO) -> np.ndarray:
 
 def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:
     """Jobs the local fast path can take (with its arguments), and the rest."""
-    fast, slow = [], []
+    fast: list[tuple[ArrayIO, tuple]] = []
+    slow: list[ArrayIO] = []
     for job in jobs:
         kvstore = job.spec.get("kvstore", {})
         layout = row_layout(job.spec["metadata"]) if kvstore.get("driver") == "file" else None

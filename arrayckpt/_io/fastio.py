@@ -131,7 +131,7 @@ def _row_layout(metadata: dict[str, Any]) -> RowLayout | None:
         return None
     if sys.byteorder != "little" or list(chunk[1:]) != list(shape[1:]) or math.prod(shape) == 0:
         return None
-    dtype = DTYPES.get(metadata.get("data_type"))
+    dtype = DTYPES.get(metadata.get("data_type", ""))
     if dtype is None:
         return None
     row_bytes = dtype.itemsize * math.prod(shape[1:])
@@ -166,7 +166,7 @@ def _row_bytes_view(data: np.ndarray, layout: RowLayout) -> memoryview | None:
     """The data as a flat byte view (rows back to back), or ``None`` when it is not C-contiguous."""
     if not data.flags.c_contiguous:
         return None
-    return memoryview(data.reshape(-1).view(np.uint8))
+    return data.reshape(-1).view(np.uint8).data
 
 
 def _pieces(layout: RowLayout, start: int, stop: int) -> Iterator[tuple[int, int, int]]:

@@ -135,7 +135,7 @@ def _stack(descriptions: Sequence[LocalDescription]) -> _Stacked:
     coords = [t.coords if t.coords.shape[2] == width else _widen(t.coords, width) for t in tables]
     names: dict[str, int] = {}
     by_dtypes: dict[tuple[str, ...], np.ndarray] = {}
-    luts = [by_dtypes.get(t.dtypes) if t.dtypes in by_dtypes else by_dtypes.setdefault(
+    luts = [by_dtypes[t.dtypes] if t.dtypes in by_dtypes else by_dtypes.setdefault(
         t.dtypes, np.array([names.setdefault(n, len(names)) for n in t.dtypes] or [0], np.int64)) for t in tables]
     lut_starts = np.cumsum([0, *(len(lut) for lut in luts)])[:-1]
     meta = np.concatenate([t.meta for t in tables]) if tables else np.zeros((0, 4), np.int64)
@@ -178,8 +178,8 @@ def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, ch
     rows = np.flatnonzero(keep)
     every = len(rows) == len(keep)
     columns = [s.key if every else s.key[rows], *(a if every else a[rows] for a in (s.offset, s.shape))]
-    order, group_starts, counts = distinct_rows(columns)
-    holders_sorted = rows[order]  # the rows of every distinct box's holders, box after box, ranks ascending
+    row_order, group_starts, counts = distinct_rows(columns)
+    holders_sorted = rows[row_order]  # the rows of every distinct box's holders, box after box, ranks ascending
     heads = holders_sorted[group_starts]  # one row of each distinct box
     by_key = np.argsort(s.key[heads], kind="stable")  # key after key; within one, in rank order (heads ascend)
     sorted_heads = heads[by_key]  # the distinct boxes, key after key

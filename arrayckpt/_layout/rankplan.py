@@ -15,7 +15,7 @@ part is sent to it alone (a scatter), so the bytes a rank receives do not grow w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from .box import Box
 from .chunking import ArrayPlan
 from .pieces import DTYPE, GLOBAL, NDIM, LocalDescription, WriteTask
 from .saveplan import Layout, SavePlan
+
+if TYPE_CHECKING:
+    from .delta import RowsTask
 
 __all__ = ["RankLayout", "RankPlan", "expand", "explicit_part", "rank_layouts"]
 
@@ -51,7 +54,7 @@ class RankLayout:
 class RankPlan:
     """What one rank writes: its tasks, the arrays they write to by path, and the entries of their keys."""
 
-    tasks: tuple[Any, ...]  # WriteTask, or a delta's RowsTask
+    tasks: tuple[WriteTask | RowsTask, ...]
     arrays: dict[str, ArrayPlan]
     entries: dict[str, Entry] = field(default_factory=dict)  # by key; only a delta's (their ``delta`` mode)
 

@@ -73,8 +73,9 @@ class Retention:
         if self.keep_every:
             kept.update(s for s in steps if s % self.keep_every == 0)
         if self.keep_best and self.metric:
-            scored = [s for s in steps if self.metric in metrics.get(s, {})]
-            scored.sort(key=lambda s: metrics[s][self.metric], reverse=self.mode == "max")
+            metric = self.metric
+            scored = [s for s in steps if metric in metrics.get(s, {})]
+            scored.sort(key=lambda s: metrics[s][metric], reverse=self.mode == "max")
             kept.update(scored[: self.keep_best])
         return kept
 

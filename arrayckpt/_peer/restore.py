@@ -230,7 +230,7 @@ def choose(ids: list[str], surveyed: list[list[StepSummary]], at_least: int | No
         for summary in summaries:
             if only is None or summary.step == only:
                 by_step.setdefault((summary.step, summary.id), {})[ids[rank]] = summary
-    why_not = []
+    why_not: list[str] = []
     for (step, ident), holders in sorted(by_step.items(), key=lambda item: (-item[0][0], item[0][1])):
         if at_least is not None and step < at_least:
             if not why_not:

@@ -79,6 +79,8 @@ class PeerWriter(Writer):
     directory (no temporary directory: the memory step's commit is its record, written after the replication), and
     the chunks of other nodes are not looked for here (the replication checks every file instead)."""
 
+    location: MemoryStepLocation
+
     def __init__(self, location: MemoryStepLocation) -> None:
         self.location = location
         self.target = LocalLocation(location.path)

@@ -74,20 +74,21 @@ def exchange_files(group: Group, transfers: Sequence[Transfer], read: Callable[[
                                           group=group.cpu_pg))
                 incoming.append((transfer, buffer))
         for work in pending:
+            assert work is not None  # (None only on a rank outside the group)
             work.wait()
     except RuntimeError as e:
         raise CollectiveError(f"{where}: rank {me}: sending chunk files to or from a peer failed (a rank died or hung "
                               f"past the process group's timeout): {e}") from e
     received = 0
     for transfer, buffer in incoming:
-        view = memoryview(buffer.numpy()).cast("B")
+        view = buffer.numpy().data.cast("B")
         offset = 0
         for ref in transfer.files:
-            data = view[offset:offset + ref.sum.size]
+            piece = view[offset:offset + ref.sum.size]
             offset += ref.sum.size
-            if file_sum(data) != ref.sum:
+            if file_sum(piece) != ref.sum:
                 raise CorruptCheckpointError(f"{where}: chunk file {ref} from rank {transfer.src} does not match the "
                                              "step's record (size or crc32c): refused")
-            write(ref, data)
+            write(ref, piece)
             received += ref.sum.size
     return received

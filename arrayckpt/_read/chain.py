@@ -255,13 +255,14 @@ def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] |
     return tuple(out)
 
 
-def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, Any] | None:
+def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[int | slice, ...]] | None:
     """For a basic index (see :func:`basic_index`): the box it touches and the same index relative to that box;
     ``None`` for anything else (the caller reads everything)."""
     normal = basic_index(index, shape)
     if normal is None:
         return None
-    start, size, relative = [], [], []
+    start, size = [], []
+    relative: list[int | slice] = []
     for part in normal:
         if isinstance(part, int):
             start.append(part)

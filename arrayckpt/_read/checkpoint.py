@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from .._read.chain import dense_grid, dense_layer, read_plan
 from .._read.lazy import LazyArray
 from .._read.reader import ChainRead, read
 from .._storage import Location, follow_base, kvstore_at, parse_location, parse_roots
+from .._storage.base import Opened
 
 __all__ = ["Checkpoint", "LazyArray", "open_checkpoint", "opened"]
 
@@ -100,7 +101,7 @@ class Checkpoint(Mapping[str, LazyArray]):
     ``read_into``, :meth:`per_rank`, pickled values, opening a base) raises :class:`ClosedCheckpointError`.
     """
 
-    def __init__(self, location: Location, allow_pickle: bool = False, opened: tuple | None = None,
+    def __init__(self, location: Location, allow_pickle: bool = False, opened: Opened | None = None,
                  base_roots: tuple[Location, ...] = ()) -> None:
         self.location = location
         self.allow_pickle = allow_pickle
@@ -114,7 +115,7 @@ class Checkpoint(Mapping[str, LazyArray]):
             if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
                 follow_base(location, self.manifest.base.path, base_roots)
             self._read_context: Any = None  # made on the first read of data (importing TensorStore then)
-            self.rows_cache: dict[str, Any] = {}  # row indices of rows deltas, by key (chain.delta_rows)
+            self.rows_cache: dict[str, np.ndarray] = {}  # row indices of rows deltas, by key (chain.delta_rows)
             self._arrays: dict[str, LazyArray] = {}
             for key, entry in self.manifest.entries.items():
                 if isinstance(entry, ArrayEntry):
@@ -281,7 +282,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its
         shape (this checkpoint, or a base for a rows delta)."""
         layer, stored = dense_layer(self, key)
-        return layer[stored].metadata
+        return cast("dict[str, Any]", layer[stored].metadata)
 
     def dense_grid(self, key: str) -> tuple[int, ...]:
         """The read-chunk shape of :meth:`dense_metadata` (the grid a delta of ``key`` compares chunks on)."""
@@ -289,7 +290,7 @@ class Checkpoint(Mapping[str, LazyArray]):
 
     def present_chunks(self, key: str) -> frozenset[int]:
         """The flat indices of the chunks a chunks delta of tensor ``key`` stores (the others are its base's)."""
-        cache = self.__dict__.setdefault("_present_cache", {})
+        cache: dict[str, frozenset[int]] = self.__dict__.setdefault("_present_cache", {})
         if key not in cache:
             entry = self.manifest.entries[key]
             assert isinstance(entry, ArrayEntry) and entry.delta is not None
@@ -313,9 +314,8 @@ class Checkpoint(Mapping[str, LazyArray]):
                     "scale": ("float32", (count,)), "offset": ("float32", (count,))}
         if name == "codes":
             bits = entry.delta.quantized.bits if entry.delta.quantized is not None else 8
-            dtype_name, shape = "uint8", (count, packed_columns(math.prod(tail), bits))
-        else:
-            dtype_name, shape = expected[name]
+            expected["codes"] = "uint8", (count, packed_columns(math.prod(tail), bits))
+        dtype_name, shape = expected[name]
         return self.array_spec(f"{entry.path}/{name}", entry.key, dtype_by_name(dtype_name), shape)
 
     def _delta_count(self, entry: ArrayEntry) -> int:
@@ -468,7 +468,7 @@ class Checkpoint(Mapping[str, LazyArray]):
         return sum(a.nbytes for key, a in self._arrays.items() if a.key == key)
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
+def open_checkpoint(path: str | os.PathLike[str] | Location, *, allow_pickle: bool = False,
                     storage_options: Mapping[str, Any] | None = None,
                     base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Checkpoint:
     """Open a committed checkpoint read-only: a local path or an object-storage URL (``s3://bucket/prefix``,

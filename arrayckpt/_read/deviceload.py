@@ -91,11 +91,13 @@ class DeviceLoads:
                 current = following  # type: ignore[assignment]
 
     @staticmethod
-    def _stage(group: Sequence[_Target], pending: ExitStack) -> tuple[Batch, list, list[Request]]:
+    def _stage(group: Sequence[_Target], pending: ExitStack
+               ) -> tuple[Batch, list[tuple[torch.Tensor, torch.Tensor]], list[Request]]:
         """Buffers for one batch: (the batch, its (device tensor, host buffer) copies, its reads)."""
         batch = Batch()
         pending.callback(batch.settle)
-        pairs, reads = [], []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        reads: list[Request] = []
         hosts = batch.views([(tuple(target.tensor.shape), target.tensor.dtype) for target in group])
         for target, host in zip(group, hosts, strict=True):
             pairs.append((target.tensor, host))

@@ -18,6 +18,7 @@ PROBE_BYTES = 256 << 20  # an array bigger than this is probed (first and last e
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor  # (inside the class, ``torch`` is the method below)
 
     from .source import ChainSource
 
@@ -106,7 +107,8 @@ class LazyArray:
         self._checkpoint.check_open()
         normal = basic_index(index, self.shape)
         if normal is None:
-            return self.numpy()[index]
+            whole: np.ndarray = self.numpy()[index]  # (an index array, a negative step, None: an array)
+            return whole
         if self.entry.delta is not None:
             return self._through_chain(normal)
         # the selection itself (strides included) is read, an integer as a length-1 slice dropped afterwards
@@ -123,7 +125,8 @@ class LazyArray:
         box, relative = found
         out = np.empty(box.shape, self.numpy_dtype)
         read(self._checkpoint, [ChainRead(self.key, box, out)])
-        return out[relative]
+        selected: np.ndarray = out[relative]
+        return selected
 
     def numpy(self) -> np.ndarray:
         """The whole array as numpy (a big one probed first: :meth:`_probe`)."""
@@ -157,7 +160,7 @@ class LazyArray:
         self.read_into(out)
         return out
 
-    def read_into(self, tensor: torch.Tensor) -> None:
+    def read_into(self, tensor: Tensor) -> None:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
         from .._torch.tensors import writable_numpy  # torch only when reading into torch
 

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, Execute, Request, read
 from .._storage import Location, parse_location, parse_roots
+from .._storage.base import Opened
 from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
 from .._torch.aliases import same_tensor
 from .._torch.dist import Group, resolve_group
@@ -110,7 +111,7 @@ def load(
         return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
 
 
-def _shared_root(location: Location, group: Group) -> tuple:
+def _shared_root(location: Location, group: Group) -> Opened:
     """The coordinator reads the root document (one GET) and sends its bytes to every rank, which checks them and
     opens the checkpoint from them; a failed read is raised on every rank."""
     payload: Any = None
@@ -210,14 +211,14 @@ class _LoadPlan:
             if isinstance(target, np.ndarray):
                 np.copyto(target, staged)
             else:
-                target.copy_(staged)
+                target.copy_(cast(torch.Tensor, staged))  # staged as its target is: a tensor
         for leaf, value in self.replacements:
             leaf.parent[leaf.slot] = value
 
     def add(self, entry: Entry, leaf: Leaf) -> None:
         target = leaf.value
         if isinstance(entry, AliasEntry):  # its target's array (parsed: a tensor), read under the alias's name
-            entry = dataclasses.replace(self.checkpoint.manifest.entries[entry.target], key=entry.key,  # type: ignore[type-var]
+            entry = dataclasses.replace(self.checkpoint.manifest.entries[entry.target], key=entry.key,
                                         parts=entry.parts)
         if isinstance(entry, PerRankEntry) or isinstance(target, PerRank):
             self._per_rank(entry, leaf)
@@ -302,7 +303,7 @@ class _LoadPlan:
             return ChainRead(entry.key, box, out)
         return ArrayIO(entry.key, spec, out, box.slices() if box.shape else None)
 
-    def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple) -> None:
+    def _check(self, entry: ArrayEntry, have: object, want: object, shape: tuple[int, ...]) -> None:
         if have != want or tuple(shape) != entry.shape:
             raise StateError(
                 f"{self.where}: tensor {entry.key!r} is {entry.dtype.name}{list(entry.shape)} in the checkpoint but "
@@ -330,6 +331,7 @@ class _LoadPlan:
         if not 0 <= source < saved_ranks or entry.items[source] is None:
             raise StateError(f"{self.where}: per-rank value {key!r} has no value saved by rank {source}")
         item = entry.items[source]
+        assert item is not None  # checked above
         if isinstance(item, ArrayEntry):
             spec = self.checkpoint.per_rank_spec(key, source)
             if isinstance(target.value, (torch.Tensor, np.ndarray)):

@@ -24,7 +24,7 @@ class ChainSource(Protocol):
     location: Location
     manifest: Manifest
     #: Row indices of rows deltas read so far, by key (each read once per open checkpoint).
-    rows_cache: dict[str, Any]
+    rows_cache: dict[str, np.ndarray]
 
     @property
     def base(self) -> ChainSource:

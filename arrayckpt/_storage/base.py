@@ -377,7 +377,7 @@ def parse_root_bytes(data: bytes, where: object) -> dict[str, Any]:
     """A root ``zarr.json``'s bytes parsed, with its checksum checked when it is arrayckpt's (spec §11), or
     ``CorruptCheckpointError``."""
     try:
-        document = json.loads(data)
+        document: dict[str, Any] = json.loads(data)
     except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an integer of too many digits
         problem = e if isinstance(e, ValueError) else "JSON nested too deeply"
         raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {problem}") from None

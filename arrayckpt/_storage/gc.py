@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
@@ -53,8 +53,13 @@ class ObjectPrefix(Protocol):
     """What the rules below need of an object-storage location (``ObjectLocation`` implements it): gc stays below
     the backend that calls it."""
 
-    scheme: str
-    prefix: str  # no leading or trailing "/"; "" is the bucket's root
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # a dataclass: its prefix is replaced
+
+    @property
+    def scheme(self) -> str: ...
+
+    @property
+    def prefix(self) -> str: ...  # no leading or trailing "/"; "" is the bucket's root
 
     @property
     def native(self) -> str: ...
@@ -76,7 +81,7 @@ class ObjectPrefix(Protocol):
 class ObjectLeftover(Leftover):
     """An incomplete checkpoint on object storage: a prefix with arrayckpt's objects and no root document."""
 
-    location: ObjectPrefix
+    location: ObjectPrefix  # type: ignore[assignment]  # an ObjectLocation: a Location and an ObjectPrefix
     keys: tuple[str, ...]  # every object under the prefix (relative to it), all arrayckpt-shaped
     age_s: float | None  # seconds since its newest object was written (None: the store gives no times)
 

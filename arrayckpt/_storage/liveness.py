@@ -41,10 +41,15 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from .._errors import CheckpointBusyError, StorageError
 from .base import LEASE_NAME, TEMP_MARKER, Claim
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+    from .base import Location
 
 __all__ = ["LEASE_NAME", "LEASE_RENEW_S", "LEASE_TTL_S", "MANAGER_LEASE", "MANAGER_LOCK", "MAX_LEASE_S",
            "DirectoryHold", "HeldRoot", "Holder", "Lease", "RootLock", "create_held_directory", "exclusive_directory",
@@ -94,7 +99,8 @@ class Holder:
         if not (isinstance(host, str) and isinstance(ident, str)
                 and all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers)):
             return None
-        return cls(host[:200], int(pid), float(since), ident[:64], None if expires is None else float(expires))
+        return cls(host[:200], int(cast(float, pid)), float(cast(float, since)), ident[:64],  # numbers, checked above
+                   None if expires is None else float(expires))
 
     def live(self, now: float | None = None) -> bool:
         """Whether a lease still holds: not expired, not claiming more than :data:`MAX_LEASE_S` ahead, and not held
@@ -320,7 +326,7 @@ class Lease(Claim):
     is there), one PUT conditional on what the GET saw, one GET to read it back: 3 requests, which also prove the
     store reachable and writable. Raises ``CheckpointBusyError`` naming the holder, or ``StorageError``."""
 
-    def __init__(self, store: Any, key: str, where: str, what: str, patience_s: float = 0.0) -> None:
+    def __init__(self, store: ts.KvStore, key: str, where: str, what: str, patience_s: float = 0.0) -> None:
         self.store, self.key, self.where = store, key, where
         self.ttl_s, self.renew_s = LEASE_TTL_S, LEASE_RENEW_S
         self.holder = Holder.here(self.ttl_s)
@@ -342,7 +348,7 @@ class Lease(Claim):
         self._thread = threading.Thread(target=self._renew, name="arrayckpt-lease", daemon=True)
         self._thread.start()
 
-    def _wait_out(self, seen: Any, patience_s: float) -> Any:
+    def _wait_out(self, seen: ts.KvStore.ReadResult | None, patience_s: float) -> ts.KvStore.ReadResult | None:
         """Watch a live lease of another holder for up to ``patience_s``: until it expires (its holder is gone) or
         is renewed (its holder is alive: waiting longer is pointless). The lease object as last read."""
         deadline = time.monotonic() + patience_s
@@ -354,7 +360,7 @@ class Lease(Claim):
             seen = again
         return seen
 
-    def _read(self) -> Any:
+    def _read(self) -> ts.KvStore.ReadResult | None:
         """The lease object's read result (``None``: no such object)."""
         try:
             result = self.store.read(self.key).result()
@@ -415,8 +421,8 @@ class HeldRoot:
     """A writer's hold on one root, taken when free (:meth:`take`) and, while another holds it, tried again by every
     use that writes (:meth:`check`); thread-safe (a manager's uploader checks from its own thread)."""
 
-    def __init__(self, location: Any) -> None:
-        self.location = location  # a Location
+    def __init__(self, location: Location) -> None:
+        self.location = location
         self._claim: Claim | None = None
         self._lock = threading.Lock()
 

@@ -122,7 +122,7 @@ class LocalLocation(Location):
         raise CorruptCheckpointError(f"{self}: the checkpoint was replaced {_OPEN_ATTEMPTS} times while being opened; "
                                      "open it again")
 
-    def changed_since(self, token: Any) -> bool:
+    def changed_since(self, token: tuple[int, int] | None) -> bool:
         """Whether another directory (or nothing) is at the path now than the one opened as ``token``: one
         ``stat``. (Reads of the pinned directory are not affected; its data may be gone, though.)"""
         if token is None:  # nothing could be identified at open: cannot tell
@@ -214,7 +214,7 @@ class LocalLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool) -> LocalWriter:
+    def open_writer(self, overwrite: bool) -> Writer:  # (a memory step's is a PeerWriter)
         return LocalWriter(self, overwrite)
 
     def make_directory(self) -> None:
@@ -341,6 +341,8 @@ def read_root_json(location: LocalLocation, directory: str | None = None) -> dic
 class LocalWriter(Writer):
     """One save to a local directory: a temporary sibling directory, committed by rename."""
 
+    location: LocalLocation
+
     def __init__(self, location: LocalLocation, overwrite: bool) -> None:
         if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
             location = replace(location, path=Path(os.path.realpath(location.path)))
@@ -404,7 +406,7 @@ class LocalWriter(Writer):
                 expected.setdefault(path, set()).add(ROOT_METADATA)
         if not self._hold.still_at(self.temp):
             return sorted(f"{path}/{name}" for path, names in expected.items() for name in names) or ["."]
-        gone = []
+        gone: list[str] = []
         for path, names in expected.items():
             directory = f"{self.temp}/{path}" if path else str(self.temp)
             try:

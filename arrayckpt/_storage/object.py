@@ -25,7 +25,7 @@ import posixpath
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     CheckpointExistsError,
@@ -58,6 +58,9 @@ from .kvio import read_key as _read
 from .kvio import wait_all as _wait
 from .kvio import write_key as _write
 from .liveness import MANAGER_LEASE, Lease
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url",
            "stale_keys"]
@@ -115,7 +118,7 @@ class ObjectLocation(Location):
         document, generation = self._read_root_stamped()
         return Opened(document, self.kvstore(), lambda: None, generation)
 
-    def read_root_bytes(self) -> tuple[bytes, Any]:
+    def read_root_bytes(self) -> tuple[bytes, bytes]:
         try:
             result = self.open_store().read(ROOT_METADATA).result()
         except Exception as e:
@@ -125,7 +128,7 @@ class ObjectLocation(Location):
             raise CheckpointNotFoundError(f"{self}: no checkpoint here")
         return bytes(result.value), result.stamp.generation
 
-    def changed_since(self, generation: Any) -> bool:
+    def changed_since(self, generation: bytes) -> bool:
         """Whether the root document is no longer the one of ``generation`` (replaced or removed): one
         conditional GET (``If-None-Match``) that transfers nothing while it is unchanged."""
         try:
@@ -136,7 +139,7 @@ class ObjectLocation(Location):
 
     # --- reading --------------------------------------------------------------------------------
 
-    def open_store(self) -> Any:
+    def open_store(self) -> ts.KvStore:
         """The kvstore of the checkpoint's prefix (keys relative to it)."""
         try:
             import tensorstore as ts  # on first use (CLI start-up)
@@ -148,7 +151,7 @@ class ObjectLocation(Location):
         """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
         return self._read_root_stamped()[0]
 
-    def _read_root_stamped(self) -> tuple[dict[str, Any], Any]:
+    def _read_root_stamped(self) -> tuple[dict[str, Any], bytes]:
         store = self.open_store()
         try:
             result = store.read(ROOT_METADATA).result()
@@ -347,6 +350,8 @@ def _encoding_of(nodes: Mapping[str, Any]) -> str:
 
 class ObjectWriter(Writer):
     """One save to an object-storage prefix; the root ``zarr.json`` PUT is the commit."""
+
+    location: ObjectLocation
 
     def __init__(self, location: ObjectLocation, overwrite: bool) -> None:
         self.location = location

@@ -80,7 +80,8 @@ def make_durable(root: Path) -> None:
     """
     if _memory_backed(root):
         return  # tmpfs, ramfs: nothing outlives a power loss there, and their fsync does nothing but cost a syscall
-    files, directories = [], []
+    files: list[str] = []
+    directories: list[str] = []
     for directory, _, names in os.walk(root):
         directories.append(directory)
         files.extend(os.path.join(directory, name) for name in names)

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ _INT = r"\s*-?\d+\s*"
 _PART = re.compile(rf"(?P<int>{_INT})|(?P<slice>({_INT}|\s*):({_INT}|\s*)(:({_INT}|\s*))?)|(?P<ellipsis>\s*\.\.\.\s*)")
 
 
-def parse_slice(text: str) -> tuple[int | slice | type[Ellipsis], ...]:
+def parse_slice(text: str) -> tuple[int | slice | EllipsisType, ...]:
     """Parse numpy-style index text: ``"0:4,::2"`` -> ``(slice(0, 4), slice(None, None, 2))``.
 
     Parts are integers, ``start:stop[:step]`` slices (each bound optional) and at most one ``...``.
@@ -45,7 +46,7 @@ def parse_slice(text: str) -> tuple[int | slice | type[Ellipsis], ...]:
     """
     if not text.strip():
         return ()
-    parts: list[int | slice | type[Ellipsis]] = []
+    parts: list[int | slice | EllipsisType] = []
     for raw in text.split(","):
         match = _PART.fullmatch(raw)
         if match is None:

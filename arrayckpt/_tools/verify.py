@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .._errors import (
     ArrayckptError,
@@ -274,7 +274,7 @@ def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None
     """Why a pickle entry's array metadata is unusable (``None`` when it is fine): checked like every array's."""
     try:
         check_array_metadata(metadata, (entry.nbytes,), "uint8", f"pickled value {entry.key!r}")
-        check_checksummed(metadata, entry.key)
+        check_checksummed(cast("dict[str, Any]", metadata), entry.key)  # a dict: checked just above
     except FormatError as e:
         return str(e)
     return None

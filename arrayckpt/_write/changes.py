@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -105,8 +105,8 @@ def _bits(data: np.ndarray) -> np.ndarray:
 def _differs(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     """Element-wise: whether the bytes differ (same shape as ``new``)."""
     a, b = _bits(new), _bits(old)
-    diff = a != b
-    return diff.any(axis=-1) if diff.ndim > new.ndim else diff.reshape(new.shape)
+    diff: np.ndarray = a != b
+    return cast(np.ndarray, diff.any(axis=-1)) if diff.ndim > new.ndim else diff.reshape(new.shape)
 
 
 COMPARE_BLOCK_BYTES = 16 << 20  # rows compared at once, per thread: bounds the temporary boolean arrays
@@ -173,7 +173,7 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
             changed_rows: np.ndarray | None = rows
             row_mask = np.zeros(box.shape[0], bool)
             row_mask[rows - box.offset[0]] = True
-            chunks = _changed_chunks_by_rows(row_mask, box, grid, shape)
+            chunks: tuple[int, ...] | None = _changed_chunks_by_rows(row_mask, box, grid, shape)
         else:
             if given is not None:
                 raise StateError(f"changed rows were given for {key!r}, but this rank holds a piece of it that is "
@@ -202,7 +202,8 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
 
 def _changed_chunks(diff: np.ndarray, box: Box, grid: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
     if diff.ndim >= 1 and tuple(grid[1:]) == tuple(shape[1:]) and _whole_rows(box, shape):
-        return _changed_chunks_by_rows(diff.reshape(box.shape[0], -1).any(axis=1), box, grid, shape)
+        row_mask = cast(np.ndarray, diff.reshape(box.shape[0], -1).any(axis=1))
+        return _changed_chunks_by_rows(row_mask, box, grid, shape)
     changed = []
     for flat, cell in grid_cells(box, grid, shape):
         part = cell.intersect(box) if cell.size else None
@@ -220,7 +221,8 @@ def _changed_chunks_by_rows(row_mask: np.ndarray, box: Box, grid: tuple[int, ...
     pad = box.offset[0] - first * rows_per  # 0 when the box starts on a chunk boundary
     mask = np.concatenate([np.zeros(pad, bool), row_mask])
     groups = math.ceil(len(mask) / rows_per)
-    mask = np.concatenate([mask, np.zeros(groups * rows_per - len(mask), bool)]).reshape(groups, rows_per).any(1)
+    mask = np.concatenate([mask, np.zeros(groups * rows_per - len(mask), bool)]).reshape(groups, rows_per)
+    mask = cast(np.ndarray, mask.any(1))
     per_row = math.prod(math.ceil(n / c) for n, c in zip(shape[1:], grid[1:], strict=True))
     starts = (first + np.flatnonzero(mask)) * per_row
     return tuple((starts[:, None] + np.arange(per_row)).ravel().tolist())

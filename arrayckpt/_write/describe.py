@@ -65,6 +65,7 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
     per_rank: list[ValueEntry | ArrayEntry] = []
     data: dict[str, tuple[Box, np.ndarray]] = {}
     layouts: PlacementMemo = {}
+    dt: DType | None  # a tensor's, or an array's (None: not a type an array can hold)
     for key, leaf in walked.leaves.items():
         value = leaf.value
         if isinstance(value, PerRank):
@@ -95,7 +96,7 @@ def describe_local(state: Mapping[str, Any], rank: int, allow_pickle: bool, host
                       data)
 
 
-def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict,
+def _describe_per_rank(key: str, parts: Any, value: Any, rank: int, data: dict[str, tuple[Box, np.ndarray]],
                        host: HostView) -> ValueEntry | ArrayEntry:
     """A per-rank tensor is written by its rank as its own array; other per-rank values must be JSON."""
     if isinstance(value, torch.Tensor):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ArrayckptError
 from .._format.manifest import ArrayEntry, ValueEntry
@@ -37,6 +37,9 @@ from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, expand
 from .._layout.saveplan import LocalDescription, fingerprint
 from .._torch.dist import Group
+
+if TYPE_CHECKING:
+    from .._storage import Location
 
 __all__ = ["Planner", "Report", "Reply", "Resend", "exchange", "forget_parts", "planner_for"]
 
@@ -66,7 +69,7 @@ class Reply:
 
     plan_id: str
     part: RankLayout | RankPlan | None
-    target: Any  # the Location to write into
+    target: Location  # where to write
     key_encoding: str
 
 
@@ -132,7 +135,7 @@ def _report(description: LocalDescription | None, error: BaseException | None, p
 
 def exchange(group: Group, planner: Planner, description: LocalDescription | None, error: BaseException | None,
              changes: list[PieceChange], agreement: Any,
-             coordinate: Callable[[list[Report]], list[Any] | Resend]) -> Any:
+             coordinate: Callable[[list[Report]], list[Reply | BaseException] | Resend]) -> Reply | BaseException:
     """Run the exchange on this rank; the coordinator's ``coordinate(reports)`` returns every rank's reply (a
     :class:`Reply` or an error to raise), or :class:`Resend`. Returns this rank's reply: an error, or a
     :class:`Reply` whose ``part`` is this rank's :class:`RankPlan`."""
@@ -148,7 +151,7 @@ def exchange(group: Group, planner: Planner, description: LocalDescription | Non
             assert gathered is not None
             decided = coordinate(gathered)
             replies = [decided] * group.size if isinstance(decided, Resend) else decided
-        reply = group.scatter(replies)
+        reply: Reply | BaseException | Resend = group.scatter(replies)
         if not isinstance(reply, Resend):
             break
         report = _report(description, error, print_, None, changes, agreement)

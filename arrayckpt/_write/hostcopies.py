@@ -21,7 +21,7 @@ from .._torch.transfer import SyncCopier, Ticket, copy_grouped, is_staged
 
 __all__ = ["HostCopies"]
 
-Slot = tuple[str, tuple[int, ...], Any]  # (array path, shape, dtype)
+Slot = tuple[str, tuple[int, ...], "np.dtype | torch.dtype"]  # (array path, shape, dtype)
 ISSUE_BYTES = 64 << 20  # device copies are issued once this many bytes of them wait
 
 
@@ -41,7 +41,7 @@ class HostCopies:
         """The buffer for ``value``; numpy arrays are copied now, device tensors in batches as they come, host
         tensors by :meth:`finish`, in one batched call."""
         if isinstance(value, np.ndarray):
-            slot = (path, value.shape, value.dtype)
+            slot: Slot = (path, value.shape, value.dtype)
             array = self._buffers.get(slot)
             if array is None:
                 array = self._buffers[slot] = np.empty(value.shape, value.dtype)

@@ -16,6 +16,7 @@ from .._format.codecs import CodecChoice
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 
 if TYPE_CHECKING:
+    from .._storage import Location
     from .exchange import Planner
 
 __all__ = ["SaveOptions"]
@@ -48,7 +49,7 @@ class SaveOptions:
     guard: Callable[[], None] | None = None
     # Where this rank writes its chunks instead of the coordinator's target (a Location): a peer-memory save writes
     # into its own node's directory (``_peer/save.py``). None: the coordinator's target, as every other save.
-    rank_target: Any = None
+    rank_target: Location | None = None
     # The plans kept for the next save (``exchange.py``): a CheckpointManager holds its own; None: the process
     # group's, shared by every save of that group that brings none.
     planner: Planner | None = field(default=None, compare=False, repr=False)

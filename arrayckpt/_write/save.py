@@ -27,7 +27,7 @@ import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,14 +38,14 @@ from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metri
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import RowsTask, plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
-from .._layout.rankplan import RankPlan, explicit_part
+from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
 from .._version import __version__
 from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
-from .describe import LocalState, describe_local, host_view
+from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Planner, Reply, Report, Resend, exchange, planner_for
 from .options import SaveOptions
@@ -125,7 +125,8 @@ def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: S
     request = prepare(path, options, record)
     try:
         with collector_paused():
-            host = host_view if options.base is not None else device_view  # a delta reads its data before writing
+            # a delta reads its data before writing; a DeviceData stands for its host view until its batch is copied
+            host = host_view if options.base is not None else cast(HostView, device_view)
             local, error = _attempt(lambda: describe_local(state, group.rank, options.allow_pickle, host))
             finish_save(local, error, group, request)
     finally:
@@ -144,7 +145,7 @@ def check_record(step: object, metrics: object) -> Record:
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise StateError(f"step must be an int or None, got {step!r}")
     try:
-        return Record(step, parse_metrics(metrics if metrics is not None else {}))  # type: ignore[arg-type]
+        return Record(step, parse_metrics(metrics if metrics is not None else {}))
     except FormatError as e:
         raise StateError(str(e)) from None
 
@@ -165,7 +166,7 @@ class SaveRequest:
             self.delta.close()
 
 
-def prepare(path: str | os.PathLike[str], options: SaveOptions, record: Record) -> SaveRequest:
+def prepare(path: str | os.PathLike[str] | Location, options: SaveOptions, record: Record) -> SaveRequest:
     """Where the save goes and, for an incremental save, its base opened and checked (``record`` is
     :func:`check_record` of the options, checked first by the caller so that a bad step fails before anything
     else is done). The caller must :meth:`SaveRequest.close` it once the save is over."""
@@ -191,7 +192,7 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     planner = request.options.planner or planner_for(group)
     coordinator = _Coordinated()  # the coordinator's plan and write transaction, from planning to the commit
 
-    def coordinate(reports: list[Report]) -> Any:
+    def coordinate(reports: list[Report]) -> list[Reply | BaseException] | Resend:
         replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, planner)
         return replies
 
@@ -204,11 +205,13 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         plan, transaction = coordinator.plan, coordinator.transaction
 
         target = request.options.rank_target or reply.target
-        written, error = _attempt(lambda: _write_tasks(reply.part, group.rank, local, target, where, changes, delta))
+        part = reply.part
+        assert isinstance(part, RankPlan)  # exchange expands this rank's part
+        written, error = _attempt(lambda: _write_tasks(part, group.rank, local, target, where, changes, delta))
         results = group.gather((error, written or ({}, {})))
         outcome: BaseException | str | None = None
         if transaction is not None:
-            assert results is not None
+            assert results is not None and plan is not None  # the coordinator's, set with its transaction
             outcome = _commit_or_abort(transaction, plan, results, request, group.size)
         try:
             outcome = group.broadcast(outcome)
@@ -259,7 +262,8 @@ class _Coordinated:
 
 
 def _coordinate(reports: list[Report], request: SaveRequest,
-                planner: Planner) -> tuple[Any, SavePlan | None, WriteTransaction | None]:
+                planner: Planner) -> tuple[list[Reply | BaseException] | Resend, SavePlan | None,
+                                           WriteTransaction | None]:
     """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction:
     (every rank's reply, the plan, the transaction); or the error every rank must raise; or Resend."""
     size = len(reports)
@@ -294,11 +298,12 @@ def _coordinate(reports: list[Report], request: SaveRequest,
         plan = planner.layouts.with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
         if request.delta is not None:
-            parts: list[Any] = [explicit_part(plan, rank) for rank in range(size)]
+            parts: list[RankLayout | RankPlan | None] = [explicit_part(plan, rank) for rank in range(size)]
         else:
             every = planner.layouts.rank_layouts(layout)
             parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
-        replies = [Reply(layout.plan_id, part, transaction.target, transaction.key_encoding) for part in parts]
+        replies: list[Reply | BaseException] = [Reply(layout.plan_id, part, transaction.target,
+                                                      transaction.key_encoding) for part in parts]
     except BaseException:
         transaction.abort()
         raise
@@ -340,8 +345,9 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
     return errors, checksums
 
 
-def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: list, request: SaveRequest,
-                     world_size: int) -> BaseException | str:
+def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan,
+                     results: list[tuple[BaseException | None, tuple[dict[str, float], Checksums]]],
+                     request: SaveRequest, world_size: int) -> BaseException | str:
     """Commit (returning the new checkpoint's id) or abort (returning the error every rank raises)."""
     error = _first_error([e for e, _ in results])
     if error is None:

@@ -13,7 +13,8 @@ import io
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -152,9 +153,9 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
     small: list[Callable[[Axes], None]] = []  # the right half's small pictures, most telling first
     if data.chain:
         small.append(lambda ax: draw_chain(ax, data, compact=True))
-    small += [lambda ax, d=d: draw_delta(ax, d) for d in drawn[:1]]
-    small += [lambda ax, g=g: draw_grid(ax, g, top_rank(data.grids[:2]), legend=True) for g in data.grids[:2]]
-    small += [lambda ax, h=h: draw_histogram(ax, h) for h in data.histograms[1:3]]
+    small += [partial(draw_delta, part=d) for d in drawn[:1]]
+    small += [partial(draw_grid, grid=g, top=top_rank(data.grids[:2]), legend=True) for g in data.grids[:2]]
+    small += [partial(draw_histogram, histogram=h) for h in data.histograms[1:3]]
     heat = _heat(data.changes)
     if data.changes:
         places = [grid[0, 2], grid[1, 2]] if heat is not None else [grid[0, 2], grid[0, 3], grid[1, 2], grid[1, 3]]
@@ -211,7 +212,8 @@ def draw_treemap(ax: Axes, tree: SizeNode) -> None:
                             clip_on=True)
 
     box = ax.get_position()
-    width_px, height_px = (box.width * ax.figure.get_figwidth() * DPI, box.height * ax.figure.get_figheight() * DPI)
+    figure = cast("Figure", ax.figure)  # (not a SubFigure: the report draws none)
+    width_px, height_px = (box.width * figure.get_figwidth() * DPI, box.height * figure.get_figheight() * DPI)
     place(tree, (0.0, 0.0, 1.0, 1.0), 0, None, ())
     ax.legend(handles=handles[:10], loc="upper left", bbox_to_anchor=(0, -0.01), ncols=min(4, len(handles) or 1),
               fontsize=FONT, frameon=False)

@@ -22,6 +22,7 @@ from ..._io.arrays import ArrayIO
 from ..._read.chain import dense_layer
 from ..._read.checkpoint import Checkpoint, LazyArray
 from ..._read.reader import read
+from ..._read.source import ChainSource
 from .data import ChunkGrid, DeltaPart, Layer
 
 __all__ = ["chain_of", "deltas_of", "grid_of", "step_of", "stored_text"]
@@ -68,7 +69,7 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     return replace(grid, key=key)  # an alias: the chunks of the tensor it names, under the key asked for
 
 
-def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
+def _writers_from_bases(layer: ChainSource, grid: ChunkGrid) -> ChunkGrid:
     """``grid`` with the writers of the drawn chunks that ``layer`` (a chunks delta) leaves to its bases: each from
     the base down the chain that stores it. A delta's chunks are its base's read chunks (the inner chunks of a
     sharded array), so each takes the writer of the base chunk that holds its first element. Only the drawn
@@ -101,7 +102,7 @@ def _writers_from_bases(layer: Checkpoint, grid: ChunkGrid) -> ChunkGrid:
     return replace(grid, writers=tuple(writers.tolist()), in_base=frozenset(np.flatnonzero(in_base).tolist()))
 
 
-def _writers(layer: Checkpoint, key: str, grid: ChunkGrid, drawn: np.ndarray | None = None) -> tuple[int, ...] | None:
+def _writers(layer: ChainSource, key: str, grid: ChunkGrid, drawn: np.ndarray | None = None) -> tuple[int, ...] | None:
     """Who wrote the chunks ``drawn`` (flat C-order indices; by default the first chunk of each drawn cell,
     :meth:`ChunkGrid.drawn_chunks`) of ``key``'s array in ``layer``, from the manifest's ``created.writers`` (one
     rank: rank 0 wrote all; -1: stored in a base); ``None`` when the checkpoint does not say (older ones, DCP's
@@ -208,7 +209,7 @@ def _stored_bytes(checkpoint: Checkpoint, array: LazyArray) -> int:
     total = 0
     for flat in entry.delta.present:
         index = np.unravel_index(flat, grid.counts) if grid.counts else ()
-        total += math.prod(min(c, n - i * c) for i, c, n in zip(index, grid.chunk, grid.shape, strict=True))
+        total += math.prod(min(c, n - int(i) * c) for i, c, n in zip(index, grid.chunk, grid.shape, strict=True))
     return total * entry.dtype.itemsize
 
 

@@ -5,7 +5,7 @@ Imported only where the pictures are drawn (matplotlib is an optional extra; eac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["DPI", "FONT", "colormap", "lighten", "short_key"]
 
@@ -13,11 +13,11 @@ DPI = 90
 FONT = 7
 
 
-def lighten(colour: Any, amount: float) -> tuple[float, ...]:
+def lighten(colour: Any, amount: float) -> tuple[float, float, float]:
     """``colour`` moved ``amount`` (0..1) of the way to white, as RGB."""
     from matplotlib.colors import to_rgb
 
-    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
+    return cast("tuple[float, float, float]", tuple(c + (1 - c) * amount for c in to_rgb(colour)))
 
 
 def colormap(name: str, bad: str | None = None) -> Any:
