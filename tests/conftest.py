@@ -28,6 +28,17 @@ def chunking(request: pytest.FixtureRequest) -> Chunking:
 # every test module; the server starts only when a test asks for it.
 from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402, F401
 
+# Fixtures that start a server or spawn ranks: a test asking for one (directly or through another fixture) is slow.
+SLOW_FIXTURES = frozenset({"s3_server", "s3_proxy", "s3_bucket", "jobs"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that needs a :data:`SLOW_FIXTURES` fixture, so that ``pytest -m "not slow"`` never
+    starts a server or spawns ranks, whoever wrote the test."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def small_disk(tmp_path: Path):

@@ -16,11 +16,11 @@ This file is the torchrun script (``python -m torch.distributed.run ... deepspee
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import run_group
 
 GLOBAL_BATCH = 6
 MICRO_BATCH = {1: 3, 2: 3, 3: 2}  # by world size: x gradient accumulation x ranks = GLOBAL_BATCH
@@ -363,15 +364,55 @@ def leave(dist: Any) -> None:
 # ------------------------------------------------------------------------------------------------ for the tests
 
 
+JOB_TIMEOUT_S = 900  # one torchrun job, once the ops are built (~1-3 minutes on a quiet 2-core machine)
+BUILD_TIMEOUT_S = 2400  # DeepSpeed's FusedAdam and CPUAdam compiled from scratch (~18 minutes on a busy 2-core one)
+
+
+def _extensions_root() -> Path:
+    """torch's extension cache, where DeepSpeed's ops are compiled (``TORCH_EXTENSIONS_DIR`` overrides it)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_extensions"
+
+
+_BUILD = """
+from deepspeed.accelerator import get_accelerator
+for name in ("CPUAdamBuilder", "FusedAdamBuilder"):
+    get_accelerator().create_op_builder(name).load()
+"""
+_BUILT: list[bool] = []
+
+
+def build_ops() -> None:
+    """Compile DeepSpeed's CPU ops once, before any timed job (a fresh machine spends ~18 minutes here, which the
+    jobs' timeouts must not pay). Builds of concurrent test runs take turns (an ``flock``); holding it, a ``lock``
+    file torch left in the cache is stale (a build killed mid-way: torch's loaders would wait on it forever), and
+    is removed."""
+    if _BUILT:
+        return
+    root = _extensions_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".arrayckpt-tests-build.lock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        for stale in root.glob("*/*/lock"):
+            stale.unlink(missing_ok=True)
+        env = {**os.environ, **ENV}
+        done = run_group([sys.executable, "-c", _BUILD], env, BUILD_TIMEOUT_S, "building DeepSpeed's ops")
+    if done.returncode != 0:
+        pytest.fail(f"building DeepSpeed's CPU ops failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    _BUILT.append(True)
+
+
 def torchrun(script: str, ranks: int, mode: str, root: Path, result: str) -> dict[str, Any]:
     """``script`` (a torchrun script of tests/) in ``mode`` on ``ranks`` ranks; the JSON its rank 0 wrote to
-    ``root / result``."""
+    ``root / result``. DeepSpeed's ops are built first (:func:`build_ops`), outside the job's timeout."""
+    build_ops()
     env = {**os.environ, **ENV,  # DeepSpeed's C++ ops go to torch's extension cache, compiled once per machine
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
                mode, str(root)]
     (root / result).unlink(missing_ok=True)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = run_group(command, env, JOB_TIMEOUT_S, f"torchrun {mode} on {ranks} ranks")
     if done.returncode != 0:
         pytest.fail(f"torchrun {mode} on {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads((root / result).read_text())

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from arrayckpt._format.integrity import INTEGRITY_MEMBER, PLACEHOLDER, seal
@@ -52,15 +57,26 @@ def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(bits(a), bits(b))
 
 
+def run_group(command: list[str], env: dict[str, str] | None, timeout: float, what: str,
+              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``command`` in a process group of its own; on a timeout the whole group is killed (the ranks a launcher
+    spawned too, which a kill of the launcher alone leaves running) and the test fails saying so."""
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                          start_new_session=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            pytest.fail(f"{what} ran past {timeout:.0f} s and was killed with its process group:\n{out[-3000:]}\n"
+                        f"{err[-6000:]}")
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
 def run_example(name: str, *args: str) -> str:
     """Run ``examples/<name>`` as a user would; returns its stdout, failing with both streams shown."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "examples" / name), *args], capture_output=True, text=True,
-                          timeout=300, cwd=root)
+    proc = run_group([sys.executable, str(root / "examples" / name), *args], None, 300, f"examples/{name}", cwd=root)
     output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
     assert proc.returncode == 0, output
     return proc.stdout

@@ -416,6 +416,7 @@ def _check_universal(reference: Flat, outcome: Outcome) -> None:
         _same(got[f"client.{name}"], value, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("destination", list(DESTINATIONS))
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_any_source_into_any_destination(matrix, source, destination):

@@ -6,7 +6,9 @@
   resolves;
 - the format and read layers need no torch: a process where ``import torch`` fails opens, slices, verifies,
   shows and inspects a checkpoint;
-- no module is longer than ~500 lines unless its docstring says why.
+- no module is longer than ~500 lines unless its docstring says why;
+- tests that spawn processes are marked ``slow`` (the quick run leaves them out), and the README's test command
+  (CI's) runs them all.
 
 Imports are read with ``ast``; function-level imports count (they run too), and so do imports under
 ``if TYPE_CHECKING:`` (a type a module names is a dependency all the same: a cycle through one is a design cycle,
@@ -274,6 +276,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_format_and_read_layers_need_no_torch(tmp_path):
     path = tmp_path / "ckpt"
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -299,3 +302,38 @@ def test_every_package_docstring_names_its_modules():
         names += [p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()]
         missing += [f"{init.parent.name}/{name}" for name in sorted(names) if name not in docstring]
     assert not missing, f"not named in their package's docstring: {missing}"
+
+
+TESTS = Path(__file__).parent
+SPAWNS = ("run_ranks", "torchrun", "_torchrun", "run_example", "run_group", "Popen", "subprocess.run",
+          "subprocess.check_output")
+
+
+def _marked_slow(decorators: list[ast.expr]) -> bool:
+    return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def test_tests_that_spawn_processes_are_marked_slow():
+    """``pytest -m "not slow"`` (the quick run, README) never spawns ranks or processes: every test function whose
+    body calls a spawning helper is marked ``slow``, itself or by its module's ``pytestmark`` (the S3 fixtures are
+    marked by ``conftest.py``)."""
+    unmarked = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                          and "mark.slow" in ast.unparse(n.value) for n in tree.body)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+                continue
+            calls = {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+            if calls & set(SPAWNS) and not module_slow and not _marked_slow(node.decorator_list):
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unmarked, f"spawning tests not marked slow: {unmarked}"
+
+
+def test_the_readme_test_command_runs_every_test_and_names_the_quick_run():
+    """CI runs the README's test command: it must not leave the slow tests out; the quick run is documented."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    command = text.split("<!-- test-command -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    assert "pytest" in command and "slow" not in command, command
+    assert '-m "not slow"' in text

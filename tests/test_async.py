@@ -104,6 +104,7 @@ def _async_two_ranks(rank: int, world: int, path: str) -> None:
     handle.wait()
 
 
+@pytest.mark.slow
 def test_multi_rank_async_save(tmp_path: Path):
     run_ranks(2, _async_two_ranks, str(tmp_path / "ckpt"))
     opened = arrayckpt.open(tmp_path / "ckpt")

@@ -190,6 +190,7 @@ def _run_capped(root: Path, cases: list[list[str]]) -> tuple[list[dict[str, Any]
     return found["results"], found["peak_above_baseline"]
 
 
+@pytest.mark.slow
 def test_walking_a_crafted_grid_at_the_limit_runs_in_bounded_memory(tmp_path: Path):
     """2**24 missing one-element chunks (uncompressed: the fast path; zstd and sharded: TensorStore), and a chunks
     delta claiming 2**24 chunks of which it stores one: every command answers, in bounded memory."""

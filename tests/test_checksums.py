@@ -128,6 +128,7 @@ def test_a_checksum_present_in_an_older_version_is_still_checked(tmp_path):
 # --- chunks tied to their places -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", [None, "zstd"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "sharded"])
 def test_swapped_chunk_files_are_caught_by_verify(tmp_path, codec, sharded):

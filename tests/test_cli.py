@@ -54,6 +54,7 @@ def test_info_json_is_machine_readable(saved):
     assert info["total_bytes"] == 64 * 32 * 2 + 32 * 4
 
 
+@pytest.mark.slow
 def test_no_bfloat16_note_where_zarr_python_reads_them_and_a_precise_one_where_not(saved, tmp_path):
     """arrayckpt installed (its start-up hook in site-packages): plain zarr-python reads bfloat16, so neither
     ``info`` nor ``verify`` tells the user to install arrayckpt; with the hook turned off, or not installed, the note
@@ -77,6 +78,7 @@ def test_no_bfloat16_note_where_zarr_python_reads_them_and_a_precise_one_where_n
     assert "note:" not in _run("info", str(tmp_path / "plain"), env={"ARRAYCKPT_NO_ZARR_HOOK": "1"}).stdout
 
 
+@pytest.mark.slow
 def test_info_of_a_two_rank_checkpoint_fits_the_terminal(tmp_path):
     """A save by 2 ranks records which rank wrote each chunk of each array (``created.writers``, a line of
     thousands of characters before): ``info`` summarises it and fits every line to the terminal (``COLUMNS``), long
@@ -138,6 +140,7 @@ def test_gc_removes_leftovers_of_interrupted_saves_only(tmp_path):
     assert "w" in arrayckpt.open(tmp_path / "kept")
 
 
+@pytest.mark.slow
 def test_info_tree_shows_the_nesting(tmp_path):
     import subprocess
     import sys

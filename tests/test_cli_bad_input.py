@@ -158,6 +158,7 @@ def _run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
                           timeout=120, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("bad", "command"), [("missing", "info"), ("dcp", "verify"), ("evil.pt", "convert"),
                                               ("lying.safetensors", "convert")])
 def test_as_a_process(corpus: dict[str, Path], bad: str, command: str) -> None:
@@ -167,6 +168,7 @@ def test_as_a_process(corpus: dict[str, Path], bad: str, command: str) -> None:
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     arrayckpt.save({"w": torch.ones(2), "text": "x" * 400_000}, tmp_path / "big")
     process = subprocess.Popen([sys.executable, "-m", "arrayckpt.cli", "info", str(tmp_path / "big"), "--json"],

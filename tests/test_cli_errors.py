@@ -55,6 +55,7 @@ def test_report_exits_1_and_says_so_when_tensors_cannot_be_read(ckpt: Path, tmp_
     assert (tmp_path / "one.html").stat().st_size > 0 and (tmp_path / "none.html").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_report_under_a_directory_whose_name_is_not_utf8(tmp_path: Path):
     """``info`` worked there, ``report`` failed: "'utf-8' codec can't encode character '\\udcff' … surrogates not
     allowed" (the page, and matplotlib's titles, hold the path)."""
@@ -121,6 +122,7 @@ def test_every_command_creates_missing_parent_directories(ckpt: Path, tmp_path: 
         assert (out.parent / "x" / "r.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["out.pt", "dcp", "out.safetensors"])
 def test_converting_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk: Path, tmp_path: Path,
                                                                     target: str):
@@ -138,6 +140,7 @@ def test_converting_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk: 
     assert list(small_disk.iterdir()) == []  # no temporary file or directory left
 
 
+@pytest.mark.slow
 def test_the_cli_corpus_of_the_fault_campaign_finds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``benchmarks/faults.py``'s CLI corpus (every command on every bad input: truncated and lying files of every
     format, a truncated ``.distcp``, crafted grids over and at the limit, a directory whose name is not UTF-8, a

@@ -44,12 +44,14 @@ def saved(ckpt: Path) -> Path:
     return ckpt
 
 
+@pytest.mark.slow
 def test_verify_ok(saved):
     done = _run("verify", saved)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("OK ") and "2 arrays" in done.stdout
 
 
+@pytest.mark.slow
 def test_verify_names_a_flipped_byte_and_a_missing_chunk(saved, main):
     victim = saved / "model" / "w" / "c.1.0"
     raw = bytearray(victim.read_bytes())
@@ -73,6 +75,7 @@ def test_verify_incomplete_and_missing(tmp_path):
     assert done.returncode == 2 and "no checkpoint here" in done.stderr
 
 
+@pytest.mark.slow
 def test_show_values_and_statistics(saved, main):
     done = _run("show", saved, "model.w", "1:3, ::2")
     assert done.returncode == 0, done.stderr
@@ -138,6 +141,7 @@ def test_estimate_and_interval(main):
     assert main("interval", "--blocking-seconds", "-1", "--mtbf-hours", "24").returncode == 2
 
 
+@pytest.mark.slow
 def test_convert_through_the_console_script(tmp_path, main):
     from safetensors.torch import load_file, save_file
 

@@ -190,17 +190,20 @@ def _assert_race(tally: Tally, writer: Writer) -> None:
                            f"{writer.saves} saves"
 
 
+@pytest.mark.slow
 def test_local_readers_see_one_whole_checkpoint(tmp_path: Path, chunking: Chunking) -> None:
     tally, writer = _race(str(tmp_path / "ckpt"), None, chunking=chunking)
     _assert_race(tally, writer)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # every overwrite cleaned up after itself
 
 
+@pytest.mark.slow
 def test_memory_store_readers_see_one_whole_checkpoint(chunking: Chunking) -> None:
     tally, writer = _race(f"memory://race/{uuid.uuid4().hex[:8]}", None, pause_s=0.02, chunking=chunking)
     _assert_race(tally, writer)
 
 
+@pytest.mark.slow
 def test_s3_readers_see_one_whole_checkpoint(s3_server: Any, s3_bucket: str) -> None:
     tally, writer = _race(f"s3://{s3_bucket}/ckpt", {"endpoint_url": s3_server.endpoint, "max_retries": 3},
                           pause_s=0.3, goal=ENOUGH_S3, chunking=small_chunks(64, 256))
@@ -220,6 +223,7 @@ print(json.dumps(tally.to_dict()), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_local_reader_process_sees_one_whole_checkpoint(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     writer = Writer(url, None, chunking=small_chunks(64, 256))

@@ -240,6 +240,7 @@ def _load_on_3_ranks(rank: int, world: int, path: str, reference: dict[str, np.n
     return problems + [f"{key} is not in the DCP checkpoint" for key in loaded if key not in reference]
 
 
+@pytest.mark.slow
 def test_dcp_from_2_fsdp2_ranks_converts_and_loads_on_3(tmp_path):
     from dist_helpers import run_ranks
 
@@ -373,6 +374,7 @@ def _save_sharded_dcp(rank: int, world: int, path: str) -> None:
     dcp.save({k: distribute_tensor(v, mesh, [placements[k]]) for k, v in full.items()}, checkpoint_id=path)
 
 
+@pytest.mark.slow
 def test_dcp_column_shards_are_read_into_place(tmp_path, monkeypatch):
     from dist_helpers import run_ranks
 

@@ -234,6 +234,7 @@ def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_pat
 # --- S3: both directions, replacing, faults -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_local_to_s3_and_back_replacing_a_committed_checkpoint(s3_server: S3Server, s3_bucket: str,
                                                                  tmp_path: Path) -> None:
     options = {"endpoint_url": s3_server.endpoint}
@@ -290,6 +291,7 @@ copy(sys.argv[1], sys.argv[2], dst_options={"endpoint_url": sys.argv[3]}, concur
 """
 
 
+@pytest.mark.slow
 def test_a_copy_killed_midway_is_not_committed_and_an_overwrite_finishes_it(s3_server: S3Server, s3_bucket: str,
                                                                             tmp_path: Path) -> None:
     options = {"endpoint_url": s3_server.endpoint}

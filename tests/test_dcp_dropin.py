@@ -474,6 +474,7 @@ def _dropin_on_3(rank: int, world: int, root: str) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 def test_dropin_on_3_ranks(tmp_path: Path) -> None:
     reports = run_ranks(3, _dropin_on_3, str(tmp_path))
     assert all("injected failure on rank 1" in r["failed"] for r in reports)

@@ -179,6 +179,7 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_export_memory_stays_near_one_tensor(tmp_path: Path) -> None:
     """Peak RSS growth of the conversion, in a fresh process: RSS counts the memory torch and TensorStore
     allocate (``tracemalloc`` sees neither), and a fixed ``malloc`` mmap threshold makes freed tensors go back

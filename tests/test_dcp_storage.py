@@ -207,6 +207,7 @@ def saved_on_3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return root, report
 
 
+@pytest.mark.slow
 def test_fsdp_saves_on_3_ranks_load_on_2_through_dcp_and_arrayckpt(saved_on_3: tuple[Path, dict]) -> None:
     root, _ = saved_on_3
     run_ranks(2, _load_on_2, str(root))

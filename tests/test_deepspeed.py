@@ -28,7 +28,8 @@ import pytest
 import torch
 from deepspeed_worker import RUNS, TRAIN_STEPS
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
+              pytest.mark.slow]  # runs a foreign training stack, spawns processes
 
 RESUME_RTOL = 1e-6  # measured: <= 1.2e-7 relative at 3 ranks (reduction order), 0 at 1 and 2 ranks
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 import universal_worker
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
+              pytest.mark.slow]  # runs a foreign training stack, spawns processes
 
 LOSS_ATOL = 1e-5  # resumed vs uninterrupted (the bound); fp32 reduction order alone: ~1e-7
 TRAINABLE = ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # the worker's model; frozen.* are not

@@ -109,6 +109,7 @@ def test_detection_is_bitwise_exact(tmp_path: Path) -> None:
     assert _bits_equal(arrayckpt.open(tmp_path / "b")["w"].torch(), w2)
 
 
+@pytest.mark.slow
 def test_chunks_mode_for_column_sharded_changes(tmp_path: Path, chunking: Chunking) -> None:
     """Dense blocks changed: whole chunks stored, on the base's chunk grid (inner chunks when sharded)."""
     w = torch.randn(512, 256)
@@ -162,6 +163,7 @@ def test_quantized_rows_record_their_error(tmp_path: Path, bits: int) -> None:
                        quantize={"ids": 8})
 
 
+@pytest.mark.slow
 def test_damage_and_missing_or_replaced_bases_are_errors(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     state = _state(g)
@@ -199,6 +201,7 @@ def test_damage_and_missing_or_replaced_bases_are_errors(tmp_path: Path) -> None
         arrayckpt.open(tmp_path / "s1")["dense"].torch()
 
 
+@pytest.mark.slow
 def test_compaction_equals_the_chain(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
     state = _state(g)
@@ -231,6 +234,7 @@ def test_compaction_equals_the_chain(tmp_path: Path) -> None:
     _assert_same(tmp_path / "full2", {k: v for k, v in state.items() if k not in ("opt", "rng")})
 
 
+@pytest.mark.slow
 def test_cli_info_shows_the_chain(tmp_path: Path) -> None:
     w = torch.zeros(100, 4)
     arrayckpt.save({"w": w}, tmp_path / "a", step=1)
@@ -311,6 +315,7 @@ def _load_resharded(rank: int, world: int, root: str) -> None:
     assert torch.equal(dense, torch.full((8, 8), 2.0))
 
 
+@pytest.mark.slow
 def test_chain_saved_on_3_ranks_loads_resharded_on_2(tmp_path: Path) -> None:
     run_ranks(3, _save_sharded_chain, str(tmp_path))
     ckpt = arrayckpt.open(tmp_path / "s2")

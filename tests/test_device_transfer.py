@@ -266,6 +266,7 @@ def _sharded_ranks(rank: int, world: int, path: str) -> bool:
     return torch.equal(target, full[:, cols]) and sum(entry[0] == "copy" for entry in log) >= 2
 
 
+@pytest.mark.slow
 def test_sharded_save_and_resharded_load_through_the_staged_path(tmp_path):
     assert run_ranks(2, _sharded_ranks, str(tmp_path / "c")) == [True, True]
 

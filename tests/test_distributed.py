@@ -15,6 +15,8 @@ from arrayckpt._layout.box import Box
 from arrayckpt._layout.plancache import PlanCache
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 
 def _global() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

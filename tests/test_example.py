@@ -1,6 +1,9 @@
 """Runs the examples end to end: save mid-training, load into fresh objects (or a fresh process), resume."""
 
+import pytest
 from helpers import run_example
+
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
 
 
 def test_train_resume_example_is_bit_exact(tmp_path):

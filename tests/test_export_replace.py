@@ -28,6 +28,8 @@ from safetensors.numpy import load_file
 import arrayckpt
 from arrayckpt._convert.safetensors import _safetensors_source
 
+pytestmark = pytest.mark.slow  # every test here kills an export at each of its steps (a process per kill)
+
 ROOT = Path(__file__).resolve().parents[1]
 USER_FILES = {"tokenizer.json": '{"vocab": {}}', "README.md": "# my model\n"}
 # One interpreter imports everything once, then for each k it forks a process (before any thread was started) that

@@ -129,6 +129,7 @@ _FIRST_CALLS = """
 """
 
 
+@pytest.mark.slow
 def test_first_local_uncompressed_save_and_load_import_nothing_heavy(tmp_path: Path) -> None:
     """The fast path serves a local uncompressed checkpoint without TensorStore (about a second to import with
     ml_dtypes in a fresh process) or numpy.ma (which ``np.unique`` imports): structural, not timed. bfloat16 and

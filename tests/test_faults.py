@@ -40,6 +40,7 @@ _RACER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_writers_racing_for_one_path_one_wins_cleanly(tmp_path):
     path = tmp_path / "ckpt"
     racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(path), str(v)], stdout=subprocess.PIPE, text=True)

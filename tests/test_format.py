@@ -33,6 +33,7 @@ def test_array_path_escaping(key, path):
     assert parse_array_path(path, key) == path
 
 
+@pytest.mark.slow
 @given(st.text(max_size=30))
 def test_array_paths_are_safe_and_injective(key):
     path = array_path(key)

@@ -3,6 +3,8 @@
 import pytest
 from helpers import run_example
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 SUCCESS_LINE = "OK: FSDP2 checkpoint saved on 2 ranks resumes on 1 and 3 ranks"
 
 

@@ -226,6 +226,7 @@ def fsdp2_saves(tmp_path_factory):
     return root, {name: {k: torch.from_numpy(v) for k, v in weights.items()} for name, weights in trained.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_export_of_an_fsdp2_checkpoint_loads_with_from_pretrained(tmp_path, fsdp2_saves, name):
     root, trained = fsdp2_saves
@@ -369,6 +370,7 @@ def test_ties_are_compared_in_blocks_and_tensors_written_one_at_a_time(tmp_path,
     assert len([key for key, _ in reads if key != "model.lm_head.weight"]) == 20 + len(model.state_dict()) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["torch", "dcp"])
 def test_torch_save_and_dcp_sources_export_through_a_temporary_checkpoint(tmp_path, source):
     import warnings

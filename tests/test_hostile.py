@@ -58,6 +58,7 @@ def pristine(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_root_documents_fail_clearly(pristine, data):

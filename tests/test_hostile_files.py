@@ -72,6 +72,7 @@ def _fifo_in_place_of(file: Path) -> None:
     os.mkfifo(file)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", [None, "zstd"])  # the local fast path, and TensorStore's file kvstore
 def test_a_fifo_in_place_of_a_chunk_is_refused_not_waited_on(tmp_path: Path, codec: str | None) -> None:
     path = _save(tmp_path / "ckpt", codec)
@@ -83,6 +84,7 @@ def test_a_fifo_in_place_of_a_chunk_is_refused_not_waited_on(tmp_path: Path, cod
         assert "/proc/self/fd" not in message, (op, message)
 
 
+@pytest.mark.slow
 def test_a_fifo_as_root_document_is_refused_not_waited_on(tmp_path: Path) -> None:
     root = tmp_path / "run"
     path = _save(root / "step_00000001")
@@ -93,6 +95,7 @@ def test_a_fifo_as_root_document_is_refused_not_waited_on(tmp_path: Path) -> Non
     assert results["steps"] == ["ok", "[]"]  # not a committed checkpoint; listed without waiting on the pipe
 
 
+@pytest.mark.slow
 def test_a_fifo_as_a_node_document_is_reported_by_verify(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt")
     _fifo_in_place_of(path / "w" / "zarr.json")
@@ -112,6 +115,7 @@ def _edit_metadata(path: Path, **changes: object) -> None:
     write_root(path, document)
 
 
+@pytest.mark.slow
 def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt")
     _edit_metadata(path, chunk_shape=[2**45, 4])
@@ -123,6 +127,7 @@ def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Pa
         arrayckpt.open(path)["w"]  # in this process too: refused before TensorStore sees it
 
 
+@pytest.mark.slow
 def test_a_huge_array_with_one_huge_chunk_is_refused_before_allocating(tmp_path: Path) -> None:
     path = _save(tmp_path / "ckpt")
     _edit_metadata(path, shape=[2**45, 4], chunk_shape=[2**45, 4])
@@ -147,6 +152,7 @@ def test_chunk_errors_name_the_users_path_not_the_pinned_directory(tmp_path: Pat
     assert all("/proc/self/fd" not in m for m in (str(sliced.value), str(loaded.value), damage.problem))
 
 
+@pytest.mark.slow
 def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2**15 chunks (shape [2]*15, chunk [1]*15): a list of every ChunkRef took ~50 MB (1.5 KB a chunk); batches
     stay small."""

@@ -127,6 +127,7 @@ _KILLED_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["during-data", "before-commit", "during-commit"])
 @pytest.mark.parametrize("previous", [False, True], ids=["fresh", "over-previous"])
 def test_killed_save_leaves_no_committed_checkpoint_and_the_previous_intact(ckpt, point, previous):

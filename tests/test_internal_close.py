@@ -166,12 +166,14 @@ OPS: dict[str, Op] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPS))
 def test_internal_call_sites_release_what_they_open(chain: dict[str, Path], name: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     _check_releases(chain["tmp"], lambda i: OPS[name](chain, i))
 
 
+@pytest.mark.slow
 def test_the_cli_diff_releases_both_sides(chain: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     diff = ["diff", str(chain["delta"]), str(chain["base"])]
     _check_releases(chain["tmp"], lambda i: cli.main(diff) == 1 or pytest.fail("they differ: exit status 1"))

@@ -40,7 +40,8 @@ from arrayckpt._write import asynchronous as async_writes
 from arrayckpt.lightning import ArrayckptIO
 
 EPOCH_STEPS = 4  # 32 samples, batches of 8
-pytestmark = [pytest.mark.filterwarnings("ignore:.*does not have many workers"),  # Lightning's advice, not ours
+pytestmark = [pytest.mark.slow,  # runs a foreign training stack
+              pytest.mark.filterwarnings("ignore:.*does not have many workers"),  # Lightning's advice, not ours
               pytest.mark.filterwarnings("ignore:.*number of training batches.*is smaller than the logging interval"),
               pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
               pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)")]

@@ -82,6 +82,7 @@ _GC_LOOP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_gc_looping_beside_saves_removes_nothing_they_hold(tmp_path: Path) -> None:
     """The campaign's race in small: gc with no minimum age in a loop in another process, 30 saves (overwriting 3
     paths) beside it. Before: gc emptied the saves' temporary directories and some of them committed without their
@@ -257,6 +258,7 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_live_holder_in_another_process_is_refused_and_a_crashed_one_never_blocks(
         s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
     """Another process holds a local root (flock) and an S3 root (a lease renewed every 0.2 s): a manager here is
@@ -291,6 +293,7 @@ def test_a_live_holder_in_another_process_is_refused_and_a_crashed_one_never_blo
         _check(manager.path(2), 2, storage)
 
 
+@pytest.mark.slow
 def test_a_lease_of_another_host_is_waited_out_when_it_is_not_renewed(object_root, monkeypatch) -> None:
     """A lease left by a crashed job on another host (not renewed, expiring in 1.5 s): the manager is warned at
     construction; its first save waits for the lease to expire, then takes the root and saves."""
@@ -433,6 +436,7 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, list[
     return busy, restored, [str(w.message) for w in caught]
 
 
+@pytest.mark.slow
 def test_a_multi_rank_manager_holds_its_root_on_the_coordinator_and_restores_one_step_on_every_rank(
         tmp_path: Path) -> None:
     from dist_helpers import run_ranks

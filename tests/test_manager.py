@@ -84,6 +84,7 @@ def test_daly_interval_from_measured_blocking_time(tmp_path):
     assert not patient.should_save(2)
 
 
+@pytest.mark.slow
 def test_sigterm_completes_a_save_before_exiting(tmp_path):
     script = textwrap.dedent(f"""
         import signal, sys, time, torch, arrayckpt

@@ -62,6 +62,7 @@ print("ready", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("next_step, then", [
     (6, "while True: time.sleep(0.01)"),  # training went on: both the in-flight save and a new one commit
     (5, "while True: time.sleep(0.01)"),  # nothing new to save: the in-flight save must still commit

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
+              pytest.mark.slow]  # runs a foreign training stack, spawns processes
 
 
 def _tensors() -> dict[str, torch.Tensor]:

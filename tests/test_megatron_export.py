@@ -194,6 +194,7 @@ def _assert_same(got: Any, expected: Any, where: str = "") -> None:
         assert got == expected and type(got) is type(expected), (where, got, expected)
 
 
+@pytest.mark.slow
 @needs_megatron
 @pytest.mark.parametrize("world", [2, 1])
 def test_megatron_to_arrayckpt_to_megatron_loads_bit_for_bit(jobs, world):

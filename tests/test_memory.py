@@ -123,6 +123,7 @@ print(json.dumps({"base": base, "limit": base + growth, "blocks": blocks, "ok": 
 """
 
 
+@pytest.mark.slow
 def test_slices_loads_and_verify_of_a_checkpoint_bigger_than_memory(big_checkpoint: tuple[Path, int]) -> None:
     root, total = big_checkpoint
     assert total > 2.5 * GROWTH

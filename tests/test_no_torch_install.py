@@ -26,6 +26,8 @@ import torch
 
 import arrayckpt
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_TIMEOUT = 600  # seconds for creating the venv and installing into it (about 20 s with a warm pip cache)
 RUN_TIMEOUT = 120

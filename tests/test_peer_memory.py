@@ -17,6 +17,8 @@ import torch
 import arrayckpt
 from tests.dist_helpers import run_ranks
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 ROWS, COLS = 8, 6
 
 

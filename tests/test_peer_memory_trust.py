@@ -93,6 +93,7 @@ def _chunk_files(step_dir: Path) -> list[Path]:
 # --- 1. stale chunk files ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_valid_chunk_file_of_another_step_or_job_is_refused_and_another_copy_used(job: Path):
     for stale_from in (job / "n0" / "step-00000002", job / "other" / STEP3):
         own = job / "n0" / STEP3 / "w" / "c.0.0"
@@ -145,6 +146,7 @@ def test_a_record_naming_a_chunk_twice_is_refused(job: Path):
 # --- the sweep -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_byte_flip_and_every_stale_file_restores_right_or_refuses(job: Path):
     """Every byte of every chunk file of the newest memory step flipped, then each file replaced by its valid
     counterpart of another step and of another job: the restore gives exactly some step's state, every time."""
@@ -215,6 +217,7 @@ def _save_past_links(rank: int, world: int, root: str, dirs: list[str], victim: 
     return out
 
 
+@pytest.mark.slow
 def test_memory_saves_never_write_through_a_link_in_the_memory_directory(job: Path):
     victim = job / "root" / "step-00000002"  # a durable checkpoint another link would overwrite
     before = _digest(victim)
@@ -269,6 +272,7 @@ def test_a_memory_directory_another_user_could_change_is_refused(tmp_path: Path,
     assert not list(directory.iterdir())  # nothing was written into it
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="creating a directory as another user needs root")
 def test_a_default_memory_directory_planted_by_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        request: pytest.FixtureRequest):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import arrayckpt
 from arrayckpt._io.pools import kept_pool
 
@@ -18,6 +20,7 @@ def test_a_kept_pool_is_the_same_threads_from_call_to_call():
     assert set(pool._threads) == threads and 1 <= len(threads) <= 2
 
 
+@pytest.mark.slow
 def test_a_forked_child_gets_pools_of_its_own(tmp_path):
     """A child made by ``fork`` (a data loader's worker, a launcher) inherits the parent's pool objects but not their
     threads: without a fresh pool its first save would wait forever. Forked from a fresh interpreter (forking the
@@ -80,6 +83,7 @@ def test_map_kept_raises_only_once_every_started_task_ended():
     assert list(map_kept("test-errors", 2, lambda x: x * x, [1, 2, 3])) == [1, 4, 9]
 
 
+@pytest.mark.slow
 def test_a_save_from_an_atexit_handler_still_flushes_and_commits(tmp_path):
     """Once the interpreter shuts down no pool takes new work: the transfers and the flush run on the calling thread
     (a final save from an ``atexit`` handler, or a background save ending as the main thread returns)."""

@@ -343,6 +343,7 @@ ITEMS = ("bert", "gpt2", "model_adamw", "nested", "delta_base", "delta", "compac
 READERS = ("zarr", "zarr (use_consolidated=False)", "dask", "xarray.open_zarr", "xarray.open_datatree")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("name", ITEMS)
 def test_zarr_dask_and_xarray_read_every_array_as_arrayckpt_does(corpus, registered, name, reader):

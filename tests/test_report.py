@@ -143,6 +143,7 @@ def _value(text: str) -> float | int:
     return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["full.html", "later.html"])
 def test_the_report_is_one_html_file_whose_elements_all_close(made, name):
     page, text = _parse(made[name])
@@ -304,6 +305,7 @@ def test_memory_stays_bounded_by_the_block_size(tmp_path, monkeypatch):
     assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB for a 16 MiB tensor read in 256 KiB blocks"
 
 
+@pytest.mark.slow
 def test_the_command_runs_without_torch(made, tmp_path):
     script = f"""
 import sys, argparse, json

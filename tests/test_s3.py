@@ -19,6 +19,8 @@ from s3_server import REGION, FaultProxy, S3Server, patched_environ, s3fs_storag
 import arrayckpt
 from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 MANY = 1_500  # tensors in the checkpoint whose open must cost O(1) requests
 
 

@@ -33,6 +33,8 @@ from s3_server import FaultProxy, S3Server
 import arrayckpt
 from arrayckpt._storage.object import stale_keys
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 MODES = ["before", "after", "half"]  # see FaultProxy.drop_mode
 # Every save here: sharded arrays of several outer chunks, so that a save is many PUTs and a read many ranged GETs.
 SMALL = small_chunks(256, 1024)

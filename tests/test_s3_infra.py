@@ -23,6 +23,8 @@ from s3_server import (
     tensorstore_kvstore_spec,
 )
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 # A sharded zarr3 array: 64x64 float32 in 32x32 shards of 8x8 inner chunks, crc32c on chunks and index.
 SHARDED_META = {
     "shape": [64, 64],

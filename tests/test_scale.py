@@ -23,6 +23,8 @@ from arrayckpt._layout.chunking import ChunkPolicy
 from arrayckpt._layout.rankplan import expand, rank_layouts
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
 
+pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -119,6 +119,7 @@ def test_tied_gpt2_is_stored_once_and_loads_into_tied_and_untied_models(tmp_path
     assert_bit_equal(only_head["model"]["lm_head.weight"], state_dict["lm_head.weight"])
 
 
+@pytest.mark.slow
 def test_zarr_python_sees_one_array_and_the_alias_as_an_attribute(tmp_path):
     model = _gpt2()
     path = tmp_path / "tied"
@@ -481,6 +482,7 @@ def _fsdp2_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     return {key: value.numpy() for key, value in saved.items()}  # numpy: torch tensors would travel as shared memory
 
 
+@pytest.mark.slow
 def test_fsdp2_tied_gpt2_on_two_ranks_is_stored_once(tmp_path):
     saved = {key: torch.from_numpy(value) for key, value in run_ranks(2, _fsdp2_rank, str(tmp_path))[0].items()}
     path = tmp_path / "fsdp"

@@ -163,6 +163,7 @@ def _s3(proxy: FaultProxy | S3Server, bucket: str, **more: object) -> Remote:
     return Remote(f"s3://{bucket}/run", storage_options=options, **more)
 
 
+@pytest.mark.slow
 def test_transient_s3_errors_and_dropped_connections_are_retried(s3_proxy: FaultProxy, s3_bucket: str,
                                                                  tmp_path: Path) -> None:
     s3_proxy.fail_put_fraction = s3_proxy.fail_get_fraction = s3_proxy.fail_list_fraction = 0.2
@@ -178,6 +179,7 @@ def test_transient_s3_errors_and_dropped_connections_are_retried(s3_proxy: Fault
         _same(manager.remote_path(step), _state(step), remote.storage_options)
 
 
+@pytest.mark.slow
 def test_permanent_errors_are_reported_raised_once_and_retried_later(s3_proxy: FaultProxy, s3_bucket: str,
                                                                     tmp_path: Path) -> None:
     remote = _s3(s3_proxy, s3_bucket, retention=arrayckpt.Retention(keep_last=None))
@@ -255,6 +257,7 @@ _UPLOADER_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_during_an_upload_leaves_the_remote_step_uncommitted_and_the_next_manager_uploads_it(
         s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
     url, options = f"s3://{s3_bucket}/run", {"endpoint_url": s3_server.endpoint}

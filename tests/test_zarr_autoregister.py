@@ -135,6 +135,7 @@ _READ_WITHOUT_ARRAYCKPT = """
 """
 
 
+@pytest.mark.slow
 def test_zarr_reads_bf16_and_float8_without_importing_arrayckpt(tmp_path: Path) -> None:
     out = _run(_READ_WITHOUT_ARRAYCKPT, tmp_path, "-W", "error")
     expected = {"bfloat16": ["bfloat16", True], "float8_e4m3fn": ["float8_e4m3fn", True]}
@@ -146,6 +147,7 @@ def test_zarr_reads_bf16_and_float8_without_importing_arrayckpt(tmp_path: Path) 
     assert out["torch"] is False
 
 
+@pytest.mark.slow
 def test_importing_arrayckpt_first_registers_once_without_warnings(tmp_path: Path) -> None:
     # arrayckpt._zarr_dtypes imports zarr itself, so the hook fires while that module is half imported
     out = _run(
@@ -167,6 +169,7 @@ def test_importing_arrayckpt_first_registers_once_without_warnings(tmp_path: Pat
     assert out == {"disarmed": True, "registered": True, "torch": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warnings_filter", ["default", "error"])
 def test_registration_failure_never_breaks_zarr_import(tmp_path: Path, warnings_filter: str) -> None:
     out = _run(

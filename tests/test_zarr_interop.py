@@ -21,6 +21,7 @@ def _state() -> dict:
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunking", ["whole", "sharded"], indirect=True)
 def test_zarr_python_reads_every_tensor_without_importing_arrayckpt(ckpt, chunking):
     state = _state()

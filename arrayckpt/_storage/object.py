@@ -1,16 +1,15 @@
 """Object storage (S3, GCS, TensorStore's in-memory store): a checkpoint is a key prefix.
 
-There is no rename on object storage, so the commit is the root ``zarr.json``: one PUT, written last
-by the coordinator after every chunk (S3 and GCS make a whole object visible at once, and reads after
-a write see it). A prefix holding objects but no root document is an incomplete checkpoint.
+There is no rename on object storage, so the commit is the root ``zarr.json``: one PUT, written last by the
+coordinator after every chunk (S3 and GCS make a whole object visible at once, and reads after a write see it). A
+prefix holding objects but no root document is an incomplete checkpoint.
 
-Replacing a committed checkpoint must not touch it before the new one commits, yet Zarr fixes where
-each array's chunks live. Chunk keys are what can differ: Zarr v3 has two chunk key encodings, and
-arrayckpt alternates between them from one save at a prefix to the next (``default``: ``c.0.1``, ``c``
-for a 0-d array; ``v2``: ``0.1``, ``0``), so the new chunks never land on the old ones. The per-array
-``zarr.json`` documents are written only after the commit (arrayckpt and zarr-python read the root's
-consolidated copies), then the old generation's chunks and any other stale objects are deleted. Until
-the commit the old checkpoint is whole; after it, the new one is.
+Replacing a committed checkpoint must not touch it before the new one commits, yet Zarr fixes where each array's
+chunks live. Chunk keys are what can differ: Zarr v3 has two chunk key encodings, and arrayckpt alternates between
+them from one save at a prefix to the next (``default``: ``c.0.1``, ``c`` for a 0-d array; ``v2``: ``0.1``, ``0``),
+so the new chunks never land on the old ones. The per-array ``zarr.json`` documents are written only after the
+commit (arrayckpt and zarr-python read the root's consolidated copies), then the old generation's chunks and any
+other stale objects are deleted. Until the commit the old checkpoint is whole; after it, the new one is.
 
 All IO, metadata included, goes through TensorStore's kvstores, so one client configuration
 (endpoint, credentials, retries, concurrency) serves chunks and metadata alike.
