@@ -69,20 +69,22 @@ def _resume(rank: int, world: int, root: str, dirs: list[str], rpn: int) -> tupl
             [str(w.message) for w in caught])
 
 
-def _resume_damaged_after_survey(rank: int, world: int, root: str, dirs: list[str], rpn: int, chunk: str) -> tuple:
-    """:func:`_resume` where ``chunk`` is good when the first survey checks it, then damaged again before the load."""
+def _resume_damaged_after_survey(rank: int, world: int, root: str, dirs: list[str], rpn: int,
+                                 good: dict[int, tuple[str, bytes]]) -> tuple:
+    """:func:`_resume` where, on each rank of ``good`` (rank -> a chunk file and good bytes for it), the chunk file
+    holds the good bytes while the first survey checks it and its damaged ones again before the load."""
     from arrayckpt._peer.node import NodeMemory
 
-    damaged = Path(chunk).read_bytes()
-    good = Path(chunk.replace("node0", "node1")).read_bytes()  # node 1's replica
     holdings = NodeMemory.holdings
     calls = []
 
     def damage_after_first_survey(self: NodeMemory) -> list:
-        if rank == 0 and not calls:
-            Path(chunk).write_bytes(good)
+        if rank in good and not calls:
+            chunk, bytes_then = Path(good[rank][0]), good[rank][1]
+            damaged = chunk.read_bytes()
+            chunk.write_bytes(bytes_then)
             out = holdings(self)
-            Path(chunk).write_bytes(damaged)
+            chunk.write_bytes(damaged)
         else:
             out = holdings(self)
         calls.append(1)
@@ -126,7 +128,8 @@ def test_restore_from_peers_after_losing_a_node_on_4_and_3_ranks_and_past_a_dama
     assert any("damaged" in w and "w/c.0.0" in w for w in results[0][4]), results[0][4]
     # Damage after the survey (met by the load) makes the restore survey again and take the other copy
     own.write_bytes(bytes(data))
-    results = run_ranks(4, _resume_damaged_after_survey, root, [n[0], n[0], n[1], n[1]], 2, str(own))
+    replica = Path(n[1], "step-00000003", "w", "c.0.0").read_bytes()
+    results = run_ranks(4, _resume_damaged_after_survey, root, [n[0], n[0], n[1], n[1]], 2, {0: (str(own), replica)})
     _check(results, 4, 3)
     assert any("met a damaged chunk file" in w and "trying again" in w for w in results[0][4]), results[0][4]
     # Node 1 is lost; its ranks restart on a fresh node: 4 ranks, then 3, from node 0's memory alone.
@@ -147,52 +150,25 @@ def test_both_copies_lost_falls_back_to_the_durable_tier_with_a_warning(tmp_path
 
 
 def test_a_restore_that_fails_on_one_rank_changes_no_rank(tmp_path: Path):
-    """Both copies of rank 0's rows damaged (same size) and no durable step yet: the restore finds nothing to restore
-    on every rank, and rank 1, whose own reads were good, must not keep them (an atomic load protects one rank: the
-    ranks agree after their reads, before any state changes)."""
+    """Both copies of rank 0's rows damaged (same size) after the survey checked them, and no durable step yet: the
+    restore finds nothing to restore on every rank, and rank 1, whose own reads were good, must not keep them (an
+    atomic load protects one rank: the ranks agree after their reads, before any state changes)."""
     root = str(tmp_path / "root")
     dirs = [str(tmp_path / f"node{i}") for i in range(2)]
     run_ranks(2, _train, root, dirs, 1, 1)  # memory step 1 only (the durable tier saves every 2 steps)
-    for directory in dirs:
+    good = {}
+    for rank, directory in enumerate(dirs):  # one leader per node: each gets its node's good copy for the survey
         chunk = Path(directory, "step-00000001", "w", "c.0.0")
-        data = bytearray(chunk.read_bytes())
+        good[rank] = (str(chunk), chunk.read_bytes())
+        data = bytearray(good[rank][1])
         data[3] ^= 0xFF
         chunk.write_bytes(bytes(data))
-    results = run_ranks(2, _resume_damaged_after_survey_both, root, dirs)
+    results = run_ranks(2, _resume_damaged_after_survey, root, dirs, 1, good)
     for rank, (restored, w, b, plain, _) in enumerate(results):
         assert restored is None and plain == 0, rank
         assert not w.any() and not b.any(), rank  # still the zeros it had
     assert any("trying again" in w for w in results[0][4]), results[0][4]
     assert any("not whole" in w and "step 1" in w for w in results[0][4]), results[0][4]
-
-
-def _resume_damaged_after_survey_both(rank: int, world: int, root: str, dirs: list[str]) -> tuple:
-    """:func:`_resume` where both copies of rank 0's rows are good when first surveyed, damaged before the load: only
-    rank 0's load meets the damage; rank 1's good reads must not change its state."""
-    from arrayckpt._peer.node import NodeMemory
-
-    chunk = Path(dirs[rank], "step-00000001", "w", "c.0.0")
-    damaged = chunk.read_bytes()
-    holdings = NodeMemory.holdings
-    calls = []
-
-    def damage_after_first_survey(self: NodeMemory) -> list:
-        if not calls:
-            data = bytearray(damaged)
-            data[3] ^= 0xFF  # the original bytes
-            chunk.write_bytes(bytes(data))
-            out = holdings(self)
-            chunk.write_bytes(damaged)
-        else:
-            out = holdings(self)
-        calls.append(1)
-        return out
-
-    NodeMemory.holdings = damage_after_first_survey  # type: ignore[method-assign]
-    try:
-        return _resume(rank, world, root, dirs, 1)
-    finally:
-        NodeMemory.holdings = holdings  # type: ignore[method-assign]
 
 
 def _over_limit(rank: int, world: int, root: str, dirs: list[str]) -> str:
