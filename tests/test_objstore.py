@@ -282,3 +282,34 @@ def _same_with(url: str, state: dict, options: dict | None) -> None:
 
 def test_checkpoints_never_nest_on_object_storage() -> None:
     check_checkpoints_never_nest(_url())
+
+
+def test_a_store_answering_a_conditional_read_with_the_object_is_judged_by_its_generation(monkeypatch):
+    """fake-gcs-server (the usual GCS emulator) answers ``ifGenerationNotMatch`` with 200, the object and the same
+    generation: the checkpoint has not changed, and reads of it must not fail as replaced ones."""
+    from arrayckpt._storage import parse_location
+
+    url = _url()
+    arrayckpt.save({"w": torch.ones(4)}, url)
+    location = parse_location(url)
+    _, _, release, token = location.open_committed()
+    opened = _objstore.ObjectLocation.open_store
+
+    class IgnoresCondition:
+        def __init__(self, store: ts.KvStore) -> None:
+            self.store = store
+
+        def read(self, key: str, **conditions: object) -> object:
+            return self.store.read(key)  # the condition dropped, as the emulator does
+
+    monkeypatch.setattr(_objstore.ObjectLocation, "open_store", lambda self: IgnoresCondition(opened(self)))
+    try:
+        assert location.changed_since(token) is False
+        with arrayckpt.open(url) as checkpoint:
+            assert torch.equal(torch.from_numpy(checkpoint["w"][:]), torch.ones(4))
+        monkeypatch.undo()
+        arrayckpt.save({"w": torch.zeros(4)}, url, overwrite=True)
+        monkeypatch.setattr(_objstore.ObjectLocation, "open_store", lambda self: IgnoresCondition(opened(self)))
+        assert location.changed_since(token) is True  # another generation: replaced
+    finally:
+        release()

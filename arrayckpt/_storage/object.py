@@ -128,13 +128,13 @@ class ObjectLocation(Location):
         return bytes(result.value), result.stamp.generation
 
     def changed_since(self, generation: bytes) -> bool:
-        """Whether the root document is no longer the one of ``generation`` (replaced or removed): one
-        conditional GET (``If-None-Match``) that transfers nothing while it is unchanged."""
+        """Whether the root document is no longer ``generation``'s (replaced or removed): a conditional GET that
+        transfers nothing while unchanged (a store answering with the object anyway is judged by its generation)."""
         try:
             result = self.open_store().read(ROOT_METADATA, if_not_equal=generation).result()
         except Exception as e:
             raise StorageError(f"{self}: re-reading the root zarr.json failed: {e}") from e
-        return result.state != "unspecified"
+        return result.state == "missing" or (result.state == "value" and result.stamp.generation != generation)
 
     # --- reading --------------------------------------------------------------------------------
 
