@@ -149,18 +149,17 @@ class Started:
 def _ablated(nice: bool, collector: bool) -> Iterator[None]:
     """arrayckpt's background save without its niced IO workers (``nice=False``) and/or without pausing the
     collector (``collector=False``): what each of the two buys (``--ablate``)."""
-    from arrayckpt._io import priority
+    from arrayckpt._settings import override
     from arrayckpt._write import asynchronous
 
-    saved = priority.BACKGROUND_NICE, asynchronous.collector_paused
-    if not nice:
-        priority.BACKGROUND_NICE = 0
+    saved = asynchronous.collector_paused
     if not collector:
         asynchronous.collector_paused = contextlib.nullcontext  # type: ignore[assignment]
     try:
-        yield
+        with override(**({} if nice else {"background_nice": 0})):
+            yield
     finally:
-        priority.BACKGROUND_NICE, asynchronous.collector_paused = saved
+        asynchronous.collector_paused = saved
 
 
 def _bound_writer(conn: object, shared: dict[str, torch.Tensor], nice: int) -> None:
@@ -178,12 +177,12 @@ def _process_bound(state: dict[str, torch.Tensor]) -> Callable[[Path], Started]:
     describes or plans in the training process, no collectives, no error reporting."""
     import torch.multiprocessing as mp
 
-    from arrayckpt._io.priority import BACKGROUND_NICE
+    from arrayckpt._settings import settings
 
     shared = {k: torch.empty_like(v).share_memory_() for k, v in state.items()}
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    ctx.Process(target=_bound_writer, args=(child, shared, BACKGROUND_NICE), daemon=True).start()
+    ctx.Process(target=_bound_writer, args=(child, shared, settings().background_nice), daemon=True).start()
 
     def start(path: Path) -> Started:
         began = time.perf_counter()

@@ -21,7 +21,7 @@ of every baseline. Each operation runs in this process, repeatedly, interleaved:
 ``open+slice``   ``arrayckpt.open(path)`` and every tensor read in row blocks of at most ``--slice-mib``, each
                  block dropped before the next is read.
 ``open+tensor``  every tensor read whole (``LazyArray.torch()``), one at a time, each dropped before the next.
-``verify``       ``arrayckpt.verify(path)``: reads every chunk in batches of at most ``BATCH_BYTES`` (256 MiB).
+``verify``       ``arrayckpt.verify(path)``: reads every chunk in batches of at most ``verify_batch_bytes`` (256 MiB).
 
 Measurement (as in ``save_load.py``): ``gc.collect()`` and ``malloc_trim(0)`` first, then the kernel's peak-RSS
 counter is reset (``echo 5 > /proc/self/clear_refs``) and the baseline ``VmRSS`` read; after the operation,
@@ -65,7 +65,7 @@ from save_load import (  # noqa: E402  (the state and the measurement of save_lo
 
 import arrayckpt  # noqa: E402
 import arrayckpt._write.asynchronous as arrayckpt_async  # noqa: E402
-from arrayckpt._tools.verify import BATCH_BYTES  # noqa: E402
+from arrayckpt._settings import settings  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             ("load", load, slack, "X (into preallocated tensors)"),
             ("open+slice", lambda: read_sliced(reference, slice_bytes), slice_bytes + slack, "slice + X"),
             ("open+tensor", lambda: read_tensors(reference), largest + slack, "largest tensor + X"),
-            ("verify", lambda: arrayckpt.verify(reference), BATCH_BYTES + slack, "BATCH_BYTES + X"),
+            ("verify", lambda: arrayckpt.verify(reference), settings().verify_batch_bytes + slack,
+             "verify_batch_bytes + X"),
         ]
         samples: dict[str, list[Sample]] = {name: [] for name, *_ in ops}
         for _ in range(args.repeats):

@@ -3,6 +3,7 @@ the sharded (outer/inner chunk) layout that big tensors get."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -38,6 +39,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def tuned():
+    """``tuned(verify_batch_bytes=1 << 20)``: other settings (``arrayckpt/_settings.py``) until the test ends."""
+    from arrayckpt._settings import override
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(override(**changes))
 
 
 @pytest.fixture

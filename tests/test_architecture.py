@@ -7,6 +7,7 @@
 - the format and read layers need no torch: a process where ``import torch`` fails opens, slices, verifies,
   shows and inspects a checkpoint;
 - no module is longer than ~500 lines unless its docstring says why;
+- tuning knobs live in ``_settings.py`` (no module-level ``*_BYTES``/``*_THREADS``/... constants elsewhere);
 - tests that spawn processes are marked ``slow`` (the quick run leaves them out), and the README's test command
   (CI's) runs them all.
 
@@ -32,7 +33,7 @@ PACKAGE = Path(arrayckpt.__file__).parent
 
 # Lowest first: a module may import from its own layer and the layers before it, never from a later one.
 LAYERS = [
-    ("_errors", "_version", "_zarr_dtypes"),
+    ("_errors", "_version", "_zarr_dtypes", "_settings"),
     ("_format",),
     ("_layout",),
     ("_io",),
@@ -51,7 +52,7 @@ LAYERS = [
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Subpackages whose modules must import without torch (the format layer and everything ``arrayckpt.open`` needs).
-TORCH_FREE = ("_errors", "_version", "_zarr_dtypes", "_format", "_layout", "_io", "_storage")
+TORCH_FREE = ("_errors", "_version", "_settings", "_zarr_dtypes", "_format", "_layout", "_io", "_storage")
 # Modules of the layers that use torch which import without it: the torch guards, and `convert` (whose
 # arrayckpt -> safetensors export needs no torch; the other converters are imported when used).
 TORCH_FREE_MODULES = ("_torch", "_convert.dispatch")
@@ -337,3 +338,32 @@ def test_the_readme_test_command_runs_every_test_and_names_the_quick_run():
     command = text.split("<!-- test-command -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
     assert "pytest" in command and "slow" not in command, command
     assert '-m "not slow"' in text
+
+
+# Module-level constants named like tuning knobs that are facts, not knobs (limits of the format and of what a reader
+# accepts, sizes of things, other libraries' defaults). Every knob lives in ``_settings.py``.
+FACTS = {"MAX_LEASE_S", "MAX_SEGMENT_BYTES", "INDEX_BYTES", "FINGERPRINT_BYTES", "USER_FILE_LIMIT", "DOCUMENT_LIMIT",
+         "LATEST_LIMIT", "SAFETENSORS_HEADER_LIMIT", "HF_MAX_SHARD_BYTES", "WEIGHT_BYTES", "OPTIMIZER_BYTES",
+         "MASTER_BYTES", "MAX_NAME_BYTES", "MAX_CHUNK_BYTES"}
+KNOB_NAME = ("_BYTES", "_THREADS", "_CONCURRENCY", "_RETRIES", "_S", "_LIMIT", "_SECONDS", "_NICE")
+
+
+def test_tuning_knobs_live_in_the_settings_module():
+    """One place for settings: a new module-level constant named like a knob (``*_BYTES``, ``*_THREADS``, ...) goes
+    into ``_settings.py`` (overridable by ``ARRAYCKPT_<NAME>``), unless it is a fact listed in :data:`FACTS`; and only
+    ``_settings.py`` reads arrayckpt's environment variables (the zarr hook's switch aside)."""
+    found = []
+    for module, path in _modules().items():
+        if module == "_settings":
+            continue
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                name = getattr(target, "id", "")
+                if name.isupper() and name.lstrip("_").endswith(KNOB_NAME) and name not in FACTS:
+                    found.append(f"{module}.{name}")
+        if '"ARRAYCKPT_' in text.replace('"ARRAYCKPT_NO_ZARR_HOOK"', ""):
+            found.append(f"{module}: reads an ARRAYCKPT_ variable")
+    assert not found, f"tuning knobs outside arrayckpt/_settings.py: {found}"

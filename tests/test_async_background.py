@@ -17,6 +17,7 @@ import arrayckpt
 import arrayckpt._io.priority as priority
 import arrayckpt._write.save as save_module
 from arrayckpt._io.arrays import collector_paused
+from arrayckpt._settings import settings
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 
@@ -89,7 +90,7 @@ def test_async_save_writes_on_niced_workers_with_the_collector_paused(tmp_path, 
     assert seen["nice"] == []
     handle = arrayckpt.async_save(state, tmp_path / "async")
     handle.wait()
-    assert seen["nice"] and set(seen["nice"]) == {priority.BACKGROUND_NICE}
+    assert seen["nice"] and set(seen["nice"]) == {settings().background_nice}
     assert seen["collector"] == [False] and gc.isenabled()
     opened = arrayckpt.open(tmp_path / "async")
     for key, value in state.items():
@@ -120,6 +121,11 @@ def test_collector_pause_with_a_limit_ends_after_it_and_its_block_exit_is_then_i
 
 
 @pytest.mark.parametrize(("value", "expected"), [("0", 0), ("5", 5), ("19", 19), ("25", 10), ("x", 10), ("-1", 10)])
-def test_background_niceness_from_the_environment(monkeypatch, value, expected):
-    monkeypatch.setenv("ARRAYCKPT_BACKGROUND_NICE", value)
-    assert priority._nice_from_environment() == expected
+def test_background_niceness_from_the_environment(value, expected):
+    import warnings
+
+    from arrayckpt._settings import Settings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an invalid value is said, and ignored
+        assert Settings.from_environ({"ARRAYCKPT_BACKGROUND_NICE": value}).background_nice == expected

@@ -203,9 +203,9 @@ def test_another_checkpoint_where_a_base_goes_is_never_overwritten(tmp_path: Pat
 # --- bounded memory, rate limit, read-back, progress --------------------------------------------------------------
 
 
-def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_path: Path, monkeypatch) -> None:
+def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_path: Path, monkeypatch, tuned) -> None:
     small_chunks(256 << 10, 256 << 10).save({"w": torch.randn(8, 64 << 10)}, tmp_path / "src")  # 8 files of 256 KiB
-    monkeypatch.setattr(pump_module, "IN_FLIGHT_BYTES", 600 << 10)  # room for two of them
+    tuned(copy_in_flight_bytes=600 << 10)  # room for two of them
     move, lock, busy, most = Pump._move_once, threading.Lock(), [0], [0]
 
     def counted(self, *args):

@@ -224,13 +224,12 @@ def test_an_unambiguous_module_maps_in_order_and_reads_back(tmp_path):
     assert got["client.step"] == 2 and got["deepspeed.global_steps"] == 2
 
 
-def test_bf16_weights_and_moments_are_widened_exactly_in_blocks(tmp_path, monkeypatch):
+def test_bf16_weights_and_moments_are_widened_exactly_in_blocks(tmp_path, monkeypatch, tuned):
     """DeepSpeed's masters and moments are fp32: bf16 ones are widened (exactly), read in row blocks into the fp32
     tensor (blocks of 3 rows here) so the bf16 copy is never held whole beside it."""
     import arrayckpt
-    from arrayckpt._convert import deepspeed_universal
 
-    monkeypatch.setattr(deepspeed_universal, "WIDEN_BLOCK_BYTES", 3 * 5 * 2)
+    tuned(widen_block_bytes=3 * 5 * 2)
     torch.manual_seed(0)
     module = torch.nn.Linear(5, 7).to(torch.bfloat16)
     optim = torch.optim.AdamW(module.parameters())

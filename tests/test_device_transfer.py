@@ -271,12 +271,11 @@ def test_sharded_save_and_resharded_load_through_the_staged_path(tmp_path):
     assert run_ranks(2, _sharded_ranks, str(tmp_path / "c")) == [True, True]
 
 
-def test_async_save_issues_device_copies_while_it_still_walks_the_state(tmp_path, deferred, monkeypatch):
+def test_async_save_issues_device_copies_while_it_still_walks_the_state(tmp_path, deferred, monkeypatch, tuned):
     """Copies start in batches as the state is described (overlapping the walk), and every one is waited for before
     async_save returns, also when describing fails half-way."""
-    from arrayckpt._write import hostcopies
 
-    monkeypatch.setattr(hostcopies, "ISSUE_BYTES", 8 << 10)
+    tuned(device_issue_bytes=8 << 10)
     state = _state()
     original = _state()
     arrayckpt.async_save(state, tmp_path / "c").wait()
@@ -327,14 +326,14 @@ def test_row_pieces_fit_the_budget_at_whole_multiples():
     assert row_pieces(Box((), ()), 0, 1) == [Box((), ())]
 
 
-def test_deepspeed_flat_reads_stage_in_pooled_batches_and_give_them_back(tmp_path, monkeypatch):
+def test_deepspeed_flat_reads_stage_in_pooled_batches_and_give_them_back(tmp_path, monkeypatch, tuned):
     """``arrayckpt.deepspeed.load`` reads partitions (flat element ranges) through pooled host buffers, a batch at a
     time, handed back after each batch, also when a read fails; one bigger than a batch in a buffer of its own."""
     from arrayckpt._integrations import deepspeed_engine
     from arrayckpt._read.checkpoint import open_checkpoint
 
     monkeypatch.setattr(transfer, "_pool", transfer.HostPool())
-    monkeypatch.setattr(deepspeed_engine, "READ_BATCH_BYTES", BATCH)
+    tuned(deepspeed_read_batch_bytes=BATCH)
     generator = torch.Generator().manual_seed(1)
     state = {"a": torch.randn(96, 512, generator=generator), "s": torch.tensor(3.5),
              "v": torch.arange(5000, dtype=torch.float64)}

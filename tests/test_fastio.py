@@ -151,14 +151,16 @@ def test_a_lazy_context_is_made_once(tmp_path: Path) -> None:
     assert io.resolve_context(made) is made
 
 
-@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("3", 3), ("0", 1), ("many", None), (None, None)])
-def test_io_threads_from_the_environment(monkeypatch, value, expected) -> None:
-    """``ARRAYCKPT_IO_THREADS`` (e.g. cores per rank where ranks share a node's cores); unset or not a number: one
-    per core, 2 to 8."""
-    from arrayckpt._io import fastio
+@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("3", 3), ("0", None), ("many", None), (None, None)])
+def test_io_threads_from_the_environment(value, expected) -> None:
+    """``ARRAYCKPT_IO_THREADS`` (e.g. cores per rank where ranks share a node's cores); unset, not a number or below 1
+    (said with a warning): one per core, 2 to 8."""
+    import warnings
 
-    if value is None:
-        monkeypatch.delenv("ARRAYCKPT_IO_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("ARRAYCKPT_IO_THREADS", value)
-    assert fastio._io_threads() == (expected if expected is not None else min(8, max(2, os.cpu_count() or 2)))
+    from arrayckpt._settings import Settings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = Settings.from_environ({} if value is None else {"ARRAYCKPT_IO_THREADS": value}).io_threads
+    assert threads == (expected if expected is not None else min(8, max(2, os.cpu_count() or 2)))
+    assert bool(caught) == (value in ("0", "many"))

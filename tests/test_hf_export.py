@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import arrayckpt
-from arrayckpt._convert import hf_ties
 from arrayckpt.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -336,7 +335,7 @@ def test_notes_say_where_from_pretrained_would_not_get_the_trained_model(tmp_pat
     assert "28 tensor(s) of the export are not weights of GPT2LMHeadModel (h.0.attn.c_attn.bias" in wrong.notes[1]
 
 
-def test_ties_are_compared_in_blocks_and_tensors_written_one_at_a_time(tmp_path, monkeypatch):
+def test_ties_are_compared_in_blocks_and_tensors_written_one_at_a_time(tmp_path, monkeypatch, tuned):
     import weakref
 
     import numpy as np
@@ -347,7 +346,7 @@ def test_ties_are_compared_in_blocks_and_tensors_written_one_at_a_time(tmp_path,
     model = _model("gpt2")
     # copies, so that the tied pair is stored twice (as a checkpoint from another writer may store it) and compared
     arrayckpt.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, tmp_path / "ckpt")
-    monkeypatch.setattr(hf_ties, "COMPARE_BYTES", 2 * 16 * 4)  # two rows of the 40x16 float32 embeddings
+    tuned(tie_compare_bytes=2 * 16 * 4)  # two rows of the 40x16 float32 embeddings
     reads: list[tuple[str, int]] = []
     alive: list[weakref.ref] = []
     getitem = LazyArray.__getitem__

@@ -311,10 +311,9 @@ def test_convert_of_a_tensor_claiming_32_gib_fails_before_allocating(claims_32_g
     assert "c.0" in err and sorted(p.name for p in claims_32_gib.parent.iterdir()) == before  # nothing left behind
 
 
-def test_a_tensor_too_big_to_allocate_is_an_error_naming_it(claims_32_gib, monkeypatch, capsys):
-    from arrayckpt._read import lazy
+def test_a_tensor_too_big_to_allocate_is_an_error_naming_it(claims_32_gib, monkeypatch, capsys, tuned):
 
-    monkeypatch.setattr(lazy, "PROBE_BYTES", 1 << 62)  # no probe: straight to the allocation
+    tuned(probe_bytes=1 << 62)  # no probe: straight to the allocation
     monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("can't allocate memory")))
     with arrayckpt.open(claims_32_gib) as ckpt, pytest.raises(MemoryError, match=r"ckpt: tensor 'w' \(float32"
                                                                                   r"\[8589934592\], 34,359,738,368 "

@@ -246,9 +246,9 @@ def test_a_second_manager_on_a_held_root_is_warned_and_its_saves_are_refused(tmp
 
 
 _HOLDER = textwrap.dedent("""
-    import sys, time, torch, arrayckpt
-    import arrayckpt._storage.liveness as liveness
-    liveness.LEASE_RENEW_S = float(sys.argv[3])
+    import os, sys, time, torch
+    os.environ["ARRAYCKPT_LEASE_RENEW_S"] = sys.argv[3]  # read when arrayckpt first needs it
+    import arrayckpt
     managers = [arrayckpt.CheckpointManager(sys.argv[1]),
                 arrayckpt.CheckpointManager(sys.argv[2], storage_options={"endpoint_url": sys.argv[4]})]
     for manager in managers:
@@ -260,13 +260,13 @@ _HOLDER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_live_holder_in_another_process_is_refused_and_a_crashed_one_never_blocks(
-        s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
+        s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch, tuned) -> None:
     """Another process holds a local root (flock) and an S3 root (a lease renewed every 0.2 s): a manager here is
     warned, and its saves refused (on S3 after it saw the lease renewed). Then that process is killed: a new manager
     takes both roots at once, without a warning (the flock died with it; the lease's holder is a dead process of this
     host)."""
-    monkeypatch.setattr(liveness, "LEASE_RENEW_S", 0.2)
-    monkeypatch.setattr(liveness, "LEASE_TTL_S", 30.0)
+    tuned(lease_renew_s=0.2)
+    tuned(lease_ttl_s=30.0)
     local, remote, options = tmp_path / "run", f"s3://{s3_bucket}/run", {"endpoint_url": s3_server.endpoint}
     child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(local), remote, "0.2", s3_server.endpoint],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, **s3_server.env})
@@ -294,11 +294,11 @@ def test_a_live_holder_in_another_process_is_refused_and_a_crashed_one_never_blo
 
 
 @pytest.mark.slow
-def test_a_lease_of_another_host_is_waited_out_when_it_is_not_renewed(object_root, monkeypatch) -> None:
+def test_a_lease_of_another_host_is_waited_out_when_it_is_not_renewed(object_root, monkeypatch, tuned) -> None:
     """A lease left by a crashed job on another host (not renewed, expiring in 1.5 s): the manager is warned at
     construction; its first save waits for the lease to expire, then takes the root and saves."""
     root, options = object_root
-    monkeypatch.setattr(liveness, "LEASE_RENEW_S", 0.2)
+    tuned(lease_renew_s=0.2)
     location = parse_location(root, options)
     assert isinstance(location, ObjectLocation)
     stale = Holder("elsewhere", 1, time.time() - 100, "x" * 32, time.time() + 1.5)

@@ -27,9 +27,9 @@ def test_a_forked_child_gets_pools_of_its_own(tmp_path):
     test process, with the threads other tests left, could deadlock on a lock one of them held)."""
     script = f"""
 import os, signal, sys, torch, arrayckpt
-from arrayckpt._io.fastio import IO_THREADS
 from arrayckpt._io.pools import kept_pool
-pools = [("io", IO_THREADS), ("fsync", 16)]
+from arrayckpt._settings import settings
+pools = [("io", settings().io_threads), ("fsync", settings().fsync_threads)]
 for name, threads in pools:  # the parent's pools exist, and have a thread idle
     kept_pool(name, threads).submit(lambda: None).result()
 pid = os.fork()

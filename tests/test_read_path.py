@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._write.compact as compact_module
 
 REPLACED = "was replaced"
 
@@ -71,8 +70,8 @@ def test_compact_refuses_a_source_replaced_before_it_reads(tmp_path: Path, times
 
 @pytest.mark.parametrize("times", [1, 2])
 def test_compact_refuses_a_source_replaced_between_its_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               times: int) -> None:
-    monkeypatch.setattr(compact_module, "COPY_BATCH_BYTES", 1)  # one array per batch
+                                                               times: int, tuned) -> None:
+    tuned(compact_batch_bytes=1)  # one array per batch
     url = _url()
     _save(1, url)
     overwritten: list[int] = []

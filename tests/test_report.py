@@ -25,7 +25,6 @@ from policies import small_chunks  # noqa: E402
 from thread_ranks import run_thread_ranks  # noqa: E402
 
 import arrayckpt  # noqa: E402
-import arrayckpt._tools.inspect as inspect_module  # noqa: E402
 from arrayckpt._cli.report import add_report  # noqa: E402
 from arrayckpt._read.checkpoint import open_checkpoint  # noqa: E402
 from arrayckpt._tools.report.build import collect, report  # noqa: E402
@@ -288,8 +287,8 @@ def test_nan_appearing_is_a_change_and_ranks_first(tmp_path):
     assert math.isnan(data.changes[0].relative) and data.changes[1].relative == 2.0
 
 
-def test_memory_stays_bounded_by_the_block_size(tmp_path, monkeypatch):
-    monkeypatch.setattr(inspect_module, "BLOCK_BYTES", 256 << 10)
+def test_memory_stays_bounded_by_the_block_size(tmp_path, monkeypatch, tuned):
+    tuned(inspect_block_bytes=256 << 10)
     big = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))  # 16 MiB, 64 blocks
     arrayckpt.save({"w": big}, tmp_path / "a")
     arrayckpt.save({"w": big * 1.5}, tmp_path / "b")

@@ -53,6 +53,7 @@ from .._format.manifest import ArrayEntry, PerRankEntry
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint
 from .._read.reader import ChainRead, read
+from .._settings import settings
 from .._storage.renames import exchange, fsync_dir, make_durable, rename_noreplace
 from .._torch.tensors import writable_numpy
 from .common import ConvertResult, Progress, nested_state, refuse_existing
@@ -66,7 +67,6 @@ LATEST = "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 OPTIMIZER_STATE = "optimizer_state.pt"
-WIDEN_BLOCK_BYTES = 32 << 20  # bf16/fp16 bytes read at a time into a widened fp32 tensor
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this writes; its loader checks a checkpoint's ds_version is there
 CARRIED_OPTIMIZER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")  # from deepspeed.*, into optimizer_state.pt
 
@@ -80,8 +80,8 @@ def param_directory(zero: Path, name: str, where: str) -> Path:
 
 def _widened(checkpoint: Checkpoint, key: str) -> torch.Tensor:
     """The whole array, widened to fp32 (exactly) where it is a narrower float, as DeepSpeed's master weights and
-    moments are; fp32 and wider as stored. Widening reads row blocks of :data:`WIDEN_BLOCK_BYTES` into the fp32
-    tensor, so the narrow copy is never held whole beside it."""
+    moments are; fp32 and wider as stored. Widening reads row blocks of ``widen_block_bytes`` (``_settings.py``)
+    into the fp32 tensor, so the narrow copy is never held whole beside it."""
     array = checkpoint[key]
     if not array.entry.dtype.name.startswith(("float", "bfloat")) or array.entry.dtype.itemsize >= 4:
         return array.torch()
@@ -89,7 +89,7 @@ def _widened(checkpoint: Checkpoint, key: str) -> torch.Tensor:
     if not shape or not array.size:
         return array.torch().float()
     out = torch.empty(shape, dtype=torch.float32)
-    rows = max(1, WIDEN_BLOCK_BYTES // max(1, array.nbytes // shape[0]))
+    rows = max(1, settings().widen_block_bytes // max(1, array.nbytes // shape[0]))
     block = torch.empty((min(rows, shape[0]), *shape[1:]), dtype=array.dtype)
     for start in range(0, shape[0], rows):
         part = block[:min(rows, shape[0] - start)]

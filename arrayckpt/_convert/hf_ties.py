@@ -14,9 +14,9 @@ each marked by its origin, and are resolved together by :func:`resolve_ties`:
 - ``manifest``: a checkpoint that stores a tied tensor once names its aliases in its manifest (spec §4.3); those
   join the same list and hold by construction (one stored array), so they need no comparison.
 
-Values are compared block by block (:data:`COMPARE_BYTES` of each tensor at a time), so looking for ties adds
-about a batch to the export's memory, not a tensor. No torch at import; :func:`model_check` imports transformers
-(and so torch) when called, and does without them, with a note, where they are missing.
+Values are compared block by block (``tie_compare_bytes`` of each tensor at a time, ``_settings.py``), so looking for
+ties adds about a batch to the export's memory, not a tensor. No torch at import; :func:`model_check` imports
+transformers (and so torch) when called, and does without them, with a note, where they are missing.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, Literal, NamedTuple
 
 from .._errors import StateError
 from .._read.checkpoint import Checkpoint
+from .._settings import settings
 
-__all__ = ["COMPARE_BYTES", "ModelCheck", "Tie", "TieResolution", "model_check", "option_ties", "resolve_ties"]
+__all__ = ["ModelCheck", "Tie", "TieResolution", "model_check", "option_ties", "resolve_ties"]
 
-COMPARE_BYTES = 32 << 20  # bytes of each of two tensors compared at once
 SHOWN = 5  # names listed in a note before "..."
 # The transformers auto classes tried, in order, for a config.json that names no architecture: the first whose
 # model has exactly the export's names is taken as the model the export is for.
@@ -114,7 +114,7 @@ def _why_not_tied(checkpoint: Checkpoint, tensors: Mapping[str, str], tie: Tie) 
                 f"{b.entry.dtype.name}{list(b.shape)}")
     if not a.shape:
         return None if a.numpy().tobytes() == b.numpy().tobytes() else "their values differ"
-    rows = max(1, COMPARE_BYTES // max(1, a.nbytes // max(1, a.shape[0])))
+    rows = max(1, settings().tie_compare_bytes // max(1, a.nbytes // max(1, a.shape[0])))
     for start in range(0, a.shape[0], rows):
         if a[start:start + rows].tobytes() != b[start:start + rows].tobytes():
             return f"their values differ (first in rows {start}..{min(start + rows, a.shape[0]) - 1})"

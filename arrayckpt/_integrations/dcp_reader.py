@@ -63,6 +63,7 @@ from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._read.deviceload import DeviceLoads
 from .._read.reader import ChainRead, read
+from .._settings import settings
 from .._storage import parse_location
 from .._torch.dtypes import torch_dtype
 from .._torch.tensors import overlaps_itself, writable_numpy
@@ -72,7 +73,6 @@ from .dcp_options import check_reader_options
 
 __all__ = ["ArrayckptReader"]
 
-STAGED_BATCH_BYTES = 512 << 20  # reads staged outside their targets are done in batches of about this size
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class ArrayckptReader(StorageReader):
                     else:
                         batch.append((item, target, buffer, request))
                         staged += 0 if buffer is None else buffer.numel() * buffer.element_size()
-                        if staged >= STAGED_BATCH_BYTES:
+                        if staged >= settings().dcp_staged_batch_bytes:
                             _run(checkpoint, batch, planner)
                             batch, staged = [], 0
                 _run(checkpoint, batch, planner)

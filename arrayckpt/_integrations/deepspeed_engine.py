@@ -41,13 +41,13 @@ from .._format.dtypes import DType
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._read.reader import ChainRead, read
+from .._settings import settings
 from .._torch.tensors import writable_numpy
 from .._torch.transfer import Batch, aligned, batches
 
 __all__ = ["FlatReads", "Parts", "load_engine"]
 
 
-READ_BATCH_BYTES = 256 << 20  # slices read together (concurrently) before they are put in place
 
 
 def _rows(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, int, int]:
@@ -78,9 +78,9 @@ class _Slice:
 
 class FlatReads:
     """Slices of flattened arrays (``[start, start + numel)``), planned first and then read together, in batches of
-    about :data:`READ_BATCH_BYTES`, only the rows each slice spans; ``then(slice)`` puts each in place (the slice is
-    valid during the call only: it is a view of a pooled host buffer, pinned where CUDA is there, so a copy to a
-    GPU partition runs at the link's pinned speed and no batch allocates fresh memory)."""
+    about ``deepspeed_read_batch_bytes`` (``_settings.py``), only the rows each slice spans; ``then(slice)`` puts each
+    in place (the slice is valid during the call only: it is a view of a pooled host buffer, pinned where CUDA is there,
+    so a copy to a GPU partition runs at the link's pinned speed and no batch allocates fresh memory)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
@@ -94,11 +94,12 @@ class FlatReads:
                                    not array.shape, start - first * row, numel, then))
 
     def run(self) -> None:
+        limit = settings().deepspeed_read_batch_bytes
         try:
-            for group in batches(self.planned, lambda piece: aligned(piece.nbytes), READ_BATCH_BYTES):
+            for group in batches(self.planned, lambda piece: aligned(piece.nbytes), limit):
                 batch = Batch()
                 try:
-                    if len(group) == 1 and aligned(group[0].nbytes) > READ_BATCH_BYTES:  # not pooled: the pool
+                    if len(group) == 1 and aligned(group[0].nbytes) > limit:  # not pooled: the pool
                         outs = [torch.empty(group[0].rows, dtype=group[0].dtype)]  # would pin it rounded up
                     else:
                         outs = batch.views([(piece.rows, piece.dtype) for piece in group])

@@ -29,6 +29,7 @@ from .._format.zarr import chunk_key, grid_indices
 from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
 from .._io.priority import worker_initializer
 from .._layout.box import Box, grid_cells
+from .._settings import settings
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -37,7 +38,6 @@ __all__ = ["ArrayIO", "Checksums", "LazyContext", "array_spec", "check_chunk_fil
            "collector_paused", "open_array", "read_context", "read_into", "resolve_context", "typed_data", "write_all",
            "write_context"]
 
-FILE_IO_CONCURRENCY = 32
 
 
 @contextlib.contextmanager
@@ -124,14 +124,15 @@ def resolve_context(context: Any) -> ts.Context:
 
 def write_context() -> LazyContext:
     """A TensorStore context for one save: no per-file fsync (one flush at commit, see ``_storage``)."""
-    return LazyContext({"file_io_sync": False, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
+    return LazyContext({"file_io_sync": False, "file_io_concurrency": {"limit": settings().file_io_concurrency}})
 
 
 def read_context() -> LazyContext:
     """A TensorStore context for reading: local files are memory-mapped, which saves one copy per chunk
     (measured ~1.7x faster loads). Committed chunk files are never modified in place, so a mapping
     cannot see a file change under it."""
-    return LazyContext({"file_io_mode": {"mode": "memmap"}, "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY}})
+    return LazyContext({"file_io_mode": {"mode": "memmap"},
+                        "file_io_concurrency": {"limit": settings().file_io_concurrency}})
 
 
 def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
 from .._format.integrity import crc_combine
+from .._settings import settings
 from .pools import map_kept
 from .priority import worker_initializer
 
@@ -59,17 +60,6 @@ def _count(name: str, nbytes: int) -> None:
         STATS[name] += nbytes
 
 
-def _io_threads() -> int:
-    """Threads per transfer: ``ARRAYCKPT_IO_THREADS`` when set (e.g. cores per rank where several ranks share a
-    node's cores), else one per core, 2 to 8 (more threads than cores only adds contention, measured)."""
-    try:
-        return max(1, int(os.environ["ARRAYCKPT_IO_THREADS"]))
-    except (KeyError, ValueError):
-        return min(8, max(2, os.cpu_count() or 2))
-
-
-IO_THREADS = _io_threads()
-INLINE_BYTES = 2 << 20  # transfers up to this size (plus 4 KiB a file) run on the calling thread
 _CRC = struct.Struct("<I")
 _BYTES_CODECS = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 _CRC32C = {"name": "crc32c"}
@@ -395,17 +385,17 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
     """
     if not work:
         return
-    batches: list[list[tuple]] = [[] for _ in range(min(IO_THREADS, len(work)))]
+    batches: list[list[tuple]] = [[] for _ in range(min(settings().io_threads, len(work)))]
     loads = [0] * len(batches)
     for item in sorted(work, key=lambda w: -len(w[-1])):
         i = loads.index(min(loads))
         batches[i].append(item)
         loads[i] += len(item[-1]) + 4096  # every file costs something, however small
     failed = threading.Event()
-    if len(batches) == 1 or sum(loads) <= INLINE_BYTES:  # starting threads would cost more than they save
+    if len(batches) == 1 or sum(loads) <= settings().inline_bytes:  # starting threads would cost more than they save
         failures = [f for batch in batches for f in _run_batch(batch, fn, failed)]
     else:  # on the kept threads; in a background save on niced threads of its own
-        done = map_kept("io", IO_THREADS, lambda b: _run_batch(b, fn, failed), batches, on_error=failed.set,
+        done = map_kept("io", settings().io_threads, lambda b: _run_batch(b, fn, failed), batches, on_error=failed.set,
                         initializer=worker_initializer())
         failures = [f for batch in done for f in batch]
     if failures:

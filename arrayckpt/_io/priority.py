@@ -23,27 +23,19 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["BACKGROUND_NICE", "background_priority", "lower_this_thread", "worker_initializer"]
+from .._settings import settings
 
-def _nice_from_environment(default: int = 10) -> int:
-    """``ARRAYCKPT_BACKGROUND_NICE`` read once, at import; a value that is not an integer in 0..19 is ignored."""
-    try:
-        value = int(os.environ.get("ARRAYCKPT_BACKGROUND_NICE", default))
-    except ValueError:
-        return default
-    return value if 0 <= value <= 19 else default
+__all__ = ["background_priority", "lower_this_thread", "worker_initializer"]
 
-
-BACKGROUND_NICE = _nice_from_environment()  # how far below the training loop background IO workers run (niceness)
 _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
 def background_priority(nice: int | None = None) -> Iterator[None]:
     """Inside, IO worker threads that this thread starts (:func:`worker_initializer`) run ``nice`` steps lower
-    (:data:`BACKGROUND_NICE` by default)."""
+    (``background_nice`` of ``_settings.py`` by default)."""
     previous = getattr(_LOCAL, "nice", 0)
-    _LOCAL.nice = BACKGROUND_NICE if nice is None else nice
+    _LOCAL.nice = settings().background_nice if nice is None else nice
     try:
         yield
     finally:

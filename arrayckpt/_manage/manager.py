@@ -31,8 +31,9 @@ from .._format.codecs import CodecChoice
 from .._peer.config import PeerMemory
 from .._peer.tier import MemoryTier
 from .._read.checkpoint import Checkpoint
+from .._settings import settings
 from .._storage import Location, parse_location
-from .._storage.liveness import LEASE_TTL_S, HeldRoot
+from .._storage.liveness import HeldRoot
 from .._torch.dist import resolve_group
 from .._write.asynchronous import SaveHandle, async_save_with
 from .._write.exchange import Planner
@@ -163,8 +164,8 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         if busy is not None:
             warnings.warn(f"{busy}. This manager can list and restore, but its saves and clean-ups are refused "
                           "(CheckpointBusyError) while that one holds the root: close it (a crashed process's lock "
-                          f"is gone with it; a lease on object storage expires {LEASE_TTL_S:g} s after its holder "
-                          "stopped), or use another root", RuntimeWarning, stacklevel=3)
+                          f"is gone with it; a lease on object storage expires {settings().lease_ttl_s:g} s after its "
+                          "holder stopped), or use another root", RuntimeWarning, stacklevel=3)
 
     # --- where checkpoints are --------------------------------------------------------------------
 

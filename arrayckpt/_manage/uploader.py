@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._errors import ArrayckptError, CorruptCheckpointError, FormatError
+from .._settings import settings
 from .._tools.copy import copy_checkpoint
 from .._tools.pump import Throttle
 from .tiers import StepTree
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["STEP_RETRY_DELAYS", "Uploader"]
 
 STEP_RETRY_DELAYS = (2.0, 10.0)  # seconds before each new attempt at a whole step's upload that failed
-_POLL_S = 0.02  # how often the uploader looks whether the local asynchronous save it waits for has finished
 
 
 class Uploader:
@@ -156,7 +156,7 @@ class Uploader:
     def _upload(self, step: int, handle: SaveHandle | None) -> BaseException | None:
         """Copy one step (after its local save, if that is still running); the error that stands, if any."""
         while handle is not None and not handle.done():
-            time.sleep(_POLL_S)
+            time.sleep(settings().uploader_poll_s)
         source, target = self.local.step_location(step), self.remote.step_location(step)
         identity = self.local.identity(step)
         assert self._remote_ids is not None

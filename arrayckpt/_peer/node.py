@@ -30,8 +30,9 @@ from pathlib import Path
 
 from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, StateError
 from .._format.manifest import parse_root_document
-from .._io.fastio import IO_THREADS, read_checkpoint_file
+from .._io.fastio import read_checkpoint_file
 from .._io.pools import map_kept
+from .._settings import settings
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import directory_files, remove_arrayckpt_files
 from .private import check_private, make_private
@@ -218,7 +219,7 @@ class NodeMemory:
         if record.id != manifest.id or record.step != step:
             raise FormatError(f"{record_file}: names step {record.step} id {record.id}, the tree holds {manifest.id}")
         files = [(path, key, expected) for path, keys in record.files.items() for key, expected in keys.items()]
-        found = map_kept("io", IO_THREADS, lambda file: self._check_file(step, *file), files)
+        found = map_kept("io", settings().io_threads, lambda file: self._check_file(step, *file), files)
         intact: dict[str, set[str]] = {path: set() for path in record.files}  # in parallel: a restore waits on it
         damaged = []
         for (path, key, _), problem in zip(files, found, strict=True):

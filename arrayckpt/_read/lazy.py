@@ -13,8 +13,7 @@ from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box
 from .._read.chain import basic_index, bounding_box
 from .._read.reader import ArraySlices, ChainRead, read
-
-PROBE_BYTES = 256 << 20  # an array bigger than this is probed (first and last elements read) before it is allocated
+from .._settings import settings
 
 if TYPE_CHECKING:
     import torch
@@ -134,10 +133,11 @@ class LazyArray:
         return self[(slice(None),) * len(self.shape)]
 
     def _probe(self) -> None:
-        """For an array of more than ``PROBE_BYTES``, read its first and last elements (through the chain) before
-        the whole is allocated: a crafted root document claiming gigabytes that its chunk files do not hold fails
-        here, on the missing or short data (an error naming the chunk, never zeros), not after the allocation."""
-        if self.nbytes > PROBE_BYTES:
+        """For an array of more than ``probe_bytes`` (``_settings.py``), read its first and last elements (through the
+        chain) before the whole is allocated: a crafted root document claiming gigabytes that its chunk files do not
+        hold fails here, on the missing or short data (an error naming the chunk, never zeros), not after the
+        allocation."""
+        if self.nbytes > settings().probe_bytes:
             self[(0,) * self.ndim]
             self[tuple(n - 1 for n in self.shape)]
 

@@ -31,6 +31,7 @@ from .._errors import ArrayckptError
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into, typed_data
 from .._layout.box import Box
 from .._read.chain import Overlay, plan_box
+from .._settings import settings
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -80,7 +81,6 @@ def read(checkpoint: ChainSource, requests: Iterable[Request], *, execute: Execu
     checkpoint.check_unchanged()
 
 
-SMALL_SLICE_BYTES = 1 << 20  # a slice up to this size is read into new memory and copied (~10% faster)
 
 
 class ArraySlices:
@@ -101,7 +101,7 @@ class ArraySlices:
             target = self._store if job.index is None else self._store[job.index]
             data = typed_data(job)  # values are assigned: a carrier-typed view would have them converted
             try:
-                if data.nbytes <= SMALL_SLICE_BYTES:  # TensorStore reads into its own memory faster
+                if data.nbytes <= settings().small_slice_bytes:  # TensorStore reads into its own memory faster
                     data[...] = target.read().result()
                 else:  # straight into the destination: no second copy in memory
                     import tensorstore as ts  # on first use (CLI start-up)

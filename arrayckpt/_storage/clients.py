@@ -13,10 +13,12 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._settings import settings
+
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RETRIES", "driver_spec", "object_context"]
+__all__ = ["driver_spec", "object_context"]
 
 # TensorStore's HTTP client has no timeout of its own: a server that stops answering mid-request would hang a
 # save forever. A transfer slower than 1 byte/s for 60 s is abandoned (and retried like any failure) unless
@@ -24,8 +26,6 @@ __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_RETRIES", "driver_spec", "object_cont
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
 
-DEFAULT_RETRIES = 10
-DEFAULT_CONCURRENCY = 64
 
 
 def driver_spec(scheme: str, bucket: str, options: Mapping[str, Any],
@@ -102,9 +102,9 @@ def object_context(scheme: str, options_key: tuple[tuple[str, Any], ...]) -> ts.
         context = _CONTEXTS.get(key)
         if context is None:
             options = dict(options_key)
-            retries = {"max_retries": int(options.get("max_retries", DEFAULT_RETRIES)),
+            retries = {"max_retries": int(options.get("max_retries", settings().object_retries)),
                        "initial_delay": "50ms", "max_delay": "5s"}
-            limit = {"limit": int(options.get("request_concurrency", DEFAULT_CONCURRENCY))}
+            limit = {"limit": int(options.get("request_concurrency", settings().object_concurrency))}
             spec: dict[str, Any] = {}
             if scheme == "s3":
                 spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}

@@ -10,11 +10,11 @@ Locally, through advisory ``flock(2)`` locks, which die with their process (noth
 - a manager's root: an exclusive lock on the file ``ROOT/.arrayckpt-manager.lock``, which names its holder (host,
   pid) for the error the next manager gets (:class:`RootLock`).
 
-On object storage, through *lease* objects (:class:`Lease`): a small JSON object naming the holder and when the
-lease expires (``expires``, epoch seconds by the holder's clock), rewritten every :data:`LEASE_RENEW_S` seconds
-by a background thread (conditionally on the generation it last wrote, so a holder that lost its lease to another
-learns it) and deleted when the holder is done; a crashed holder's lease expires :data:`LEASE_TTL_S` seconds after
-its last renewal.
+On object storage, through *lease* objects (:class:`Lease`): a small JSON object naming the holder and when the lease
+expires (``expires``, epoch seconds by the holder's clock), rewritten every ``lease_renew_s`` seconds (``_settings.py``)
+by a background thread (conditionally on the generation it last wrote, so a holder that lost its lease to another learns
+it) and deleted when the holder is done; a crashed holder's lease expires ``lease_ttl_s`` seconds after its last
+renewal.
 
 - ``P/.arrayckpt-lease``: a save to a prefix ``P`` that holds no committed checkpoint (a first save; gc never touches
   a committed prefix). gc keeps ``P`` while the lease is live.
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from .._errors import CheckpointBusyError, StorageError
+from .._settings import settings
 from .base import LEASE_NAME, TEMP_MARKER, Claim
 
 if TYPE_CHECKING:
@@ -51,14 +52,12 @@ if TYPE_CHECKING:
 
     from .base import Location
 
-__all__ = ["LEASE_NAME", "LEASE_RENEW_S", "LEASE_TTL_S", "MANAGER_LEASE", "MANAGER_LOCK", "MAX_LEASE_S",
+__all__ = ["LEASE_NAME", "MANAGER_LEASE", "MANAGER_LOCK", "MAX_LEASE_S",
            "DirectoryHold", "HeldRoot", "Holder", "Lease", "RootLock", "create_held_directory", "exclusive_directory",
            "hold_directory", "live_holder"]
 
 MANAGER_LOCK = ".arrayckpt-manager.lock"  # local manager root: the file its coordinator holds an exclusive flock on
 MANAGER_LEASE = ".arrayckpt-manager-lease"  # object-storage manager root: its lease object
-LEASE_TTL_S = 60.0  # a lease not renewed for this long has expired (its holder is gone)
-LEASE_RENEW_S = 15.0  # how often a holder renews its lease
 MAX_LEASE_S = 3600.0  # a lease claiming to be live for longer than this was not written by arrayckpt: expired
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)  # no flock here
 
@@ -328,7 +327,7 @@ class Lease(Claim):
 
     def __init__(self, store: ts.KvStore, key: str, where: str, what: str, patience_s: float = 0.0) -> None:
         self.store, self.key, self.where = store, key, where
-        self.ttl_s, self.renew_s = LEASE_TTL_S, LEASE_RENEW_S
+        self.ttl_s, self.renew_s = settings().lease_ttl_s, settings().lease_renew_s
         self.holder = Holder.here(self.ttl_s)
         seen = self._wait_out(self._read(), patience_s)
         other = live_holder(seen.value if seen is not None else None)
@@ -447,7 +446,8 @@ class HeldRoot:
                 except CheckpointBusyError:
                     self._claim.release()
                     self._claim = None
-            self._claim = self.location.claim(LEASE_TTL_S + LEASE_RENEW_S if patience_s is None else patience_s)
+            self._claim = self.location.claim(settings().lease_ttl_s + settings().lease_renew_s if patience_s is None
+                                              else patience_s)
 
     def release(self) -> None:
         with self._lock:

@@ -36,6 +36,7 @@ from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
 from .._io.fastio import read_checkpoint_file, read_regular_file
 from .._io.smallfiles import first_link
+from .._settings import settings
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
@@ -184,10 +185,10 @@ class LocalLocation(Location):
                 age = now - _newest_mtime(path)
             except FileNotFoundError:  # gone meanwhile: its save committed (renamed it) or gave up
                 continue
-            if NEW_MARKER in path.name and age < max(min_age_s, NEW_GRACE_S):
+            if NEW_MARKER in path.name and age < max(min_age_s, settings().new_grace_s):
                 kept.append((str(path), "temporary directory of a save, maybe still being saved: just created, "
-                                        f"not locked yet (one nobody locked is removed {NEW_GRACE_S:g} s after it "
-                                        "was made)"))
+                                        "not locked yet (one nobody locked is removed "
+                                        f"{settings().new_grace_s:g} s after it was made)"))
             elif age >= min_age_s:
                 found.append(LocalLeftover(LocalLocation(path), max(0.0, age)))
             else:
@@ -303,7 +304,6 @@ def file_kvstore(root: Path | str, subpath: str) -> dict[str, Any]:
 
 
 NEW_MARKER = f"{TEMP_MARKER}new-"  # a save's T before it is locked and renamed to its T name (spec §9.4)
-NEW_GRACE_S = 60.0  # such a directory that nobody holds is a leftover once this old (it lives microseconds)
 _OPEN_ATTEMPTS = 100  # opens overtaken by an overwrite (each one a new committed checkpoint) before giving up
 
 

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from .._io.pools import map_kept
+from .._settings import settings
 from .base import TEMP_MARKER
 
 __all__ = ["exchange", "fsync_dir", "make_durable", "rename_noreplace"]
@@ -85,10 +86,9 @@ def make_durable(root: Path) -> None:
     for directory, _, names in os.walk(root):
         directories.append(directory)
         files.extend(os.path.join(directory, name) for name in names)
-    map_kept("fsync", _FSYNC_THREADS, _fsync_path, files + directories)  # kept threads: 16 new ones cost ~1 ms
+    map_kept("fsync", settings().fsync_threads, _fsync_path, files + directories)  # kept: 16 new ones cost ~1 ms
 
 
-_FSYNC_THREADS = 16  # fsyncs mostly wait for the disk and the journal: several at once share its commits
 
 
 _MEMORY_FILESYSTEMS = (0x01021994, 0x858458F6)  # TMPFS_MAGIC, RAMFS_MAGIC (linux/magic.h)

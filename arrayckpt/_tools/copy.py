@@ -51,13 +51,13 @@ from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, Pic
 from .._format.paths import is_location_reference
 from .._format.zarr import check_array_metadata
 from .._read.checkpoint import Checkpoint
+from .._settings import settings
 from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
 from .pump import ArrayCopy, Progress, Pump, Throttle
 
-__all__ = ["DEFAULT_CONCURRENCY", "CopyResult", "copy", "copy_checkpoint"]
+__all__ = ["CopyResult", "copy", "copy_checkpoint"]
 
-DEFAULT_CONCURRENCY = 8  # chunk files in flight (and at most 256 MiB of them)
 
 
 @dataclass(frozen=True)
@@ -80,19 +80,19 @@ class CopyResult:
 def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
          storage_options: Mapping[str, Any] | None = None, src_options: Mapping[str, Any] | None = None,
          dst_options: Mapping[str, Any] | None = None, max_bytes_per_second: float | None = None,
-         read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
+         read_back: bool = False, concurrency: int | None = None,
          progress: Progress | None = None, base_roots: Sequence[str | os.PathLike[str]] | None = None) -> CopyResult:
     """Copy the committed checkpoint at ``src`` (with its chain of bases, if it is a delta) to ``dst``, streaming
     its files as stored, checking every chunk on the way, and committing ``dst`` last (see the module docstring).
 
     ``storage_options`` serve both ends; ``src_options`` / ``dst_options`` override them for one end (e.g. two S3
-    endpoints). ``max_bytes_per_second`` caps the transfer rate; ``concurrency`` is the number of chunk files in
-    flight (at most 256 MiB of them); ``progress(done, total)`` is called in array bytes, for each checkpoint of the
-    chain in turn. ``base_roots``: directories or URLs, at either end, where bases outside the directory holding
-    their delta checkpoint may be read and written (spec §10.1). Raises :class:`BaseNotAllowedError` for a base
-    elsewhere, ``CorruptCheckpointError`` for damage in the source (nothing is committed),
-    ``CheckpointExistsError`` when a committed checkpoint is at ``dst`` (without ``overwrite``) or another one at a
-    base's place, ``StorageError`` when either storage fails past its retries.
+    endpoints). ``max_bytes_per_second`` caps the transfer rate; ``concurrency`` is the number of chunk files in flight
+    (default ``copy_concurrency``, 8; at most ``copy_in_flight_bytes`` of them: ``_settings.py``); ``progress(done,
+    total)`` is called in array bytes, for each checkpoint of the chain in turn. ``base_roots``: directories or URLs, at
+    either end, where bases outside the directory holding their delta checkpoint may be read and written (spec §10.1).
+    Raises :class:`BaseNotAllowedError` for a base elsewhere, ``CorruptCheckpointError`` for damage in the source
+    (nothing is committed), ``CheckpointExistsError`` when a committed checkpoint is at ``dst`` (without ``overwrite``)
+    or another one at a base's place, ``StorageError`` when either storage fails past its retries.
 
     >>> import arrayckpt, torch, tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -115,7 +115,7 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
 
 
 def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, throttle: Throttle,
-                    read_back: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
+                    read_back: bool = False, concurrency: int | None = None,
                     progress: Progress | None = None, base_roots: tuple[Location, ...] = ()) -> CopyResult:
     """:func:`copy` between two locations, with a ``throttle`` that several copies may share (the manager's
     uploader)."""
@@ -138,7 +138,8 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
         for index, (layer, place) in reversed(list(enumerate(layers))):
             def pump(to: Location, layer: Checkpoint = layer) -> Pump:
                 return Pump(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
-                            concurrency=concurrency, progress=progress)
+                            concurrency=settings().copy_concurrency if concurrency is None else concurrency,
+                            progress=progress)
 
             # a base's place holds nothing committed (checked above): overwrite only replaces a killed copy's leftovers
             moved = _copy_layer(layer, place, overwrite or index > 0, pump)

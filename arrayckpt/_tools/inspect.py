@@ -23,11 +23,11 @@ from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, Pick
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, opened
 from .._read.reader import read_boxes
+from .._settings import settings
 from .._tools.chunkwise import ChunkRef, iter_chunks
 
 __all__ = ["DiffReport", "SliceSummary", "TensorDiff", "diff", "parse_slice", "selection_blocks", "show"]
 
-BLOCK_BYTES = 32 << 20  # selection read at once for statistics, and chunks compared at once by diff
 BLOCK_CHUNKS = 4096  # and at most so many chunks compared at once
 MAX_VALUES = 1000  # selections up to this many elements have their values returned
 
@@ -157,7 +157,7 @@ class _Stats:
 
 
 def _blocks(index: Index, row_bytes: int) -> Iterator[Index]:
-    """Split a selection along its first sliced dimension into parts of about ``BLOCK_BYTES``."""
+    """Split a selection along its first sliced dimension into parts of about ``inspect_block_bytes``."""
     sliced = next((d for d, p in enumerate(index) if isinstance(p, slice)), None)
     if sliced is None:
         yield index
@@ -165,7 +165,7 @@ def _blocks(index: Index, row_bytes: int) -> Iterator[Index]:
     part = index[sliced]
     assert isinstance(part, slice)
     rows = range(part.start, part.stop, part.step)
-    per_block = max(1, BLOCK_BYTES // max(1, row_bytes))
+    per_block = max(1, settings().inspect_block_bytes // max(1, row_bytes))
     for first in range(0, len(rows), per_block):
         chosen = rows[first:first + per_block]
         sub = slice(chosen.start, chosen.stop, chosen.step)
@@ -173,7 +173,7 @@ def _blocks(index: Index, row_bytes: int) -> Iterator[Index]:
 
 
 def selection_blocks(index: Index, itemsize: int) -> Iterator[Index]:
-    """A normalized selection split along its first sliced dimension into blocks of about ``BLOCK_BYTES`` (of
+    """A normalized selection split along its first sliced dimension into blocks of about ``inspect_block_bytes`` (of
     items of ``itemsize`` bytes): the parts ``show`` reads one at a time, and ``report`` reads the same way."""
     return _blocks(index, itemsize * math.prod(_selected_shape(index)[1:]))
 
@@ -371,7 +371,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
         chunks += 1
         batch.append(chunk)
         held += chunk.nbytes
-        if held >= BLOCK_BYTES or len(batch) >= BLOCK_CHUNKS:  # tiny chunks: bounded by count too
+        if held >= settings().inspect_block_bytes or len(batch) >= BLOCK_CHUNKS:  # tiny chunks: bounded by count too
             flush()
             held = 0
     if batch:

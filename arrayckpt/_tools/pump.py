@@ -29,11 +29,11 @@ from .._format.zarr import chunk_key, grid_counts, grid_indices
 from .._io.arrays import resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.fastio import read_checkpoint_file
+from .._settings import settings
 from .._storage import Location
 
-__all__ = ["IN_FLIGHT_BYTES", "RETRY_DELAYS", "ArrayCopy", "Pump", "Throttle"]
+__all__ = ["RETRY_DELAYS", "ArrayCopy", "Pump", "Throttle"]
 
-IN_FLIGHT_BYTES = 256 << 20  # chunk bytes held at once (one bigger chunk is moved alone)
 RETRY_DELAYS = (0.5, 2.0)  # seconds before each retry of a whole chunk file after a storage error
 # Errors no retry mends (in TensorStore's status names, or the OS's words): fail at once.
 _PERMANENT = ("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT", "FAILED_PRECONDITION",
@@ -132,7 +132,7 @@ class Pump:
         self._target_name = str(target)
         self._throttle, self._read_back, self._concurrency = throttle, read_back, max(1, concurrency)
         self._progress = progress
-        self._budget = _Budget(IN_FLIGHT_BYTES)
+        self._budget = _Budget(settings().copy_in_flight_bytes)
         self._decoders: dict[str, ChunkDecoder] = {}
         self._decoding: Any = None  # one TensorStore context (in-memory store) for every decoder
         self._lock = threading.Lock()

@@ -34,12 +34,12 @@ from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import check_array_metadata
 from .._read.checkpoint import Checkpoint
+from .._settings import settings
 from .._storage import ROOT_METADATA, Location, parse_location, parse_roots
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
 
-__all__ = ["BATCH_BYTES", "Damage", "VerifyReport", "verify"]
+__all__ = ["Damage", "VerifyReport", "verify"]
 
-BATCH_BYTES = 256 << 20  # chunks read at once: enough for concurrency, small enough for any host
 BATCH_CHUNKS = 4096  # and at most this many (tiny chunks: the batch's own bookkeeping stays small)
 MAX_ARRAY_DAMAGE = 100  # damaged chunks reported per array; verify leaves the array there (saying so)
 
@@ -82,7 +82,7 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
-           batch_bytes: int = BATCH_BYTES, storage_options: Mapping[str, Any] | None = None,
+           batch_bytes: int | None = None, storage_options: Mapping[str, Any] | None = None,
            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> VerifyReport:
     """Read every chunk of every array of the checkpoint at ``path`` and check it; return all damage found.
 
@@ -113,7 +113,8 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
     with checkpoint:  # closing it closes the bases the layer walk opened
-        return _verify_chain(checkpoint, where, batch_bytes, progress)
+        return _verify_chain(checkpoint, where, settings().verify_batch_bytes if batch_bytes is None else batch_bytes,
+                             progress)
 
 
 def _verify_chain(checkpoint: Checkpoint, where: str, batch_bytes: int, progress: Progress | None) -> VerifyReport:

@@ -30,6 +30,7 @@ from .._format.keys import array_path
 from .._io.arrays import collector_paused
 from .._io.priority import background_priority
 from .._layout.box import Box
+from .._settings import settings
 from .._torch.dist import Group, resolve_group
 from .describe import describe_local
 from .hostcopies import HostCopies
@@ -210,18 +211,17 @@ def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: Sa
                             boxes if keep_copy else None)
 
 
-BACKGROUND_PAUSE_S = 30.0  # the longest a background save keeps the cyclic garbage collector paused
 
 
 def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
     the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the
-    collector is paused (its full collections would hold the GIL for 100 ms; at most :data:`BACKGROUND_PAUSE_S`,
+    collector is paused (its full collections would hold the GIL for 100 ms; at most ``background_pause_s``,
     so that a long upload does not hold back the loop's garbage) and the IO worker threads run niced (they would
     take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
     try:
-        with collector_paused(limit_s=BACKGROUND_PAUSE_S), background_priority():
+        with collector_paused(limit_s=settings().background_pause_s), background_priority():
             committed = finish_save(local, error, group, request, reference)
     except BaseException:
         _STAGER.forget()

@@ -27,11 +27,11 @@ from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, BaseRef
 from .._format.quant import max_abs_error, quantize_rows
 from .._io.arrays import ArrayIO, array_spec
-from .._io.fastio import IO_THREADS
 from .._layout.box import Box, grid_cells
 from .._layout.delta import PieceChange, RowsTask
 from .._layout.saveplan import SavePlan
 from .._read.checkpoint import Checkpoint
+from .._settings import settings
 from .._storage import Location, follow_base
 
 __all__ = ["Changes", "DeltaRequest", "NO_CHANGES", "Reference", "chunk_jobs", "find_changes", "rows_jobs"]
@@ -109,7 +109,6 @@ def _differs(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return cast(np.ndarray, diff.any(axis=-1)) if diff.ndim > new.ndim else diff.reshape(new.shape)
 
 
-COMPARE_BLOCK_BYTES = 16 << 20  # rows compared at once, per thread: bounds the temporary boolean arrays
 
 
 def _changed_rows(new: np.ndarray, old: np.ndarray) -> np.ndarray:
@@ -118,7 +117,7 @@ def _changed_rows(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     rows = new.shape[0]
     a, b = _bits(new).reshape(rows, -1), _bits(old).reshape(rows, -1)
     out = np.empty(rows, bool)
-    step = max(1, COMPARE_BLOCK_BYTES // max(1, a.shape[1] * a.dtype.itemsize))
+    step = max(1, settings().compare_block_bytes // max(1, a.shape[1] * a.dtype.itemsize))
 
     def block(start: int) -> None:  # numpy releases the GIL: blocks run in parallel
         np.any(a[start:start + step] != b[start:start + step], axis=1, out=out[start:start + step])
@@ -127,7 +126,7 @@ def _changed_rows(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     if len(starts) == 1:
         block(0)
     else:
-        with ThreadPoolExecutor(min(IO_THREADS, len(starts))) as pool:
+        with ThreadPoolExecutor(min(settings().io_threads, len(starts))) as pool:
             list(pool.map(block, starts))
     return out
 

@@ -26,12 +26,12 @@ from .._layout.digests import chunk_digests
 from .._layout.saveplan import documents_of
 from .._read.checkpoint import Checkpoint, opened
 from .._read.reader import ChainRead, Request, read
+from .._settings import settings
 from .._storage import parse_location
 from .transaction import begin_write
 
 __all__ = ["CompactResult", "compact"]
 
-COPY_BATCH_BYTES = 256 << 20  # array bytes read through the chain and written per batch (one array if bigger)
 
 
 @dataclass(frozen=True)
@@ -145,9 +145,9 @@ def _spec_source(key: str, spec: dict[str, Any]) -> Source:
 
 def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
           progress: Callable[[int, int], None] | None) -> tuple[int, Checksums]:
-    """Read and write every array in batches of at most ``COPY_BATCH_BYTES`` (one array if bigger). Each batch is
-    read through the read path, which refuses a source replaced before the batch was read: nothing is committed
-    then. Returns the bytes copied and the checksums of the chunks written."""
+    """Read and write every array in batches of at most ``compact_batch_bytes`` (``_settings.py``; one array if bigger).
+    Each batch is read through the read path, which refuses a source replaced before the batch was read: nothing is
+    committed then. Returns the bytes copied and the checksums of the chunks written."""
     total = sum(a.dtype.itemsize * int(np.prod(a.shape, dtype=np.int64)) for a in arrays.values())
     done = 0
     batch: list[tuple[ArrayPlan, np.ndarray]] = []
@@ -170,7 +170,7 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
         data = np.empty(plan.shape, plan.dtype.numpy)
         batch.append((plan, data))
         held += data.nbytes
-        if held >= COPY_BATCH_BYTES:
+        if held >= settings().compact_batch_bytes:
             flush()
     if batch:
         flush()

@@ -1,11 +1,11 @@
 """Host copies of a save's arrays, allocated once and reused by the next save: what a background save (``async_save``,
 a peer-memory save) stages into, so that the caller may change its tensors as soon as the copy is made.
 
-One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there and are copied
-by their device's copier (``_torch/transfer.py``: non-blocking, on a side stream), issued in batches of
-:data:`ISSUE_BYTES` while the state is still being described, so that the copies overlap the walk of the rest of
-the state; host tensors in one batched ``torch._foreach_copy_``. :meth:`HostCopies.finish` returns once every copy
-is done, so the caller blocks for about the longer of the walk and the copies, not their sum.
+One buffer per (array path, shape, dtype); device tensors get pinned buffers where CUDA is there and are copied by their
+device's copier (``_torch/transfer.py``: non-blocking, on a side stream), issued in batches of ``device_issue_bytes``
+(``_settings.py``) while the state is still being described, so that the copies overlap the walk of the rest of the
+state; host tensors in one batched ``torch._foreach_copy_``. :meth:`HostCopies.finish` returns once every copy is done,
+so the caller blocks for about the longer of the walk and the copies, not their sum.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from .._format.dtypes import DType
+from .._settings import settings
 from .._torch.dtypes import numpy_view
 from .._torch.transfer import SyncCopier, Ticket, copy_grouped, is_staged
 
 __all__ = ["HostCopies"]
 
 Slot = tuple[str, tuple[int, ...], "np.dtype | torch.dtype"]  # (array path, shape, dtype)
-ISSUE_BYTES = 64 << 20  # device copies are issued once this many bytes of them wait
 
 
 class HostCopies:
@@ -60,7 +60,7 @@ class HostCopies:
             return numpy_view(tensor, dt)
         self._device.append((tensor, source))
         self._device_bytes += tensor.numel() * tensor.element_size()
-        if self._device_bytes >= ISSUE_BYTES:
+        if self._device_bytes >= settings().device_issue_bytes:
             self._issue()
         return numpy_view(tensor, dt)
 

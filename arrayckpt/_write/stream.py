@@ -24,6 +24,7 @@ from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
+from .._settings import settings
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .describe import describe_local, host_view
@@ -31,9 +32,8 @@ from .options import SaveOptions
 from .save import build_manifest, check_record, created_info, prepare
 from .transaction import WriteTransaction, begin_write
 
-__all__ = ["FETCH_BATCH_BYTES", "write_streaming"]
+__all__ = ["write_streaming"]
 
-FETCH_BATCH_BYTES = 128 << 20  # tensor bytes fetched before writing them together (concurrency for small tensors)
 
 Fetch = Callable[[str], "torch.Tensor | np.ndarray"]
 _LATER = np.empty(0)  # stands for the data of a meta-tensor leaf until it is fetched
@@ -46,7 +46,7 @@ def write_streaming(
     options: SaveOptions,
     *,
     source: str | None = None,
-    batch_bytes: int = FETCH_BATCH_BYTES,
+    batch_bytes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     release: Callable[[str], None] | None = None,
     created: Mapping[str, Any] | None = None,
@@ -75,7 +75,8 @@ def write_streaming(
     with begin_write(request.location, options.overwrite) as transaction:
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
-        checksums = _write_arrays(plan, local.data, fetch, transaction, batch_bytes, progress, release)
+        batch = settings().fetch_batch_bytes if batch_bytes is None else batch_bytes
+        checksums = _write_arrays(plan, local.data, fetch, transaction, batch, progress, release)
         created = created_info(1) | ({"converted_from": source} if source is not None else {}) | dict(created or {})
         manifest = build_manifest(plan, record, 1, None, [({}, checksums)], str(request.location), created)
         transaction.commit(manifest, plan.consolidated_json)

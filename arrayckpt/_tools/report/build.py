@@ -8,7 +8,7 @@ layer, and which chunks or rows each tensor stores), and, against another checkp
 ``model.layers.3.attn.q.weight``, ``h.3.`` or ``blocks.3.``).
 
 Memory stays bounded whatever the tensor sizes: every tensor is read in the blocks ``show`` reads
-(``inspect.selection_blocks``, about ``BLOCK_BYTES`` each), its statistics are accumulated exactly as ``show``
+(``inspect.selection_blocks``, about ``inspect_block_bytes`` each), its statistics are accumulated exactly as ``show``
 accumulates them (so the numbers are ``show``'s), histograms are counts of a random sample of at most
 ``SAMPLE`` values per tensor, and the relative change is two sums of squares over the same blocks of both
 checkpoints. Images are PNGs embedded as base64; nothing is fetched when the file is opened.
