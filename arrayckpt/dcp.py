@@ -13,7 +13,7 @@ works too); arrayckpt lays out the arrays with their chunks aligned to the shard
 concurrently with checksums, and commits the root document last, so a failed save commits nothing and leaves the
 previous checkpoint at the path whole. As with DCP's ``FileSystemWriter``, saving again to a path replaces the
 checkpoint there (``overwrite=True`` by default), atomically; DCP's storage arguments and options are accepted or
-refused as ``_integrations/dcp_options.py`` and the README's table say. :class:`ArrayckptReader` loads any arrayckpt
+refused as ``_integrations/dcp_options.py`` and the DCP guide's table say. :class:`ArrayckptReader` loads any arrayckpt
 checkpoint (saved by ``arrayckpt.save`` or the writer, converted, a delta chain, on object storage) into any
 DCP-planned state, each rank reading only the slices it needs. Both take the path as an argument or as DCP's
 ``checkpoint_id`` (torch cannot pick them by the id alone: ``dcp.save(state, checkpoint_id=p)`` without a

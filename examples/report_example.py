@@ -3,7 +3,7 @@
 Saves step 100 of a tiny decoder (embeddings, 6 layers, head; bfloat16 weights and float32 AdamW moments), then
 step 200 as a delta against it after "training" moved the last layers most and touched a few embedding rows and
 a block of the head's, and writes ``report.html`` for step 200 against step 100 plus the overview picture
-``docs/report-example.png`` (the one the README shows). Run from the repository root:
+``docs/report-example.png`` (the one ``docs/guide/report.md`` shows). Run from the repository root:
 
     python examples/report_example.py [--out DIR]
 

@@ -8,7 +8,7 @@ job runs every training setup of both, and one ``resume`` job per world size (1,
 (micro-batch x gradient accumulation x ranks), so the losses after a resume at another degree differ only by the
 order in which the gradient reduction adds floating-point numbers.
 
-DeepSpeed on CPU (README, "DeepSpeed on CPU"): ``DS_ACCELERATOR=cpu``; the shared-memory all-reduce op DeepSpeed
+DeepSpeed on CPU (docs/guide, "DeepSpeed on CPU"): ``DS_ACCELERATOR=cpu``; the shared-memory all-reduce op DeepSpeed
 would compile in ``init_distributed`` is replaced by nothing (gloo does every collective); FusedAdam and
 DeepSpeedCPUAdam are C++ ops DeepSpeed compiles on first use into torch's extension cache, once per machine.
 This file is the torchrun script (``python -m torch.distributed.run ... deepspeed_worker.py MODE DIR``).

@@ -1,4 +1,4 @@
-"""Guards that keep the package's structure as the README describes it ("How the code is organised").
+"""Guards that keep the package's structure as ``docs/development.md`` describes it ("How the code is organised").
 
 - imports go one way, down the layers, and no module imports a private name (``_x``) of another subpackage;
 - there are no import cycles between modules;

@@ -18,7 +18,7 @@ bit for bit in every cell.
 The jobs are ``tests/deepspeed_worker.py``'s, shared with ``test_deepspeed.py`` (a DeepSpeed process costs ~18 s
 of CPU before its first step). DeepSpeed's FusedAdam and CPUAdam are C++ ops it compiles on first use into torch's
 extension cache (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``): the first run on a machine pays
-~3-5 minutes for them (README, "DeepSpeed on CPU"), later runs load them.
+~3-5 minutes for them (``docs/guide/integrations.md``, "DeepSpeed on CPU"), later runs load them.
 """
 
 from __future__ import annotations
