@@ -42,3 +42,11 @@ def test_a_process_reads_its_environment_once():
     out = subprocess.run([sys.executable, "-c", code], env={"ARRAYCKPT_IO_THREADS": "3", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["3", "3"]
+
+
+def test_the_manual_lists_every_knob():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "guide" / "settings.md").read_text()
+    missing = [f.name for f in dataclasses.fields(Settings) if f"`ARRAYCKPT_{f.name.upper()}`" not in page]
+    assert not missing, f"docs/guide/settings.md does not list {missing}"
