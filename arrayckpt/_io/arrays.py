@@ -26,8 +26,9 @@ from .._errors import CorruptCheckpointError, FormatError, StorageError
 from .._format.dtypes import as_typed, dtype_by_name
 from .._format.integrity import chunk_crc
 from .._format.zarr import chunk_key, grid_indices
-from .._io.fastio import RowLayout, read_rows, row_layout, user_paths, write_rows
+from .._io.fastio import RowLayout, read_rows, row_layout, write_rows
 from .._io.priority import worker_initializer
+from .._io.smallfiles import user_paths
 from .._layout.box import Box, grid_cells
 from .._settings import settings
 
@@ -418,6 +419,6 @@ _UNREACHABLE = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIE
 def read_failure(message: str, error: BaseException) -> Exception:
     """The error for a failed read: a :class:`StorageError` when the storage could not be reached (nothing says
     the data is bad), else a :class:`CorruptCheckpointError`. A pinned directory in the message is replaced by the
-    path it was opened as (``fastio.user_paths``)."""
+    path it was opened as (``smallfiles.user_paths``)."""
     kind = StorageError if _describe(error).startswith(_UNREACHABLE) else CorruptCheckpointError
     return kind(user_paths(message))

@@ -34,20 +34,9 @@ from .._format.integrity import crc_combine
 from .._settings import settings
 from .pools import map_kept
 from .priority import worker_initializer
+from .smallfiles import open_nonblocking, user_paths
 
-# The regular-file readers and the pins moved to smallfiles.py; re-exported here, where their users import them.
-from .smallfiles import (
-    check_no_links,
-    forget_pin,
-    open_nonblocking,
-    read_checkpoint_file,
-    read_regular_file,
-    remember_pin,
-    user_paths,
-)
-
-__all__ = ["STATS", "RowLayout", "check_no_links", "forget_pin", "read_checkpoint_file", "read_regular_file",
-           "read_rows", "remember_pin", "row_layout", "user_paths", "write_rows"]
+__all__ = ["STATS", "RowLayout", "read_rows", "row_layout", "write_rows"]
 
 MISSING = 2**64 - 1  # index entry of an inner chunk that is not stored
 # Bytes this process moved through the fast path (benchmarks and tests read them).

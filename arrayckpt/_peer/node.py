@@ -30,8 +30,8 @@ from pathlib import Path
 
 from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, StateError
 from .._format.manifest import parse_root_document
-from .._io.fastio import read_checkpoint_file
 from .._io.pools import map_kept
+from .._io.smallfiles import read_checkpoint_file
 from .._settings import settings
 from .._storage.base import ROOT_METADATA, parse_root_bytes
 from .._storage.files import directory_files, remove_arrayckpt_files

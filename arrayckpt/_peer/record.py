@@ -24,7 +24,7 @@ import crc32c
 
 from .._errors import CorruptCheckpointError, FormatError
 from .._format.zarr import grid_counts, parse_chunk_key
-from .._io.fastio import check_no_links
+from .._io.smallfiles import check_no_links
 
 __all__ = ["FileSum", "Files", "StepRecord", "file_sum", "sum_file"]
 

@@ -43,7 +43,7 @@ from .._format.quant import packed_columns
 from .._format.values import decode_value
 from .._format.zarr import check_array_metadata, grid_counts
 from .._io.arrays import ArrayIO, array_spec
-from .._io.fastio import check_no_links
+from .._io.smallfiles import check_no_links
 from .._layout.box import Box
 from .._read.chain import dense_grid, dense_layer, read_plan
 from .._read.lazy import LazyArray

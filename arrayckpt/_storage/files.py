@@ -12,7 +12,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from .._io.fastio import forget_pin, remember_pin
+from .._io.smallfiles import forget_pin, remember_pin
 from .base import ROOT_METADATA, arrayckpt_keys
 
 __all__ = ["directory_files", "pin_directory", "remove_arrayckpt_files"]

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
-from .._io.fastio import read_regular_file
+from .._io.smallfiles import read_regular_file
 from .base import LEASE_NAME, ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
 from .files import directory_files, remove_arrayckpt_files
 from .liveness import Holder, live_holder

@@ -34,8 +34,7 @@ from .._errors import (
 )
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import read_context, write_context
-from .._io.fastio import read_checkpoint_file, read_regular_file
-from .._io.smallfiles import first_link
+from .._io.smallfiles import first_link, read_checkpoint_file, read_regular_file
 from .._settings import settings
 from .base import (
     ROOT_METADATA,

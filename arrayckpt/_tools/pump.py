@@ -28,7 +28,7 @@ from .._format.stored import stored_content_crc
 from .._format.zarr import chunk_key, grid_counts, grid_indices
 from .._io.arrays import resolve_context
 from .._io.decode import ChunkDecoder
-from .._io.fastio import read_checkpoint_file
+from .._io.smallfiles import read_checkpoint_file
 from .._settings import settings
 from .._storage import Location
 
