@@ -65,11 +65,10 @@ def test_cover_problem_agrees_with_brute_force_on_random_boxes():
         problem = cover_problem(shape, offsets, shapes)
         cover = _brute_cover(shape, boxes)
         if (cover > 1).any():
-            assert problem is not None and problem[0] == "overlap" and len(problem[1]) >= 2
+            assert problem is not None and problem.what == "overlap" and len(problem.boxes) >= 2
         elif (cover == 0).any():
-            assert problem is not None and problem[0] == "gap"
-            start, stop = problem[1]
-            assert (cover[tuple(slice(a, b) for a, b in zip(start, stop, strict=True))] == 0).all()
+            assert problem is not None and problem.what == "gap"
+            assert (cover[tuple(slice(a, b) for a, b in zip(problem.start, problem.stop, strict=True))] == 0).all()
         else:
             assert problem is None
 

@@ -9,13 +9,13 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from .._format.zarr import grid_indices
 
-__all__ = ["Box", "cover_problem", "distinct_rows", "grid_cells", "shard_steps", "sorted_unique"]
+__all__ = ["Box", "CoverProblem", "cover_problem", "distinct_rows", "grid_cells", "shard_steps", "sorted_unique"]
 
 
 @dataclass(frozen=True)
@@ -140,20 +140,30 @@ def shard_steps(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarray)
     return tuple(out)
 
 
-def cover_problem(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarray) -> tuple[str, Any] | None:
-    """Whether distinct boxes tile an array of ``shape`` exactly: ``None``, or the first problem found:
-    ``("outside", box)``, ``("overlap", boxes meeting at the first doubly-covered cell)`` or ``("gap", (start,
-    stop))`` of the first uncovered cell. Cells are the grid of every box boundary; a box covering one cell (the
-    usual shard grid) is counted with one ``bincount``, others with an N-D difference array."""
+class CoverProblem(NamedTuple):
+    """Why distinct boxes do not tile an array: a box reaching ``"outside"`` it (``boxes``: that box), boxes that
+    ``"overlap"`` (``boxes``: those meeting at the first doubly-covered cell), or a ``"gap"`` (``start``, ``stop``:
+    the first uncovered cell). Boxes are given by their row in the ``offsets`` and ``shapes`` looked at."""
+
+    what: Literal["outside", "overlap", "gap"]
+    boxes: tuple[int, ...] = ()
+    start: tuple[int, ...] = ()
+    stop: tuple[int, ...] = ()
+
+
+def cover_problem(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarray) -> CoverProblem | None:
+    """Whether distinct boxes tile an array of ``shape`` exactly: ``None``, or the first problem found (see
+    :class:`CoverProblem`). Cells are the grid of every box boundary; a box covering one cell (the usual shard
+    grid) is counted with one ``bincount``, others with an N-D difference array."""
     if math.prod(shape) == 0:
         return None
     ndim = len(shape)
     stops = offsets + shapes
     outside = (offsets < 0).any(axis=1) | (stops > np.array(shape, np.int64)).any(axis=1) if ndim else None
     if outside is not None and outside.any():
-        return "outside", int(np.argmax(outside))
+        return CoverProblem("outside", (int(np.argmax(outside)),))
     if ndim == 0:
-        return None if len(offsets) else ("gap", ([], []))
+        return None if len(offsets) else CoverProblem("gap")
     bounds = [sorted_unique(np.concatenate(([0, n], offsets[:, d], stops[:, d]))) for d, n in enumerate(shape)]
     lo = [np.searchsorted(b, offsets[:, d]) for d, b in enumerate(bounds)]
     hi = [np.searchsorted(b, stops[:, d]) for d, b in enumerate(bounds)]
@@ -172,9 +182,9 @@ def cover_problem(shape: tuple[int, ...], offsets: np.ndarray, shapes: np.ndarra
         inside = np.ones(len(offsets), bool)
         for d in range(ndim):
             inside &= (lo[d] <= cell[d]) & (cell[d] < hi[d])
-        return "overlap", np.flatnonzero(inside).tolist()
+        return CoverProblem("overlap", tuple(np.flatnonzero(inside).tolist()))
     if (cover == 0).any():
         cell = np.argwhere(cover == 0)[0]
-        return "gap", ([int(b[c]) for b, c in zip(bounds, cell, strict=True)],
-                       [int(b[c + 1]) for b, c in zip(bounds, cell, strict=True)])
+        return CoverProblem("gap", start=tuple(int(b[c]) for b, c in zip(bounds, cell, strict=True)),
+                            stop=tuple(int(b[c + 1]) for b, c in zip(bounds, cell, strict=True)))
     return None

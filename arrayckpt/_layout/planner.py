@@ -27,7 +27,6 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -37,7 +36,7 @@ from .._format.dtypes import dtype_by_name
 from .._format.keys import array_path
 from .._format.manifest import AliasEntry, ArrayEntry, Entry, PickleEntry, per_rank_path
 from .._format.zarr import MAX_CHUNK_BYTES
-from .box import Box, cover_problem, distinct_rows, shard_steps
+from .box import Box, CoverProblem, cover_problem, distinct_rows, shard_steps
 from .chunking import ArrayPlan, ChunkPolicy, choose_chunks
 from .pieces import DTYPE, GLOBAL, KIND, KINDS, NDIM, OFFSET, REPLICA, SHAPE, LocalDescription, WriteTask
 
@@ -301,25 +300,24 @@ def _check_agreement(s: _Stacked) -> None:
                      f"on rank {int(s.rank[row])}; every rank must agree on the global dtype and shape")
 
 
-def _cover_message(name: str, shape: tuple[int, ...], problem: tuple[str, Any], s: _Stacked, holders: np.ndarray,
+def _cover_message(name: str, shape: tuple[int, ...], problem: CoverProblem, s: _Stacked, holders: np.ndarray,
                    starts: np.ndarray, counts: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> str:
     def ranks(b: int) -> list[int]:
         rows = holders[starts[b]:starts[b] + counts[b]]
         return [int(r) for _, r in sorted(zip(s.meta[rows, REPLICA].tolist(), s.rank[rows].tolist(), strict=True))]
 
-    what, detail = problem
-    if what == "overlap":
+    if problem.what == "overlap":
         described = "; ".join(f"rank(s) {ranks(b)} hold offset {offsets[b].tolist()} shape {shapes[b].tolist()}"
-                              for b in detail)
+                              for b in problem.boxes)
         return (f"tensor {name!r}: shards overlap ({described}); each element must be held by one shard (identical "
                 "shards are replicas and are fine)")
-    if what == "outside":
-        return (f"tensor {name!r} of shape {list(shape)}: rank(s) {ranks(detail)} hold offset "
-                f"{offsets[detail].tolist()} shape {shapes[detail].tolist()}, which reaches outside it")
+    if problem.what == "outside":
+        b = problem.boxes[0]
+        return (f"tensor {name!r} of shape {list(shape)}: rank(s) {ranks(b)} hold offset "
+                f"{offsets[b].tolist()} shape {shapes[b].tolist()}, which reaches outside it")
     every = sorted({r for b in range(len(starts)) for r in ranks(b)})
-    start, stop = detail
-    return (f"tensor {name!r} of shape {list(shape)}: no rank holds the region from {start} to {stop} (holders: "
-            f"ranks {every}); the shards must cover the whole tensor")
+    return (f"tensor {name!r} of shape {list(shape)}: no rank holds the region from {list(problem.start)} to "
+            f"{list(problem.stop)} (holders: ranks {every}); the shards must cover the whole tensor")
 
 
 @dataclass(frozen=True)
