@@ -225,7 +225,7 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
     save_plan, replies = out.time("plan", plan)
     sizes = [len(b) for b in out.time("encode", lambda: [pickle.dumps(r, pickle.HIGHEST_PROTOCOL) for r in replies])]
     out.update(plan_bytes_per_rank=max(sizes), plan_bytes_mean=sum(sizes) / len(sizes), arrays=len(save_plan.arrays),
-               write_tasks=len(save_plan.layout.arrays.tasks.source))
+               write_tasks=len(save_plan.layout.tasks.source))
     layout_id, parts = save_plan.layout.plan_id, [r.part for r in replies]
     replies.clear()
     out["peak_mib"] = peak_mib(plan)

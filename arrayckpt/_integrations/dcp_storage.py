@@ -72,13 +72,9 @@ from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box, grid_cells
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .._layout.plancache import PlanCache
-from .._layout.saveplan import (
-    ArrayDescription,
-    LocalDescription,
-    WriteTask,
-    documents_of,
-)
+from .._layout.saveplan import ArrayDescription, LocalDescription, documents_of
 from .._layout.saveplan import SavePlan as ArrayckptPlan
+from .._layout.tasks import WriteTask
 from .._storage import Location, parse_location
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
@@ -272,8 +268,9 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             if early:  # write the documents meanwhile
                 transaction.write_documents(planned.documents)
             out = []
+            assert planned.layout is not None  # PlanCache.plan_save's: a full save's tasks, its Layout's WriteTasks
             for rank, plan in enumerate(plans):
-                tasks = planned.tasks[rank]
+                tasks = planned.layout.tasks[rank]
                 arrays = {t.path: planned.arrays[t.path] for t in tasks}
                 work = RankWork(transaction.target, str(location), tasks, arrays, ties)
                 out.append(dataclasses.replace(plan, storage_data=work))

@@ -5,9 +5,10 @@ kept between calls: what a caller reuses from one save to the next is in a ``Pla
 - ``chunking.py``: the chunking policy and each array's Zarr metadata (``ArrayPlan``);
 - ``pieces.py``: what each rank describes of its state (``LocalDescription``, its pieces as columns), and its
   fingerprint;
-- ``planner.py``: the arrays laid out from every rank's pieces (tiling checked, chunk grids, one writer per chunk);
+- ``planner.py``: a Layout's arrays from every rank's pieces (tiling checked, chunk grids, one writer per chunk);
 - ``saveplan.py``: the coordinator's save plan (``SavePlan``, its reusable ``Layout``): validation, values,
   documents;
+- ``tasks.py``: what a rank writes (``WriteTask``, ``RowsTask``: a ``Task``);
 - ``rankplan.py``: each rank's part of a plan (``RankLayout``, ``RankPlan``);
 - ``plancache.py``: ``PlanCache``, what a caller keeps to plan its next save faster;
 - ``delta.py``: the delta plan of incremental saves;

@@ -14,18 +14,20 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from .._errors import StateError
+from .._format.codecs import Codec
 from .._format.dtypes import dtype_by_name
 from .._format.manifest import ArrayEntry, Delta, Quantization
 from .._format.quant import packed_columns
 from .._format.zarr import dimension_names
 from .box import Box, grid_cells
 from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
-from .saveplan import LocalDescription, SavePlan, WriteTask, documents_of
+from .saveplan import LocalDescription, SavePlan, documents_of
+from .tasks import RowsTask, Task, WriteTask
 
-__all__ = ["INDEX_BYTES", "QUANTIZABLE", "PieceChange", "QuantizeRule", "RowsTask", "plan_delta", "row_dimension_names",
+__all__ = ["INDEX_BYTES", "QUANTIZABLE", "PieceChange", "QuantizeRule", "plan_delta", "row_dimension_names",
            "stored_bytes"]
 
 QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")  # dtypes whose changed rows can be quantized
@@ -49,24 +51,13 @@ class PieceChange:
     rows: int | None  # number of changed rows (None: the box does not hold whole rows)
 
 
-@dataclass(frozen=True)
-class RowsTask:
-    """Write the changed rows of piece ``box`` of ``key`` at rows ``offset:offset+length`` of its row arrays."""
-
-    key: str
-    path: str
-    box: Box
-    offset: int
-    length: int  # padded to whole chunks of the row arrays
-
-
 # --- on the coordinator: choose and lay out ------------------------------------------------------
 
 
 def plan_delta(plan: SavePlan, descriptions: Sequence[LocalDescription] | None, findings: list[list[PieceChange]],
                request: QuantizeRule, policy: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
-    """Turn a full save plan into a delta plan: per key the cheapest of unchanged/chunks/rows/whole (the row
-    arrays chunked by ``policy.row_chunk_bytes``). The distinct boxes of every key come from the plan's layout, or
+    """The delta :class:`SavePlan` of a full one: per key the cheapest of unchanged/chunks/rows/whole (the row
+    arrays chunked by ``policy.row_chunk_bytes``). The distinct boxes of every key come from the plan's Layout, or
     from ``descriptions`` for a plan made without one."""
     reported: dict[str, list[tuple[int, PieceChange]]] = defaultdict(list)
     for rank, found in enumerate(findings):
@@ -75,7 +66,7 @@ def plan_delta(plan: SavePlan, descriptions: Sequence[LocalDescription] | None, 
     boxes = _distinct_boxes(plan, descriptions, set(reported))
     entries = dict(plan.entries)
     arrays = dict(plan.arrays)
-    tasks: list[list[Any]] = [[] for _ in range(len(plan.tasks))]  # (iterating would build every task)
+    tasks: list[list[Task]] = [[] for _ in range(len(plan.tasks))]  # (iterating would build every task)
     replaced: set[str] = set()
     for key, entry in plan.entries.items():
         if not isinstance(entry, ArrayEntry):
@@ -99,7 +90,7 @@ def plan_delta(plan: SavePlan, descriptions: Sequence[LocalDescription] | None, 
         else:
             bits = request.bits(key)
             del arrays[path]
-            row_arrays, placed = _row_layout(entry, pieces, bits, codec, plan.arrays[path].key_encoding,
+            row_arrays, placed = _row_arrays(entry, pieces, bits, codec, plan.arrays[path].key_encoding,
                                              policy.row_chunk_bytes)
             arrays.update(row_arrays)
             total = sum(p.rows or 0 for _, p in pieces)
@@ -119,8 +110,8 @@ def _distinct_boxes(plan: SavePlan, descriptions: Sequence[LocalDescription] | N
     """The distinct non-empty boxes of each of ``keys``."""
     boxes: dict[str, set[Box]] = defaultdict(set)
     if plan.layout is not None:
-        for key in keys & set(plan.layout.arrays.boxes):
-            offsets, shapes = plan.layout.arrays.boxes[key]
+        for key in keys & set(plan.layout.boxes):
+            offsets, shapes = plan.layout.boxes[key]
             boxes[key] = {Box(tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), shapes.tolist(), strict=True)}
         return boxes
     for description in descriptions or ():
@@ -179,7 +170,7 @@ def _choose(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], boxes: set
     return "chunks" if chunk_cost <= row_cost else "rows"
 
 
-def _row_layout(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: int | None, codec: Any,
+def _row_arrays(entry: ArrayEntry, pieces: list[tuple[int, PieceChange]], bits: int | None, codec: Codec,
                 key_encoding: str, chunk_bytes: int) -> tuple[dict[str, ArrayPlan], list[tuple[int, RowsTask]]]:
     """The row arrays of a rows delta and each writer's range in them: pieces in box order, each padded to
     whole chunks of ``length`` rows, so that every chunk has exactly one writer."""

@@ -24,7 +24,7 @@ from .._format.keys import Key
 from .._format.manifest import ArrayEntry, ValueEntry
 from .box import Box
 
-__all__ = ["KINDS", "ArrayDescription", "ArrayTable", "LocalDescription", "WriteTask", "default_parts",
+__all__ = ["KINDS", "ArrayDescription", "ArrayTable", "LocalDescription", "default_parts",
            "fingerprint"]
 
 KINDS = ("tensor", "ndarray", "pickle")  # an ArrayTable's kind codes
@@ -46,15 +46,6 @@ class ArrayDescription:
     global_shape: tuple[int, ...]
     box: Box
     replica_id: int
-
-
-@dataclass(frozen=True)
-class WriteTask:
-    """Write the part ``box`` (global coordinates) of array ``path`` from this rank's local piece of ``key``."""
-
-    key: str
-    path: str
-    box: Box
 
 
 def default_parts(key: str) -> Key:

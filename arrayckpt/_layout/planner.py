@@ -1,4 +1,6 @@
-"""The coordinator's array layout: every rank's pieces validated, chunked and given one writer each.
+"""The arrays of a save's :class:`~arrayckpt._layout.saveplan.Layout`: every rank's pieces validated, chunked and
+given one writer each (:func:`~arrayckpt._layout.saveplan.plan_layout` calls :func:`_lay_out_arrays` and adds the
+values).
 
 The work is linear in the number of pieces with small constants: every rank's :class:`ArrayTable` is stacked
 into one set of int64 columns, identical boxes (replicas) are found by sorting a hash of the rows, and the
@@ -27,6 +29,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,9 +41,10 @@ from .._format.manifest import AliasEntry, ArrayEntry, Entry, PickleEntry, per_r
 from .._format.zarr import MAX_CHUNK_BYTES
 from .box import Box, CoverProblem, cover_problem, distinct_rows, shard_steps
 from .chunking import ArrayPlan, ChunkPolicy, choose_chunks
-from .pieces import DTYPE, GLOBAL, KIND, KINDS, NDIM, OFFSET, REPLICA, SHAPE, LocalDescription, WriteTask
+from .pieces import DTYPE, GLOBAL, KIND, KINDS, NDIM, OFFSET, REPLICA, SHAPE, LocalDescription
+from .tasks import WriteTask
 
-__all__ = ["ArrayLayout", "TaskTable", "plan_arrays"]
+__all__ = ["TaskTable"]
 
 PICKLE = KINDS.index("pickle")
 
@@ -81,17 +85,16 @@ class TaskTable(Sequence[tuple[WriteTask, ...]]):
         return (self[r] for r in range(len(self)))
 
 
-@dataclass(frozen=True, eq=False)
-class ArrayLayout:
-    """The arrays of a save and who writes what: array entries by key, array plans by path, the tasks and each
-    rank's bytes, and every key's distinct non-empty boxes (what a delta compares against)."""
+class _LaidOut(NamedTuple):
+    """What :func:`_lay_out_arrays` decides, for ``plan_layout`` to put into its ``Layout`` (the fields of the same
+    names there) and to order the manifest by (``first_seen``)."""
 
-    entries: dict[str, Entry]
-    arrays: dict[str, ArrayPlan]
+    entries: dict[str, Entry]  # array, pickle and alias entries by key
+    arrays: dict[str, ArrayPlan]  # by array path
     tasks: TaskTable
-    loads: tuple[int, ...]
+    loads: tuple[int, ...]  # by rank: the bytes it writes
     boxes: dict[str, tuple[np.ndarray, np.ndarray]]  # array key -> distinct non-empty (offsets, shapes)
-    order: dict[str, tuple[int, int, int]]  # array key -> (rank, 0, row) where it was first seen
+    first_seen: dict[str, tuple[int, int, int]]  # array key -> (rank, 0, row) where it was first seen
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,7 +159,8 @@ def _widen(coords: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, chunking: ChunkPolicy) -> ArrayLayout:
+def _lay_out_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice,
+                    chunking: ChunkPolicy) -> _LaidOut:
     """Validate every rank's pieces and lay out the arrays (see the module docstring). Raises
     :class:`StateError` naming the key and ranks of the first problem."""
     s = _stack(descriptions)
@@ -228,7 +232,7 @@ def plan_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice, ch
     order = {name: (int(s.rank[f]), 0, int(s.local[f])) for name, f in zip(s.keys, s.first.tolist(), strict=True)}
     entries.update(aliases)
     order.update(alias_order)
-    return ArrayLayout(entries, {p.path: p for p in plans}, tasks, tuple(loads), boxes, order)
+    return _LaidOut(entries, {p.path: p for p in plans}, tasks, tuple(loads), boxes, order)
 
 
 def _aliases(s: _Stacked, descriptions: Sequence[LocalDescription]

@@ -1,21 +1,21 @@
-"""Each rank's part of a save plan: what the coordinator sends it, and what the rank makes of it.
+"""Each rank's part of a save: what the coordinator sends it, and the :class:`RankPlan` the rank writes from.
 
-A rank needs only its own write tasks and the layout of the arrays they write to, never the whole plan: its
-part is sent to it alone (a scatter), so the bytes a rank receives do not grow with the number of ranks.
+A rank needs only its own write tasks and the arrays they write to, never the whole :class:`SavePlan`: its part is
+sent to it alone (a scatter), so the bytes a rank receives do not grow with the number of ranks.
 
-- A full save's part is a :class:`RankLayout`: per task, the row of the rank's *own* description it cuts from,
-  the box, and the array's outer and inner chunk shapes and codec, all as numpy arrays. No key, path or dtype
-  travels (the rank has them), so a part is a few small arrays, cheap to build, pickle and send for every rank.
-  The rank turns it into objects with :func:`expand`, and keeps it: a later save with the same layout needs
-  no part at all (``_write/exchange.py``).
-- A delta save's part is the :class:`RankPlan` itself (its tasks depend on what changed, every save):
+- A full save's part is a :class:`RankLayout` (its share of the :class:`Layout`, made by :func:`rank_layouts`):
+  per task, the row of the rank's *own* description it cuts from, the box, and the array's outer and inner chunk
+  shapes and codec, all as numpy arrays. No key, path or dtype travels (the rank has them), so a RankLayout is a few
+  small arrays, cheap to build, pickle and send for every rank. The rank turns it into its RankPlan with
+  :func:`expand`, and holds it in its ``PlanCache``: a later save with the same Layout sends it nothing
+  (``_write/exchange.py``).
+- A delta save's part is the rank's :class:`RankPlan` itself (its tasks depend on what changed, every save):
   :func:`explicit_part`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,11 +25,9 @@ from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, Entry, per_rank_path
 from .box import Box
 from .chunking import ArrayPlan
-from .pieces import DTYPE, GLOBAL, NDIM, LocalDescription, WriteTask
+from .pieces import DTYPE, GLOBAL, NDIM, LocalDescription
 from .saveplan import Layout, SavePlan
-
-if TYPE_CHECKING:
-    from .delta import RowsTask
+from .tasks import Task, WriteTask
 
 __all__ = ["RankLayout", "RankPlan", "expand", "explicit_part", "rank_layouts"]
 
@@ -38,7 +36,8 @@ ROW_ARRAYS = ("rows", "values", "codes", "scale", "offset")  # a rows delta's ar
 
 @dataclass(frozen=True, eq=False)
 class RankLayout:
-    """One rank's part of a full save's layout, as it travels (see the module docstring)."""
+    """One rank's part of a full save's :class:`Layout`, as it travels and as the rank holds it (see the module
+    docstring)."""
 
     source: np.ndarray  # per task: row of the rank's ``arrays`` table, or len(arrays) + j for its per_rank[j]
     offset: np.ndarray  # (tasks, width)
@@ -54,14 +53,14 @@ class RankLayout:
 class RankPlan:
     """What one rank writes: its tasks, the arrays they write to by path, and the entries of their keys."""
 
-    tasks: tuple[WriteTask | RowsTask, ...]
+    tasks: tuple[Task, ...]
     arrays: dict[str, ArrayPlan]
     entries: dict[str, Entry] = field(default_factory=dict)  # by key; only a delta's (their ``delta`` mode)
 
 
 def rank_layouts(layout: Layout) -> list[RankLayout]:
     """Every rank's :class:`RankLayout` (vectorised over all tasks; ``PlanCache.rank_layouts`` keeps them)."""
-    table = layout.arrays.tasks
+    table = layout.tasks
     width = table.offset.shape[1]
     codecs: dict[Codec, int] = {}
     outer = np.ones((len(table.plans), width), np.int64)

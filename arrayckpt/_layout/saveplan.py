@@ -1,4 +1,5 @@
-"""Save planning on the coordinator: validate the global picture, lay out arrays, assign writers.
+"""Save planning on the coordinator: every rank's :class:`LocalDescription` in, a :class:`Layout` and a
+:class:`SavePlan` out.
 
 Ranks send only metadata (:class:`LocalDescription`, its pieces as columns: ``pieces.py``). The coordinator
 checks that every key has one dtype and global shape, and that the distinct shards of each tensor tile it
@@ -6,11 +7,11 @@ exactly (no overlap, no gap) before a byte is written; chooses chunk grids align
 boundaries; and gives every outer chunk exactly one writer, spreading replicated data over its replicas
 balanced by bytes (``planner.py``: numpy over all pieces at once, linear in their number).
 
-The array layout depends only on what :func:`fingerprint` digests of every rank's description, on the codec
-each key resolves to and on the chunk policy, so it is a :class:`Layout` the caller may keep for its next save
-(``plancache.py``; this module keeps nothing): a save whose ranks report the same fingerprints reuses it without
-looking at a single piece, and :func:`assemble` adds that save's plain and per-rank values. :func:`plan_save` does
-both in one call.
+The :class:`Layout` (made by :func:`plan_layout`) depends only on what :func:`fingerprint` digests of every rank's
+description, on the codec each key resolves to and on the chunk policy, so the caller may keep it for its next save
+(in its ``PlanCache``; this module keeps nothing): a save whose ranks report the same fingerprints reuses it without
+looking at a single piece, and :func:`assemble` adds that save's plain and per-rank values to make its
+:class:`SavePlan`. :func:`plan_save` does both in one call.
 """
 
 from __future__ import annotations
@@ -21,32 +22,35 @@ import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+import numpy as np
 
 from .._errors import ArrayckptError, StateError
 from .._format.codecs import Codec, CodecChoice, resolve_codec
+from .._format.keys import Key
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry, ValueEntry
 from .._format.zarr import node_documents
 from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
-from .pieces import ArrayDescription, ArrayTable, LocalDescription, WriteTask, fingerprint
-from .planner import ArrayLayout, TaskTable, plan_arrays
+from .pieces import ArrayDescription, ArrayTable, LocalDescription, fingerprint
+from .planner import TaskTable, _lay_out_arrays
+from .tasks import Task
 
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
-__all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan",
-           "TaskTable", "WriteTask", "assemble", "check_paths", "documents_of", "fingerprint", "plan_layout",
-           "plan_save", "with_key_encoding"]
+__all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan", "TaskTable",
+           "assemble", "check_paths", "documents_of", "fingerprint", "plan_layout", "plan_save", "with_key_encoding"]
 
 Fresh = tuple[Sequence[ValueEntry], Sequence["ValueEntry | ArrayEntry"]]  # one rank's values and per-rank values
 
 
 @dataclass(frozen=True)
 class SavePlan:
-    """The coordinator's decisions: manifest entries, array layouts, and each rank's write tasks."""
+    """One save's plan, made on the coordinator: manifest entries, the arrays (their :class:`ArrayPlan`), each rank's
+    write tasks, and the documents; the transaction writes from it, and each rank gets its part (``rankplan.py``)."""
 
     entries: dict[str, Entry]
     arrays: dict[str, ArrayPlan]  # by array path
-    tasks: Sequence[tuple[Any, ...]]  # by rank: WriteTask (a delta plan's may be RowsTask too)
+    tasks: Sequence[tuple[Task, ...]]  # by rank (only a delta plan's have RowsTasks)
     containers: dict[str, str]
     bytes_by_rank: tuple[int, ...]
     documents: dict[str, bytes]  # serialised zarr.json of every array and intermediate group, by path
@@ -56,17 +60,22 @@ class SavePlan:
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """The reusable part of a plan: everything but the plain and per-rank values, and what it was made from."""
+    """The reusable part of a plan: everything but the plain and per-rank values, and what it was made from: the
+    arrays of the save and who writes what (``planner.py``), every key's place in the manifest, and the documents."""
 
-    plan_id: str  # names this layout to the ranks that cache their part of it
+    plan_id: str  # names this layout to the ranks that hold their RankLayout of it
     fingerprints: tuple[bytes, ...]  # by rank
     names: tuple[str, ...]  # the keys whose codec was resolved
     codecs: tuple[Codec, ...]  # what each resolved to
     chunking: ChunkPolicy
-    arrays: ArrayLayout
+    entries: dict[str, Entry]  # array, pickle and alias entries by key
+    arrays: dict[str, ArrayPlan]  # by array path
+    tasks: TaskTable  # every rank's write tasks
+    loads: tuple[int, ...]  # by rank: the bytes it writes
+    boxes: dict[str, tuple[np.ndarray, np.ndarray]]  # array key -> distinct non-empty (offsets, shapes), for deltas
     order: tuple[str, ...]  # every key of the manifest, in order
     value_owners: dict[str, int]  # plain value key -> the lowest rank holding it (whose value is stored)
-    per_rank_parts: dict[str, Any]  # per-rank key -> its key path
+    per_rank_parts: dict[str, Key]  # per-rank key -> its key path
     containers: dict[str, str]
     documents: dict[str, bytes]
     consolidated_json: str
@@ -89,10 +98,10 @@ def plan_save(descriptions: Sequence[LocalDescription], codec: CodecChoice,
 def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[bytes, ...], codec: CodecChoice,
                 chunking: ChunkPolicy) -> Layout:
     """Validate and lay out the arrays of every rank's description (``fingerprints``: theirs)."""
-    arrays = plan_arrays(descriptions, codec, chunking)
+    arrays = _lay_out_arrays(descriptions, codec, chunking)
     values: dict[str, tuple[int, ValueEntry]] = {}
-    per_rank: dict[str, Any] = {}
-    position: dict[str, tuple[int, int, int]] = dict(arrays.order)
+    per_rank: dict[str, Key] = {}
+    position: dict[str, tuple[int, int, int]] = dict(arrays.first_seen)
     containers: dict[str, str] = {}
     for rank, description in enumerate(descriptions):
         for j, value in enumerate(description.values):
@@ -110,8 +119,9 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
     for key, (rank, _) in values.items():
         owned[rank].append(key)
     return Layout(plan_id=uuid.uuid4().hex, fingerprints=fingerprints, names=names,
-                  codecs=tuple(resolve_codec(codec, name) for name in names), chunking=chunking, arrays=arrays,
-                  order=tuple(sorted(position, key=position.__getitem__)),
+                  codecs=tuple(resolve_codec(codec, name) for name in names), chunking=chunking,
+                  entries=arrays.entries, arrays=arrays.arrays, tasks=arrays.tasks, loads=arrays.loads,
+                  boxes=arrays.boxes, order=tuple(sorted(position, key=position.__getitem__)),
                   value_owners={key: rank for key, (rank, _) in values.items()}, per_rank_parts=per_rank,
                   containers=containers, documents=documents, consolidated_json=consolidated,
                   owned=tuple(tuple(o) for o in owned))
@@ -140,9 +150,9 @@ def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
             entries[key] = PerRankEntry(key, layout.per_rank_parts[key], tuple(items.get(r) for r in
                                                                                range(layout.world)))
         else:
-            entries[key] = layout.arrays.entries[key]
-    return SavePlan(entries=entries, arrays=layout.arrays.arrays, tasks=layout.arrays.tasks,
-                    containers=layout.containers, bytes_by_rank=layout.arrays.loads, documents=layout.documents,
+            entries[key] = layout.entries[key]
+    return SavePlan(entries=entries, arrays=layout.arrays, tasks=layout.tasks,
+                    containers=layout.containers, bytes_by_rank=layout.loads, documents=layout.documents,
                     consolidated_json=layout.consolidated_json, layout=layout)
 
 

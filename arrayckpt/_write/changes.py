@@ -28,8 +28,9 @@ from .._format.manifest import ArrayEntry, BaseRef
 from .._format.quant import max_abs_error, quantize_rows
 from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box, grid_cells
-from .._layout.delta import PieceChange, RowsTask
+from .._layout.delta import PieceChange
 from .._layout.saveplan import SavePlan
+from .._layout.tasks import RowsTask
 from .._read.checkpoint import Checkpoint
 from .._settings import settings
 from .._storage import Location, follow_base

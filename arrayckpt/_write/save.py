@@ -36,10 +36,11 @@ from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedChec
 from .._format.codecs import CodecChoice
 from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
-from .._layout.delta import RowsTask, plan_delta, stored_bytes
+from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
 from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
+from .._layout.tasks import RowsTask
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
