@@ -241,7 +241,7 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
     out["root_bytes"] = len(out.time("root", root))
 
     # the second save: the same layout; every rank claims its part, and sends only its fingerprint and values
-    cache = PlanCache()  # what the coordinator's planner keeps between saves
+    cache = PlanCache()  # what the coordinator keeps between saves
     cache.keep(save_plan.layout)
     claims = [pickle.dumps(Report(None, r.fingerprint, layout_id, None,
                                   tuple(v for v in r.description.values if v.key in parts[i].owned),

@@ -20,9 +20,10 @@ import arrayckpt._write.save as save_module
 from arrayckpt._format.dtypes import dtype_by_name
 from arrayckpt._format.manifest import ArrayEntry, ValueEntry
 from arrayckpt._layout.box import Box
+from arrayckpt._layout.plancache import PlanCache
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, fingerprint
 from arrayckpt._torch.dist import Group
-from arrayckpt._write.exchange import Planner, Report, forget_parts, planner_for
+from arrayckpt._write.exchange import Report, forget_plan_caches, plan_cache_for
 from arrayckpt._write.options import SaveOptions
 
 WORLD = 4
@@ -32,7 +33,7 @@ ROWS, COLS = 16, 6
 @pytest.fixture(autouse=True)
 def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> Any:
     """No layout or part left by another test; count the layouts planned."""
-    forget_parts()
+    forget_plan_caches()
     planned: list[int] = []
     plan_layout = save_module.plan_layout
 
@@ -42,7 +43,7 @@ def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(save_module, "plan_layout", counting)
     yield planned
-    forget_parts()
+    forget_plan_caches()
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,9 @@ def _check(path: Path, seed: int, *, rows: int = ROWS, dtype: torch.dtype = torc
     assert arrayckpt.verify(path).ok
 
 
-def _thread_planner() -> Planner:
-    """The planner of the saves of ranks run as threads (a group without a torch process group)."""
-    return planner_for(Group(0, 1))
+def _thread_plan_cache() -> PlanCache:
+    """The PlanCache of the saves of ranks run as threads (a group without a torch process group)."""
+    return plan_cache_for(Group(0, 1))
 
 
 def _sent_descriptions(log: list[tuple[int, bool]]) -> list[bool]:
@@ -207,7 +208,7 @@ def test_one_rank_changing_alone_makes_every_rank_send_its_description(tmp_path:
 
 def test_a_coordinator_that_lost_its_layout_asks_again(tmp_path: Path, _fresh_caches):
     _save_all(tmp_path / "a", 1)
-    _thread_planner().layouts.forget()  # e.g. the coordinator process restarted
+    _thread_plan_cache().forget_layout()  # e.g. the coordinator process restarted
     log = _save_all(tmp_path / "b", 2)
     assert _sent_descriptions(log) == [False] * WORLD + [True] * WORLD and len(_fresh_caches) == 2
     _check(tmp_path / "b", 2)
@@ -247,21 +248,22 @@ def test_one_process_reuses_its_layout_too(tmp_path: Path, _fresh_caches):
     assert len(_fresh_caches) == 1
 
 
-def test_two_planners_in_one_process_keep_their_own_layouts(tmp_path: Path, _fresh_caches):
-    """Two managers (each with its own planner) saving states of different layouts in turn each reuse their own
+def test_two_plan_caches_in_one_process_keep_their_own_layouts(tmp_path: Path, _fresh_caches):
+    """Two managers (each with its own PlanCache) saving states of different layouts in turn each reuse their own
     layout: neither replaces the other's (with one cache per process, every save here was planned afresh), and the
-    process group's planner, used by plain saves, keeps nothing of theirs."""
+    process group's PlanCache, used by plain saves, keeps nothing of theirs."""
     from arrayckpt._write.save import save_with
 
-    first, second = SaveOptions(planner=Planner()), SaveOptions(planner=Planner())
+    first, second = SaveOptions(plan_cache=PlanCache()), SaveOptions(plan_cache=PlanCache())
     for step in range(3):
         save_with({"w": torch.full((4,), float(step))}, tmp_path / f"a{step}", first)
         save_with({"v": torch.zeros(2, 3), "n": step}, tmp_path / f"b{step}", second)
     assert len(_fresh_caches) == 2
-    assert first.planner.layouts.layout is not second.planner.layouts.layout
-    assert _thread_planner().layouts.layout is None
+    assert first.plan_cache is not None and second.plan_cache is not None
+    assert first.plan_cache.layout is not second.plan_cache.layout
+    assert _thread_plan_cache().layout is None
     manager = arrayckpt.CheckpointManager(tmp_path / "m")
-    assert manager.save_options.planner is not None and manager.save_options.planner is not first.planner
+    assert manager.save_options.plan_cache is not None and manager.save_options.plan_cache is not first.plan_cache
     manager.close()
     with arrayckpt.open(tmp_path / "b2") as ckpt:
         assert ckpt["v"].torch().tolist() == [[0.0] * 3] * 2 and ckpt.plain_values["n"] == 2
@@ -307,8 +309,8 @@ def test_ranks_claiming_a_plan_the_coordinator_no_longer_holds_send_their_descri
 
     _save_all(tmp_path / "a", 1)
     descriptions = [describe_local(_state(r, 2), r, False, host_view).description for r in range(WORLD)]
-    cache = _thread_planner().layouts
-    cache.forget()
+    cache = _thread_plan_cache()
+    cache.forget_layout()
     cache.plan_save(descriptions, None)  # the same fingerprints, planned anew: another plan id
     log = _save_all(tmp_path / "b", 2)
     assert _sent_descriptions(log) == [False] * WORLD + [True] * WORLD and len(_fresh_caches) == 1

@@ -430,7 +430,7 @@ def _older_writer(arrays: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
 def test_checkpoints_of_older_writers_still_open(tmp_path, monkeypatch):
     """arrayckpt reads the consolidated metadata by path, whatever its order, with or without dimension names."""
     monkeypatch.setattr(saveplan, "node_documents", _older_writer)
-    monkeypatch.setattr(exchange_module, "_PLANNERS", {})  # plan afresh, and leave no such layout to later saves
+    monkeypatch.setattr(exchange_module, "_PLAN_CACHES", {})  # plan afresh, and leave no such layout to later saves
     state = {"a": {"sub": {"x": torch.arange(4.0)}, "y": torch.ones(2, 3)}, "b": {"sub": {"z": torch.zeros(3)}},
              "bf16": random_tensor((5, 3), torch.bfloat16)}
     CHUNKS.save(state, tmp_path / "old")

@@ -1,5 +1,6 @@
-"""The layout layer: where each byte goes, decided from metadata alone (pure functions, no IO, no torch, and no state
-kept between calls: what a caller reuses from one save to the next is in a ``PlanCache`` it holds).
+"""The layout layer: where each byte goes, decided from metadata alone (pure functions: no IO, no torch). It keeps
+state in one object only, a ``PlanCache``, which its caller holds: the coordinator's last Layout and the RankLayout
+each rank of the process received, so that a save laid out as the last one reuses them.
 
 - ``box.py``: boxes (n-dimensional ranges) and chunk grids;
 - ``chunking.py``: the chunking policy and each array's Zarr metadata (``ArrayPlan``);

@@ -1,14 +1,17 @@
-"""What a caller keeps between saves to plan the next one faster: :class:`PlanCache`.
+"""What a caller keeps between saves to plan the next one faster: :class:`PlanCache`, the only state of this layer.
 
 The planning functions (``saveplan.py``, ``rankplan.py``) keep nothing; a caller that saves again and again holds a
-:class:`PlanCache` (the write layer's planner of a process group or of a manager, a DCP writer), so that a save whose
-ranks report the fingerprints of the previous one reuses its layout, every rank's part of it and its documents, and
-two callers in one process never see each other's plans.
+:class:`PlanCache` (the write layer keeps one per process group, a ``CheckpointManager`` and a DCP writer their own),
+so that a save whose ranks report the fingerprints of the previous one reuses its :class:`Layout`, every rank's
+:class:`RankLayout` of it and its documents, and two callers in one process never see each other's plans. On the
+coordinator it keeps the Layout; on every rank of this process (ranks run as threads share one) the RankLayout that
+rank received, by (rank, world size).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -17,7 +20,15 @@ from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .rankplan import RankLayout, rank_layouts
 from .saveplan import Layout, LocalDescription, SavePlan, assemble, fingerprint, plan_layout, with_key_encoding
 
-__all__ = ["PlanCache"]
+__all__ = ["Held", "PlanCache"]
+
+
+class Held(NamedTuple):
+    """The :class:`RankLayout` one rank received, kept in its slot of a :class:`PlanCache` for the next save."""
+
+    plan_id: str  # of the Layout it is a part of
+    fingerprint: bytes  # of the rank's description it was planned from
+    rank_layout: RankLayout
 
 
 class _Encoded(NamedTuple):
@@ -31,15 +42,18 @@ class _Encoded(NamedTuple):
 
 
 class PlanCache:
-    """What one caller's next save may reuse: the last layout it planned (one: a save's layout is big at scale), every
-    rank's part of it, and its last plan with another chunk key encoding. Held by the caller (a process group's saves,
-    a manager, a DCP writer), so that two of them in one process never see each other's plans; used by one save at a
-    time."""
+    """What one caller's next save may reuse. On the coordinator: the last :class:`Layout` it planned (one: a Layout is
+    big at scale), every rank's :class:`RankLayout` of it, and its last plan with another chunk key encoding; on each
+    rank of this process: the RankLayout it received (:meth:`held`). Held by the caller (a process group's saves, a
+    manager, a DCP writer), so that two of them in one process never see each other's plans; used by one save at a
+    time (the ranks' slots have a lock: ranks run as threads save at once)."""
 
     def __init__(self) -> None:
         self.layout: Layout | None = None
-        self.parts: tuple[str, list[RankLayout]] | None = None  # (plan id, every rank's part)
-        self.encoded: _Encoded | None = None
+        self._rank_layouts: tuple[str, list[RankLayout]] | None = None  # (plan id, every rank's RankLayout)
+        self._encoded: _Encoded | None = None
+        self._held: dict[tuple[int, int], Held] = {}  # (rank, world size) -> what that rank received
+        self._lock = threading.Lock()
 
     def reusable(self, fingerprints: tuple[bytes, ...], codec: CodecChoice, chunking: ChunkPolicy) -> Layout | None:
         """The kept layout, if it was planned from these fingerprints and chunk policy and every key still resolves
@@ -56,8 +70,26 @@ class PlanCache:
         self.layout = layout
 
     def forget(self) -> None:
-        """Keep nothing (the next save plans afresh)."""
-        self.layout, self.parts, self.encoded = None, None, None
+        """Keep nothing: the next save plans afresh, and every rank sends its full description."""
+        with self._lock:
+            self._held.clear()
+        self.forget_layout()
+
+    def forget_layout(self) -> None:
+        """Forget the coordinator's side only (its Layout and what was made from it), as a coordinator whose process
+        restarted does while the ranks of other processes still hold their RankLayouts: they claim them, and are asked
+        for their descriptions."""
+        self.layout, self._rank_layouts, self._encoded = None, None, None
+
+    def held(self, rank: int, world: int) -> Held | None:
+        """What rank ``rank`` of a group of ``world`` ranks received at its last full save (``None``: nothing)."""
+        with self._lock:
+            return self._held.get((rank, world))
+
+    def hold(self, rank: int, world: int, held: Held) -> None:
+        """Keep what rank ``rank`` of a group of ``world`` ranks received, for its next save."""
+        with self._lock:
+            self._held[(rank, world)] = held
 
     def plan_save(self, descriptions: Sequence[LocalDescription], codec: CodecChoice,
                   chunking: ChunkPolicy = DEFAULT_CHUNKING) -> SavePlan:
@@ -72,19 +104,19 @@ class PlanCache:
 
     def rank_layouts(self, layout: Layout) -> list[RankLayout]:
         """:func:`rank_layouts`, kept for the layout's next use."""
-        if self.parts is None or self.parts[0] != layout.plan_id:
-            self.parts = (layout.plan_id, rank_layouts(layout))
-        return self.parts[1]
+        if self._rank_layouts is None or self._rank_layouts[0] != layout.plan_id:
+            self._rank_layouts = (layout.plan_id, rank_layouts(layout))
+        return self._rank_layouts[1]
 
     def with_key_encoding(self, plan: SavePlan, encoding: str) -> SavePlan:
         """:func:`with_key_encoding`, kept for the plan's arrays, so that saves reusing a layout do not serialise its
         documents again."""
         if all(a.key_encoding == encoding for a in plan.arrays.values()):
             return plan
-        kept = self.encoded
+        kept = self._encoded
         if kept is None or kept.source is not plan.arrays or kept.encoding != encoding:
             encoded = with_key_encoding(plan, encoding)
-            kept = self.encoded = _Encoded(plan.arrays, encoding, encoded.arrays, encoded.documents,
+            kept = self._encoded = _Encoded(plan.arrays, encoding, encoded.arrays, encoded.documents,
                                            encoded.consolidated_json)
         return dataclasses.replace(plan, arrays=kept.arrays, documents=kept.documents,
                                    consolidated_json=kept.consolidated_json)

@@ -28,6 +28,7 @@ from typing import Any
 
 from .._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
 from .._format.codecs import CodecChoice
+from .._layout.plancache import PlanCache
 from .._peer.config import PeerMemory
 from .._peer.tier import MemoryTier
 from .._read.checkpoint import Checkpoint
@@ -36,7 +37,6 @@ from .._storage import Location, parse_location
 from .._storage.liveness import HeldRoot
 from .._torch.dist import resolve_group
 from .._write.asynchronous import SaveHandle, async_save_with
-from .._write.exchange import Planner
 from .._write.options import SaveOptions
 from .._write.save import save_with
 from .policy import Incremental, Interval, Retention
@@ -110,8 +110,9 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self._held = HeldRoot(self._location)  # the coordinator's hold on the root (spec §9.4)
         self._remote_held: HeldRoot | None = None
         #: The options every save starts from; each save sets its step, metrics and base on a copy.
-        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group, planner=Planner(),
-                                        storage_options=storage_options, guard=self._held.check, durable=durable)
+        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
+                                        plan_cache=PlanCache(), storage_options=storage_options,
+                                        guard=self._held.check, durable=durable)
         self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None

@@ -16,8 +16,8 @@ from .._format.codecs import CodecChoice
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 
 if TYPE_CHECKING:
+    from .._layout.plancache import PlanCache
     from .._storage import Location
-    from .exchange import Planner
 
 __all__ = ["SaveOptions"]
 
@@ -52,4 +52,4 @@ class SaveOptions:
     rank_target: Location | None = None
     # The plans kept for the next save (``exchange.py``): a CheckpointManager holds its own; None: the process
     # group's, shared by every save of that group that brings none.
-    planner: Planner | None = field(default=None, compare=False, repr=False)
+    plan_cache: PlanCache | None = field(default=None, compare=False, repr=False)

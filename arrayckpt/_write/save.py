@@ -38,6 +38,7 @@ from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metri
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
+from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._layout.tasks import RowsTask
@@ -48,7 +49,7 @@ from .._version import __version__
 from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chunk_jobs, find_changes, rows_jobs
 from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
-from .exchange import Planner, Reply, Report, Resend, exchange, planner_for
+from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
 from .options import SaveOptions
 from .transaction import WriteTransaction, begin_write
 
@@ -189,16 +190,16 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         found, error = _attempt(lambda: find_changes(local.description.arrays, local.data, delta, reference,
                                                        local.description.aliases))
         changes = found or changes
-    agreement = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
-    planner = request.options.planner or planner_for(group)
+    agreement: Agreement | None = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
+    plan_cache = request.options.plan_cache or plan_cache_for(group)
     coordinator = _Coordinated()  # the coordinator's plan and write transaction, from planning to the commit
 
     def coordinate(reports: list[Report]) -> list[Reply | BaseException] | Resend:
-        replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, planner)
+        replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, plan_cache)
         return replies
 
     try:
-        reply = exchange(group, planner, None if local is None else local.description, error, changes.pieces,
+        reply = exchange(group, plan_cache, None if local is None else local.description, error, changes.pieces,
                          agreement, coordinate)
         if isinstance(reply, BaseException):
             raise reply
@@ -263,7 +264,7 @@ class _Coordinated:
 
 
 def _coordinate(reports: list[Report], request: SaveRequest,
-                planner: Planner) -> tuple[list[Reply | BaseException] | Resend, SavePlan | None,
+                plan_cache: PlanCache) -> tuple[list[Reply | BaseException] | Resend, SavePlan | None,
                                            WriteTransaction | None]:
     """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction:
     (every rank's reply, the plan, the transaction); or the error every rank must raise; or Resend."""
@@ -279,14 +280,14 @@ def _coordinate(reports: list[Report], request: SaveRequest,
     options = request.options
     try:
         fingerprints = tuple(r.fingerprint or b"" for r in reports)
-        layout = planner.layouts.reusable(fingerprints, options.codec, options.chunking)
+        layout = plan_cache.reusable(fingerprints, options.codec, options.chunking)
         claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
         if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
             return Resend(), None, None
         if layout is None:
             descriptions = [r.description for r in reports]
             layout = plan_layout(descriptions, fingerprints, options.codec, options.chunking)  # type: ignore[arg-type]
-            planner.layouts.keep(layout)
+            plan_cache.keep(layout)
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
             plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
@@ -296,12 +297,12 @@ def _coordinate(reports: list[Report], request: SaveRequest,
     except ArrayckptError as e:
         return [e] * size, None, None
     try:
-        plan = planner.layouts.with_key_encoding(plan, transaction.key_encoding)
+        plan = plan_cache.with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
         if request.delta is not None:
             parts: list[RankLayout | RankPlan | None] = [explicit_part(plan, rank) for rank in range(size)]
         else:
-            every = planner.layouts.rank_layouts(layout)
+            every = plan_cache.rank_layouts(layout)
             parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
         replies: list[Reply | BaseException] = [Reply(layout.plan_id, part, transaction.target,
                                                       transaction.key_encoding) for part in parts]
