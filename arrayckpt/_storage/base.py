@@ -47,9 +47,10 @@ from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayck
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
-__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Opened", "Tree",
-           "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at",
-           "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "CleanedUp", "Leftover", "Leftovers", "Location",
+           "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base",
+           "kvstore_at", "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme",
+           "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
 LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
@@ -309,6 +310,14 @@ class Leftovers(NamedTuple):
     """What :meth:`Location.leftovers` finds: removable leftovers, and ``(url, why it stays)`` for the rest."""
 
     found: list[Leftover]
+    kept: list[tuple[str, str]]
+
+
+class CleanedUp(NamedTuple):
+    """What a clean-up did (a checkpoint manager's tier, say): what it removed, and ``(path, why it stays)`` for what
+    looked like a leftover but was kept."""
+
+    removed: list[str]
     kept: list[tuple[str, str]]
 
 
