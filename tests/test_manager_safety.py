@@ -216,7 +216,7 @@ def test_clean_up_removes_committed_deltas_whose_base_is_gone(tmp_path):
         manager.save(step, {"w": w.clone()})
     manager.incremental = None
     manager.save(4, {"w": torch.zeros(8)})
-    manager._local.tree.step_location(1).delete()  # an old retention deleted the base before its deltas, then was killed
+    manager._local.tree.step_location(1).delete()  # an old retention deleted the base before its deltas, then died
     with pytest.raises(arrayckpt.CheckpointNotFoundError, match="its base checkpoint"):
         arrayckpt.load({"w": torch.zeros(64)}, manager.path(2))
     assert manager.steps() == [2, 3, 4]

@@ -13,7 +13,7 @@ Call order of a save (DCP ``storage.py`` style: who calls what, in which order):
     # every rank, with the plan (``writer.target``, ``writer.key_encoding``) broadcast by the coordinator
     writer.target.kvstore(path)                    # TensorStore kvstore spec for array data (writer.target
                                                    #   .write_context() for its context)
-    writer.target.finish_rank_writes()             # non-coordinator ranks: flush their chunks before reporting
+    writer.target.finish_rank_writes()             # non-coordinator ranks: fsync their chunks before reporting
     # coordinator, once every rank reported success
     wait()                                         # all metadata written
     writer.missing(chunks)                         # what the ranks reported written is all still there (else abort)
@@ -209,15 +209,15 @@ class Location(abc.ABC):
         creating."""
         return None
 
-    def without_flush(self) -> Location:
-        """This location for a save with ``durable=False``: one that skips flushing to disk before the commit
-        (itself where the storage has nothing to flush: object stores acknowledge a PUT once it is durable)."""
+    def without_fsync(self) -> Location:
+        """This location for a save with ``durable=False``: one that skips the fsync before the commit (itself
+        where the storage has nothing to sync to disk: object stores acknowledge a PUT once it is durable)."""
         return self
 
     def finish_rank_writes(self) -> None:
         """What a rank does after writing its chunks to this location (a writer's ``target``), before it
         reports success to the coordinator: make them durable. Nothing by default (object stores have nothing
-        to flush)."""
+        to fsync)."""
         return None
 
     @abc.abstractmethod

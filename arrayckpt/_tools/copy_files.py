@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,11 +26,14 @@ from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.stored import stored_content_crc
 from .._format.zarr import chunk_key, grid_counts, grid_indices
-from .._io.arrays import resolve_context
+from .._io.arrays import LazyContext, resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.smallfiles import read_checkpoint_file
 from .._settings import settings
 from .._storage import Location
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 __all__ = ["RETRY_DELAYS", "ArrayCopy", "FileCopier", "Throttle"]
 
@@ -134,7 +137,7 @@ class FileCopier:
         self._progress = progress
         self._budget = _Budget(settings().copy_in_flight_bytes)
         self._decoders: dict[str, ChunkDecoder] = {}
-        self._decoding: Any = None  # one TensorStore context (in-memory store) for every decoder
+        self._decoding: ts.Context | None = None  # one TensorStore context (in-memory store) for every decoder
         self._lock = threading.Lock()
         self.objects = self.stored_bytes = 0
 
@@ -238,7 +241,7 @@ class FileCopier:
             return decoder
 
 
-def _open(spec: dict[str, Any], context: Any, where: str) -> Any:
+def _open(spec: dict[str, Any], context: ts.Context | LazyContext, where: str) -> ts.KvStore:
     try:
         import tensorstore as ts  # on first use (CLI start-up)
         return ts.KvStore.open(spec, context=resolve_context(context)).result()
