@@ -202,7 +202,7 @@ class CheckpointManager:
           can never be read again.
         - The other leftovers of interrupted saves untouched for ``min_age_s`` (see :func:`arrayckpt.gc`).
 
-        In the remote tier too (uploads cut short), except at the steps the local tier holds (the uploader may be
+        In the remote tier too (uploads cut short), except at the steps the local tier holds (its step copier may be
         copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
         kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
         §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
