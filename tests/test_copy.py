@@ -28,7 +28,7 @@ from policies import SHARDED, WHOLE, small_chunks
 from s3_server import FaultProxy, S3Server
 
 import arrayckpt
-import arrayckpt._tools.pump as pump_module
+import arrayckpt._tools.copy_files as copy_files_module
 from arrayckpt._cli.storage import add_sync
 from arrayckpt._format.integrity import chunk_crc
 from arrayckpt._format.stored import stored_content_crc
@@ -36,7 +36,7 @@ from arrayckpt._format.zarr import chunk_key, grid_counts
 from arrayckpt._io.decode import ChunkDecoder
 from arrayckpt._storage.object import stale_keys
 from arrayckpt._tools.copy import copy
-from arrayckpt._tools.pump import Pump
+from arrayckpt._tools.copy_files import FileCopier
 
 UNSHARDED_EDGES = small_chunks(256, 256)  # several unsharded chunks per tensor, clipped at the edges
 
@@ -206,7 +206,7 @@ def test_another_checkpoint_where_a_base_goes_is_never_overwritten(tmp_path: Pat
 def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_path: Path, monkeypatch, tuned) -> None:
     small_chunks(256 << 10, 256 << 10).save({"w": torch.randn(8, 64 << 10)}, tmp_path / "src")  # 8 files of 256 KiB
     tuned(copy_in_flight_bytes=600 << 10)  # room for two of them
-    move, lock, busy, most = Pump._move_once, threading.Lock(), [0], [0]
+    copy_once, lock, busy, most = FileCopier._copy_file_once, threading.Lock(), [0], [0]
 
     def counted(self, *args):
         with lock:
@@ -214,12 +214,12 @@ def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_pat
             most[0] = max(most[0], busy[0])
         try:
             time.sleep(0.01)
-            return move(self, *args)
+            return copy_once(self, *args)
         finally:
             with lock:
                 busy[0] -= 1
 
-    monkeypatch.setattr(Pump, "_move_once", counted)
+    monkeypatch.setattr(FileCopier, "_copy_file_once", counted)
     seen: list[tuple[int, int]] = []
     started = time.monotonic()
     result = copy(tmp_path / "src", tmp_path / "dst", max_bytes_per_second=4 << 20, read_back=True,
@@ -259,7 +259,7 @@ def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_noth
         s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
     # 9 attempts per file: with a quarter of PUTs failing, a file fails them all with p = 0.25**9 (the test is not
     # a coin toss), while a permanent error still fails fast
-    monkeypatch.setattr(pump_module, "RETRY_DELAYS", (0.01,) * 8)
+    monkeypatch.setattr(copy_files_module, "RETRY_DELAYS", (0.01,) * 8)
     options = {"endpoint_url": s3_proxy.endpoint, "max_retries": 0}  # TensorStore gives up at once: ours retry
     SHARDED.save(_state(1), tmp_path / "src")
     s3_proxy.fail_put_fraction = 0.25
@@ -278,15 +278,15 @@ def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_noth
 
 _KILLED_COPY = """
 import os, sys
-from arrayckpt._tools import pump
+from arrayckpt._tools import copy_files
 from arrayckpt._tools.copy import copy
-move, done = pump.Pump._move_once, []
+copy_once, done = copy_files.FileCopier._copy_file_once, []
 def dying(self, *args):
     if len(done) == 3:
         os._exit(9)  # the process dies mid-copy: nothing is aborted
     done.append(1)
-    return move(self, *args)
-pump.Pump._move_once = dying
+    return copy_once(self, *args)
+copy_files.FileCopier._copy_file_once = dying
 copy(sys.argv[1], sys.argv[2], dst_options={"endpoint_url": sys.argv[3]}, concurrency=1)
 """
 

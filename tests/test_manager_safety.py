@@ -188,7 +188,7 @@ def test_a_retention_cut_short_leaves_only_readable_steps_and_clean_up_finishes(
     assert manager.steps() == [1, 2, 3, 4, 5]
     manager.retention = arrayckpt.Retention(keep_last=1)
     calls = []
-    delete = type(manager._step_location(1)).delete
+    delete = type(manager._local.tree.step_location(1)).delete
 
     def crashing_delete(location):
         if len(calls) == crash_after:
@@ -196,7 +196,7 @@ def test_a_retention_cut_short_leaves_only_readable_steps_and_clean_up_finishes(
         calls.append(location.path.name)
         delete(location)
 
-    monkeypatch.setattr(type(manager._step_location(1)), "delete", crashing_delete)
+    monkeypatch.setattr(type(manager._local.tree.step_location(1)), "delete", crashing_delete)
     with pytest.raises(KeyboardInterrupt, match="killed mid-retention"):
         manager._apply_retention()
     monkeypatch.undo()
@@ -216,7 +216,7 @@ def test_clean_up_removes_committed_deltas_whose_base_is_gone(tmp_path):
         manager.save(step, {"w": w.clone()})
     manager.incremental = None
     manager.save(4, {"w": torch.zeros(8)})
-    manager._step_location(1).delete()  # an old retention deleted the base before its deltas, then was killed
+    manager._local.tree.step_location(1).delete()  # an old retention deleted the base before its deltas, then died
     with pytest.raises(arrayckpt.CheckpointNotFoundError, match="its base checkpoint"):
         arrayckpt.load({"w": torch.zeros(64)}, manager.path(2))
     assert manager.steps() == [2, 3, 4]
@@ -230,14 +230,14 @@ def test_clean_up_keeps_deltas_whose_base_cannot_be_read_for_another_reason(tmp_
     manager.retention = arrayckpt.Retention(keep_last=None)
     for step in range(1, 3):
         manager.save(step, {"w": torch.full((8,), float(step))})
-    read_root = type(manager._step_location(1)).read_root
+    read_root = type(manager._local.tree.step_location(1)).read_root
 
     def flaky(location):
         if location.path.name == "step-00000001":
             raise arrayckpt.StorageError("transient")
         return read_root(location)
 
-    monkeypatch.setattr(type(manager._step_location(1)), "read_root", flaky)
+    monkeypatch.setattr(type(manager._local.tree.step_location(1)), "read_root", flaky)
     assert manager.clean_up() == []
     monkeypatch.undo()
     assert manager.steps() == [1, 2]

@@ -311,6 +311,7 @@ def _flush(rank: int, world: int, root: str, dirs: list[str], rpn: int, remote: 
                                                                       directory=dirs[rank]))
     state = _state(rank, world, None)
     out: dict = {"restored": manager.restore(state, step=3), "w": state["w"].tensor.numpy().copy()}
+    out["tiers_before"] = manager.tiers()  # step 3 is only in memory yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out["first"] = manager.flush_memory()
@@ -352,7 +353,8 @@ def test_flush_a_memory_step_to_the_durable_tiers_after_losing_a_node_on_fewer_r
         assert out["first"] == 3 and out["again"] == 3
         assert "step 1" in out["missing"] and "no node holds" in out["missing"]
     assert results[0]["copied_again"] is False  # the durable tier held this very checkpoint: not copied again
-    assert results[0]["tiers"][3] == ("local", "remote")  # then uploaded like any save
+    assert results[0]["tiers_before"][3] == ("memory",)  # tiers() reports the memory tier, fastest first
+    assert results[0]["tiers"][3] == ("memory", "local", "remote")  # flushed, then uploaded like any save
     _check_durable(tmp_path / "root" / "step-00000003", Path(n[0], "step-00000003"), 3)
     _check_durable(tmp_path / "remote" / "step-00000003", Path(n[0], "step-00000003"), 3)
 

@@ -84,8 +84,8 @@ def test_map_kept_raises_only_once_every_started_task_ended():
 
 
 @pytest.mark.slow
-def test_a_save_from_an_atexit_handler_still_flushes_and_commits(tmp_path):
-    """Once the interpreter shuts down no pool takes new work: the transfers and the flush run on the calling thread
+def test_a_save_from_an_atexit_handler_still_fsyncs_and_commits(tmp_path):
+    """Once the interpreter shuts down no pool takes new work: the transfers and the fsyncs run on the calling thread
     (a final save from an ``atexit`` handler, or a background save ending as the main thread returns)."""
     script = f"""
 import atexit, torch, arrayckpt

@@ -29,8 +29,8 @@ from helpers import assert_bit_equal
 from s3_server import FaultProxy, S3Server
 
 import arrayckpt
-import arrayckpt._manage.uploader as uploader_module
-import arrayckpt._tools.pump as pump_module
+import arrayckpt._manage.copier as copier_module
+import arrayckpt._tools.copy_files as copy_files_module
 from arrayckpt._manage.tiers import Remote
 from arrayckpt._storage import parse_location
 
@@ -38,8 +38,8 @@ from arrayckpt._storage import parse_location
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch) -> None:
     """Retries of a failed upload (whole steps, and single files) a few milliseconds apart, not seconds."""
-    monkeypatch.setattr(uploader_module, "STEP_RETRY_DELAYS", (0.01,))
-    monkeypatch.setattr(pump_module, "RETRY_DELAYS", (0.01,))
+    monkeypatch.setattr(copier_module, "STEP_RETRY_DELAYS", (0.01,))
+    monkeypatch.setattr(copy_files_module, "RETRY_DELAYS", (0.01,))
 
 
 def _memory() -> str:
@@ -83,13 +83,13 @@ def test_uploads_run_behind_the_saves_and_each_tier_keeps_what_its_retention_say
 
 def test_saves_never_wait_for_uploads_and_local_steps_stay_until_uploaded(tmp_path: Path, monkeypatch) -> None:
     gate = threading.Event()
-    copy = uploader_module.copy_checkpoint
+    copy = copier_module.copy_checkpoint
 
     def held(*args, **kwargs):
         assert gate.wait(30), "the gate never opened"
         return copy(*args, **kwargs)
 
-    monkeypatch.setattr(uploader_module, "copy_checkpoint", held)
+    monkeypatch.setattr(copier_module, "copy_checkpoint", held)
     manager = arrayckpt.CheckpointManager(tmp_path / "kept", retention=arrayckpt.Retention(keep_last=1),
                                           remote=Remote(_memory(), retention=arrayckpt.Retention(keep_last=None)))
     eager = arrayckpt.CheckpointManager(tmp_path / "eager", retention=arrayckpt.Retention(keep_last=1),

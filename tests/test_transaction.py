@@ -138,34 +138,34 @@ def test_a_chunk_policy_is_checked_and_part_of_the_plan() -> None:
     assert cache.plan_save(described, None).arrays is not default.arrays  # the policy changed in between: anew
 
 
-def test_durable_false_skips_the_flush_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A save flushes its directory and the parent (after the rename) before it returns; ``durable=False`` (save,
+def test_durable_false_skips_the_fsync_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save fsyncs its directory and the parent (after the rename) before it returns; ``durable=False`` (save,
     async_save, a manager) skips both, and commits the same checkpoint."""
     import arrayckpt._storage.local as local
 
-    flushed: list[str] = []
-    monkeypatch.setattr(local, "make_durable", lambda root: flushed.append(f"data {Path(root).name[:1]}"))
-    monkeypatch.setattr(local, "fsync_dir", lambda directory: flushed.append("parent"))
+    synced: list[str] = []
+    monkeypatch.setattr(local, "make_durable", lambda root: synced.append(f"data {Path(root).name[:1]}"))
+    monkeypatch.setattr(local, "fsync_dir", lambda directory: synced.append("parent"))
     state = {"w": torch.arange(12.0).reshape(3, 4), "step": 3}
     arrayckpt.save(state, tmp_path / "durable", step=3)
-    assert flushed == ["data .", "parent"]  # the temporary directory's data, then the rename
-    flushed.clear()
+    assert synced == ["data .", "parent"]  # the temporary directory's data, then the rename
+    synced.clear()
     arrayckpt.save(state, tmp_path / "fast", step=3, durable=False)
     arrayckpt.async_save(state, tmp_path / "fast-async", durable=False).wait()
     with arrayckpt.CheckpointManager(tmp_path / "run", durable=False) as manager:
         manager.save(1, state)
         manager.save(2, state)  # replaces nothing, but retention and the root's lock run as usual
-    assert flushed == []
+    assert synced == []
     for name in ("fast", "fast-async", "run/step-00000002"):
         with arrayckpt.open(tmp_path / name) as checkpoint:
             assert torch.equal(torch.from_numpy(checkpoint["w"][:]), state["w"])
     arrayckpt.save({"w": torch.ones(2)}, tmp_path / "fast", overwrite=True, durable=False)  # the exchange path too
-    assert flushed == [] and arrayckpt.open(tmp_path / "fast")["w"][:].tolist() == [1.0, 1.0]
+    assert synced == [] and arrayckpt.open(tmp_path / "fast")["w"][:].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("files", [3, 40])
 def test_make_durable_fsyncs_every_file_and_every_directory(tmp_path, monkeypatch, files):
-    """A local save's flush is an fsync of what it wrote (not a filesystem-wide syncfs, which would wait for every
+    """A local save's sync to disk is an fsync of what it wrote (not a filesystem-wide syncfs, which waits for every
     other writer there): every file and every directory below the root, each once."""
     from arrayckpt._storage import renames
 
@@ -173,13 +173,13 @@ def test_make_durable_fsyncs_every_file_and_every_directory(tmp_path, monkeypatc
         folder = tmp_path / f"a{i % 3}" / "c"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"f{i}").write_bytes(b"x" * i)
-    flushed: list[str] = []
+    synced: list[str] = []
     real = renames._fsync_path
-    monkeypatch.setattr(renames, "_fsync_path", lambda path: (flushed.append(path), real(path))[1])
+    monkeypatch.setattr(renames, "_fsync_path", lambda path: (synced.append(path), real(path))[1])
     renames.make_durable(tmp_path)
     every_file = {str(p) for p in tmp_path.rglob("*") if p.is_file()}
     every_directory = {str(p) for p in tmp_path.rglob("*") if p.is_dir()} | {str(tmp_path)}
-    assert set(flushed) == every_file | every_directory and len(flushed) == len(set(flushed))
+    assert set(synced) == every_file | every_directory and len(synced) == len(set(synced))
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
@@ -190,25 +190,25 @@ def test_make_durable_skips_a_memory_filesystem(monkeypatch):
 
     from arrayckpt._storage import renames
 
-    flushed: list[str] = []
-    monkeypatch.setattr(renames, "_fsync_path", flushed.append)
+    synced: list[str] = []
+    monkeypatch.setattr(renames, "_fsync_path", synced.append)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         (Path(directory) / "f").write_bytes(b"x")
         assert renames._memory_backed(Path(directory))
         renames.make_durable(Path(directory))
-    assert flushed == []
+    assert synced == []
 
 
 def test_make_durable_skips_files_removed_while_it_runs(tmp_path):
     """Ranks share the temporary directory: another rank's writer removes its own temporary files (TensorStore's
-    ``.__lock``) while this rank flushes; a file gone since it was listed is not an error."""
+    ``.__lock``) while this rank fsyncs; a file gone since it was listed is not an error."""
     from arrayckpt._storage import renames
 
-    renames._fsync_path(str(tmp_path / "gone.__lock"))  # listed, then removed: nothing to flush
+    renames._fsync_path(str(tmp_path / "gone.__lock"))  # listed, then removed: nothing to fsync
 
 
 def test_make_durable_never_follows_a_link_or_blocks_on_a_fifo(tmp_path):
-    """Only what the save wrote is flushed: a link planted in its directory is not followed, a FIFO does not hang."""
+    """Only what the save wrote is synced: a link planted in its directory is not followed, a FIFO does not hang."""
     import os
 
     from arrayckpt._storage import renames

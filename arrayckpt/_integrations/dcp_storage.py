@@ -311,7 +311,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             spec = array_spec(work.target.kvstore(task.path), work.arrays[task.path].metadata)
             jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(box)], task.box.slices(), task.path))
         checksums = write_all(jobs, work.target.write_context(), work.where)
-        if jobs and not self.is_coordinator:  # on a shared filesystem each host flushes its own writes
+        if jobs and not self.is_coordinator:  # on a shared filesystem each host fsyncs its own writes
             work.target.finish_rank_writes()
         for fqn, held in pieces.items():
             path = array_path(fqn)

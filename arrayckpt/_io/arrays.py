@@ -124,7 +124,7 @@ def resolve_context(context: Any) -> ts.Context:
 
 
 def write_context() -> LazyContext:
-    """A TensorStore context for one save: no per-file fsync (one flush at commit, see ``_storage``)."""
+    """A TensorStore context for one save: no per-file fsync (one sync to disk at commit, see ``_storage``)."""
     return LazyContext({"file_io_sync": False, "file_io_concurrency": {"limit": settings().file_io_concurrency}})
 
 

@@ -1,7 +1,7 @@
-"""Worker threads kept for the life of the process: the foreground's chunk transfers and flushes.
+"""Worker threads kept for the life of the process: the foreground's chunk transfers and fsyncs.
 
 A training job saves and loads many times; starting a pool's threads for each call cost ~1 ms (measured on ext4: a
-fresh 16-thread pool to fsync a 1 MiB checkpoint's 12 paths made the flush ~1.5 ms slower than a kept one). A pool
+fresh 16-thread pool to fsync a 1 MiB checkpoint's 12 paths made the fsyncs ~1.5 ms slower than a kept one). A pool
 is made on its first use, and made afresh in a child after ``fork`` (the child's copy of the parent's pool has no
 threads behind it). Background saves keep starting their own, niced threads (``priority.worker_initializer``).
 

@@ -6,9 +6,10 @@ prefix (object storage) that is never listed and is removed by :meth:`Checkpoint
 Retention runs on the coordinator after each save has committed, never removes the newest checkpoint, and
 never removes a base that a kept delta checkpoint reads through.
 
-With a :class:`Remote`, the manager has two tiers: every save commits to the (fast, local) root first, then a
-background uploader copies it to the remote root (``uploader.py``); ``restore`` takes the newest step from whichever
-tier holds it whole.
+The manager's tiers are one list, fastest first (``tiers.py``): the peer-memory tier (with a :class:`PeerMemory`), the
+local tier (the root), the remote tier (with a :class:`Remote`). Every save commits to the (fast, local) root first,
+then the remote tier's step copier copies it to the remote root in the background (``copier.py``); ``restore`` takes
+the newest step from memory when the nodes hold it whole, else from whichever durable tier holds it whole.
 
 One manager per root: its coordinator holds each root (spec §9.4: a ``flock`` locally, a lease on object storage)
 from construction to :meth:`CheckpointManager.close`; a second manager on a root that is held is warned at
@@ -24,36 +25,47 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._errors import ArrayckptError, CheckpointBusyError, CheckpointNotFoundError, StateError, StorageError
+from .._errors import CheckpointNotFoundError, StateError, StorageError
 from .._format.codecs import CodecChoice
 from .._layout.plancache import PlanCache
 from .._peer.config import PeerMemory
 from .._peer.tier import MemoryTier
 from .._read.checkpoint import Checkpoint
 from .._settings import settings
-from .._storage import Location, parse_location
+from .._storage import parse_location
 from .._storage.liveness import HeldRoot
-from .._torch.dist import resolve_group
+from .._torch.dist import Group, resolve_group
 from .._write.asynchronous import SaveHandle, async_save_with
 from .._write.options import SaveOptions
 from .._write.save import save_with
 from .policy import Incremental, Interval, Retention
-from .restore import StepCandidate, StepCopy, restore_newest
+from .restore import StepCandidate, StepSource, restore_newest
 from .signals import SigtermSave, StateAndStep
-from .tiers import Remote, StepTree
-from .uploader import Uploader
+from .tiers import LocalTier, Remote, RemoteTier, Tier
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["CheckpointManager"]
-
-# Failures of the remote root's first request that no retry mends (TensorStore's status codes, S3's error codes)
-_DEFINITIVE = ("NOT_FOUND", "NoSuchBucket", "PERMISSION_DENIED", "AccessDenied", "UNAUTHENTICATED", "INVALID_ARGUMENT")
 
 
 def _release(holds: list[HeldRoot]) -> None:
     for hold in holds:
         hold.release()
+
+
+def _close(tiers: list[Tier]) -> None:
+    """Close every tier, slowest first, each even when one before it failed (the first failure is raised)."""
+    failure: BaseException | None = None
+    for tier in reversed(tiers):
+        try:
+            tier.close()
+        except BaseException as e:  # noqa: BLE001 - the others are closed first
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 class CheckpointManager:
@@ -63,10 +75,10 @@ class CheckpointManager:
     background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
     :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
     :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
-until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused. With ``memory`` (a
-:class:`PeerMemory`) steps are also kept in node-local memory, replicated to other nodes, and restored from there first
-(``docs/PEER_MEMORY.md``). ``durable=False`` saves without the flush to disk before each commit (see
-:func:`arrayckpt.save`): for a local tier that a remote one makes durable.
+    until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused. With ``memory``
+    (a :class:`PeerMemory`) steps are also kept in node-local memory, replicated to other nodes, and restored from there
+    first (``docs/PEER_MEMORY.md``); :meth:`tiers` reports them as ``"memory"``. ``durable=False`` saves without the
+    fsync before each commit (see :func:`arrayckpt.save`): for a local tier that a remote one makes durable.
 
     >>> import arrayckpt, torch, tempfile
     >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
@@ -90,29 +102,26 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         retention: Retention | None = None,
         asynchronous: bool = False,
         codec: CodecChoice = None,
-        process_group: Any = None,
+        process_group: ProcessGroup | Group | None = None,
         incremental: Incremental | None = None,
         storage_options: Mapping[str, Any] | None = None,
         remote: str | os.PathLike[str] | Remote | None = None,
         memory: PeerMemory | None = None,
         durable: bool = True,
     ) -> None:
-        self._location = parse_location(root, storage_options)
-        self._local = StepTree(self._location)
+        self._local = LocalTier(parse_location(root, storage_options), storage_options)
         self.storage_options = storage_options
         #: The root: a local directory (``Path``) or an object-storage URL (``str``).
-        self.root: Path | str = self._location.native
+        self.root: Path | str = self._local.location.native
         self.incremental = incremental
         self.interval = interval or Interval(every_steps=1)
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
         self.process_group = process_group
-        self._held = HeldRoot(self._location)  # the coordinator's hold on the root (spec §9.4)
-        self._remote_held: HeldRoot | None = None
         #: The options every save starts from; each save sets its step, metrics and base on a copy.
         self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
                                         plan_cache=PlanCache(), storage_options=storage_options,
-                                        guard=self._held.check, durable=durable)
+                                        guard=self._local.held.check, durable=durable)
         self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -120,47 +129,35 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self._sigterm = SigtermSave(self._save_before_exit)  # save_on_sigterm's handling
         #: What the last :meth:`clean_up` left in place although it looked like a leftover: ``(path, why)``.
         self.kept: list[tuple[str, str]] = []
-        self._location.make_directory()
-        #: The peer-memory tier on this rank (``_peer/``; None without ``memory=``).
-        self.memory = MemoryTier(memory, str(self._location)) if memory is not None else None
-        #: The remote tier (``None``: a one-tier manager).
-        self.remote: Remote | None = Remote(remote) if isinstance(remote, (str, os.PathLike)) else remote
-        self._remote: StepTree | None = None
-        self._uploader: Uploader | None = None
+        self._local.location.make_directory()
+        #: The peer-memory tier on this rank (``_peer/tier.py``; ``None`` without ``memory=``); its configuration is
+        #: ``memory.config``.
+        self.memory = MemoryTier(memory, str(self._local.location)) if memory is not None else None
+        #: The remote tier (``None``: no ``remote=``); its configuration (a :class:`Remote`) is ``remote.config``.
+        self.remote = RemoteTier(Remote(remote) if isinstance(remote, (str, os.PathLike)) else remote, self._local) \
+            if remote is not None else None
+        #: Every tier, fastest first: what :meth:`tiers`, :meth:`restore`, :meth:`clean_up` and :meth:`close` go over.
+        self._tiers: list[Tier] = []
+        if self.memory is not None:
+            self._tiers.append(self.memory)
+        self._tiers.append(self._local)
         if self.remote is not None:
-            location = parse_location(self.remote.url, self.remote.storage_options)
-            if str(location) == str(self._location):
-                raise ValueError(f"{location}: the remote tier must be another root than the local one")
-            self._remote = StepTree(location)
-            self._remote_held = HeldRoot(location)
-            if self._is_coordinator():
-                location.make_directory()
+            self._tiers.append(self.remote)
         if self._is_coordinator():
             self._take_roots()
-            if self._remote is not None and self._remote_held is not None and self.remote is not None:
-                self._uploader = Uploader(self._local, self._remote, self.remote.retention or Retention(),
-                                          self.remote.max_bytes_per_second, self._remote_held.check)
 
     def _take_roots(self) -> None:
-        """Hold the root and the remote root (coordinator), warning loudly when another manager holds one; the hold
-        on the remote root is the check that it exists and is writable (#24): a missing bucket or refused
-        credentials fail here, an unreachable store is warned about (uploads try again)."""
-        busy = self._held.take()
-        holds = [self._held]
-        if self._remote_held is not None:
-            holds.append(self._remote_held)
+        """Hold the root and start the remote tier (coordinator), warning loudly when another manager holds the root;
+        the remote tier's start is the check that its root exists and is writable (:meth:`RemoteTier.start`)."""
+        busy = self._local.held.take()
+        holds = [self._local.held]
+        if self.remote is not None:
+            holds.append(self.remote.held)
             try:
-                busy_remote = self._remote_held.take()
-            except StorageError as e:
-                if any(code in str(e) for code in _DEFINITIVE):
-                    self._held.release()
-                    raise StorageError(f"{self._remote_held.location}: the remote tier cannot be used: {e}") from e
-                warnings.warn(f"{self._remote_held.location}: the remote tier cannot be reached now ({e}); saves go on "
-                              "locally and uploads are tried again", RuntimeWarning, stacklevel=3)
-            else:
-                if busy_remote is not None:
-                    warnings.warn(f"{busy_remote}. This manager's uploads are refused while that manager holds the "
-                                  "remote root", RuntimeWarning, stacklevel=3)
+                self.remote.start()
+            except BaseException:
+                self._local.held.release()
+                raise
         weakref.finalize(self, _release, holds)  # a manager dropped without close() lets its roots go
         if busy is not None:
             warnings.warn(f"{busy}. This manager can list and restore, but its saves and clean-ups are refused "
@@ -172,27 +169,28 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def path(self, step: int) -> Path | str:
         """Where step ``step``'s checkpoint is (a path, or a URL on object storage); in the local tier."""
-        return self._step_location(step).native
+        return self._local.path(step)
 
     def remote_path(self, step: int) -> str | Path:
         """Where step ``step``'s checkpoint is in the remote tier."""
-        if self._remote is None:
+        if self.remote is None:
             raise StateError("this manager has no remote tier (CheckpointManager(..., remote=...))")
-        return self._remote.step_location(step).native
-
-    def _step_location(self, step: int) -> Location:
-        return self._local.step_location(step)
+        return self.remote.path(step)
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending, in either tier (incomplete ones are ignored)."""
+        """Steps with a committed checkpoint in any tier, ascending (incomplete ones are ignored; see :meth:`tiers`)."""
         return sorted(self.tiers())
 
     def tiers(self) -> dict[int, tuple[str, ...]]:
-        """Which tiers hold a committed checkpoint of each step: ``{step: ("local", "remote")}``, ascending."""
-        local = set(self._local.steps())
-        remote = set(self._remote.steps()) if self._remote is not None else set()
-        return {step: tuple(name for name, there in (("local", step in local), ("remote", step in remote)) if there)
-                for step in sorted(local | remote)}
+        """Which tiers hold a committed checkpoint of each step, ascending: ``{step: ("memory", "local", "remote")}``,
+        the names fastest first. ``"memory"``: this node's memory directory holds the step (committed here; whether
+        the nodes hold it whole is known only to a restore or a flush, which ask them all). Waits for the memory save
+        in flight, raising its failure."""
+        held: dict[int, list[str]] = {}
+        for tier in self._tiers:
+            for step in tier.steps():
+                held.setdefault(step, []).append(tier.name)
+        return {step: tuple(held[step]) for step in sorted(held)}
 
     def clean_up(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove what interrupted saves and deletions left, and only that; returns what was removed.
@@ -205,27 +203,19 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
           can never be read again.
         - The other leftovers of interrupted saves untouched for ``min_age_s`` (see :func:`arrayckpt.gc`).
 
-        In the remote tier too (uploads cut short), except at the steps the local tier holds (the uploader may be
+        In the remote tier too (uploads cut short), except at the steps the local tier holds (its step copier may be
         copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
         kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
         §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
         self.kept = []
-        memory = self.memory.clean_up(min_age_s) if self.memory is not None else []
-        if not self._is_coordinator():
-            return memory
-        self._held.check()
-        removed, self.kept = self._local.clean_up(min_age_s)
-        removed += memory
-        if self._remote is not None and self._remote_held is not None:
-            try:
-                self._remote_held.check()
-                more, kept = self._remote.clean_up(min_age_s, skip=set(self._local.listed_steps()))
-            except ArrayckptError as e:
-                warnings.warn(f"{self._remote.location}: the remote tier could not be cleaned up: {e}", RuntimeWarning,
-                              stacklevel=2)
-            else:
-                removed += more
-                self.kept += kept
+        removed: list[str] = []
+        coordinator = self._is_coordinator()
+        for tier in self._tiers:  # the memory tier on every rank (each its node's), a shared root on the coordinator
+            if tier.shared and not coordinator:
+                continue
+            cleaned = tier.clean_up(min_age_s)
+            removed += cleaned.removed
+            self.kept += cleaned.kept
         foreign = [f"{path} ({why})" for path, why in self.kept
                    if "maybe still being saved" not in why and "a save is running" not in why]
         if foreign:
@@ -236,10 +226,10 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def _open(self, step: int) -> Checkpoint:
         """Step ``step``'s local checkpoint, opened: use it in a ``with`` block, which closes it."""
-        return self._local.open(step)
+        return self._local.tree.open(step)
 
     def latest_step(self) -> int | None:
-        """The newest step committed in either tier."""
+        """The newest step committed in any tier (:meth:`steps`)."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -272,18 +262,18 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
-        options = replace(self.save_options, step=step, metrics=metrics, **self._delta_options(changed_rows))
+        options = self._delta_options(replace(self.save_options, step=step, metrics=metrics), changed_rows)
         if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save_with(state, self.path(step), options, keep_copy=keep)
             self._blocking_seconds = self._pending.blocking_seconds
-            if self._uploader is not None:
-                self._uploader.add(step, self._pending)
+            if self.remote is not None:
+                self.remote.add(step, self._pending)
         else:
             save_with(state, self.path(step), options)
             self._blocking_seconds = time.perf_counter() - started
-            if self._uploader is not None:
-                self._uploader.add(step)
+            if self.remote is not None:
+                self.remote.add(step)
             self._apply_retention()
         self._last_step, self._last_time = step, time.monotonic()
         return not in_memory or self._save_memory(step, state, metrics)
@@ -293,20 +283,21 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self.memory.save(state, step, metrics, self.save_options, resolve_group(self.process_group))
         return True
 
-    def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The next save's incremental options (``SaveOptions`` fields): a delta against the newest local checkpoint,
-        or none (a full save)."""
+    def _delta_options(self, options: SaveOptions, changed_rows: Mapping[str, Any] | None) -> SaveOptions:
+        """``options`` for the next save: a delta against the newest local checkpoint, or as they are (a full
+        save)."""
         if self.incremental is None:
             if changed_rows:
                 raise StateError("changed_rows needs an incremental manager (incremental=arrayckpt.Incremental())")
-            return {}
+            return options
         steps = self._local.steps()
         if not steps:
-            return {}
+            return options
         with self._open(steps[-1]) as base:  # closed here: the save opens its base again, and closes it when over
             if self.incremental.wants_full(base):
-                return {}
-        return {"base": self.path(steps[-1]), "changed_rows": changed_rows, "quantize": self.incremental.quantize}
+                return options
+        return replace(options, base=self.path(steps[-1]), changed_rows=changed_rows,
+                       quantize=self.incremental.quantize)
 
     def wait(self) -> None:
         """Wait for an asynchronous save and a memory save in flight (raising their errors), then apply retention."""
@@ -323,46 +314,35 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         tried once more), then apply the local retention. Raises ``StorageError`` when an upload failed (the steps
         stay local: a later save or call tries them again) and ``TimeoutError`` after ``timeout`` seconds."""
         self.wait()
-        if self._uploader is None:
+        if self.remote is None:
             return
-        self._uploader.retry_failed()
-        if not self._uploader.wait(timeout):
-            raise TimeoutError(f"{self._remote_root()}: uploads still running after {timeout} s")
+        if not self.remote.wait_for_copies(timeout):
+            raise TimeoutError(f"{self.remote.location}: uploads still running after {timeout} s")
         self._apply_retention()
-        self._uploader.take_unreported()
+        self.remote.take_unreported()
         self._raise_upload_errors(new_only=False)
 
     def upload_errors(self) -> list[tuple[int, BaseException]]:
         """``(step, error)`` for every step whose last upload failed and that has not been uploaded since."""
-        return self._uploader.errors() if self._uploader is not None else []
+        return self.remote.errors() if self.remote is not None else []
 
     def _raise_upload_errors(self, new_only: bool) -> None:
-        if self._uploader is None:
+        if self.remote is None:
             return
-        failed = self._uploader.take_unreported() if new_only else self._uploader.errors()
+        failed = self.remote.take_unreported() if new_only else self.remote.errors()
         if failed:
             steps = ", ".join(str(step) for step, _ in failed)
-            raise StorageError(f"{self._remote_root()}: uploading step(s) {steps} to the remote tier failed (they stay "
-                               f"in {self.root}, and are tried again with the next save): {failed[-1][1]}") \
+            raise StorageError(f"{self.remote.location}: uploading step(s) {steps} to the remote tier failed (they "
+                               f"stay in {self.root}, and are tried again with the next save): {failed[-1][1]}") \
                 from failed[-1][1]
-
-    def _remote_root(self) -> str:
-        return str(self._remote.location) if self._remote is not None else str(self.root)
 
     def _apply_retention(self) -> None:
         """Delete the local steps the retention does not keep, nor any kept delta reads through, nor (with a remote
         tier, unless ``keep_until_uploaded`` is false) any whose upload has not committed; see
-        :meth:`StepTree.apply_retention`."""
+        :meth:`LocalTier.apply_retention`."""
         if not self._is_coordinator():
             return
-        try:
-            self._held.check()
-        except (CheckpointBusyError, StorageError) as e:  # e.g. a lease lost since the save: delete nothing now
-            warnings.warn(f"retention skipped: {e}", RuntimeWarning, stacklevel=3)
-            return
-        protect: set[int] | None = set()
-        if self._uploader is not None and self.remote is not None and self.remote.keep_until_uploaded:
-            protect = self._uploader.pending()
+        protect = self.remote.protected() if self.remote is not None else set()
         self._local.apply_retention(self.retention, protect)
 
     def _is_coordinator(self) -> bool:
@@ -381,39 +361,42 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         damaged step got through). ``atomic=False`` spares the memory, but a failed attempt may leave some tensors
         overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
         all of them restore the same step (see :func:`arrayckpt._manage.restore.restore_newest`)."""
-        tiers = self._restore_tiers()
+        sources = self._restore_sources()
         if self.memory is not None:  # the newest step the surviving nodes hold whole, if not older (or ``step``)
             group = resolve_group(self.process_group)
-            found = self.memory.restore(state, group, load_options, max(tiers, default=None) if step is None else None,
-                                        only=step)
+            newest = max(sources, default=None) if step is None else None
+            found = self.memory.restore(state, group, load_options, newest, only=step)
             if found is not None:
                 self._last_step, self._last_time = found, time.monotonic()
                 return found
-        if step is not None and step not in tiers:
+        if step is not None and step not in sources:
             raise CheckpointNotFoundError(f"{self.path(step)}: no committed checkpoint for step {step}")
-        order = [step] if step is not None else sorted(tiers, reverse=True)
+        order = [step] if step is not None else sorted(sources, reverse=True)
         if not order:
             return None
-        candidates = [StepCandidate(s, [self._copy(s, tier) for tier in tiers[s]]) for s in order]  # local first
+        candidates = [StepCandidate(s, sources[s]) for s in order]
         step = restore_newest(state, candidates, resolve_group(self.process_group), {"atomic": True, **load_options})
         self._last_step, self._last_time = step, time.monotonic()
         return step
 
-    def _copy(self, step: int, tier: str) -> StepCopy:
-        if tier == "local":
-            return StepCopy(self.path(step), self.storage_options, tier)
-        return StepCopy(self.remote_path(step), self.remote.storage_options if self.remote else None, tier)
-
-    def _restore_tiers(self) -> dict[int, tuple[str, ...]]:
-        """:meth:`tiers`, or only the local one with a warning when the remote tier cannot be listed."""
-        try:
-            return self.tiers()
-        except StorageError as e:
-            if self._remote is None:
-                raise
-            warnings.warn(f"{self._remote.location}: the remote tier cannot be listed ({e}); restoring from the "
-                          "local tier", RuntimeWarning, stacklevel=3)
-            return {step: ("local",) for step in self._local.steps()}
+    def _restore_sources(self) -> dict[int, list[StepSource]]:
+        """Every step a tier can restore from one path (the durable tiers), with its sources, fastest tier first; a
+        remote tier that cannot be listed is left out, with a warning."""
+        out: dict[int, list[StepSource]] = {}
+        for tier in self._tiers:
+            try:
+                steps = tier.steps()
+            except StorageError as e:
+                if tier is not self.remote:
+                    raise
+                warnings.warn(f"{self.remote.location}: the remote tier cannot be listed ({e}); restoring from the "
+                              "local tier", RuntimeWarning, stacklevel=3)
+                continue
+            for step in steps:
+                source = tier.source(step)
+                if source is not None:
+                    out.setdefault(step, []).append(source)
+        return out
 
     # --- peer memory -----------------------------------------------------------------------------
 
@@ -430,11 +413,11 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         with self._sigterm.deferred():
             self.wait()
             group = resolve_group(self.process_group)
-            flushed = self.memory.flush(step, group, self._step_location, self._held.check)
+            flushed = self.memory.flush(step, group, self._local.tree.step_location, self._local.held.check)
             if flushed is None:
                 return None
-            if flushed.copied and self._uploader is not None:
-                self._uploader.add(flushed.step)
+            if flushed.copied and self.remote is not None:
+                self.remote.add(flushed.step)
             self._apply_retention()
             return flushed.step
 
@@ -462,19 +445,13 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
                 self.asynchronous = asynchronous
 
     def close(self) -> None:
-        """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then stop the
-        uploader and let the roots go (another manager may take them)."""
+        """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then close every
+        tier, slowest first (the remote tier's copier stops, the roots are let go: another manager may take them)."""
         try:
             self.wait()
             self.wait_for_uploads()
         finally:
-            if self._uploader is not None:
-                self._uploader.close()
-            self._held.release()
-            if self._remote_held is not None:
-                self._remote_held.release()
-            if self.memory is not None:
-                self.memory.close()
+            _close(self._tiers)
 
     def __enter__(self) -> CheckpointManager:
         return self

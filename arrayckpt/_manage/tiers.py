@@ -1,30 +1,74 @@
-"""The checkpoint manager's storage tiers: the step checkpoints under one root (:class:`StepTree`), and the second
-tier's settings (:class:`Remote`).
+"""The checkpoint manager's tiers: the one interface the manager holds them by (:class:`Tier`), the local and the
+remote tier (:class:`LocalTier`, :class:`RemoteTier`), and the remote tier's configuration (:class:`Remote`).
 
-:class:`StepTree` is one root holding ``step-<step:08d>`` checkpoints (a local directory or an object-storage
-prefix): listing, retention that deletes in a crash-consistent order and never a base a kept delta reads through,
-and clean-up of what interrupted saves and deletions left. A two-tier manager has two of them, and an
-:class:`~arrayckpt._manage.uploader.Uploader` that copies the local tier's committed steps to the remote one.
+A manager keeps its tiers in one list, fastest first: ``memory`` (the peer-memory tier,
+:class:`arrayckpt._peer.tier.MemoryTier`, with ``memory=``), ``local`` (its root), ``remote`` (with ``remote=``).
+What it asks of every tier is :class:`Tier`: its name, its steps, where a step may be restored from, clean-up,
+close. What only one tier does stays that tier's own, called through the manager's typed accessor of it: saves
+commit to the local tier, whose retention the manager applies; the remote tier copies them in the background (its
+:class:`~arrayckpt._manage.copier.StepCopier`) and applies its own retention there; the memory tier saves, restores
+and flushes on its own, collectively.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import ArrayckptError, CheckpointNotFoundError, IncompleteCheckpointError
-from .._format.manifest import MANIFEST_ATTRIBUTE
-from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._storage import Location
-from .._storage.gc import incomplete_leftovers
+from .._errors import ArrayckptError, CheckpointBusyError, StorageError
+from .._storage import CleanedUp, Location, parse_location
+from .._storage.liveness import HeldRoot
+from .copier import StepCopier
 from .policy import Retention
+from .restore import StepSource
+from .steptree import StepTree
 
-__all__ = ["Remote", "StepTree", "deletion_order"]
+if TYPE_CHECKING:
+    from .._write.asynchronous import SaveHandle
 
-STEP_DIR = re.compile(r"step-(\d{8,})")
+__all__ = ["LocalTier", "Remote", "RemoteTier", "Tier"]
+
+# Failures of the remote root's first request that no retry mends (TensorStore's status codes, S3's error codes)
+_DEFINITIVE = ("NOT_FOUND", "NoSuchBucket", "PERMISSION_DENIED", "AccessDenied", "UNAUTHENTICATED", "INVALID_ARGUMENT")
+
+
+class Tier(Protocol):
+    """What a :class:`~arrayckpt.CheckpointManager` asks of each of its tiers (structural: the memory tier, a layer
+    below, implements it without importing it).
+
+    Capabilities that differ: :attr:`shared` (one root every rank sees, which the coordinator alone cleans up; or one
+    directory per node, which each rank cleans up), and :meth:`source` (``None``: the tier restores on its own, as the
+    memory tier does, collectively and before the others)."""
+
+    @property
+    def name(self) -> str:
+        """What :meth:`~arrayckpt.CheckpointManager.tiers` reports: ``"memory"``, ``"local"`` or ``"remote"``."""
+        ...
+
+    @property
+    def shared(self) -> bool:
+        """Whether the tier is one root every rank sees (the coordinator alone cleans it up)."""
+        ...
+
+    def steps(self) -> list[int]:
+        """The steps with a committed checkpoint here, ascending."""
+        ...
+
+    def source(self, step: int) -> StepSource | None:
+        """Where ``restore`` may load step ``step`` from (``None``: this tier restores by its own means)."""
+        ...
+
+    def clean_up(self, min_age_s: float) -> CleanedUp:
+        """Remove what interrupted saves and deletions left here (see ``CheckpointManager.clean_up``)."""
+        ...
+
+    def close(self) -> None:
+        """Finish the tier's work in flight and let go of what it holds (its root, its threads)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -57,145 +101,138 @@ class Remote:
                              f"got {rate!r}")
 
 
-class StepTree:
-    """The step checkpoints right below one root (see the module docstring)."""
+class LocalTier:
+    """The manager's root: where every save commits first, with the coordinator's hold on it (spec §9.4)."""
 
-    def __init__(self, location: Location) -> None:
+    name = "local"
+    shared = True
+
+    def __init__(self, location: Location, storage_options: Mapping[str, Any] | None) -> None:
         self.location = location
+        self.storage_options = storage_options
+        self.tree = StepTree(location)
+        self.held = HeldRoot(location)  # taken by the coordinator (the manager's ``_take_roots``)
 
-    def step_location(self, step: int) -> Location:
-        return self.location.child(f"step-{step:08d}")
-
-    def listed_steps(self) -> list[int]:
-        """Steps with something at their path, committed or not."""
-        return sorted(int(m.group(1)) for m in map(STEP_DIR.fullmatch, self.location.children()) if m)
+    def path(self, step: int) -> Path | str:
+        return self.tree.step_location(step).native
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending."""
-        return [s for s in self.listed_steps() if self.step_location(s).is_committed()]
+        return self.tree.steps()
 
-    def open(self, step: int) -> Checkpoint:
-        """Step ``step``'s checkpoint, opened (use it in a ``with`` block)."""
-        return open_checkpoint(self.step_location(step))
+    def source(self, step: int) -> StepSource:
+        return StepSource(self.path(step), self.storage_options, self.name)
 
-    def identity(self, step: int) -> str | None:
-        """The id of step ``step``'s committed checkpoint (``None``: none is committed there, or it has no id)."""
+    def apply_retention(self, retention: Retention, protect: set[int] | None) -> None:
+        """Delete the steps ``retention`` does not keep, nor ``protect`` (``None``: delete none; see
+        :meth:`StepTree.apply_retention`); nothing while the hold on the root is lost (a warning says so)."""
         try:
-            manifest = self.step_location(step).read_root().get("attributes", {}).get(MANIFEST_ATTRIBUTE)
-        except (CheckpointNotFoundError, IncompleteCheckpointError):
-            return None
-        return manifest.get("id") if isinstance(manifest, dict) else None
+            self.held.check()
+        except (CheckpointBusyError, StorageError) as e:  # e.g. a lease lost since the save: delete nothing now
+            warnings.warn(f"retention skipped: {e}", RuntimeWarning, stacklevel=4)
+            return
+        self.tree.apply_retention(retention, protect)
 
-    def base_step(self, step: int) -> int | None:
-        """The step of this tree that step ``step`` is a delta against (``None``: a full checkpoint, or a base
-        elsewhere). Raises what opening the checkpoint raises."""
-        with self.open(step) as checkpoint:
-            ref = checkpoint.manifest.base
-        if ref is None:
-            return None
-        base = str(self.step_location(step).resolve(ref.path))
-        match = STEP_DIR.fullmatch(base.rstrip("/").rpartition("/")[2])
-        if match is None or str(self.step_location(int(match.group(1)))) != base:
-            return None
-        return int(match.group(1))
+    def clean_up(self, min_age_s: float) -> CleanedUp:
+        """Raises ``CheckpointBusyError`` while another manager holds the root."""
+        self.held.check()
+        return self.tree.clean_up(min_age_s)
 
-    def apply_retention(self, retention: Retention, protect: set[int] | None = None) -> list[int]:
-        """Delete the committed steps ``retention`` does not keep (nor ``protect``; ``None``: protect them all), and
-        that no kept delta reads through, in an order where every state a crash can leave is consistent: a delta
-        before the base it reads through (newest first), each root document first. Returns the steps deleted."""
-        if protect is None:
-            return []
-        steps = self.steps()
-        metrics: dict[int, dict[str, float]] = {}
-        if retention.keep_best and retention.metric:
-            for step in steps:
-                with self.open(step) as checkpoint:
-                    metrics[step] = dict(checkpoint.metrics)
-        kept = retention.keep(steps, metrics) | (protect & set(steps))
-        bases: dict[int, int | None] = {}
-        for step in steps:
-            try:
-                bases[step] = self.base_step(step)
-            except ArrayckptError:
-                if step in kept:
-                    raise  # what it reads through is unknown: deleting anything could break it
-                bases[step] = None
-        todo = sorted(kept)
-        while todo:  # the bases kept checkpoints read through, transitively
-            base = bases.get(todo.pop())
-            if base is not None and base not in kept:
-                kept.add(base)
-                todo.append(base)
-        doomed = deletion_order(set(steps) - kept, bases)
-        for step in doomed:
-            self.step_location(step).delete()
-        return doomed
-
-    def clean_up(self, min_age_s: float, skip: Collection[int] = ()) -> tuple[list[str], list[tuple[str, str]]]:
-        """Remove what interrupted saves and deletions left (see ``CheckpointManager.clean_up``), except at the steps
-        ``skip``; returns what was removed and what looked like a leftover but stays, with why."""
-        removed = self.remove_orphaned_deltas()
-        kept: list[tuple[str, str]] = []
-        committed = self.steps()
-        if committed:
-            for step in self.listed_steps():
-                if step < committed[-1] and step not in committed and step not in skip:
-                    location = self.step_location(step)
-                    try:
-                        location.read_root()
-                        continue  # readable after all (a transient failure hid it): never delete
-                    except IncompleteCheckpointError:  # positively no root document: an interrupted save
-                        pass
-                    except ArrayckptError:  # unreadable or foreign: leave it for a person to look at
-                        continue
-                    found, why = incomplete_leftovers(location, min_age_s)
-                    removed.extend(leftover.url for leftover in found if leftover.remove())
-                    kept.extend(why)
-        skipped = {str(self.step_location(step)) for step in skip}
-        found, why = self.location.leftovers(min_age_s)
-        removed.extend(leftover.url for leftover in found if leftover.url not in skipped and leftover.remove())
-        kept.extend(k for k in why if k not in kept)
-        return removed, kept
-
-    def remove_orphaned_deltas(self) -> list[str]:
-        """Delete committed delta checkpoints whose base, a step of this tree, is positively gone (no checkpoint, or an
-        incomplete one, at its path): a deletion of that base was cut short before its deltas were removed. A base
-        that cannot be read for another reason (a storage error) keeps its deltas."""
-        removed: list[str] = []
-        gone: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for step in self.steps():
-                try:
-                    base = self.base_step(step)
-                except ArrayckptError:
-                    continue
-                if base is None:
-                    continue
-                if base not in gone:
-                    try:
-                        self.step_location(base).read_root()
-                        continue
-                    except (CheckpointNotFoundError, IncompleteCheckpointError):
-                        pass
-                    except ArrayckptError:
-                        continue
-                location = self.step_location(step)
-                location.delete()
-                removed.append(str(location))
-                gone.add(step)
-                changed = True
-        return removed
+    def close(self) -> None:
+        self.held.release()
 
 
-def deletion_order(doomed: set[int], bases: Mapping[int, int | None]) -> list[int]:
-    """``doomed`` ordered so that a delta comes before every base it reads through, newest first otherwise."""
-    order: list[int] = []
-    remaining = set(doomed)
-    while remaining:
-        read_through = {bases.get(s) for s in remaining}
-        ready = [s for s in remaining if s not in read_through] or list(remaining)  # (a loop of bases: any order)
-        order.append(max(ready))
-        remaining.discard(order[-1])
-    return order
+class RemoteTier:
+    """The second durable tier: a root elsewhere (object storage, typically) that the coordinator's
+    :class:`StepCopier` copies the local tier's committed steps to, in the background. Built from a :class:`Remote`
+    (:attr:`config`); on the other ranks it only lists and restores."""
+
+    name = "remote"
+    shared = True
+
+    def __init__(self, config: Remote, local: LocalTier) -> None:
+        location = parse_location(config.url, config.storage_options)
+        if str(location) == str(local.location):
+            raise ValueError(f"{location}: the remote tier must be another root than the local one")
+        self.config, self.local, self.location = config, local, location
+        self.tree = StepTree(location)
+        self.held = HeldRoot(location)
+        self.copier: StepCopier | None = None  # the coordinator's (:meth:`start`)
+
+    def start(self) -> None:
+        """The coordinator's: make the root, hold it, start copying. Holding it is the check that it exists and is
+        writable (#24): a missing bucket or refused credentials raise ``StorageError``, an unreachable store is
+        warned about (copies are tried again), another manager's hold too (its copies are refused meanwhile)."""
+        self.location.make_directory()
+        try:
+            busy = self.held.take()
+        except StorageError as e:
+            if any(code in str(e) for code in _DEFINITIVE):
+                raise StorageError(f"{self.location}: the remote tier cannot be used: {e}") from e
+            warnings.warn(f"{self.location}: the remote tier cannot be reached now ({e}); saves go on locally and "
+                          "uploads are tried again", RuntimeWarning, stacklevel=4)
+        else:
+            if busy is not None:
+                warnings.warn(f"{busy}. This manager's uploads are refused while that manager holds the remote root",
+                              RuntimeWarning, stacklevel=4)
+        self.copier = StepCopier(self.local.tree, self.tree, self.config.retention or Retention(),
+                                 self.config.max_bytes_per_second, self.held.check)
+
+    def path(self, step: int) -> Path | str:
+        return self.tree.step_location(step).native
+
+    def steps(self) -> list[int]:
+        return self.tree.steps()
+
+    def source(self, step: int) -> StepSource:
+        return StepSource(self.path(step), self.config.storage_options, self.name)
+
+    # --- the copies (the coordinator's; nothing on the other ranks) -----------------------------------------------
+
+    def add(self, step: int, handle: SaveHandle | None = None) -> None:
+        """Copy local step ``step`` here once its save (``handle``, if still running) has committed."""
+        if self.copier is not None:
+            self.copier.add(step, handle)
+
+    def protected(self) -> set[int] | None:
+        """The local steps the local retention must keep for this tier: those whose copy has not committed, unless
+        ``keep_until_uploaded`` is false (``None``: not known yet, keep them all)."""
+        if self.copier is None or not self.config.keep_until_uploaded:
+            return set()
+        return self.copier.pending()
+
+    def wait_for_copies(self, timeout: float | None) -> bool:
+        """Try the failed copies once more and wait until none is queued or running; whether that happened within
+        ``timeout``."""
+        if self.copier is None:
+            return True
+        self.copier.retry_failed()
+        return self.copier.wait(timeout)
+
+    def errors(self) -> list[tuple[int, BaseException]]:
+        """``(step, error)`` for every step whose last copy failed and that has not been copied since."""
+        return self.copier.errors() if self.copier is not None else []
+
+    def take_unreported(self) -> list[tuple[int, BaseException]]:
+        """The failures not reported yet (each is returned once), still unresolved."""
+        return self.copier.take_unreported() if self.copier is not None else []
+
+    # --- clean-up, close ---------------------------------------------------------------------------------------
+
+    def clean_up(self, min_age_s: float) -> CleanedUp:
+        """Copies cut short too, except at the steps the local tier holds (the copier may be copying them); a
+        failure is warned about (the local tier's clean-up stands)."""
+        try:
+            self.held.check()
+            return self.tree.clean_up(min_age_s, skip=set(self.local.tree.listed_steps()))
+        except ArrayckptError as e:
+            warnings.warn(f"{self.location}: the remote tier could not be cleaned up: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return CleanedUp([], [])
+
+    def close(self) -> None:
+        """Stop the copier once its queue is empty (what is queued is copied first), then let the root go."""
+        try:
+            if self.copier is not None:
+                self.copier.close()
+        finally:
+            self.held.release()

@@ -17,8 +17,9 @@ wrote plus the replicas it received, and every node holds the documents. Design:
   directories, then the replication);
 - ``restore.py``: a restore from the survivors (survey, choice of step, fetches, the ordinary load), with
   ``needs.py``: which chunk files a rank's targets read;
-- ``flush.py``: a memory step copied, as stored, to a durable tier;
+- ``flush.py``: the flush: a memory step made durable, its chunk files copied as stored to the local tier;
 
 This package may use torch.distributed and every layer below the manager; the manager calls it through
-:class:`MemoryTier` only (``tier.py``: :func:`start_memory_save`, :func:`memory_restore`, :meth:`NodeMemory.clean_up`).
+:class:`MemoryTier` only (``tier.py``: one of the manager's tiers, over :func:`start_memory_save`,
+:func:`memory_restore`, :func:`flush_memory_step`, :meth:`NodeMemory.clean_up`).
 """

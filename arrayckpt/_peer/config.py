@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .._errors import StateError
 
@@ -50,7 +49,7 @@ class PeerMemory:
     replicas: int = 1
     keep: int = 1
     ranks_per_node: int | None = None
-    nodes: Sequence[Any] | None = None
+    nodes: Sequence[Hashable] | None = None
     directory: str | os.PathLike[str] | None = None
     max_bytes: int | None = None
 

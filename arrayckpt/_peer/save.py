@@ -124,7 +124,7 @@ def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str,
             prepared = ArrayckptError(f"{type(e).__name__}: {e}")
     path = node.step_path(step)
     own = dataclasses.replace(options, step=step, metrics=metrics, base=None, changed_rows=None, quantize=None,
-                              overwrite=True, storage_options=None, rank_target=LocalLocation(path, flush=False))
+                              overwrite=True, storage_options=None, rank_target=LocalLocation(path, fsync=False))
     request = prepare(MemoryStepLocation(path), own, check_record(step, metrics))
     try:
         local, error = _stage(state, group, own.allow_pickle, copies)

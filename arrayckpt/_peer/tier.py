@@ -1,7 +1,11 @@
-"""The memory tier as the manager sees it: when a memory save is due, the save, the restore, clean-up, close.
+"""The memory tier as the manager sees it: when a memory save is due, the save, the restore, the flush (a memory step
+made durable in the local tier), clean-up, close.
 
-The manager holds one :class:`MemoryTier` when it was given a :class:`PeerMemory`, and calls it from a few hooks
-(``CheckpointManager.save``/``restore``/``clean_up``/``close``); everything else of the tier is in this package.
+The manager holds one :class:`MemoryTier` when it was given a :class:`PeerMemory`, first in its list of tiers (the
+fastest). It implements the manager's ``Tier`` interface (``arrayckpt/_manage/tiers.py``: ``name``, ``shared``,
+``steps``, ``source``, ``clean_up``, ``close``) structurally, without importing it (the manager is a layer above);
+the rest (``due``, ``save``, ``wait``, ``restore``, ``flush``) the manager calls on this tier alone. Everything else of
+the tier is in this package.
 
 A memory save blocks the caller only while the state is copied to host buffers; the save into the node's memory and
 the replication run on a thread of the tier's own, their collectives on a process group of their own (created, over
@@ -14,10 +18,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import StateError
-from .._storage import Location
+from .._storage import CleanedUp, Location
 from .._torch.dist import Group
 from .._write.hostcopies import HostCopies
 from .._write.options import SaveOptions
@@ -28,15 +32,21 @@ from .restore import memory_restore
 from .save import MemorySaved, start_memory_save
 from .sweep import ended_memory_directories
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["MemoryTier"]
 
 
 class MemoryTier:
     """A manager's peer-memory tier on this rank (its node's directory, its last memory step)."""
 
-    def __init__(self, memory: PeerMemory, root: str) -> None:
-        self.memory = memory
-        self.node = NodeMemory(memory.node_directory(root), root)
+    name = "memory"
+    shared = False  # one directory per node: every rank cleans up its node's
+
+    def __init__(self, config: PeerMemory, root: str) -> None:
+        self.config = config
+        self.node = NodeMemory(config.node_directory(root), root)
         self.last_step: int | None = None
         #: What the last memory save did (``None``: none yet in this process).
         self.last: MemorySaved | None = None
@@ -45,11 +55,11 @@ class MemoryTier:
         self._copies = HostCopies()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[MemorySaved] | None = None
-        self._background: dict[Any, Group] = {}  # the manager's group's pg -> the group of the background collectives
+        self._background: dict[ProcessGroup, Group] = {}  # the manager's group's pg -> the background collectives'
 
     def due(self, step: int) -> bool:
         """Whether a memory save is due at ``step``: a multiple of ``every_steps`` after the last memory step."""
-        every = self.memory.every_steps
+        every = self.config.every_steps
         return step % every == 0 and (self.last_step is None or step > self.last_step)
 
     def save(self, state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None, options: SaveOptions,
@@ -62,7 +72,7 @@ class MemoryTier:
         started = time.perf_counter()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-memory")
-        self._pending = start_memory_save(state, step, metrics, options, self.memory, self.node, group,
+        self._pending = start_memory_save(state, step, metrics, options, self.config, self.node, group,
                                           self._background_group(group), self._copies, self._executor)
         self.blocking_seconds = time.perf_counter() - started
         self.last_step = step
@@ -97,7 +107,8 @@ class MemoryTier:
 
     def flush(self, step: int | None, group: Group, location_of: Callable[[int], Location],
               guard: Callable[[], None] | None) -> Flushed | None:
-        """Copy memory step ``step`` (``None``: the newest held whole) to a durable tier (``flush.py``)."""
+        """Make memory step ``step`` (``None``: the newest held whole) durable: its chunk files copied, as stored, to
+        ``location_of(step)`` in the local tier (``flush.py``)."""
         self.wait()
         return flush_memory_step(self.node, group, step, location_of, guard)
 
@@ -106,12 +117,18 @@ class MemoryTier:
         self.wait()
         return self.node.committed_steps()
 
-    def clean_up(self, min_age_s: float) -> list[str]:
+    def source(self, step: int) -> None:
+        """None: a memory step is restored collectively, from the survivors (:meth:`restore`), not from one path."""
+        return None
+
+    def clean_up(self, min_age_s: float) -> CleanedUp:
         """Remove interrupted memory saves in this node's directory, and the memory directories of ended jobs beside
-        it (``sweep.py``); what was removed."""
+        it (``sweep.py``); what was removed (the directories the sweep keeps are not reported here: ``arrayckpt gc
+        --memory`` names them)."""
         self.wait()
         removed = self.node.clean_up(min_age_s)
-        return removed + ended_memory_directories(self.node.directory.parent, min_age_s, remove=True).removed
+        return CleanedUp(removed + ended_memory_directories(self.node.directory.parent, min_age_s, remove=True).removed,
+                         [])
 
     def close(self) -> None:
         """Wait for the memory save in flight (raising its failure), then let the node's directory go."""

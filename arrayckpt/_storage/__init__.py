@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .base import (
     ROOT_METADATA,
+    CleanedUp,
     Leftover,
     Leftovers,
     Location,
@@ -32,6 +33,7 @@ from .object import OBJECT_SCHEMES, ObjectLocation, ObjectWriter, parse_object_u
 __all__ = [
     "OBJECT_SCHEMES",
     "ROOT_METADATA",
+    "CleanedUp",
     "Leftover",
     "Leftovers",
     "LocalLocation",

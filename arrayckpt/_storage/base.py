@@ -13,7 +13,7 @@ Call order of a save (DCP ``storage.py`` style: who calls what, in which order):
     # every rank, with the plan (``writer.target``, ``writer.key_encoding``) broadcast by the coordinator
     writer.target.kvstore(path)                    # TensorStore kvstore spec for array data (writer.target
                                                    #   .write_context() for its context)
-    writer.target.finish_rank_writes()             # non-coordinator ranks: flush their chunks before reporting
+    writer.target.finish_rank_writes()             # non-coordinator ranks: fsync their chunks before reporting
     # coordinator, once every rank reported success
     wait()                                         # all metadata written
     writer.missing(chunks)                         # what the ranks reported written is all still there (else abort)
@@ -47,9 +47,10 @@ from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayck
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
-__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "Leftover", "Leftovers", "Location", "Opened", "Tree",
-           "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base", "kvstore_at",
-           "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme", "relative_parts"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "CleanedUp", "Leftover", "Leftovers", "Location",
+           "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base",
+           "kvstore_at", "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme",
+           "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
 LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
@@ -208,15 +209,15 @@ class Location(abc.ABC):
         creating."""
         return None
 
-    def without_flush(self) -> Location:
-        """This location for a save with ``durable=False``: one that skips flushing to disk before the commit
-        (itself where the storage has nothing to flush: object stores acknowledge a PUT once it is durable)."""
+    def without_fsync(self) -> Location:
+        """This location for a save with ``durable=False``: one that skips the fsync before the commit (itself
+        where the storage has nothing to sync to disk: object stores acknowledge a PUT once it is durable)."""
         return self
 
     def finish_rank_writes(self) -> None:
         """What a rank does after writing its chunks to this location (a writer's ``target``), before it
         reports success to the coordinator: make them durable. Nothing by default (object stores have nothing
-        to flush)."""
+        to fsync)."""
         return None
 
     @abc.abstractmethod
@@ -309,6 +310,14 @@ class Leftovers(NamedTuple):
     """What :meth:`Location.leftovers` finds: removable leftovers, and ``(url, why it stays)`` for the rest."""
 
     found: list[Leftover]
+    kept: list[tuple[str, str]]
+
+
+class CleanedUp(NamedTuple):
+    """What a clean-up did (a checkpoint manager's tier, say): what it removed, and ``(path, why it stays)`` for what
+    looked like a leftover but was kept."""
+
+    removed: list[str]
     kept: list[tuple[str, str]]
 
 

@@ -418,7 +418,7 @@ class Lease(Claim):
 
 class HeldRoot:
     """A writer's hold on one root, taken when free (:meth:`take`) and, while another holds it, tried again by every
-    use that writes (:meth:`check`); thread-safe (a manager's uploader checks from its own thread)."""
+    use that writes (:meth:`check`); thread-safe (a remote tier's step copier checks from its own thread)."""
 
     def __init__(self, location: Location) -> None:
         self.location = location

@@ -67,12 +67,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LocalLocation(Location):
-    """A checkpoint directory on a local (or locally mounted) filesystem. ``flush=False`` (a save with
-    ``durable=False``) skips the flush to disk before the commit: the commit is still atomic, but a power loss or a
+    """A checkpoint directory on a local (or locally mounted) filesystem. ``fsync=False`` (a save with
+    ``durable=False``) skips the fsync before the commit: the commit is still atomic, but a power loss or a
     crash of the machine (not of the process) may leave the committed checkpoint without its data."""
 
     path: Path
-    flush: bool = field(default=True, compare=False)
+    fsync: bool = field(default=True, compare=False)
 
     pins_reads = True  # reads go to the directory pinned at open (see the module docstring)
 
@@ -87,8 +87,8 @@ class LocalLocation(Location):
         """TensorStore kvstore spec of a directory inside the checkpoint."""
         return file_kvstore(self.path, subpath)
 
-    def without_flush(self) -> LocalLocation:
-        return replace(self, flush=False)
+    def without_fsync(self) -> LocalLocation:
+        return replace(self, fsync=False)
 
     def read_context(self) -> Any:
         return read_context()
@@ -221,8 +221,8 @@ class LocalLocation(Location):
         self.path.mkdir(parents=True, exist_ok=True)
 
     def finish_rank_writes(self) -> None:
-        """On a (possibly shared) filesystem, flush the chunks written below before reporting success."""
-        if self.flush:
+        """On a (possibly shared) filesystem, fsync the chunks written below before reporting success."""
+        if self.fsync:
             make_durable(self.path)
 
     def delete(self) -> None:
@@ -359,7 +359,7 @@ class LocalWriter(Writer):
             raise StorageError(f"{location}: the save's temporary directory was removed {_OPEN_ATTEMPTS} times as "
                                "soon as it was made (a gc without the minimum age is running); try again")
         self._documents: list[str] = []  # node paths whose zarr.json this writer wrote
-        self.target = LocalLocation(self.temp, flush=location.flush)  # where the ranks write
+        self.target = LocalLocation(self.temp, fsync=location.fsync)  # where the ranks write
         self.key_encoding = "default"
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Callable[[], None]:
@@ -420,14 +420,14 @@ class LocalWriter(Writer):
         """Write the (serialised) root metadata, make everything durable, then make it visible at the path: only if
         the temporary directory is still the one this save made (a ``stat``, right before the rename)."""
         (self.temp / ROOT_METADATA).write_bytes(root_document)
-        if self.location.flush:
+        if self.location.fsync:
             make_durable(self.temp)
         if not self._hold.still_at(self.temp):
             raise StorageError(f"{self.location}: the save's temporary directory {self.temp} was removed or replaced "
                                "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
         if rename_noreplace(self.temp, target):
-            self._flush_parent()
+            self._fsync_parent()
             return
         _check_replaceable(self.location, self.overwrite)  # something appeared meanwhile
         if _is_empty_dir(target):
@@ -436,11 +436,11 @@ class LocalWriter(Writer):
         else:
             exchange(self.temp, target)  # self.temp now holds the old checkpoint
             shutil.rmtree(self.temp, ignore_errors=True)
-        self._flush_parent()
+        self._fsync_parent()
 
-    def _flush_parent(self) -> None:
+    def _fsync_parent(self) -> None:
         """After the rename: make it durable (unless the save is not), and let the temporary directory's hold go."""
-        if self.location.flush:
+        if self.location.fsync:
             fsync_dir(self.location.path.parent)
         self._hold.release()
 

@@ -1,7 +1,7 @@
 """``copy``: a committed checkpoint, with its chain of bases, copied as stored between any two locations.
 
 Local directories, ``s3://``, ``gs://`` and ``memory://`` prefixes, in any direction. The chunk files are streamed
-as they are (no decoding and re-encoding; ``_tools/pump.py``), each one checked on the way, and the destination is
+as they are (no decoding and re-encoding; ``_tools/copy_files.py``), each one checked on the way, and the destination is
 committed last through the one write transaction (``_write/transaction.py``): a copy cut short never reads as
 committed, and a committed checkpoint it replaces stays whole until the commit.
 
@@ -54,7 +54,7 @@ from .._read.checkpoint import Checkpoint
 from .._settings import settings
 from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
-from .pump import ArrayCopy, Progress, Pump, Throttle
+from .copy_files import ArrayCopy, FileCopier, Progress, Throttle
 
 __all__ = ["CopyResult", "copy", "copy_checkpoint"]
 
@@ -117,8 +117,8 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
 def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, throttle: Throttle,
                     read_back: bool = False, concurrency: int | None = None,
                     progress: Progress | None = None, base_roots: tuple[Location, ...] = ()) -> CopyResult:
-    """:func:`copy` between two locations, with a ``throttle`` that several copies may share (the manager's
-    uploader)."""
+    """:func:`copy` between two locations, with a ``throttle`` that several copies may share (the remote tier's
+    step copier)."""
     if source.tree.holds(target.tree):
         raise ValueError(f"{target}: cannot copy a checkpoint onto itself or into itself ({source})")
     with Checkpoint(source, base_roots=base_roots) as checkpoint:
@@ -136,15 +136,15 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
         copied: list[str] = []
         objects = stored = 0
         for index, (layer, place) in reversed(list(enumerate(layers))):
-            def pump(to: Location, layer: Checkpoint = layer) -> Pump:
-                return Pump(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
+            def file_copier(to: Location, layer: Checkpoint = layer) -> FileCopier:
+                return FileCopier(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
                             concurrency=settings().copy_concurrency if concurrency is None else concurrency,
                             progress=progress)
 
             # a base's place holds nothing committed (checked above): overwrite only replaces a killed copy's leftovers
-            moved = _copy_layer(layer, place, overwrite or index > 0, pump)
+            done = _copy_layer(layer, place, overwrite or index > 0, file_copier)
             copied.append(str(place))
-            objects, stored = objects + moved.objects, stored + moved.stored_bytes
+            objects, stored = objects + done.objects, stored + done.stored_bytes
         return CopyResult(str(source), str(target), checkpoint.manifest.id, tuple(copied), tuple(skipped), objects,
                           stored)
 
@@ -171,9 +171,9 @@ def _holds(place: Location, identity: str | None, base: bool) -> bool:
 
 
 def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
-                make_pump: Callable[[Location], Pump]) -> Pump:
-    """Copy one checkpoint of a chain (its base, if any, is in place already); returns the pump that moved its
-    chunk files (with its counts)."""
+                make_copier: Callable[[Location], FileCopier]) -> FileCopier:
+    """Copy one checkpoint of a chain (its base, if any, is in place already); returns the file copier that copied
+    its chunk files (with its counts)."""
     where = str(checkpoint.location)
     arrays = _arrays(checkpoint, where)
     with begin_write(target, overwrite) as transaction:
@@ -186,9 +186,9 @@ def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
             nodes[path] = node
         arrays = [ArrayCopy(a.path, a.key, a.source, nodes[a.path], a.present) for a in arrays]
         transaction.write_documents({path: json.dumps(node).encode() for path, node in nodes.items() if path})
-        pump = make_pump(transaction.target)
+        copier = make_copier(transaction.target)
         try:
-            digests = pump.run(arrays)
+            digests = copier.copy_arrays(arrays)
         except Exception as e:  # a chunk gone because the source was replaced meanwhile is not damage: say so
             checkpoint.raise_if_replaced(e)
             raise
@@ -203,7 +203,7 @@ def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
         checkpoint.check_unchanged()  # object storage: what was read is the checkpoint that was opened
         consolidated = "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(n)}" for p, n in nodes.items()) + "}"
         transaction.commit(checkpoint.manifest, consolidated)
-    return pump
+    return copier
 
 
 def _arrays(checkpoint: Checkpoint, where: str) -> list[ArrayCopy]:

@@ -354,7 +354,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
 
-    def flush() -> None:
+    def compare_batch() -> None:
         nonlocal differing, nonfinite, differing_chunks, max_abs, max_rel
         boxes = [Box(tuple(s.start for s in c.index), c.shape) for c in batch]
         mine, theirs = read_boxes(left, key, boxes), read_boxes(right, key, boxes)
@@ -372,10 +372,10 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
         batch.append(chunk)
         held += chunk.nbytes
         if held >= settings().inspect_block_bytes or len(batch) >= BLOCK_CHUNKS:  # tiny chunks: bounded by count too
-            flush()
+            compare_batch()
             held = 0
     if batch:
-        flush()
+        compare_batch()
     return TensorDiff(key, differing, max_abs, max_rel, nonfinite, chunks, differing_chunks)
 
 

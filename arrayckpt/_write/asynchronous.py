@@ -149,7 +149,7 @@ def async_save(
     save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
     background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
     copy once it has committed (a second host copy of the state), so that the next incremental save against
-    it compares in memory instead of reading the checkpoint back. ``durable=False``: no flush to disk before the
+    it compares in memory instead of reading the checkpoint back. ``durable=False``: no sync to disk before the
     commit (see :func:`arrayckpt.save`). While the save runs, Python's cyclic garbage
     collector is paused (as during :func:`arrayckpt.save`, for at most 30 s; cycles the training makes meanwhile
     are collected after it) and, on Linux, its IO worker threads run at niceness +10 (``ARRAYCKPT_BACKGROUND_NICE``

@@ -155,7 +155,7 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
     context = target.write_context()
     checksums: Checksums = {}
 
-    def flush() -> None:
+    def copy_batch() -> None:
         nonlocal done, held
         read(checkpoint, [sources[plan.path](data) for plan, data in batch])
         checksums.update(write_all([ArrayIO(p.key, array_spec(target.kvstore(p.path), p.metadata), d, None, p.path)
@@ -171,7 +171,7 @@ def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[st
         batch.append((plan, data))
         held += data.nbytes
         if held >= settings().compact_batch_bytes:
-            flush()
+            copy_batch()
     if batch:
-        flush()
+        copy_batch()
     return done, checksums

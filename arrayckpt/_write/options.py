@@ -43,7 +43,7 @@ class SaveOptions:
     changed_rows: Mapping[str, Any] | None = None  # incremental: key -> global row indices changed since the base
     quantize: Mapping[str, int] | None = None  # incremental: key pattern -> 4 or 8 bits
     chunking: ChunkPolicy = DEFAULT_CHUNKING
-    durable: bool = True  # False: no flush to disk before the commit (``arrayckpt.save``'s docstring)
+    durable: bool = True  # False: no sync to disk before the commit (``arrayckpt.save``'s docstring)
     # Called by the coordinator before the save begins writing and again right before its commit; raising stops the
     # save on every rank (a CheckpointManager checks that it still holds its root, spec §9.4).
     guard: Callable[[], None] | None = None

@@ -102,7 +102,7 @@ def save(
             sparse gradient); the caller vouches the other rows are unchanged, which spares reading them back.
         quantize: with ``base``: key pattern -> 4 or 8 bits; the changed rows of matching floating-point tensors
             are stored quantized (lossy; the manifest records the largest error).
-        durable: ``False`` skips the flush to disk before the commit (locally an ``fsync`` of every file written),
+        durable: ``False`` skips the sync to disk before the commit (locally an ``fsync`` of every file written),
             as ``torch.save`` does: the commit stays atomic and a crash of the process leaves the previous
             checkpoint, but a power loss soon after may leave the committed checkpoint without its data (a load
             then names the missing or damaged chunk). Object stores are durable either way.
@@ -174,7 +174,7 @@ def prepare(path: str | os.PathLike[str] | Location, options: SaveOptions, recor
     else is done). The caller must :meth:`SaveRequest.close` it once the save is over."""
     location = parse_location(path, options.storage_options)
     if not options.durable:
-        location = location.without_flush()
+        location = location.without_fsync()
     delta = open_delta(options.base, location, options.changed_rows, options.quantize, options.storage_options)
     return SaveRequest(location, options, record, delta)
 
@@ -342,7 +342,7 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
     context = target.write_context()
     checksums = write_batched(jobs, device, context, where) if device else write_all(jobs, context, where)
-    if rank != 0 and (jobs or device):  # on a shared filesystem each host flushes its writes before reporting success
+    if rank != 0 and (jobs or device):  # on a shared filesystem each host fsyncs its writes before reporting success
         target.finish_rank_writes()
     return errors, checksums
 

@@ -110,19 +110,19 @@ def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch
         held += host.nbytes
         del host
         if held >= batch_bytes:
-            _flush(jobs, fetched, context, where, release, checksums)
+            _write_batch(jobs, fetched, context, where, release, checksums)
             done += held
             held = 0
             if progress is not None:
                 progress(done, total)
-    _flush(jobs, fetched, context, where, release, checksums)
+    _write_batch(jobs, fetched, context, where, release, checksums)
     if progress is not None:
         progress(total, total)
     return checksums
 
 
-def _flush(jobs: list[ArrayIO], fetched: list[str], context: Any, where: str,
-           release: Callable[[str], None] | None, checksums: Checksums) -> None:
+def _write_batch(jobs: list[ArrayIO], fetched: list[str], context: Any, where: str,
+                 release: Callable[[str], None] | None, checksums: Checksums) -> None:
     for path, found in write_all(jobs, context, where).items():
         checksums.setdefault(path, {}).update(found)
     if release is not None:

@@ -1,4 +1,4 @@
-"""Moving one checkpoint's stored chunk files from one storage to another, checked on the way (for ``copy``).
+"""Copying one checkpoint's stored chunk files from one storage to another, checked on the way: the engine of ``copy``.
 
 Each chunk file is read whole as stored (no decoding unless its codecs require it), checked (its size, every crc32c,
 its shard index; compressed chunks are decoded through TensorStore), paced by an optional rate limit and written
@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,13 +26,16 @@ from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.stored import stored_content_crc
 from .._format.zarr import chunk_key, grid_counts, grid_indices
-from .._io.arrays import resolve_context
+from .._io.arrays import LazyContext, resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.smallfiles import read_checkpoint_file
 from .._settings import settings
 from .._storage import Location
 
-__all__ = ["RETRY_DELAYS", "ArrayCopy", "Pump", "Throttle"]
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+__all__ = ["RETRY_DELAYS", "ArrayCopy", "FileCopier", "Throttle"]
 
 RETRY_DELAYS = (0.5, 2.0)  # seconds before each retry of a whole chunk file after a storage error
 # Errors no retry mends (in TensorStore's status names, or the OS's words): fail at once.
@@ -84,7 +87,7 @@ class _Budget:
 
 @dataclass(frozen=True)
 class ArrayCopy:
-    """One array to move: its path, the entry it belongs to, its metadata at the source and at the destination (the
+    """One array to copy: its path, the entry it belongs to, its metadata at the source and at the destination (the
     chunk key encoding may differ), and the C-order positions of the chunks it stores (``None``: all of them)."""
 
     path: str
@@ -119,8 +122,8 @@ class ArrayCopy:
         return sum(math.prod(s.stop - s.start for s in self.extent(g)) for g in self.chunks()) * self.itemsize
 
 
-class Pump:
-    """Moves the chunk files of one checkpoint from ``source_kvstore`` (read with ``source``'s context) to
+class FileCopier:
+    """Copies the chunk files of one checkpoint from ``source_kvstore`` (read with ``source``'s context) to
     ``target``; see the module docstring."""
 
     def __init__(self, source: Location, source_kvstore: dict[str, Any], target: Location, *, throttle: Throttle,
@@ -134,12 +137,12 @@ class Pump:
         self._progress = progress
         self._budget = _Budget(settings().copy_in_flight_bytes)
         self._decoders: dict[str, ChunkDecoder] = {}
-        self._decoding: Any = None  # one TensorStore context (in-memory store) for every decoder
+        self._decoding: ts.Context | None = None  # one TensorStore context (in-memory store) for every decoder
         self._lock = threading.Lock()
         self.objects = self.stored_bytes = 0
 
-    def run(self, arrays: list[ArrayCopy]) -> dict[str, str]:
-        """Move every stored chunk of ``arrays``; returns each array's digest of its chunks' content checksums."""
+    def copy_arrays(self, arrays: list[ArrayCopy]) -> dict[str, str]:
+        """Copy every stored chunk file of ``arrays``; returns each array's digest of its chunks' content checksums."""
         total = sum(array.nbytes() for array in arrays)
         done = 0
         digests: dict[str, ChunkDigest] = {}
@@ -150,7 +153,7 @@ class Pump:
                     digest = digests[array.path] = ChunkDigest()
                     for grid_index in array.chunks():
                         size = math.prod(s.stop - s.start for s in array.extent(grid_index)) * array.itemsize
-                        window.append((digest, pool.submit(self._move, array, grid_index), size))
+                        window.append((digest, pool.submit(self._copy_file, array, grid_index), size))
                         while len(window) > 4 * self._concurrency:
                             done = self._finish(window.popleft(), done, total)
                 while window:
@@ -168,7 +171,7 @@ class Pump:
             self._progress(done + size, total)
         return done + size
 
-    def _move(self, array: ArrayCopy, grid_index: tuple[int, ...]) -> int:
+    def _copy_file(self, array: ArrayCopy, grid_index: tuple[int, ...]) -> int:
         """Copy one chunk file, checked; returns its content checksum. Retries it after a storage error."""
         name = chunk_key(array.source, grid_index)
         claim = math.prod(array.source["chunk_grid"]["configuration"]["chunk_shape"]) * array.itemsize
@@ -176,7 +179,7 @@ class Pump:
         try:
             for delay in (*RETRY_DELAYS, None):
                 try:
-                    return self._move_once(array, grid_index, name)
+                    return self._copy_file_once(array, grid_index, name)
                 except StorageError as e:
                     if delay is None or any(mark in str(e) for mark in _PERMANENT):
                         raise
@@ -185,7 +188,7 @@ class Pump:
         finally:
             self._budget.release(claim)
 
-    def _move_once(self, array: ArrayCopy, grid_index: tuple[int, ...], name: str) -> int:
+    def _copy_file_once(self, array: ArrayCopy, grid_index: tuple[int, ...], name: str) -> int:
         file = f"{array.path}/{name}"
         data = self._read(file)
         crc = stored_content_crc(array.source, grid_index, data, f"{self._where}/{file}")
@@ -238,7 +241,7 @@ class Pump:
             return decoder
 
 
-def _open(spec: dict[str, Any], context: Any, where: str) -> Any:
+def _open(spec: dict[str, Any], context: ts.Context | LazyContext, where: str) -> ts.KvStore:
     try:
         import tensorstore as ts  # on first use (CLI start-up)
         return ts.KvStore.open(spec, context=resolve_context(context)).result()

@@ -1,12 +1,12 @@
-"""The uploader of a two-tier manager: one background thread that copies the local tier's committed steps to the
-remote one.
+"""The remote tier's step copier: one background thread that copies the local tier's committed steps to the remote
+tier (what the public API and its messages call uploads: ``wait_for_uploads``, ``upload_errors``).
 
 Each committed local step is copied to the remote tier with :func:`arrayckpt.copy` (chunk files streamed as stored
 and checked, a delta's bases first, the remote root document written last), oldest first, then the remote retention
 runs. It starts by comparing the two tiers and queues every local step the remote lacks (a previous process killed
-mid-upload left the remote step uncommitted: it is copied again). A failed copy is retried (after each object's own
+mid-copy left the remote step uncommitted: it is copied again). A failed copy is retried (after each object's own
 retries) a few times, then recorded as an error that the manager raises once; the step is retried with the next
-save. Until a step's upload has committed (or the remote tier would not keep it anyway), the local retention keeps
+save. Until a step's copy has committed (or the remote tier would not keep it anyway), the local retention keeps
 it.
 """
 
@@ -21,40 +21,40 @@ from typing import TYPE_CHECKING
 from .._errors import ArrayckptError, CorruptCheckpointError, FormatError
 from .._settings import settings
 from .._tools.copy import copy_checkpoint
-from .._tools.pump import Throttle
-from .tiers import StepTree
+from .._tools.copy_files import Throttle
+from .steptree import StepTree
 
 if TYPE_CHECKING:
     from .._write.asynchronous import SaveHandle
     from .policy import Retention
 
-__all__ = ["STEP_RETRY_DELAYS", "Uploader"]
+__all__ = ["STEP_RETRY_DELAYS", "StepCopier"]
 
-STEP_RETRY_DELAYS = (2.0, 10.0)  # seconds before each new attempt at a whole step's upload that failed
+STEP_RETRY_DELAYS = (2.0, 10.0)  # seconds before each new attempt at a whole step's copy that failed
 
 
-class Uploader:
+class StepCopier:
     """The background thread that copies committed local steps to the remote tier (see the module docstring)."""
 
     def __init__(self, local: StepTree, remote: StepTree, retention: Retention,
                  max_bytes_per_second: float | None, guard: Callable[[], None] | None = None) -> None:
         self.local, self.remote, self.retention = local, remote, retention
-        self.guard = guard  # raises unless the manager holds the remote root (spec §9.4): checked before each upload
+        self.guard = guard  # raises unless the manager holds the remote root (spec §9.4): checked before each copy
         self._throttle = Throttle(max_bytes_per_second)
         self._cond = threading.Condition()
         self._queue: dict[int, SaveHandle | None] = {}  # step -> its local save still running, or None
         self._current: int | None = None
-        self._failed: dict[int, BaseException] = {}  # steps whose last upload failed, with the error
+        self._failed: dict[int, BaseException] = {}  # steps whose last copy failed, with the error
         self._unreported: list[int] = []  # failures not raised yet
         self._remote_ids: dict[int, str | None] | None = None  # committed remote steps' ids (None: not looked yet)
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="arrayckpt-uploader", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="arrayckpt-copier", daemon=True)
         self._thread.start()
 
     # --- what the manager calls (its own thread) ---------------------------------------------------------------
 
     def add(self, step: int, handle: SaveHandle | None = None) -> None:
-        """Upload step ``step`` once its local save (``handle``, if still running) has committed; failed steps are
+        """Copy step ``step`` once its local save (``handle``, if still running) has committed; failed steps are
         tried again too."""
         with self._cond:
             self._queue[step] = handle
@@ -69,7 +69,7 @@ class Uploader:
             self._cond.notify_all()
 
     def pending(self) -> set[int] | None:
-        """Steps whose upload has not committed yet: queued, in progress or failed (``None``: not known yet, before
+        """Steps whose copy has not committed yet: queued, in progress or failed (``None``: not known yet, before
         the first comparison of the tiers)."""
         with self._cond:
             if self._remote_ids is None:
@@ -95,7 +95,7 @@ class Uploader:
             return out
 
     def close(self) -> None:
-        """Stop the thread once the queue is empty (what is queued is uploaded first)."""
+        """Stop the thread once the queue is empty (what is queued is copied first)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -106,7 +106,7 @@ class Uploader:
     def _run(self) -> None:
         try:
             self._compare_tiers()
-        except BaseException as e:  # noqa: BLE001 - never let the thread die: upload everything instead
+        except BaseException as e:  # noqa: BLE001 - never let the thread die: copy everything instead
             warnings.warn(f"{self.remote.location}: comparing the tiers failed ({e})", RuntimeWarning, stacklevel=2)
             with self._cond:
                 if self._remote_ids is None:
@@ -121,7 +121,7 @@ class Uploader:
                 self._current = step
             error: BaseException | None = None
             try:
-                error = self._upload(step, handle)
+                error = self._copy(step, handle)
             except BaseException as e:  # noqa: BLE001 - never let the thread die: report it
                 error = e
             with self._cond:
@@ -153,7 +153,7 @@ class Uploader:
             self._remote_ids = ids
             self._cond.notify_all()
 
-    def _upload(self, step: int, handle: SaveHandle | None) -> BaseException | None:
+    def _copy(self, step: int, handle: SaveHandle | None) -> BaseException | None:
         """Copy one step (after its local save, if that is still running); the error that stands, if any."""
         while handle is not None and not handle.done():
             time.sleep(settings().uploader_poll_s)
@@ -178,7 +178,7 @@ class Uploader:
                 return e if source.is_committed() else None
             except (ArrayckptError, OSError, ValueError) as e:
                 if not source.is_committed():
-                    return None  # deleted locally meanwhile (keep_until_uploaded=False): nothing to upload
+                    return None  # deleted locally meanwhile (keep_until_uploaded=False): nothing to copy
                 last = e
         else:
             return last
@@ -186,7 +186,7 @@ class Uploader:
             self._remote_ids[step] = identity
         try:
             deleted = self.remote.apply_retention(self.retention, set())
-        except ArrayckptError as e:  # the upload stands; retention runs again after the next one
+        except ArrayckptError as e:  # the copy stands; retention runs again after the next one
             warnings.warn(f"{self.remote.location}: retention failed ({e}); it runs again after the next upload",
                           RuntimeWarning, stacklevel=2)
             return None
@@ -197,7 +197,7 @@ class Uploader:
 
     def _worth(self, step: int) -> bool:
         """Whether the remote retention would keep ``step`` beside the steps the remote tier holds: an older step that
-        it would delete at once is not uploaded (nor kept locally for it)."""
+        it would delete at once is not copied (nor kept locally for it)."""
         assert self._remote_ids is not None
         known = set(self._remote_ids)
         if not any(s > step for s in known) or (self.retention.keep_best and self.retention.metric):
