@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -119,7 +119,11 @@ class LazyContext:
             return self._context
 
 
-def resolve_context(context: ts.Context | LazyContext) -> ts.Context:
+if TYPE_CHECKING:
+    StoreContext: TypeAlias = ts.Context | LazyContext  # what a transfer is given: a context, or one made on first use
+
+
+def resolve_context(context: StoreContext) -> ts.Context:
     """The TensorStore context to hand to TensorStore: a :class:`LazyContext` made now, any other as it is."""
     return context.get() if isinstance(context, LazyContext) else context
 
@@ -148,7 +152,7 @@ def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, A
     }
 
 
-def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: str = "") -> ts.TensorStore:
+def open_array(spec: dict[str, Any], context: StoreContext, key: str = "", where: str = "") -> ts.TensorStore:
     """Open one array for reading slices of it (metadata is assumed from the spec); in a local directory, first
     refuse a chunk file that is not a regular file (one ``scandir``, see :func:`check_chunk_files`)."""
     _check_array_directory(spec, key, where)
@@ -221,7 +225,7 @@ def _not_regular(path: str, key: str, where: str, link: bool = False) -> Corrupt
                                              "damaged: restore the file from a copy"))
 
 
-def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> ts.Future[ts.TensorStore]:
+def _start_open(spec: dict[str, Any], context: StoreContext, key: str, where: str) -> ts.Future[ts.TensorStore]:
     """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
     try:
         import tensorstore as ts  # on first use (CLI start-up)
@@ -249,7 +253,7 @@ def _describe(error: BaseException) -> str:
     return str(error).strip() or type(error).__name__
 
 
-def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> Checksums:
+def write_all(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> Checksums:
     """Write every array's data concurrently and wait; the source memory must stay unchanged. Returns the
     checksum of every whole outer chunk written by a job that names its ``node``, for the manifest's chunk
     digests (a chunk only partly covered by one job is not reported; the commit then refuses the save).
@@ -300,12 +304,12 @@ def _write_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
     return store.write(typed_data(job), can_reference_source_data_indefinitely=keep)
 
 
-def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
+def read_into(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
     """Read every array concurrently straight into the given (writable) memory (fast path as for writes)."""
     _both_paths(jobs, context, where, "read", read_rows, _read_store)
 
 
-def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str,
+def _both_paths(jobs: Sequence[ArrayIO], context: StoreContext, where: str, action: str,
                 fast_path: Callable[[list[tuple], str], list[int]],
                 start: Callable[[ts.TensorStore, ArrayIO], ts.WriteFutures],
                 split: tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]] | None = None) -> list[tuple[ArrayIO, tuple]]:
@@ -370,7 +374,7 @@ def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:
 
 
 def _transfer(
-    jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str,
+    jobs: Sequence[ArrayIO], context: StoreContext, where: str, action: str,
     start: Callable[[ts.TensorStore, ArrayIO], ts.WriteFutures],
 ) -> None:
     """Open all arrays, start every transfer, then wait for all of them (none is left running)."""

@@ -33,6 +33,7 @@ from .._errors import (
     LocationError,
     StorageError,
 )
+from .._format.jsontypes import JSON
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .base import (
@@ -106,7 +107,7 @@ class ObjectLocation(Location):
         spec["path"] = f"{path}/" if path else ""
         return spec
 
-    def context(self) -> Any:  # a tensorstore.Context
+    def context(self) -> ts.Context:
         return object_context(self.scheme, self.options)
 
     read_context = write_context = context
