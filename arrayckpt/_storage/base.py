@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError, LocationError
-from .._format.jsontypes import JSON
 from .._format.integrity import check_root_integrity
+from .._format.jsontypes import JSON
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import (
     BaseNotAllowedError,
@@ -32,9 +32,8 @@ from .._errors import (
     LocationError,
     StorageError,
 )
-from .._format.jsontypes import JSON
 from .._format.manifest import is_arrayckpt_root
-from .._io.arrays import read_context, write_context
+from .._io.arrays import LazyContext, read_context, write_context
 from .._io.smallfiles import first_link, read_checkpoint_file, read_regular_file
 from .._settings import settings
 from .base import (
@@ -55,9 +54,6 @@ from .base import (
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .renames import exchange, fsync_dir, make_durable, rename_noreplace
-
-if TYPE_CHECKING:
-    from .._io.arrays import StoreContext
 
 __all__ = [
     "LocalLeftover",
@@ -94,10 +90,10 @@ class LocalLocation(Location):
     def without_flush(self) -> LocalLocation:
         return replace(self, flush=False)
 
-    def read_context(self) -> StoreContext:
+    def read_context(self) -> LazyContext:
         return read_context()
 
-    def write_context(self) -> StoreContext:
+    def write_context(self) -> LazyContext:
         return write_context()
 
     # --- reading ---------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from .._errors import (
     LocationError,
     StorageError,
 )
-from .._format.jsontypes import JSON
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .base import (
