@@ -187,8 +187,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             elements = f"{t.differing_elements} element{'' if t.differing_elements == 1 else 's'}"
             emit(f"differs:   {t.key}: {elements}{chunks}, max abs {t.max_abs:.6g}, "
                   f"max rel {t.max_rel:.6g}{extra}")
-    for key, (a, b) in report.values.items():
-        emit(f"value:     {key}: {a!r} -> {b!r}")
+    for key, (was, now) in report.values.items():
+        emit(f"value:     {key}: {was!r} -> {now!r}")
     same = sum(1 for t in report.tensors if not t.differing_elements)
     emit("identical" if report.identical else f"{same} of {len(report.tensors)} common tensors identical")
     return 0 if report.identical else 1

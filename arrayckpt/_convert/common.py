@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ArrayckptError, CheckpointExistsError, StorageError
+from .._format.jsontypes import JSON
 from .._format.manifest import PerRankEntry, PickleEntry
 from .._read.checkpoint import Checkpoint
 
@@ -54,7 +55,7 @@ class ConvertResult:
     tied: Mapping[str, str] = field(default_factory=dict)  # names left out as ties: alias -> the name written
     notes: tuple[str, ...] = ()  # warnings about the output, in words
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped), "tied": dict(self.tied),
                 "notes": list(self.notes)}
 
@@ -119,7 +120,8 @@ def write_failure(error: BaseException, path: Path | str) -> StorageError | None
     return None
 
 
-def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], object]) \
+        -> tuple[dict[str, object], tuple[str, ...]]:
     """The checkpoint's state rebuilt as nested dicts/lists/tuples; ``tensor(key)`` gives each array leaf.
 
     An alias (tied weights) gets the very object its target gets (``tensor`` is asked once), so that a format which
@@ -130,7 +132,7 @@ def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], Any]) -> tuple[
     skipped = []
     entries = checkpoint.manifest.entries
     pickled = checkpoint.unpickle([k for k, e in entries.items() if isinstance(e, PickleEntry)])  # one warning
-    made: dict[str, Any] = {}  # by the key of the stored tensor
+    made: dict[str, object] = {}  # by the key of the stored tensor
     for key, entry in entries.items():
         if isinstance(entry, PerRankEntry):
             skipped.append(key)

@@ -26,7 +26,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import torch
 
@@ -41,8 +41,17 @@ from .common import ConvertResult, Progress, nested_state, refusal_reason, refus
 from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
 from .switch import held_temporary, switch_directory, switch_files, switched_path
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
 __all__ = ["MetadataUnpickler", "dcp_file", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata",
            "refuse_pickles", "stream_into_dcp", "to_dcp"]
+
+_Loaded = TypeVar("_Loaded")  # what a state given to DCP's load holds: tensors loaded in place, or plain values
 
 METADATA_FILE = ".metadata"
 DISTCP_FILE = re.compile(r"__\d+_\d+\.distcp")  # the data files of DCP's FileSystemWriter
@@ -77,7 +86,7 @@ ALLOWED_GLOBALS = frozenset({
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata``, refusing every global but DCP's metadata classes and torch dtypes."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                          torch.memory_format)):
             return getattr(torch, name)
@@ -86,7 +95,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type; refusing to load it")
 
 
-def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint in directory ``path``, unpickled with :class:`MetadataUnpickler`."""
     file = Path(path) / METADATA_FILE
     try:  # a regular file of bounded size (not a FIFO, which would block; not /dev/zero)
@@ -104,32 +113,34 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
     return metadata
 
 
-def _reader(path: str | os.PathLike[str], metadata: Any) -> Any:
+def _reader(path: str | os.PathLike[str], metadata: Metadata) -> FileSystemReader:
     """A ``FileSystemReader`` that hands out the safely read metadata instead of unpickling it again."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+            assert metadata.storage_meta is not None  # read_dcp_metadata sets it
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeReader(os.fspath(path))
 
 
-def _planner(trusted: bool = False) -> Any:
+def _planner(trusted: bool = False) -> DefaultLoadPlanner:
     """A load planner for flat ``{fqn: target}`` dicts that loads non-tensor values with ``weights_only=True``
     (``trusted``: with full unpickling, for a source the caller trusts)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             # into the caller's dict: with flatten_state_dict=False, self.state_dict may be a copy of it
             self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=not trusted)
 
     return SafeLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
 
 
-def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any, trusted: bool = False) -> None:
+def _dcp_load(state: dict[str, _Loaded], path: str | os.PathLike[str], metadata: Metadata, trusted: bool = False) \
+        -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
@@ -152,7 +163,7 @@ def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str], metadata: Any
             raise cause from None
 
 
-def _short_files(path: str | os.PathLike[str], metadata: Any) -> str:
+def _short_files(path: str | os.PathLike[str], metadata: Metadata) -> str:
     """`` (__0_0.distcp has 100 bytes, its items reach 4000)`` for every data file shorter than its items reach
     (or missing), from ``.metadata``'s storage data: which file a failed read was cut short in."""
     reach: dict[str, int] = {}
@@ -173,12 +184,12 @@ def _short_files(path: str | os.PathLike[str], metadata: Any) -> str:
     return f" ({'; '.join(short)})" if short else ""
 
 
-def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+def _set_path(root: dict[str, object], path: tuple[str | int, ...], value: object) -> None:
     """Place ``value`` at ``path``, creating dicts for str keys and lists for int keys, as DCP's unflatten does."""
-    node: Any = root
+    node: Any = root  # Any: a dict or a list, indexed by the str or int part the path has at that depth
     for part, following in zip(path[:-1], path[1:], strict=True):
-        fresh: Any = [] if isinstance(following, int) else {}
-        if isinstance(node, list):
+        fresh: list[object] | dict[str, object] = [] if isinstance(following, int) else {}
+        if isinstance(node, list) and isinstance(part, int):
             node.extend([None] * (part + 1 - len(node)))
             if node[part] is None:
                 node[part] = fresh
@@ -186,16 +197,16 @@ def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
         else:
             node = node.setdefault(part, fresh)
     last = path[-1]
-    if isinstance(node, list):
+    if isinstance(node, list) and isinstance(last, int):
         node.extend([None] * (last + 1 - len(node)))
     node[last] = value
 
 
 def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
              allow_pickle: bool = False, progress: Progress | None = None,
-             chunking: ChunkPolicy = DEFAULT_CHUNKING, extra: dict[str, Any] | None = None,
+             chunking: ChunkPolicy = DEFAULT_CHUNKING, extra: Mapping[str, object] | None = None,
              label: str = "dcp", trusted_values: bool = False,
-             created: dict[str, Any] | None = None) -> ConvertResult:
+             created: dict[str, object] | None = None) -> ConvertResult:
     """A DCP checkpoint (saved by any number of ranks) into arrayckpt, one whole tensor at a time.
 
     The nesting of the saved state dict is rebuilt from DCP's planner data, so keys, lists and plain values
@@ -210,14 +221,14 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
     metadata = read_dcp_metadata(src)
     entries = metadata.state_dict_metadata
     storage = storage_index(metadata)
-    values: dict[str, Any] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
+    values: dict[str, object] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
     if values:
         if trusted_values:  # loaded with weights_only=False: say so, as torch.load does
             warn_unpickling(f"{src}: unpickling values {', '.join(map(repr, list(values)[:10]))} fully")
         _dcp_load(values, src, metadata, trusted_values)  # small: the plain values, with weights_only=True
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    skeleton: dict[Any, Any] = {}
-    tensors: dict[str, Any] = {}
+    skeleton: dict[str, object] = {}
+    tensors: dict[str, tuple[str, TensorStorageMetadata]] = {}
     for fqn, item in entries.items():
         path = tuple(paths.get(fqn, (fqn,))) or (fqn,)
         if isinstance(item, TensorStorageMetadata):
@@ -270,7 +281,7 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
 
 
-def _left_out_by_dcp(value: Any, path: tuple[Any, ...] = ()) -> tuple[str, ...]:
+def _left_out_by_dcp(value: object, path: tuple[str | int, ...] = ()) -> tuple[str, ...]:
     """The dotted names of the empty dicts in ``value`` that DCP's flattening save leaves out: it walks into every
     dict, and into every list holding a dict or a tensor (``_traverse.traverse_state_dict``), and saves nothing
     for an empty dict it meets that way."""
@@ -283,7 +294,7 @@ def _left_out_by_dcp(value: Any, path: tuple[Any, ...] = ()) -> tuple[str, ...]:
     return ()
 
 
-def _saved_whole(value: list[Any]) -> bool:
+def _saved_whole(value: list[object]) -> bool:
     """Whether DCP saves this list as one value (``_traverse``'s ``_is_terminal``): no dict, tensor, or such a
     list inside."""
     return not any(isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and not _saved_whole(v))
@@ -303,7 +314,7 @@ def meta_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:
     return torch.empty(checkpoint[key].shape, dtype=checkpoint[key].dtype, device="meta")
 
 
-def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, Any], keys: frozenset[str], directory: Path, *,
+def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, object], keys: frozenset[str], directory: Path, *,
                     flatten: bool, progress: Progress | None = None) -> int:
     """DCP's own save of ``state`` into the new ``directory``, one rank: its meta tensors under ``keys`` (the
     arrayckpt keys, which are also DCP's names: dotted paths when ``flatten``, else the state's own keys) read
@@ -318,7 +329,7 @@ def stream_into_dcp(checkpoint: Checkpoint, state: dict[str, Any], keys: frozens
     class StreamingPlanner(DefaultSavePlanner):
         """Resolves each tensor from arrayckpt when DCP's writer reaches it (and not before)."""
 
-        def resolve_data(self, write_item: Any) -> Any:
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
             fqn = write_item.index.fqn
             if fqn not in keys:
                 return super().resolve_data(write_item)
@@ -384,7 +395,7 @@ def _dcp_cause(error: BaseException) -> BaseException:
     return ours[0] if ours else causes[0] if causes else error
 
 
-def _writer(path: Path, overwrite: bool) -> Any:
+def _writer(path: Path, overwrite: bool) -> FileSystemWriter:
     """A ``FileSystemWriter`` that appends every item to one ``__0_0.distcp``, holding one item at a time.
 
     DCP groups a rank's items into ``thread_count`` files (one, by default) and records each item's place
@@ -399,17 +410,17 @@ def _writer(path: Path, overwrite: bool) -> Any:
     from torch.futures import Future
 
     class OneFileWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
             name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
             results = _write_one_file(Path(self.path) / name, plan.items, planner, self.sync_files)
-            future: Any = Future()
+            future: Future[list[WriteResult]] = Future()
             future.set_result(results)
             return future
 
     return OneFileWriter(os.fspath(path), single_file_per_rank=True, thread_count=1, overwrite=overwrite)
 
 
-def _write_one_file(file: Path, items: list[Any], planner: Any, sync: bool) -> list[Any]:
+def _write_one_file(file: Path, items: list[WriteItem], planner: SavePlanner, sync: bool) -> list[WriteResult]:
     """Every write item appended to ``file``, plain values first and then tensors in plan order (DCP's order
     with one file per rank), written under a temporary name and renamed into place once complete and (with
     ``sync``) durable, so a ``.distcp`` file that is there is whole. Returns DCP's ``WriteResult`` per item."""
@@ -430,7 +441,7 @@ def _write_one_file(file: Path, items: list[Any], planner: Any, sync: bool) -> l
     return results
 
 
-def _append_item(stream: BinaryIO, item: Any, planner: Any, name: str) -> Any:
+def _append_item(stream: BinaryIO, item: WriteItem, planner: SavePlanner, name: str) -> WriteResult:
     """One item resolved (a tensor read from arrayckpt only now), appended to ``stream`` and recorded as
     DCP's ``_StorageInfo(name, offset, length)``; the data is dropped on return, before the next is read."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -23,13 +23,19 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .._errors import FormatError
 from .torch_save import LEGACY_STORAGES
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 __all__ = ["append_payload", "check_chunks", "read_in_place", "storage_index"]
 
@@ -57,14 +63,15 @@ class _TensorRef:
     dtype: torch.dtype
 
 
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRef:
+def _rebuild_v2(storage: object, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *rest: object) \
+        -> _TensorRef:
     if not isinstance(storage, _StorageRef) or storage.dtype is None:
         raise pickle.UnpicklingError("_rebuild_tensor_v2 of something other than a typed storage")
     return _TensorRef(storage, int(offset), tuple(map(int, size)), tuple(map(int, stride)), storage.dtype)
 
 
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
-                *rest: Any) -> _TensorRef:
+def _rebuild_v3(storage: object, offset: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+                hooks: object, dtype: object, *rest: object) -> _TensorRef:
     if not isinstance(storage, _StorageRef) or storage.dtype is not None or not isinstance(dtype, torch.dtype):
         raise pickle.UnpicklingError("_rebuild_tensor_v3 of something other than an untyped storage")
     return _TensorRef(storage, int(offset), tuple(map(int, size)), tuple(map(int, stride)), dtype)
@@ -77,7 +84,7 @@ class _PayloadUnpickler(pickle.Unpickler):
     ``OrderedDict`` are admitted; anything else is refused (and the payload is then read through DCP).
     """
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_v2
         if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
@@ -92,7 +99,7 @@ class _PayloadUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor payload")
 
-    def persistent_load(self, pid: Any) -> _StorageRef:
+    def persistent_load(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
                 and isinstance(pid[4], int)):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
@@ -102,7 +109,7 @@ class _PayloadUnpickler(pickle.Unpickler):
 class _FileView(io.RawIOBase):
     """The bytes ``[start, start + length)`` of an open binary file, as a seekable file of their own."""
 
-    def __init__(self, file: Any, start: int, length: int) -> None:
+    def __init__(self, file: BinaryIO, start: int, length: int) -> None:
         super().__init__()
         self._file, self._start, self._length, self._pos = file, start, length, 0
 
@@ -122,7 +129,7 @@ class _FileView(io.RawIOBase):
         self._pos = base + pos
         return self._pos
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(len(view), self._length - self._pos))
         got = os.preadv(self._file.fileno(), [view[:n]], self._start + self._pos) if n else 0
@@ -139,7 +146,7 @@ def _contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _payload_start(file: Any, info: Any, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
+def _payload_start(file: BinaryIO, info: _StorageInfo, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
     """The file offset of the first byte of the chunk saved at ``info`` (a ``_StorageInfo``), or ``None`` when
     the payload is not a plain, uncompressed, little-endian, C-contiguous ``torch.save`` of that chunk."""
     if getattr(info, "transform_descriptors", None) or sys.byteorder != "little":
@@ -175,7 +182,7 @@ def _payload_start(file: Any, info: Any, dtype: torch.dtype, sizes: tuple[int, .
         return None
 
 
-def check_chunks(src: Any, fqn: str, item: Any) -> None:
+def check_chunks(src: str | os.PathLike[str], fqn: str, item: TensorStorageMetadata) -> None:
     """The saved chunks of a tensor lie inside it, do not overlap and cover it (else parts would be garbage)."""
     size = tuple(item.size)
     chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks]
@@ -222,7 +229,7 @@ def _overlap(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     return False
 
 
-def _payload_file(src: Path, relative: Any) -> Path:
+def _payload_file(src: Path, relative: object) -> Path:
     """The ``.distcp`` file a ``_StorageInfo`` names, which must lie inside the checkpoint directory."""
     if not isinstance(relative, str) or not relative or os.path.isabs(relative) or "\x00" in relative or \
             os.path.normpath(relative).split(os.sep)[0] == "..":
@@ -230,7 +237,8 @@ def _payload_file(src: Path, relative: Any) -> Path:
     return src / relative
 
 
-def read_in_place(src: Path, fqn: str, item: Any, storage: Mapping[tuple[str, tuple[int, ...]], Any]) \
+def read_in_place(src: Path, fqn: str, item: TensorStorageMetadata,
+                  storage: Mapping[tuple[str, tuple[int, ...]], _StorageInfo]) \
         -> torch.Tensor | None:
     """The whole tensor ``fqn``, each saved chunk read straight into its place (``None``: some chunk's payload
     is not one this reader recognises; read the tensor through DCP)."""
@@ -260,7 +268,7 @@ def read_in_place(src: Path, fqn: str, item: Any, storage: Mapping[tuple[str, tu
     whole = out.reshape(-1).view(torch.uint8).numpy()
     itemsize = out.element_size()
     strides = [itemsize * math.prod(size[d + 1:]) for d in range(len(size))]
-    buffer: list[np.ndarray] = []
+    buffer: list[npt.NDArray[np.uint8]] = []
     for offsets, sizes, file, start in located:
         first = sum(o * s for o, s in zip(offsets, strides, strict=True))
         region = np.lib.stride_tricks.as_strided(whole[first:], (*sizes, itemsize), (*strides, 1), writeable=True)
@@ -269,7 +277,8 @@ def read_in_place(src: Path, fqn: str, item: Any, storage: Mapping[tuple[str, tu
     return out
 
 
-def _read_region(fd: int, offset: int, region: Any, buffer: list[Any], where: str) -> None:
+def _read_region(fd: int, offset: int, region: npt.NDArray[np.uint8], buffer: list[npt.NDArray[np.uint8]], where: str) \
+        -> None:
     """Fill ``region`` (a uint8 view of part of a tensor, last axis the element's bytes) from ``fd`` at ``offset``,
     where its elements are stored contiguously in C order; non-contiguous regions go through a bounded buffer."""
     if region.flags.c_contiguous:
@@ -292,8 +301,8 @@ def _read_region(fd: int, offset: int, region: Any, buffer: list[Any], where: st
         _read_region(fd, offset + i * row, region[i:i + step], buffer, where)
 
 
-def _pread_into(fd: int, target: Any, offset: int, where: str) -> None:
-    view = memoryview(target).cast("B")
+def _pread_into(fd: int, target: npt.NDArray[np.uint8], offset: int, where: str) -> None:
+    view = target.data.cast("B")
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -302,7 +311,7 @@ def _pread_into(fd: int, target: Any, offset: int, where: str) -> None:
         done += got
 
 
-def storage_index(metadata: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
+def storage_index(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], _StorageInfo]:
     """``storage_data`` by (fqn, chunk offsets)."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):

@@ -65,6 +65,7 @@ from .deepspeed_files import (
     LAYOUT_KEYS,
     OPTIMIZER_KEYS,
     FragmentAddress,
+    ZeroFiles,
     find_zero_files,
     load_pt,
     model_states_file,
@@ -98,14 +99,14 @@ class FlatParam:
     pieces: tuple[Piece, ...]
 
 
-def _shape(value: Any, what: str) -> tuple[int, ...]:
+def _shape(value: object, what: str) -> tuple[int, ...]:
     shape = tuple(value) if isinstance(value, (torch.Size, tuple, list)) else None
     if shape is None or not all(isinstance(n, int) and n >= 0 for n in shape):
         raise FormatError(f"{what}: shape {value!r} is not a list of sizes")
     return shape
 
 
-def zero12_layout(param_shapes: list[dict[str, Any]], paddings: list[list[int]] | None,
+def zero12_layout(param_shapes: list[dict[str, object]], paddings: list[list[int]] | None,
                   lean_sizes: list[list[int]], where: str) -> list[FlatParam]:
     """ZeRO 1/2: the pieces of every parameter, from ``param_shapes``, ``param_alignment_paddings`` and the sizes
     of the ranks' unpadded partitions (``lean_sizes[rank][group]``); the sizes must add up exactly."""
@@ -131,7 +132,7 @@ def zero12_layout(param_shapes: list[dict[str, Any]], paddings: list[list[int]] 
     return out
 
 
-def zero3_layout(param_shapes: list[dict[str, Any]], flat_sizes: list[list[int]], where: str) -> list[FlatParam]:
+def zero3_layout(param_shapes: list[dict[str, object]], flat_sizes: list[list[int]], where: str) -> list[FlatParam]:
     """ZeRO 3: the pieces of every parameter, each split into ``world_size`` parts of ``ceil(numel / world)``;
     every rank's flat sub-group ``j`` must hold exactly its parts of ``param_shapes[j]``."""
     world = len(flat_sizes)
@@ -162,14 +163,14 @@ class _Partitions:
 
     masters: list[list[torch.Tensor]]            # [rank][group], 1-D, unpadded where DeepSpeed cut the padding
     states: list[list[dict[str, torch.Tensor]]]  # [rank][group] -> partitioned state, aligned with masters
-    scalars: list[dict[str, Any]]                # [group] -> state values of the whole group (step)
+    scalars: list[dict[str, object]]             # [group] -> state values of the whole group (step)
     param_groups: list[dict[str, Any]] | None    # the base optimizer's param groups ("params": flat indices)
 
 
 def _partitions(optim: list[dict[str, Any]], files: list[Path], zero3: bool) -> _Partitions:
     masters: list[list[torch.Tensor]] = []
     states: list[list[dict[str, torch.Tensor]]] = []
-    scalars: list[dict[str, Any]] = []
+    scalars: list[dict[str, object]] = []
     for rank, (sd, file) in enumerate(zip(optim, files, strict=True)):
         if zero3:
             flat = sd.get("fp32_flat_groups")
@@ -218,7 +219,7 @@ def _partitions(optim: list[dict[str, Any]], files: list[Path], zero3: bool) -> 
     return _Partitions(masters, states, scalars, groups if isinstance(groups, list) else None)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
     return type(a) is type(b) and a == b
@@ -313,7 +314,7 @@ def _optimizer_dict(sd: dict[str, Any], file: Path) -> dict[str, Any]:
     return inner
 
 
-def _leaves(node: Any) -> list[Any]:
+def _leaves(node: object) -> list[object]:
     if isinstance(node, dict):
         return [leaf for value in node.values() for leaf in _leaves(value)]
     if isinstance(node, (list, tuple)):
@@ -324,8 +325,8 @@ def _leaves(node: Any) -> list[Any]:
 Fetcher = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]
 
 
-def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str, Any]], files: Any,
-              zero3: bool) -> tuple[dict[str, Any], dict[str, Fetcher]]:
+def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str, Any]], files: ZeroFiles,
+              zero3: bool) -> tuple[dict[str, object], dict[str, Fetcher]]:
     """The state to write, with meta tensors for every tensor, and how to fetch each (plus what to release)."""
     first = models[0]
     module = first.get("module")
@@ -333,8 +334,8 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
         raise FormatError(f"{files.model_files[0]}: no module state dict")
     by_name = {p.name: p for p in params}
     fetchers: dict[str, Fetcher] = {}
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, object]] = {}
 
     def joined(pieces: tuple[Piece, ...], flats: Callable[[Piece], torch.Tensor], shape: tuple[int, ...]) -> Fetcher:
         views = [flats(p)[p.start:p.stop] for p in pieces]
@@ -386,7 +387,7 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
             fetchers[key] = (lambda t=tensor: t, [tensor])  # type: ignore[misc]
             model[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     for p in params:
-        entry: dict[str, Any] = {}
+        entry: dict[str, object] = {}
         for k in parts.states[0][p.group]:
             dtype = parts.states[0][p.group][k].dtype
             fetchers[f"optim.state.{p.name}.{k}"] = joined(p.pieces, lambda piece, k=k: parts.states[piece.rank][  # type: ignore[misc]
@@ -400,7 +401,7 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
                 entry[k] = value
         if entry:
             state[p.name] = entry
-    optim: dict[str, Any] = {"state": state}
+    optim: dict[str, object] = {"state": state}
     if parts.param_groups is not None:
         group_names = [[p.name for p in params if p.group == g] for g in range(len(parts.masters[0]))]
         optim["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"},
@@ -409,7 +410,8 @@ def _skeleton(params: list[FlatParam], parts: _Partitions, models: list[dict[str
     return {"model": model, "optim": optim}, fetchers
 
 
-def _zero3_frozen(name: str, raw_shape: Any, models: list[dict[str, Any]], files: Any) -> tuple[Fetcher, torch.Tensor]:
+def _zero3_frozen(name: str, raw_shape: object, models: list[dict[str, Any]], files: ZeroFiles) \
+        -> tuple[Fetcher, torch.Tensor]:
     """ZeRO 3: a frozen parameter from every rank's ``frozen_param_fragments`` (parts of ``ceil(numel / world)``)."""
     shape = _shape(raw_shape, f"{files.tag_dir}: frozen parameter {name!r}")
     numel = math.prod(shape)

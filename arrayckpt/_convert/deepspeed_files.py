@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ def _zero_stage(value: object) -> int:
 
 
 _SCALERS = "deepspeed.runtime.fp16.loss_scaler"
-ALLOW_LIST: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+ALLOW_LIST: list[Callable[..., object] | tuple[Callable[..., object], str]] = [
     *((LossScalerState, f"{_SCALERS}.{name}") for name in ("LossScaler", "DynamicLossScaler", "LossScalerBase")),
     (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
@@ -85,7 +85,7 @@ def load_pt(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
-def load_value(path: Path, *, mmap: bool = False) -> Any:
+def load_value(path: Path, *, mmap: bool = False) -> object:
     """What a DeepSpeed ``.pt`` file holds (a dict, or a tensor or number: a universal checkpoint's per-parameter
     files), unpickled with ``weights_only=True`` and :data:`ALLOW_LIST` only."""
     try:
@@ -106,7 +106,7 @@ def load_value(path: Path, *, mmap: bool = False) -> Any:
         raise FormatError(f"{path}: not a readable torch.save file: {e}") from e
 
 
-def plain_scaler(value: Any) -> Any:
+def plain_scaler(value: object) -> object:
     """A loss scaler stand-in as the plain dict of its attributes (other values as they are)."""
     return dict(vars(value)) if isinstance(value, LossScalerState) else value
 
@@ -152,7 +152,7 @@ def model_states_file(tag_dir: Path) -> Path:
     return zero3 if zero3.is_file() else tag_dir / "mp_rank_00_model_states.pt"
 
 
-def find_zero_files(tag_dir: Path, first_model_state: dict[str, Any]) -> ZeroFiles:
+def find_zero_files(tag_dir: Path, first_model_state: Mapping[str, object]) -> ZeroFiles:
     """The files this tag must have, from its rank-0 model states (``dp_world_size``), checked against what is
     there: a missing rank file, a rank file beyond the world size, tensor/pipeline parallelism, MoE or a
     checkpoint without ZeRO are errors naming the files."""

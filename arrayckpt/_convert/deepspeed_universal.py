@@ -44,7 +44,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,9 @@ from .common import ConvertResult, Progress, nested_state, refuse_existing
 from .deepspeed_files import DEEPSPEED_KEYS
 from .switch import held_temporary, switch_directory, switched_path
 from .universal_plan import MODEL, Source, Trainable, plan_source
+
+if TYPE_CHECKING:
+    from .universal_plan import Step
 
 __all__ = ["LATEST", "MODEL_STATES", "OPTIMIZER_STATE", "ZERO3_MODEL_STATES", "param_directory", "to_universal"]
 
@@ -118,7 +121,7 @@ class _Writer:
                          if isinstance(e, ArrayEntry) and e.parts[0] == MODEL)
         self.tensors = self.bytes = self.done = 0
 
-    def save(self, name: str, file: str, value: Any) -> None:
+    def save(self, name: str, file: str, value: object) -> None:
         directory = param_directory(self.zero, name, self.where)
         directory.mkdir(exist_ok=True)
         torch.save(value, directory / file)
@@ -129,7 +132,7 @@ class _Writer:
     def tensor(self, key: str) -> torch.Tensor:
         return _widened(self.checkpoint, key)
 
-    def trainable(self, p: Trainable, step: Any) -> None:
+    def trainable(self, p: Trainable, step: Step | None) -> None:
         """fp32.pt, one file per moment and step.pt for one trainable parameter."""
         weights = self.tensor(f"{MODEL}.{p.name}")
         self.save(p.name, "fp32.pt", {"param": weights, "cat_dim": 0})
@@ -161,7 +164,7 @@ class _Writer:
             self.progress(self.done, self.total)
 
 
-def _loss_scaler(attributes: Mapping[str, Any], where: str) -> Any:
+def _loss_scaler(attributes: Mapping[str, object], where: str) -> object:
     """DeepSpeed's loss scaler object with the saved attributes (its loader calls the object's methods)."""
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import: keep --json output clean
@@ -175,10 +178,10 @@ def _loss_scaler(attributes: Mapping[str, Any], where: str) -> Any:
     return scaler
 
 
-def _optimizer_state(source: Source, deepspeed: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _optimizer_state(source: Source, deepspeed: Mapping[str, Any], where: str) -> dict[str, object]:
     """``zero/optimizer_state.pt``: what ZeRO 1/2's ``_load_global_state`` and ZeRO 3's universal loader read."""
     groups = [{**dict(hyper), "params": [g]} for g, hyper in enumerate(source.hyper)]
-    out: dict[str, Any] = {"ds_version": deepspeed.get("ds_version", DS_VERSION)}
+    out: dict[str, object] = {"ds_version": deepspeed.get("ds_version", DS_VERSION)}
     if "zero_stage" in deepspeed:
         out["zero_stage"] = deepspeed["zero_stage"]
     if isinstance(deepspeed.get("loss_scaler"), dict):
@@ -191,14 +194,14 @@ def _optimizer_state(source: Source, deepspeed: Mapping[str, Any], where: str) -
 
 
 def _model_states(checkpoint: Checkpoint, source: Source, module: dict[str, torch.Tensor],
-                  values: Mapping[str, Any], frozen: list[str]) -> dict[str, Any]:
+                  values: Mapping[str, Any], frozen: list[str]) -> dict[str, object]:
     """The model-states dict: DeepSpeed's values as saved (a DeepSpeed source) or what its loader needs (others),
     the shapes, the module with placeholders, and the client state at the top level."""
     entries = {k: e for k, e in checkpoint.manifest.entries.items() if isinstance(e, ArrayEntry)}  # the tensors'
     shape = {name: torch.Size(entries[f"{MODEL}.{name}"].shape) for name in source.trainable} | \
         {name: torch.Size(entries[f"{MODEL}.{name}"].shape) for name in frozen}
     deepspeed = values.get("deepspeed", {}) if source.from_deepspeed else {}
-    out: dict[str, Any] = {"module": module, "optimizer": None}
+    out: dict[str, object] = {"module": module, "optimizer": None}
     out |= {k: deepspeed[k] for k in DEEPSPEED_KEYS if k in deepspeed}
     out["param_shapes"] = [collections.OrderedDict((p.name, shape[p.name]) for p in group) for group in source.groups]
     out["frozen_param_shapes"] = collections.OrderedDict((name, shape[name]) for name in frozen)

@@ -80,13 +80,13 @@ def _param(file: Path, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     return tensor if shape is None else tensor.reshape(shape)
 
 
-def _group_steps(optimizer: dict[str, Any], groups: int) -> list[Any]:
+def _group_steps(optimizer: dict[str, Any], groups: int) -> list[object]:
     """Each flat group's step in ``optimizer_state.pt``'s ``optimizer_state_dict`` (what ZeRO 3's loader reads)."""
     state = (optimizer.get("optimizer_state_dict") or {}).get("state") or {}
     return [state.get(j, {}).get("step") if isinstance(state.get(j), dict) else None for j in range(groups)]
 
 
-def _param_groups(optimizer: dict[str, Any], names: list[list[str]], file: Path) -> list[dict[str, Any]] | None:
+def _param_groups(optimizer: dict[str, Any], names: list[list[str]], file: Path) -> list[dict[str, object]] | None:
     groups = optimizer.get("param_groups")
     if groups is None:
         groups = (optimizer.get("optimizer_state_dict") or {}).get("param_groups")
@@ -98,7 +98,7 @@ def _param_groups(optimizer: dict[str, Any], names: list[list[str]], file: Path)
         if not isinstance(params, list) or not all(isinstance(j, int) and 0 <= j < len(names) for j in params):
             raise FormatError(f"{file}: param_groups {str(groups)[:120]} do not index its {len(names)} parameter "
                               "groups (param_shapes)")
-        out.append({**{k: v for k, v in cast("dict[str, Any]", group).items() if k != "params"},
+        out.append({**{k: v for k, v in cast("dict[str, object]", group).items() if k != "params"},
                     "params": [n for j in params for n in names[j]]})
     return out
 
@@ -116,8 +116,8 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
     module = states.get("module") or {}
     fetchers: dict[str, Callable[[], torch.Tensor]] = {}
     loaded: dict[str, torch.Tensor] = {}
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, object]] = {}
     skipped: list[str] = []
 
     def lazy(key: str, file: Path, shape: tuple[int, ...] | None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -135,7 +135,7 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
         for name, shape in group.items():
             directory = param_directory(zero, name, str(tag_dir))
             model[name] = lazy(f"model.{name}", directory / "fp32.pt", shape)
-            entry: dict[str, Any] = {}
+            entry: dict[str, object] = {}
             for file in sorted(directory.glob("*.pt")):
                 moment = file.stem
                 if moment in ("fp32", "step"):
@@ -167,11 +167,11 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
             fetchers[f"model.{name}"] = lambda t=tensor: t  # type: ignore[misc]
             model[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     model = {n: model[n] for n in [*module, *(n for group in names for n in group)] if n in model}
-    optim: dict[str, Any] = {"state": state}
+    optim: dict[str, object] = {"state": state}
     groups = _param_groups(optimizer, names, zero / OPTIMIZER_STATE)
     if groups is not None:
         optim["param_groups"] = groups
-    skeleton: dict[str, Any] = {"model": model, "optim": optim}
+    skeleton: dict[str, object] = {"model": model, "optim": optim}
     skeleton["deepspeed"] = {k: states[k] for k in DEEPSPEED_KEYS if k in states} | \
         {k: plain_scaler(optimizer[k]) for k in OPTIMIZER_KEYS if k in optimizer} | {"tag": tag_dir.name}
     client = {k: v for k, v in states.items() if k not in DEEPSPEED_KEYS and k not in LAYOUT_KEYS}
@@ -194,7 +194,7 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
         m.numel() * m.element_size() for m in _metas(skeleton)), (str(dst),), tuple(skipped), notes=notes)
 
 
-def _metas(node: Any) -> list[torch.Tensor]:
+def _metas(node: object) -> list[torch.Tensor]:
     if isinstance(node, dict):
         return [m for value in node.values() for m in _metas(value)]
     return [node] if isinstance(node, torch.Tensor) and node.device.type == "meta" else []

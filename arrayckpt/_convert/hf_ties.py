@@ -22,13 +22,17 @@ transformers (and so torch) when called, and does without them, with a note, whe
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .._errors import StateError
 from .._read.checkpoint import Checkpoint
 from .._settings import settings
+
+if TYPE_CHECKING:
+    from torch.nn import Module
 
 __all__ = ["ModelCheck", "Tie", "TieResolution", "model_check", "option_ties", "resolve_ties"]
 
@@ -171,7 +175,7 @@ def model_check(config: str | os.PathLike[str], names: Sequence[str]) -> ModelCh
                                    f"{type(closest).__name__}", *checked.notes))
 
 
-def _build(torch: Any, make: Any) -> Any:
+def _build(torch: ModuleType, make: Callable[..., Module]) -> Module | str:
     """A model built on the meta device by ``make()``, or the reason it could not be (one line)."""
     try:
         with torch.device("meta"):
@@ -180,7 +184,7 @@ def _build(torch: Any, make: Any) -> Any:
         return _brief(e)
 
 
-def _checked(architecture: str, model: Any, names: set[str]) -> ModelCheck:
+def _checked(architecture: str, model: Module, names: set[str]) -> ModelCheck:
     """The model's ties, and notes on names it has that the export lacks, or the other way round."""
     keys = set(model.state_dict())
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # {target: source} in transformers 5

@@ -59,6 +59,7 @@ from typing import IO, Any
 import torch
 
 from .._errors import FormatError, PickleNotAllowedError, warn_unpickling
+from .._format.jsontypes import JSON
 from .._format.manifest import ArrayEntry, Entry, PerRankEntry
 from .._io.smallfiles import read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
@@ -94,7 +95,7 @@ def checkpoint_directory(src: Path) -> Path:
     return src / name
 
 
-def _config(directory: Path) -> dict[str, Any]:
+def _config(directory: Path) -> JSON:
     file = directory / CONFIG_FILE
     try:
         config = json.loads(read_regular_file(file, str(file), limit=_SMALL_FILE))
@@ -179,7 +180,7 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
                        SUPPORTED_BACKENDS):
         common.setdefault("megatron", {}).update(config)  # not an import's copy of metadata.json: a value
     keys = frozenset(e.key for e in parts.tensors)
-    state: dict[str, Any] = {e.key: meta_tensor(checkpoint, e.key) for e in parts.tensors} | objects
+    state: dict[str, object] = {e.key: meta_tensor(checkpoint, e.key) for e in parts.tensors} | objects
     notes = []
     with new_directory(target, _megatron_file, [CONFIG_FILE, METADATA_FILE]) as temporary:
         _write_durably(temporary / COMMON_FILE, functools.partial(torch.save, common))  # first: then its tensors go
@@ -211,11 +212,12 @@ def _placement(checkpoint: Checkpoint) -> _Placement:
     """Each entry's place: a top-level key a Megatron import read from ``common.pt`` goes back there; then
     ``megatron.metadata``; then ShardedObject shards by name; then arrays are ShardedTensors; the rest is common."""
     from_common = _common_record(checkpoint)
-    places: dict[str, list[Any]] = {"tensors": [], "objects": [], "common": [], "config": [], "skipped": []}
+    places: dict[str, list[Entry]] = {"tensors": [], "objects": [], "common": [], "config": []}
+    skipped: list[str] = []
     for key, entry in checkpoint.manifest.entries.items():
         head = entry.parts[0]
         if isinstance(entry, PerRankEntry):
-            places["skipped"].append(key)
+            skipped.append(key)
         elif head in from_common:
             places["common"].append(entry)
         elif entry.parts[:2] == ("megatron", "metadata"):
@@ -226,7 +228,7 @@ def _placement(checkpoint: Checkpoint) -> _Placement:
             places["tensors"].append(entry)
         else:
             places["common"].append(entry)
-    return _Placement(**{name: tuple(entries) for name, entries in places.items()})
+    return _Placement(**{name: tuple(entries) for name, entries in places.items()}, skipped=tuple(skipped))
 
 
 def _common_record(checkpoint: Checkpoint) -> frozenset[str]:
@@ -257,7 +259,7 @@ def _megatron_file(name: str) -> bool:
     return name in (CONFIG_FILE, COMMON_FILE) or dcp_file(name)
 
 
-def _write_durably(file: Path, write: Callable[[IO[bytes]], Any]) -> None:
+def _write_durably(file: Path, write: Callable[[IO[bytes]], object]) -> None:
     with open(file, "wb") as f:
         write(f)
         f.flush()

@@ -28,17 +28,21 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._errors import ArrayckptError, CheckpointExistsError, FormatError, StateError
 from .._format.dtypes import DTYPES, DType
+from .._format.jsontypes import JSON
 from .._io.smallfiles import USER_FILE_LIMIT, read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refuse_existing, replaced_atomically
 from .switch import held_temporary, switch_files
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = ["DEFAULT_FILE_METADATA", "SAFETENSORS_INDEX", "ST_DTYPES", "ST_NAMES", "WEIGHTS", "check_storable",
            "cut_shards", "earlier_weights", "from_safetensors", "shard_files", "source_record", "to_safetensors",
@@ -76,14 +80,14 @@ class _StSource:
     """A safetensors checkpoint: its files, and the index's ``metadata`` when it came with an index."""
 
     files: list[Path]
-    index_metadata: dict[str, Any] | None = None
+    index_metadata: JSON | None = None
 
 
 class _NoSafetensorsError(ArrayckptError, ModuleNotFoundError):
     """Reading safetensors needs the ``safetensors`` package (an ArrayckptError: one line from the CLI)."""
 
 
-def _open(file: Path, stack: contextlib.ExitStack) -> Any:
+def _open(file: Path, stack: contextlib.ExitStack[bool | None]) -> safe_open:
     """``safe_open`` (torch views of a memory map), kept open by ``stack``; the library's refusal becomes a
     :class:`FormatError` naming the file and the tensor at fault."""
     try:
@@ -110,7 +114,7 @@ def _library_reason(error: BaseException) -> str:
             "a safetensors writer")
 
 
-def _tensors_of(file: Path, handle: Any) -> list[_StTensor]:
+def _tensors_of(file: Path, handle: safe_open) -> list[_StTensor]:
     """The tensors of an opened file, each with a dtype arrayckpt stores (the library knows a few more)."""
     out = []
     for name in handle.keys():
@@ -140,7 +144,7 @@ def _explain_refusal(file: Path) -> str | None:
     return None
 
 
-def _raw_header(file: Path) -> tuple[dict[str, Any], int, int]:
+def _raw_header(file: Path) -> tuple[JSON, int, int]:
     """The JSON header, where the data starts, and the file's size."""
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -181,10 +185,14 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
-def _check_disjoint(header: dict[str, Any]) -> None:
+def _check_disjoint(header: JSON) -> None:
     """Two tensors whose byte ranges overlap would read each other's data (entries already checked)."""
-    spans = sorted((info["data_offsets"], name) for name, info in header.items()
-                   if name != "__metadata__" and info["data_offsets"][0] < info["data_offsets"][1])
+    spans: list[tuple[list[int], str]] = []
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if name != "__metadata__" and isinstance(info, dict) else None
+        if isinstance(offsets, list) and offsets[0] < offsets[1]:
+            spans.append((offsets, name))
+    spans.sort()
     for (before, first), (after, second) in zip(spans, spans[1:], strict=False):
         if after[0] < before[1]:
             raise FormatError(f"tensors {first!r} and {second!r} have overlapping data_offsets; the safetensors "
@@ -224,7 +232,7 @@ def _safetensors_source(src: Path) -> _StSource:
     return _StSource([src])
 
 
-def source_record(index_metadata: Mapping[str, Any] | None, file_metadata: list[dict[str, str]]) -> dict[str, Any]:
+def source_record(index_metadata: Mapping[str, object] | None, file_metadata: list[dict[str, str]]) -> JSON:
     """The source's own metadata, for the manifest's ``created["source"]``: the ``__metadata__`` entries every
     file shares (``{"format": "pt"}``) and, for shards, the index's ``metadata``. :func:`to_safetensors` writes
     them back out (recounting ``total_size`` and ``total_parameters``).
@@ -235,7 +243,7 @@ def source_record(index_metadata: Mapping[str, Any] | None, file_metadata: list[
     shared = dict(file_metadata[0]) if file_metadata else {}
     for other in file_metadata[1:]:
         shared = {k: v for k, v in shared.items() if other.get(k) == v}
-    record: dict[str, Any] = {"format": "safetensors", "metadata": shared}
+    record: JSON = {"format": "safetensors", "metadata": shared}
     if index_metadata is not None:
         record["index_metadata"] = dict(index_metadata)
     return record
@@ -279,7 +287,7 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
                          (str(dst),))
 
 
-def _all_tensors(src: Path, handles: Mapping[Path, Any]) -> dict[str, _StTensor]:
+def _all_tensors(src: Path, handles: Mapping[Path, safe_open]) -> dict[str, _StTensor]:
     """Every tensor of every file by name; a name in two files is refused (which one would be meant?)."""
     tensors: dict[str, _StTensor] = {}
     for file, handle in handles.items():
@@ -378,7 +386,7 @@ def cut_shards(sizes: Mapping[str, int], limit: int | None) -> list[list[str]]:
     return shards
 
 
-def _carried_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], dict[str, Any]]:
+def _carried_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], JSON]:
     """The ``__metadata__`` for every file and the index's ``metadata``: ``{"format": "pt"}`` overlaid with what
     a safetensors source recorded in ``created["source"]`` (:func:`source_record`). That record is
     informational: anything malformed in it is ignored, never an error."""
@@ -397,7 +405,7 @@ def write_file(checkpoint: Checkpoint, tensors: Mapping[str, str], file: Path, m
     replaced atomically: header first (every offset is known from the metadata), then each tensor's bytes as it
     is read, one tensor in memory at a time. ``done`` bytes were written before (of ``total``, for
     ``progress``); returns the count after this file."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    header: JSON = {"__metadata__": dict(metadata)}
     offset = 0
     for name, key in tensors.items():
         array = checkpoint[key]

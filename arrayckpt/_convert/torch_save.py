@@ -9,9 +9,8 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -66,7 +65,7 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     return ConvertResult("torch", "arrayckpt", len(tensors), sum(_nbytes(t) for t in tensors), (str(dst),))
 
 
-def _load_weights_only(src: str | os.PathLike[str]) -> Any:
+def _load_weights_only(src: str | os.PathLike[str]) -> object:
     """``torch.load(weights_only=True)``, memory-mapped where the file allows; a refused pickle (a global that is not
     plain data: code the file would run) or a damaged file is one line naming the file, never torch's paragraph."""
     try:
@@ -101,13 +100,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def _meta_skeleton(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+def _meta_skeleton(state: Mapping[str, object]) -> tuple[dict[str, object], dict[int, torch.Tensor]]:
     """A copy of nested dicts/lists/tuples with every tensor replaced by a meta tensor (and a map back); tensors
     that are one (tied weights, sharing their memory) get one meta tensor, which the save then stores once."""
     real: dict[int, torch.Tensor] = {}
-    made: dict[Any, torch.Tensor] = {}
+    made: dict[Hashable, torch.Tensor] = {}
 
-    def copy(value: Any) -> Any:
+    def copy(value: object) -> object:
         if isinstance(value, torch.Tensor):
             identity = tensor_identity(value)
             meta = made.get(identity) if identity is not None else None
@@ -125,7 +124,7 @@ def _meta_skeleton(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
             return tuple(copy(v) for v in value)
         return value
 
-    return copy(obj), real
+    return {k: copy(v) for k, v in state.items()}, real  # copy(state), typed as the dict it is
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -187,7 +186,7 @@ class _StorageStub:
         self.tensor = tensor
 
 
-def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None:
+def _write_torch_file(state: object, path: Path, progress: Progress | None) -> None:
     """``torch.save(state, path)`` where the tensors are :class:`_Deferred`, reading one at a time.
 
     ``torch.save`` pickles the whole object first, storages by reference (a persistent id naming the
@@ -211,7 +210,7 @@ def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None
     records: list[tuple[str, Callable[[], torch.Tensor], int]] = []
 
     class Pickler(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
+        def reducer_override(self, obj: object) -> tuple[Callable[..., torch.Tensor], tuple[object, ...]]:
             if isinstance(obj, _Deferred):
                 deferred = obj
             elif type(obj) is torch.Tensor:
@@ -226,13 +225,13 @@ def _write_torch_file(state: Any, path: Path, progress: Progress | None) -> None
             else:
                 return NotImplemented
             stride = tuple(math.prod(deferred.shape[d + 1:]) for d in range(len(deferred.shape)))
-            args: tuple[Any, ...] = (_StorageStub(deferred), 0, deferred.shape, stride, False,
+            args: tuple[object, ...] = (_StorageStub(deferred), 0, deferred.shape, stride, False,
                                      collections.OrderedDict())
             if deferred.dtype in LEGACY_STORAGE_NAMES:
                 return _rebuild_tensor_v2, args
             return _rebuild_tensor_v3, (*args, deferred.dtype)
 
-        def persistent_id(self, obj: Any) -> Any:
+        def persistent_id(self, obj: object) -> object:
             if not isinstance(obj, _StorageStub):
                 return None
             tensor, key = obj.tensor, str(len(records))

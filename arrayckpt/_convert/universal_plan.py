@@ -23,11 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._errors import FormatError
 from .._format.manifest import ArrayEntry, ValueEntry
 from .._read.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    Step: TypeAlias = torch.Tensor | int | float  # an optimizer's step count: a 0-d tensor (torch's) or a number
 
 __all__ = ["Source", "Trainable", "plan_source"]
 
@@ -50,9 +55,9 @@ class Source:
 
     optim: str  # the optimizer's top-level key
     groups: tuple[tuple[Trainable, ...], ...]
-    hyper: tuple[Mapping[str, Any], ...]  # each param group's hyper-parameters (without "params")
+    hyper: tuple[Mapping[str, object], ...]  # each param group's hyper-parameters (without "params")
     moments: tuple[str, ...]  # the per-element state every trainable parameter gets (exp_avg, exp_avg_sq, ...)
-    steps: tuple[Any, ...]  # each group's step, as the optimizer keeps it (a 0-d tensor or a number; None: none)
+    steps: tuple[Step | None, ...]  # each group's step as the optimizer keeps it (None: none)
     from_deepspeed: bool
     notes: tuple[str, ...]
 
@@ -140,7 +145,7 @@ def _names(ids: list[Any], groups: int, model: Mapping[str, ArrayEntry], param_n
                       "p.requires_grad], or save the optimizer by name (get_optimizer_state_dict)")
 
 
-def _step_value(checkpoint: Checkpoint, key: str) -> Any:
+def _step_value(checkpoint: Checkpoint, key: str) -> Step:
     """A step as saved: a one-element array (torch's optimizers keep a 0-d tensor) or a number."""
     entry = checkpoint.manifest.entries[key]
     if isinstance(entry, ArrayEntry):
@@ -153,7 +158,7 @@ def _step_value(checkpoint: Checkpoint, key: str) -> Any:
     return value
 
 
-def _group_step(checkpoint: Checkpoint, params: list[Trainable], group: int) -> Any:
+def _group_step(checkpoint: Checkpoint, params: list[Trainable], group: int) -> Step | None:
     """The step every parameter of ``group`` has (DeepSpeed keeps one per group); ``None`` where none has one."""
     steps = {p.name: _step_value(checkpoint, p.step) for p in params if p.step is not None}
     distinct = {float(v) for v in steps.values()}

@@ -3,7 +3,7 @@
 The manifest and the root document (``manifest.py``), Zarr v3 node metadata and chunk keys (``zarr.py``), state
 keys and their array paths (``keys.py``), plain values as typed JSON (``values.py``), the dtype table
 (``dtypes.py``), codec pipelines (``codecs.py``), quantized delta rows (``quant.py``), aliases (``alias.py``), which
-rank wrote each chunk (``writers.py``), the root checksum and chunk digests (``integrity.py``) and stored chunk files
-checked without decoding (``stored.py``). Everything above reads
+rank wrote each chunk (``writers.py``), the root checksum and chunk digests (``integrity.py``), stored chunk files
+checked without decoding (``stored.py``) and the type of a JSON object (``jsontypes.py``). Everything above reads
 and writes through these definitions; ``spec/FORMAT.md`` is their normative description.
 """

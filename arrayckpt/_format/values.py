@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Any
 
 from .._errors import FormatError
 
@@ -25,12 +24,12 @@ class NotJSONable(TypeError):
     """Raised by :func:`encode_value` for a value that only pickle can store."""
 
 
-def encode_value(value: object) -> Any:
+def encode_value(value: object) -> object:
     """Encode a plain value as typed JSON, or raise :class:`NotJSONable`."""
     return _encode(value, 0)
 
 
-def _encode(value: object, depth: int) -> Any:
+def _encode(value: object, depth: int) -> object:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -56,12 +55,12 @@ def _encode(value: object, depth: int) -> Any:
     raise NotJSONable(type(value).__name__)
 
 
-def decode_value(data: Any, key: str = "") -> Any:
+def decode_value(data: object, key: str = "") -> object:
     """Invert :func:`encode_value`; malformed input raises :class:`FormatError` naming ``key``."""
     return _decode(data, key, 0)
 
 
-def _decode(data: Any, key: str, depth: int) -> Any:
+def _decode(data: object, key: str, depth: int) -> object:
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
     if depth >= MAX_DEPTH:
@@ -80,21 +79,23 @@ def _decode(data: Any, key: str, depth: int) -> Any:
     raise FormatError(f"value {key!r}: {_brief(data)} is not a valid encoded value")
 
 
-def _brief(data: Any) -> str:
+def _brief(data: object) -> str:
     text = repr(data)
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _decode_marker(marker: str, inner: Any, key: str, depth: int) -> Any:
+def _decode_marker(marker: str, inner: object, key: str, depth: int) -> object:
     if marker == "$tuple":
         if not isinstance(inner, list):
             raise TypeError(inner)
         return tuple(_decode(v, key, depth + 1) for v in inner)
     if marker == "$float":
-        if inner not in ("nan", "inf", "-inf"):
+        if not isinstance(inner, str) or inner not in ("nan", "inf", "-inf"):
             raise ValueError(inner)
         return float(inner)
     if marker == "$bytes":
+        if not isinstance(inner, str):  # what b64decode would refuse with a TypeError
+            raise TypeError(inner)
         return base64.b64decode(inner, validate=True)
     if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
         raise TypeError(inner)

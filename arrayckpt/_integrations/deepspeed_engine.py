@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,11 @@ from .._read.reader import ChainRead, read
 from .._settings import settings
 from .._torch.tensors import writable_numpy
 from .._torch.transfer import Batch, aligned, batches
+
+if TYPE_CHECKING:  # deepspeed ships no type information: these name the classes, the checker sees Any
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 __all__ = ["FlatReads", "Parts", "load_engine"]
 
@@ -69,7 +74,7 @@ class _Slice:
     scalar: bool  # a 0-d array (its one element)
     skip: int  # elements of the first row before the slice
     numel: int
-    then: Callable[[torch.Tensor], Any]
+    then: Callable[[torch.Tensor], object]
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +91,7 @@ class FlatReads:
         self.checkpoint = checkpoint
         self.planned: list[_Slice] = []
 
-    def add(self, key: str, start: int, numel: int, then: Callable[[torch.Tensor], Any]) -> None:
+    def add(self, key: str, start: int, numel: int, then: Callable[[torch.Tensor], object]) -> None:
         array = self.checkpoint[key]
         shape = tuple(array.shape) or (1,)
         first, last, row = _rows(shape, start, numel) if numel else (0, 0, 1)
@@ -120,7 +125,7 @@ class FlatReads:
         return ChainRead(piece.key, box, writable_numpy(out, piece.stored, piece.key))
 
 
-def _optimizer(engine: Any) -> tuple[int, Any]:
+def _optimizer(engine: DeepSpeedEngine) -> tuple[int, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3]:
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
     optimizer = getattr(engine, "optimizer", None)
     needs = {1: ("bit16_groups", "update_lp_params", "optimizer"), 2: ("bit16_groups", "update_lp_params", "optimizer"),
@@ -142,7 +147,8 @@ def _shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def _check(checkpoint: Checkpoint, engine: Any, trainable: list[tuple[str, torch.Tensor]], state_keys: list[str],
+def _check(checkpoint: Checkpoint, engine: DeepSpeedEngine, trainable: list[tuple[str, torch.Tensor]],
+           state_keys: list[str],
            strict: bool, load_optimizer_states: bool) -> None:
     """Every parameter and buffer the engine holds is in the checkpoint with its shape (and, loading the
     optimizer, every trainable parameter's state); with ``strict``, nothing of the model is left over. A tied
@@ -181,7 +187,7 @@ def _state_keys(checkpoint: Checkpoint, name: str) -> list[str]:
     return sorted({k[len(prefix):] for k in checkpoint.manifest.entries if k.startswith(prefix)})
 
 
-def _group_values(checkpoint: Checkpoint, groups: list[Any], names: list[list[str]]) -> list[dict[str, Any]]:
+def _group_values(checkpoint: Checkpoint, groups: Sequence[object], names: list[list[str]]) -> list[dict[str, object]]:
     """The saved hyper-parameters of each of the engine's param groups (matched by their parameters' names)."""
     saved = checkpoint.plain_values.get("optim.param_groups")
     if saved is None:
@@ -213,7 +219,7 @@ def _saved_step(checkpoint: Checkpoint, key: str) -> float | None:
     return float(value)
 
 
-def _step(checkpoint: Checkpoint, names: list[str], base_optimizer: Any, group: dict[str, Any],
+def _step(checkpoint: Checkpoint, names: list[str], base_optimizer: torch.optim.Optimizer, group: Mapping[str, object],
           flat: torch.Tensor) -> int | torch.Tensor | None:
     """The step of a param group (every parameter of it has the same one), in the type ``base_optimizer`` keeps:
     a 0-d tensor for torch's optimizers and their subclasses (their ``step`` adds to it in place; on the parameter's
@@ -239,7 +245,8 @@ def _step(checkpoint: Checkpoint, names: list[str], base_optimizer: Any, group: 
 
 
 @torch.no_grad()
-def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[str], load_optim: bool) -> None:
+def _load_zero12(checkpoint: Checkpoint, engine: DeepSpeedEngine, optimizer: DeepSpeedZeroOptimizer, keys: list[str],
+                 load_optim: bool) -> None:
     from deepspeed.utils import map_to_flat_opt_states
 
     names = engine.param_names
@@ -258,7 +265,8 @@ def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list
                 mapping.optim_fragment = {}
                 for k in moments:
                     reads.add(f"optim.state.{name}.{k}", address.start, address.numel,
-                              lambda piece, m=mapping, k=k: m.optim_fragment.__setitem__(k, piece.clone()))  # type: ignore[misc]
+                              lambda piece, m=mapping, k=k: m.optim_fragment.__setitem__(k,
+                                                                                         piece.clone()))  # type: ignore[misc]
     reads.run()
     for i, group in enumerate(optimizer.bit16_groups if load_optim else []):
         flat = optimizer.optimizer.param_groups[i]["params"][0]
@@ -271,7 +279,8 @@ def _load_zero12(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list
 
 
 @torch.no_grad()
-def _load_zero3(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[str], load_optim: bool) -> None:
+def _load_zero3(checkpoint: Checkpoint, engine: DeepSpeedEngine, optimizer: DeepSpeedZeroOptimizer_Stage3,
+                keys: list[str], load_optim: bool) -> None:
     import deepspeed.comm as dist
 
     names = engine.param_names
@@ -283,7 +292,7 @@ def _load_zero3(checkpoint: Checkpoint, engine: Any, optimizer: Any, keys: list[
                                                 for g in range(len(groups))]) if load_optim else []
     reads = FlatReads(checkpoint)
 
-    def partition(param: Any, key: str, into: torch.Tensor) -> None:
+    def partition(param: Any, key: str, into: torch.Tensor) -> None:  # Any: a Parameter with ZeRO-3's ds_* members
         """This rank's part of ``param`` (``partition_numel()`` elements, zeros past its end) read into ``into``."""
         rank = dist.get_rank(group=getattr(param, "ds_process_group", optimizer.dp_process_group))
         size, numel = param.partition_numel(), param.ds_numel
@@ -344,7 +353,7 @@ class Parts:
                    not load_module_only)
 
 
-def load_engine(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
+def load_engine(engine: DeepSpeedEngine, path: str | os.PathLike[str], *, load_optimizer_states: bool = True,
                 load_lr_scheduler_states: bool = True, load_module_only: bool = False, strict: bool = True,
                 allow_pickle: bool = False, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """See :func:`arrayckpt.deepspeed.load`."""
@@ -375,11 +384,13 @@ def load_engine(engine: Any, path: str | os.PathLike[str], *, load_optimizer_sta
                 buffer.copy_(checkpoint[f"model.{name}"].torch())
         if stage == 3:
             optimizer.checkpoint_event_epilogue()
-    _restore_counters(engine, optimizer, nested.get("deepspeed", {}), parts)
-    return nested.get("client", {})
+    saved, client = nested.get("deepspeed", {}), nested.get("client", {})  # dicts: nested_state made them
+    _restore_counters(engine, optimizer, saved if isinstance(saved, dict) else {}, parts)
+    return client if isinstance(client, dict) else {}
 
 
-def _restore_counters(engine: Any, optimizer: Any, saved: dict[str, Any], parts: Parts) -> None:
+def _restore_counters(engine: DeepSpeedEngine, optimizer: DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3,
+                      saved: Mapping[str, object], parts: Parts) -> None:
     """DeepSpeed's step counters, loss scaler and learning-rate schedule, as ``engine.load_checkpoint`` sets them."""
     for attribute in ("global_steps", "global_samples", "skipped_steps") if parts.counters else ():
         if isinstance(saved.get(attribute), int):
@@ -388,8 +399,9 @@ def _restore_counters(engine: Any, optimizer: Any, saved: dict[str, Any], parts:
             saved.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     scaler = getattr(optimizer, "loss_scaler", None)
-    if parts.optimizer and scaler is not None and isinstance(saved.get("loss_scaler"), dict):
-        for attribute, value in saved["loss_scaler"].items():
+    loss_scaler = saved.get("loss_scaler")
+    if parts.optimizer and scaler is not None and isinstance(loss_scaler, dict):
+        for attribute, value in loss_scaler.items():
             setattr(scaler, attribute, value)
     for attribute in ("dynamic_loss_scale", "overflow") if parts.optimizer else ():
         if attribute in saved and hasattr(optimizer, attribute):

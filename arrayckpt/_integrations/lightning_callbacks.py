@@ -23,9 +23,10 @@ under their ``state_key``) load as they are.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -48,13 +49,13 @@ class _KeepArrays(Exception):
     """A state that cannot be one plain value: its tensors stay arrays."""
 
 
-def readable_callbacks(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def readable_callbacks(checkpoint: dict[str, object]) -> dict[str, object]:
     """Lightning's checkpoint dict with its callback states under readable keys (a new top-level dict; ``checkpoint``
     is not changed)."""
     states = checkpoint.get(CALLBACKS)
     if not isinstance(states, dict) or not states:
         return checkpoint
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for state_key, state in states.items():
         label = _label(state_key, out)
         if not isinstance(state_key, str) or not isinstance(state, dict):
@@ -64,13 +65,13 @@ def readable_callbacks(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {**checkpoint, CALLBACKS: out}
 
 
-def restore_callbacks(checkpoint: dict[str, Any], where: str) -> dict[str, Any]:
+def restore_callbacks(checkpoint: dict[str, object], where: str) -> dict[str, object]:
     """Invert :func:`readable_callbacks` on a loaded dict (``where``: the checkpoint, for errors); callbacks of a
     checkpoint written before (under their own state keys) stay as they are."""
     states = checkpoint.get(CALLBACKS)
     if not isinstance(states, dict):
         return checkpoint
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for label, stored in states.items():
         state_key, state = _original(label, stored, f"{where}: {CALLBACKS}.{label}")
         if state_key in out:
@@ -80,7 +81,7 @@ def restore_callbacks(checkpoint: dict[str, Any], where: str) -> dict[str, Any]:
     return {**checkpoint, CALLBACKS: out}
 
 
-def _label(state_key: object, taken: dict[str, Any]) -> str:
+def _label(state_key: object, taken: Mapping[str, object]) -> str:
     """The readable key of a callback: its class name (``state_key`` up to the first ``{``), in letters, digits,
     ``_`` and ``-``; ``_2``, ``_3``, ... for later callbacks of the same name."""
     name = _LABEL_CHARACTERS.sub("_", str(state_key).split("{", 1)[0]).strip("_")[:_MAX_LABEL] or "callback"
@@ -91,9 +92,9 @@ def _label(state_key: object, taken: dict[str, Any]) -> str:
     return label
 
 
-def _stored(state_key: str, state: dict[str, Any]) -> Any:
+def _stored(state_key: str, state: dict[str, object]) -> object:
     """One callback's state as stored: the plain tuple where it can be, else the state beside its key."""
-    tensors: list[list[Any]] = []
+    tensors: list[list[object]] = []
     try:
         plain = (_plain(state, (), tensors), state_key, tensors)
         encode_value(plain)
@@ -102,7 +103,7 @@ def _stored(state_key: str, state: dict[str, Any]) -> Any:
     return plain
 
 
-def _plain(value: Any, path: tuple[str | int, ...], tensors: list[list[Any]]) -> Any:
+def _plain(value: object, path: tuple[str | int, ...], tensors: list[list[object]]) -> object:
     """``value`` with each tensor replaced by its values and recorded in ``tensors``."""
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor or value.numel() > MAX_INLINE or value.is_complex() or \
@@ -123,14 +124,14 @@ def _plain(value: Any, path: tuple[str | int, ...], tensors: list[list[Any]]) ->
     return value
 
 
-def _original(label: str, stored: Any, where: str) -> tuple[str, Any]:
+def _original(label: str, stored: object, where: str) -> tuple[str, object]:
     """Lightning's state key and the state of one stored callback."""
     if isinstance(stored, tuple) and len(stored) == 3 and isinstance(stored[0], dict) and isinstance(stored[1], str) \
             and isinstance(stored[2], list):
         state, state_key, tensors = stored
         for record in tensors:
             path, dtype, shape = _record(record, where)
-            state = _put(state, path, lambda leaf, d=dtype, s=shape, p=path: _tensor(leaf, d, s, f"{where} {p}"),
+            state = _put(state, path, functools.partial(_tensor, dtype=dtype, shape=shape, where=f"{where} {path}"),
                          where)
         return state_key, state
     if isinstance(stored, dict) and set(stored) == {STATE_KEY, "state"} and isinstance(stored[STATE_KEY], str):
@@ -138,7 +139,7 @@ def _original(label: str, stored: Any, where: str) -> tuple[str, Any]:
     return label, stored  # written before readable keys: the label is Lightning's state key
 
 
-def _record(record: Any, where: str) -> tuple[list[str | int], str, list[int]]:
+def _record(record: object, where: str) -> tuple[list[str | int], str, list[int]]:
     """One ``[path, dtype, shape]`` record, checked."""
     if not (isinstance(record, list) and len(record) == 3 and isinstance(record[0], list) and isinstance(record[1], str)
             and isinstance(record[2], list) and all(isinstance(p, str) or type(p) is int for p in record[0])
@@ -148,7 +149,7 @@ def _record(record: Any, where: str) -> tuple[list[str | int], str, list[int]]:
     return record[0], record[1], record[2]
 
 
-def _put(container: Any, path: list[str | int], make: Any, where: str) -> Any:
+def _put(container: object, path: list[str | int], make: Callable[[object], object], where: str) -> object:
     """``container`` with the leaf at ``path`` replaced by ``make(leaf)`` (containers copied along the path)."""
     if not path:
         return make(container)
@@ -163,7 +164,7 @@ def _put(container: Any, path: list[str | int], make: Any, where: str) -> Any:
                       "was crafted")
 
 
-def _tensor(values: Any, dtype: str, shape: list[int], where: str) -> torch.Tensor:
+def _tensor(values: object, dtype: str, shape: list[int], where: str) -> torch.Tensor:
     """The tensor a callback state's ``values`` (``tolist()``'s output) stood for."""
     try:
         tensor = torch.tensor(values, dtype=torch_dtype(dtype_by_name(dtype)))

@@ -39,16 +39,17 @@ import importlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 import torch
 
 from .._convert.common import restore_containers
 from .._errors import CheckpointNotFoundError, PickleNotAllowedError
+from .._format.codecs import CodecChoice
 from .._format.keys import array_path
-from .._format.manifest import AliasEntry, ArrayEntry, PerRankEntry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry
 from .._layout.saveplan import MAX_SEGMENT_BYTES
 from .._read.checkpoint import open_checkpoint
 from .._read.load import load
@@ -59,6 +60,9 @@ from .._torch.shards import PerRank
 from .._write.asynchronous import SaveHandle, async_save
 from .._write.save import save
 from .lightning_callbacks import readable_callbacks, restore_callbacks
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION
 
 __all__ = ["FOLDED", "LIGHTNING_EXTRA", "ArrayckptIO"]
 
@@ -102,7 +106,7 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     False
     """
 
-    def __init__(self, *, allow_pickle: bool = False, asynchronous: bool = False, codec: Any = None,
+    def __init__(self, *, allow_pickle: bool = False, asynchronous: bool = False, codec: CodecChoice = None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
@@ -114,16 +118,17 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     # --- saving -------------------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-                        storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, object], path: str | os.PathLike[str],
+                        storage_options: Mapping[str, Any] | None = None) -> None:
         """Save Lightning's checkpoint dict as the arrayckpt checkpoint (a directory, or a prefix) ``path``,
         replacing one already there; asynchronous plug-ins wait for the save in flight first."""
         self._finish_pending()
         target = os.fspath(path)
         step = checkpoint.get("global_step")
-        options = {"overwrite": True, "allow_pickle": self.allow_pickle, "codec": self.codec,
-                   "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
-                   "storage_options": self._options(target, storage_options), "process_group": _SINGLE}
+        options: dict[str, Any] = {  # Any: the keyword arguments of save and async_save, each of its own type
+            "overwrite": True, "allow_pickle": self.allow_pickle, "codec": self.codec,
+            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "storage_options": self._options(target, storage_options), "process_group": _SINGLE}
         state = _fold(readable_callbacks(checkpoint))
         if (local := _local_path(target)) is not None:  # the parent exists on return, as with TorchCheckpointIO
             os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)  # (save_last="link" links in it)
@@ -160,8 +165,8 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     # --- loading ------------------------------------------------------------------------------------------------
 
-    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: MAP_LOCATION = None,
+                        weights_only: bool | None = None) -> dict[str, object]:
         """The checkpoint dict saved at ``path``, with torch tensors (on the CPU, or where ``map_location`` puts
         them: a device, a ``{"cpu": device}`` dict, or torch.load's ``(storage, location)`` function). Pickled
         values are unpickled only with ``allow_pickle=True`` and ``weights_only`` not ``True``."""
@@ -203,7 +208,7 @@ class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             warnings.warn(f"{target}: left in place: it holds files that are not arrayckpt's (or is not an arrayckpt "
                           "checkpoint); remove it yourself if it is not needed", RuntimeWarning, stacklevel=3)
 
-    def _options(self, target: str, given: Any) -> Mapping[str, Any] | None:
+    def _options(self, target: str, given: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """The storage options for ``target``: none for a local path (unless given: arrayckpt then says they do not
         apply), else the constructor's updated with ``given``."""
         if _local_path(target) is not None:
@@ -235,7 +240,11 @@ def _holds_tensors(value: object) -> bool:
     return False
 
 
-def _fold(value: Any) -> Any:
+@overload
+def _fold(value: dict[str, object]) -> dict[str, object]: ...
+@overload
+def _fold(value: object) -> object: ...
+def _fold(value: object) -> object:
     """``value`` with every dict that holds tensors under a key that cannot be stored as ``{FOLDED: [[k, v], ...]}``
     (new containers only where something changed)."""
     if isinstance(value, dict):
@@ -251,7 +260,11 @@ def _fold(value: Any) -> Any:
     return value
 
 
-def _unfold(value: Any) -> Any:
+@overload
+def _unfold(value: dict[str, object]) -> dict[str, object]: ...
+@overload
+def _unfold(value: object) -> object: ...
+def _unfold(value: object) -> object:
     """Invert :func:`_fold`."""
     if isinstance(value, dict):
         if len(value) == 1 and isinstance(folded := value.get(FOLDED), list) and all(
@@ -265,19 +278,20 @@ def _unfold(value: Any) -> Any:
     return value
 
 
-def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
+def _template(entries: Mapping[str, Entry]) -> dict[str, object]:
     """Nested dicts for ``load`` to fill: an empty tensor (or array) per array entry, the same tensor again for its
     aliases (tied weights: one tensor under both keys, as saved), ``None`` for each plain value (replaced by it), rank
     0's value of a per-rank entry; lists and tuples as dicts by index for now."""
-    root: dict[Any, Any] = {}
-    made: dict[str, Any] = {}
-    ties: list[tuple[dict[Any, Any], Any, str]] = []  # (container, slot, target) of each alias, filled last
+    root: dict[str, object] = {}
+    made: dict[str, object] = {}
+    ties: list[tuple[dict[str | int, object], str | int, str]] = []  # (container, slot, target) of each alias,
+    # filled last
     for entry in entries.values():
-        node = root
+        node: Any = root  # Any: the dict at each depth, made here (setdefault's result is typed object)
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})
         if isinstance(entry, PerRankEntry):
-            leaf: Any = PerRank(None, rank=0)
+            leaf: object = PerRank(None, rank=0)
         elif isinstance(entry, ArrayEntry) and entry.kind == "ndarray":
             leaf = np.empty(entry.shape, entry.dtype.numpy)
         elif isinstance(entry, ArrayEntry):
@@ -292,14 +306,22 @@ def _template(entries: Mapping[str, Any]) -> dict[Any, Any]:
     return root
 
 
-def _unwrap(value: Any) -> Any:
+@overload
+def _unwrap(value: dict[str, object]) -> dict[str, object]: ...
+@overload
+def _unwrap(value: object) -> object: ...
+def _unwrap(value: object) -> object:
     """The loaded template with per-rank values replaced by the value they hold."""
     if isinstance(value, dict):
         return {k: _unwrap(v) for k, v in value.items()}
     return value.value if isinstance(value, PerRank) else value
 
 
-def _mapped(value: Any, map_location: Any) -> Any:
+@overload
+def _mapped(value: dict[str, object], map_location: MAP_LOCATION) -> dict[str, object]: ...
+@overload
+def _mapped(value: object, map_location: MAP_LOCATION) -> object: ...
+def _mapped(value: object, map_location: MAP_LOCATION) -> object:
     """Every tensor moved as ``torch.load(map_location=...)`` would move a tensor saved on the CPU."""
     if map_location is None:
         return value
@@ -309,10 +331,12 @@ def _mapped(value: Any, map_location: Any) -> Any:
         return type(value)(_mapped(v, map_location) for v in value)
     if not isinstance(value, torch.Tensor):
         return value
+    device: torch.device | str | None
     if isinstance(map_location, Mapping):
         device = map_location.get("cpu")
-    elif callable(map_location):
-        storage = map_location(value.untyped_storage(), "cpu")
+    elif callable(map_location):  # torch's MAP_LOCATION names Storage; torch.load hands it untyped storages too
+        relocate = cast("Callable[[torch.UntypedStorage, str], torch.UntypedStorage | None]", map_location)
+        storage = relocate(value.untyped_storage(), "cpu")
         device = None if storage is None else storage.device
     else:
         device = map_location

@@ -18,13 +18,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
 from .._format.dtypes import as_typed, dtype_by_name
 from .._format.integrity import chunk_crc
+from .._format.jsontypes import JSON
 from .._format.zarr import chunk_key, grid_indices
 from .._io.fastio import RowLayout, read_rows, row_layout, write_rows
 from .._io.priority import worker_initializer
@@ -104,7 +105,7 @@ class LazyContext:
     fresh process (with ``ml_dtypes``) — more than a small checkpoint's whole first save. Thread-safe: one
     context, however many threads ask at once."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: JSON) -> None:
         self.spec = spec
         self._context: ts.Context | None = None
         self._lock = threading.Lock()
@@ -118,7 +119,11 @@ class LazyContext:
             return self._context
 
 
-def resolve_context(context: Any) -> ts.Context:
+if TYPE_CHECKING:
+    StoreContext: TypeAlias = ts.Context | LazyContext  # what a transfer is given: a context, or one made on first use
+
+
+def resolve_context(context: StoreContext) -> ts.Context:
     """The TensorStore context to hand to TensorStore: a :class:`LazyContext` made now, any other as it is."""
     return context.get() if isinstance(context, LazyContext) else context
 
@@ -147,7 +152,7 @@ def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, A
     }
 
 
-def open_array(spec: dict[str, Any], context: ts.Context, key: str = "", where: str = "") -> ts.TensorStore:
+def open_array(spec: dict[str, Any], context: StoreContext, key: str = "", where: str = "") -> ts.TensorStore:
     """Open one array for reading slices of it (metadata is assumed from the spec); in a local directory, first
     refuse a chunk file that is not a regular file (one ``scandir``, see :func:`check_chunk_files`)."""
     _check_array_directory(spec, key, where)
@@ -220,7 +225,7 @@ def _not_regular(path: str, key: str, where: str, link: bool = False) -> Corrupt
                                              "damaged: restore the file from a copy"))
 
 
-def _start_open(spec: dict[str, Any], context: ts.Context, key: str, where: str) -> Any:
+def _start_open(spec: dict[str, Any], context: StoreContext, key: str, where: str) -> ts.Future[ts.TensorStore]:
     """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
     try:
         import tensorstore as ts  # on first use (CLI start-up)
@@ -248,7 +253,7 @@ def _describe(error: BaseException) -> str:
     return str(error).strip() or type(error).__name__
 
 
-def write_all(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> Checksums:
+def write_all(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> Checksums:
     """Write every array's data concurrently and wait; the source memory must stay unchanged. Returns the
     checksum of every whole outer chunk written by a job that names its ``node``, for the manifest's chunk
     digests (a chunk only partly covered by one job is not reported; the commit then refuses the save).
@@ -291,7 +296,7 @@ def chunk_checksums(jobs: Sequence[ArrayIO]) -> Checksums:
     return out
 
 
-def _write_store(store: Any, job: ArrayIO) -> Any:
+def _write_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
     """Start one write. TensorStore may keep referring to the source memory instead of copying it (we wait
     before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
     reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
@@ -299,13 +304,14 @@ def _write_store(store: Any, job: ArrayIO) -> Any:
     return store.write(typed_data(job), can_reference_source_data_indefinitely=keep)
 
 
-def read_into(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
+def read_into(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
     """Read every array concurrently straight into the given (writable) memory (fast path as for writes)."""
     _both_paths(jobs, context, where, "read", read_rows, _read_store)
 
 
-def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str,
-                fast_path: Callable[[list[tuple], str], list[int]], start: Callable[[Any, ArrayIO], Any],
+def _both_paths(jobs: Sequence[ArrayIO], context: StoreContext, where: str, action: str,
+                fast_path: Callable[[list[tuple], str], list[int]],
+                start: Callable[[ts.TensorStore, ArrayIO], ts.WriteFutures],
                 split: tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]] | None = None) -> list[tuple[ArrayIO, tuple]]:
     """The fast path's jobs on this thread while TensorStore's run on one background thread — started only when
     both have work (a thread costs about a millisecond, which single-array reads would pay every time) — then
@@ -327,7 +333,7 @@ def _both_paths(jobs: Sequence[ArrayIO], context: ts.Context, where: str, action
     return [item for i, item in enumerate(fast) if i not in skipped]
 
 
-def _read_store(store: Any, job: ArrayIO) -> Any:
+def _read_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
     import tensorstore as ts  # on first use (CLI start-up)
     return ts.array(typed_data(job), copy=False, write=True).write(store)
 
@@ -368,7 +374,8 @@ def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:
 
 
 def _transfer(
-    jobs: Sequence[ArrayIO], context: ts.Context, where: str, action: str, start: Callable[[Any, ArrayIO], Any]
+    jobs: Sequence[ArrayIO], context: StoreContext, where: str, action: str,
+    start: Callable[[ts.TensorStore, ArrayIO], ts.WriteFutures],
 ) -> None:
     """Open all arrays, start every transfer, then wait for all of them (none is left running)."""
     if action == "read":
@@ -384,14 +391,14 @@ def _transfer(
         _wait_all(pending, where, action)
 
 
-def _result(future: Any, key: str, where: str, action: str) -> Any:
+def _result(future: ts.Future[ts.TensorStore], key: str, where: str, action: str) -> ts.TensorStore:
     try:
         return future.result()
     except Exception as e:  # TensorStore raises ValueError/RuntimeError carrying a status code
         raise _wrap(e, key, where, action) from e
 
 
-def _wait_all(pending: list[tuple[ArrayIO, Any]], where: str, action: str) -> None:
+def _wait_all(pending: list[tuple[ArrayIO, ts.WriteFutures]], where: str, action: str) -> None:
     """Wait for every transfer, then raise the first failure (named) so none is left running."""
     first: BaseException | None = None
     for job, future in pending:

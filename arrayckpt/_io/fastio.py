@@ -21,7 +21,7 @@ import stat
 import struct
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,12 +208,12 @@ def _write_chunk(key: str, path: str, layout: RowLayout, sums: dict[int, int], i
         os.close(fd)
 
 
-def _chunk_buffers(layout: RowLayout, part: memoryview, chunk_rows: int) -> tuple[list[Any], int]:
+def _chunk_buffers(layout: RowLayout, part: memoryview, chunk_rows: int) -> tuple[list[memoryview | bytes], int]:
     """One (inner or unsharded) chunk: its rows, zero padding to ``chunk_rows`` rows, and the crc32c; and the crc32c
     of its rows alone (its content)."""
     padding = chunk_rows * layout.row_bytes - len(part)
     content = checksum = crc32c.crc32c(part)
-    buffers: list[Any] = [part]
+    buffers: list[memoryview | bytes] = [part]
     if padding:
         zeros = bytes(padding)
         checksum = crc32c.crc32c(zeros, checksum)
@@ -222,10 +222,10 @@ def _chunk_buffers(layout: RowLayout, part: memoryview, chunk_rows: int) -> tupl
     return buffers, content
 
 
-def _sharded_buffers(layout: RowLayout, part: memoryview) -> tuple[list[Any], int]:
+def _sharded_buffers(layout: RowLayout, part: memoryview) -> tuple[list[memoryview | bytes], int]:
     """An outer chunk with its inner chunks back to back and the index (with its crc32c) at the end; and the
     crc32c of its rows (its content), combined from its inner chunks' (no second pass over the bytes)."""
-    buffers: list[Any] = []
+    buffers: list[memoryview | bytes] = []
     content = 0  # the crc32c of nothing
     index = np.full((layout.inner_per_outer, 2), MISSING, dtype="<u8")
     offset = 0
@@ -355,7 +355,7 @@ def _missing(path: str, inner: int | None = None) -> CorruptCheckpointError:
 WINDOW = 1 << 14  # chunk transfers listed at once: their bookkeeping stays small, however many chunks a job has
 
 
-def _run_all(work: Iterator[tuple], fn: Any, where: str, action: str) -> None:
+def _run_all(work: Iterator[tuple], fn: Callable[..., object], where: str, action: str) -> None:
     """:func:`_run` over ``work`` taken ``WINDOW`` items at a time (one item per chunk file: a job of millions of
     tiny chunks must not list them all at once)."""
     while True:
@@ -365,7 +365,7 @@ def _run_all(work: Iterator[tuple], fn: Any, where: str, action: str) -> None:
         _run(window, fn, where, action)
 
 
-def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
+def _run(work: list[tuple], fn: Callable[..., object], where: str, action: str) -> None:
     """Run chunk transfers on a few threads (IO and crc32c release the GIL); raise the first failure, stopping
     the others there (a job of millions of missing chunks fails at the first, not after trying them all).
 
@@ -397,7 +397,8 @@ def _run(work: list[tuple], fn: Any, where: str, action: str) -> None:
         raise error
 
 
-def _run_batch(batch: list[tuple], fn: Any, failed: threading.Event) -> list[tuple[str, BaseException]]:
+def _run_batch(batch: list[tuple], fn: Callable[..., object], failed: threading.Event) \
+        -> list[tuple[str, BaseException]]:
     """Run one thread's transfers until one fails (returned) or another thread's did (``failed``)."""
     for item in batch:
         if failed.is_set():

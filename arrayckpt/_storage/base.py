@@ -39,13 +39,17 @@ import os
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError, LocationError
 from .._format.integrity import check_root_integrity
+from .._format.jsontypes import JSON
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
+
+if TYPE_CHECKING:
+    from .._io.arrays import StoreContext
 
 __all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "CleanedUp", "Leftover", "Leftovers", "Location",
            "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base",
@@ -106,11 +110,11 @@ class Location(abc.ABC):
         """TensorStore kvstore spec of the "directory" ``subpath`` inside the checkpoint (ends in ``/``)."""
 
     @abc.abstractmethod
-    def read_context(self) -> Any:
+    def read_context(self) -> StoreContext:
         """The TensorStore context to read this storage with."""
 
     @abc.abstractmethod
-    def write_context(self) -> Any:
+    def write_context(self) -> StoreContext:
         """The TensorStore context to write this storage with (array data of a save)."""
 
     # --- reading ---------------------------------------------------------------------------------
@@ -300,7 +304,7 @@ class Leftover(abc.ABC):
 class Opened(NamedTuple):
     """What :meth:`Location.open_committed` gives: the committed checkpoint opened for reading."""
 
-    document: dict[str, Any]  # the root document, parsed and checked
+    document: JSON  # the root document, parsed and checked
     kvstore: dict[str, Any]  # the TensorStore kvstore spec to read its data through
     release: Callable[[], None]  # releases what the open holds (call it once, when done)
     token: Any  # for :meth:`Location.changed_since`
@@ -375,18 +379,18 @@ def follow_base(delta: Location, reference: str, roots: Iterable[Location] = ())
         f"base_roots=[{suggestion!r}] (command line: --base-root {suggestion})")
 
 
-def kvstore_at(base: dict[str, Any], subpath: str) -> dict[str, Any]:
+def kvstore_at(base: JSON, subpath: str) -> JSON:
     """The kvstore spec of ``subpath`` inside the checkpoint whose (directory) kvstore spec is ``base``."""
     if not subpath:
         return base
     return {**base, "path": f"{base['path']}{subpath}/"}
 
 
-def parse_root_bytes(data: bytes, where: object) -> dict[str, Any]:
+def parse_root_bytes(data: bytes, where: object) -> JSON:
     """A root ``zarr.json``'s bytes parsed, with its checksum checked when it is arrayckpt's (spec §11), or
     ``CorruptCheckpointError``."""
     try:
-        document: dict[str, Any] = json.loads(data)
+        document: JSON = json.loads(data)
     except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an integer of too many digits
         problem = e if isinstance(e, ValueError) else "JSON nested too deeply"
         raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {problem}") from None

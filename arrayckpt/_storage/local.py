@@ -33,7 +33,7 @@ from .._errors import (
     StorageError,
 )
 from .._format.manifest import is_arrayckpt_root
-from .._io.arrays import read_context, write_context
+from .._io.arrays import LazyContext, read_context, write_context
 from .._io.smallfiles import first_link, read_checkpoint_file, read_regular_file
 from .._settings import settings
 from .base import (
@@ -90,10 +90,10 @@ class LocalLocation(Location):
     def without_fsync(self) -> LocalLocation:
         return replace(self, fsync=False)
 
-    def read_context(self) -> Any:
+    def read_context(self) -> LazyContext:
         return read_context()
 
-    def write_context(self) -> Any:
+    def write_context(self) -> LazyContext:
         return write_context()
 
     # --- reading ---------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class ObjectLocation(Location):
         spec["path"] = f"{path}/" if path else ""
         return spec
 
-    def context(self) -> Any:  # a tensorstore.Context
+    def context(self) -> ts.Context:
         return object_context(self.scheme, self.options)
 
     read_context = write_context = context

@@ -13,7 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+
+from .._format.jsontypes import JSON
 
 __all__ = ["SizeEstimate", "estimate_size", "human_bytes", "parse_count"]
 
@@ -53,7 +54,7 @@ class SizeEstimate:
     ranks: int
     per_rank_bytes: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return dict(self.__dict__)
 
 

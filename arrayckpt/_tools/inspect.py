@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._format.jsontypes import JSON
 from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, opened
@@ -108,10 +109,10 @@ class SliceSummary:
     max: float | int | None
     mean: float | None
     std: float | None
-    values: Any = None  # nested lists, for selections of at most ``max_values`` elements
+    values: object = None  # nested lists, for selections of at most ``max_values`` elements
     note: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
 
@@ -124,8 +125,8 @@ class _Stats:
     m2: float = 0.0
     nan: int = 0
     inf: int = 0
-    min: Any = None
-    max: Any = None
+    min: float | int | None = None
+    max: float | int | None = None
 
     def add(self, block: np.ndarray) -> None:
         if block.dtype.kind == "c":
@@ -216,7 +217,7 @@ def _show(checkpoint: Checkpoint, key: str, index: str, max_values: int) -> Slic
                         note)
 
 
-def _plain_list(data: np.ndarray) -> Any:
+def _plain_list(data: np.ndarray) -> object:
     """JSON-able nested lists (bfloat16/float8 as floats, complex as [re, im])."""
     if data.dtype.kind == "c":
         return np.stack([data.real, data.imag], axis=-1).astype(np.float64).tolist()
@@ -257,7 +258,7 @@ class TensorDiff:
     chunks: int
     differing_chunks: int | None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return dict(self.__dict__)
 
 
@@ -271,14 +272,14 @@ class DiffReport:
     only_in_b: tuple[str, ...] = ()
     changed: dict[str, str] = field(default_factory=dict)  # key -> "float32[4, 3] -> bfloat16[4, 3]"
     tensors: tuple[TensorDiff, ...] = ()  # every common tensor, identical ones included
-    values: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # plain values that differ: (a, b)
+    values: dict[str, tuple[object, object]] = field(default_factory=dict)  # plain values that differ: (a, b)
 
     @property
     def identical(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.changed or self.values
                     or any(t.differing_elements for t in self.tensors))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"a": self.a, "b": self.b, "identical": self.identical, "only_in_a": list(self.only_in_a),
                 "only_in_b": list(self.only_in_b), "changed": self.changed,
                 "tensors": {t.key: t.to_dict() for t in self.tensors},
@@ -308,7 +309,7 @@ def _diff(left: Checkpoint, right: Checkpoint) -> DiffReport:
     ea, eb = _resolved(left), _resolved(right)
     changed: dict[str, str] = {}
     tensors: list[TensorDiff] = []
-    values: dict[str, tuple[Any, Any]] = {}
+    values: dict[str, tuple[object, object]] = {}
     compared: dict[tuple[str, str], TensorDiff] = {}  # by the arrays compared: tied keys are compared once
     for key in (k for k in ea if k in eb):
         da, db = _describe(ea[key]), _describe(eb[key])
@@ -405,7 +406,7 @@ def _same_per_rank(left: Checkpoint, right: Checkpoint, key: str) -> bool:
     return len(xs) == len(ys) and all(_same_value(x, y) for x, y in zip(xs, ys, strict=True))
 
 
-def _same_value(x: Any, y: Any) -> bool:
+def _same_value(x: object, y: object) -> bool:
     """Plain values by equality, arrays and tensors by dtype, shape and bytes."""
     import torch
 

@@ -31,6 +31,7 @@ from .._errors import (
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
+from .._format.jsontypes import JSON
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import check_array_metadata
 from .._read.checkpoint import Checkpoint
@@ -54,7 +55,7 @@ class Damage:
     file: str  # path inside the checkpoint, e.g. ``model/w/c.1.0`` or ``zarr.json``
     problem: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"key": self.key, "file": self.file, "problem": self.problem}
 
 
@@ -75,7 +76,7 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.damage
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"path": self.path, "ok": self.ok, "arrays": self.arrays, "chunks": self.chunks,
                 "bytes_checked": self.bytes_checked, "damaged_keys": list(self.damaged_keys),
                 "damage": [d.to_dict() for d in self.damage], "unprotected": list(self.unprotected)}

@@ -10,13 +10,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CollectiveError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["Group", "resolve_group"]
 
-_CPU_GROUPS: dict[Any, Any] = {}
+_CPU_GROUPS: dict[ProcessGroup | None, ProcessGroup | None] = {}
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _collective(name: str, rank: int) -> Iterator[None]:
         ) from e
 
 
-def resolve_group(process_group: Any = None) -> Group:
+def resolve_group(process_group: ProcessGroup | Group | None = None) -> Group:
     """The group to use: the given one, else the default group when initialised, else a single process."""
     import torch.distributed as dist
 
@@ -111,7 +114,7 @@ def resolve_group(process_group: Any = None) -> Group:
     return Group(rank, size, process_group, _cpu_group(process_group))
 
 
-def _cpu_group(pg: Any) -> Any:
+def _cpu_group(pg: ProcessGroup | None) -> ProcessGroup | None:
     """``pg`` itself when it is gloo; otherwise a gloo group over the same ranks, created once (collectively)."""
     import torch.distributed as dist
 

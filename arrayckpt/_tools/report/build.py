@@ -221,6 +221,7 @@ def _tensor_pass(array: LazyArray, theirs: LazyArray | None,
     if parts and stats.count:
         values = np.concatenate(parts)
         values = values[np.isfinite(values)]
+        assert stats.min is not None and stats.max is not None  # set by every block counted
         low, high = float(stats.min), float(stats.max)
         if entry.dtype.numpy.kind == "c":
             low, high = float(values.min(initial=0.0)), float(values.max(initial=0.0))
