@@ -157,7 +157,23 @@ class Incremental:
     keep_copy: bool = False  # asynchronous managers: compare with a kept host copy (2x host memory), not a read
 
     def wants_full(self, latest: Checkpoint) -> bool:
-        """Whether the next save should be full, given the newest committed checkpoint (opened)."""
+        """Whether the next save should be full (the manager asks before each save).
+
+        Args:
+            latest: the newest committed checkpoint, opened.
+
+        Returns:
+            ``True`` when its chain is long enough to start over.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile, os
+            >>> d = tempfile.mkdtemp()
+            >>> arrayckpt.save({"w": torch.zeros(1000)}, f"{d}/full")
+            >>> arrayckpt.save({"w": torch.ones(1000)}, f"{d}/delta", base=f"{d}/full")  # all changed: as big
+            >>> with arrayckpt.open(f"{d}/delta") as latest:
+            ...     arrayckpt.Incremental(max_chain_ratio=0.5).wants_full(latest)
+            True
+        """
         chain = latest.chain()
         deltas = [c for c in chain if c.manifest.base is not None]
         full = chain[-1]
