@@ -44,23 +44,38 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
     shapes are checked against the engine before anything changes (``strict``: no parameter of the checkpoint
     left over).
 
-    The flags are ``engine.load_checkpoint``'s: ``load_optimizer_states=False`` keeps the engine's optimizer as
-    it is (a fresh engine's starts fresh) and restores the rest; ``load_lr_scheduler_states=False`` keeps the LR
-    scheduler; ``load_module_only=True`` restores the module only (weights, frozen parameters, buffers; not the
-    step counters, the LR scheduler or the optimizer), to warm-start a new run. Unlike DeepSpeed, which then sets
-    the fp32 master weights from the bf16/fp16 module weights, the masters are always the checkpoint's fp32 ones.
-    ``allow_pickle`` is needed when the client state holds pickled values (converted with
-    ``allow_pickle=True``); ``storage_options`` as for :func:`arrayckpt.open` (``s3://`` paths).
-
     The checkpoint is one converted from a DeepSpeed ZeRO checkpoint saved at any data-parallel degree
     (``arrayckpt convert``): the next steps then match an uninterrupted run's (bit for bit at the same degree;
     at another degree up to the reordering of the gradient reduction's floating-point sums).
 
-    For example (an engine needs a launched DeepSpeed job; ``tests/test_deepspeed.py`` runs this for real)::
+    Args:
+        engine: the engine ``deepspeed.initialize`` returned, ZeRO stage 1, 2 or 3.
+        path: the arrayckpt checkpoint (a directory or a URL).
+        load_optimizer_states: ``engine.load_checkpoint``'s: ``False`` keeps the engine's optimizer as it is (a
+            fresh engine's starts fresh) and restores the rest.
+        load_lr_scheduler_states: ``False`` keeps the LR scheduler.
+        load_module_only: restore the module only (weights, frozen parameters, buffers; not the step counters, the
+            LR scheduler or the optimizer), to warm-start a new run. Unlike DeepSpeed, which then sets the fp32
+            master weights from the bf16/fp16 module weights, the masters are always the checkpoint's fp32 ones.
+        strict: no parameter of the checkpoint may be left over.
+        allow_pickle: needed when the client state holds pickled values (converted with ``allow_pickle=True``).
+        storage_options: as for :func:`arrayckpt.open` (``s3://`` paths).
 
-        import arrayckpt.deepspeed
-        engine, *_ = deepspeed.initialize(model=model, config=cfg)
-        client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")
+    Returns:
+        The client state saved with the checkpoint.
+
+    Raises:
+        StateError: a shape does not match the checkpoint's, or the engine is not ZeRO stage 1-3 (nothing changed).
+        KeyMismatchError: the checkpoint lacks tensors the engine has (or, with ``strict``, holds parameters the
+            engine lacks).
+        PickleNotAllowedError: the client state needs pickle and ``allow_pickle`` was not given.
+
+    Examples:
+        Not run here: an engine needs a launched DeepSpeed job (``tests/test_deepspeed.py`` runs this for real)::
+
+            import arrayckpt.deepspeed
+            engine, *_ = deepspeed.initialize(model=model, config=cfg)
+            client_state = arrayckpt.deepspeed.load(engine, "ckpt/step-100")
     """
     return load_engine(engine, path, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

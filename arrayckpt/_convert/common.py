@@ -36,13 +36,30 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What a conversion wrote, and the entries of the source the target format could not hold.
+    """What :func:`convert` wrote, and the entries of the source the target format could not hold.
 
-    A Hugging Face export (``to_format="hf"``) also says which tensors it took (``selected``: the key prefix it
-    stripped, ``"model."``; ``""`` for the whole state), which names it left out as ties of others (``tied``:
-    alias -> the name written, ``{"lm_head.weight": "transformer.wte.weight"}``), and what the caller should
-    know before publishing (``notes``: e.g. names the config's model expects that the export lacks). ``skipped``
-    then lists every entry outside the selection (optimizer state, values).
+    Attributes:
+        source_format: the format read (``"torch"``, ``"dcp"``...).
+        target_format: the format written.
+        tensors: how many tensors were written.
+        bytes: their bytes.
+        files: the files written.
+        skipped: the keys left out (e.g. plain values going to safetensors; for a Hugging Face export, every entry
+            outside the selection: optimizer state, values).
+        selected: the key prefix a Hugging Face export (``to_format="hf"``) took and stripped (``"model."``; ``""``
+            for the whole state; ``None`` for other targets).
+        tied: the names a Hugging Face export left out as ties of others: alias -> the name written
+            (``{"lm_head.weight": "transformer.wte.weight"}``).
+        notes: what the caller should know before publishing, in words (e.g. names the config's model expects that
+            the export lacks).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.ones(2), "step": 1}, os.path.join(d, "ckpt"))
+        >>> done = arrayckpt.convert(os.path.join(d, "ckpt"), os.path.join(d, "w.safetensors"))
+        >>> done.source_format, done.target_format, done.tensors, done.skipped
+        ('arrayckpt', 'safetensors', 1, ('step',))
     """
 
     source_format: str
@@ -50,10 +67,10 @@ class ConvertResult:
     tensors: int
     bytes: int
     files: tuple[str, ...]
-    skipped: tuple[str, ...] = ()  # keys left out (e.g. plain values going to safetensors)
-    selected: str | None = None  # the key prefix a Hugging Face export took and stripped (None: other targets)
-    tied: Mapping[str, str] = field(default_factory=dict)  # names left out as ties: alias -> the name written
-    notes: tuple[str, ...] = ()  # warnings about the output, in words
+    skipped: tuple[str, ...] = ()
+    selected: str | None = None
+    tied: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> JSON:
         return {**self.__dict__, "files": list(self.files), "skipped": list(self.skipped), "tied": dict(self.tied),

@@ -94,9 +94,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
 
     The source format is detected unless given; the target format is ``to_format``, or what ``dst``'s suffix says
     (``.safetensors``; ``.pt``, ``.pth``, ``.bin``: torch), or arrayckpt (a directory). A suffix that contradicts
-    ``to_format`` is refused before anything is written. ``max_shard_bytes`` splits safetensors output into shards
-    with a ``model.safetensors.index.json``. ``base_roots``: where an arrayckpt delta source's bases may be besides
-    the directory holding it (as for :func:`arrayckpt.open`).
+    ``to_format`` is refused before anything is written.
 
     ``to_format="hf"`` writes the directory ``dst`` for people who publish weights: the model's tensors only
     (``select``: their key prefix, ``"model."``, stripped from the names; found when there is one module under
@@ -111,19 +109,48 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     (frozen parameters, buffers, ties, several param groups), ``param_names`` names them, in the order the param
     groups list them. Read back with ``convert(dst, ...)`` (``from_format`` detected as deepspeed).
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> torch.save({"w": torch.ones(2, 3), "step": 4}, os.path.join(d, "model.pt"))
-    >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "ckpt")).tensors
-    1
-    >>> with arrayckpt.open(os.path.join(d, "ckpt")) as ckpt: ckpt.plain_values["step"]
-    4
-    >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")).target_format
-    'safetensors'
-    >>> arrayckpt.save({"model": torch.nn.Linear(2, 2), "step": 4}, os.path.join(d, "train"))
-    >>> done = arrayckpt.convert(os.path.join(d, "train"), os.path.join(d, "hf"), to_format="hf")
-    >>> done.selected, sorted(os.listdir(os.path.join(d, "hf"))), done.skipped
-    ('model.', ['model.safetensors'], ('step',))
+    Args:
+        src: the checkpoint to convert: a file or a directory.
+        dst: where to write it.
+        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"`` or ``"megatron"``
+            (default: detected).
+        to_format: one of those, or ``"hf"`` (default: what ``dst``'s suffix says, else arrayckpt).
+        overwrite: replace what is at ``dst``.
+        allow_pickle: read and write values that need pickle (only from sources you trust).
+        max_shard_bytes: splits safetensors output into shards with a ``model.safetensors.index.json``.
+        select: for ``to_format="hf"``: the key prefix of the model's tensors, stripped from the names.
+        tie: for ``to_format="hf"``: alias -> target, ties to leave out besides those ``config`` describes.
+        config: for ``to_format="hf"``: the model's ``config.json``, copied beside the weights.
+        progress: called as ``progress(bytes done, bytes in all)``.
+        base_roots: where an arrayckpt delta source's bases may be besides the directory holding it (as for
+            :func:`arrayckpt.open`).
+        param_names: for ``to_format="deepspeed"``: the names of the optimizer's parameters, in the order its param
+            groups list them.
+
+    Returns:
+        What was written, and what the target format could not hold.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``src``.
+        CheckpointExistsError: something is at ``dst`` and ``overwrite`` was not given.
+        FormatError: the source's format cannot be told or read, ``dst``'s name contradicts ``to_format``, or an
+            option does not go with the target format.
+        PickleNotAllowedError: a value needs pickle and ``allow_pickle`` was not given.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> torch.save({"w": torch.ones(2, 3), "step": 4}, os.path.join(d, "model.pt"))
+        >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "ckpt")).tensors
+        1
+        >>> with arrayckpt.open(os.path.join(d, "ckpt")) as ckpt: ckpt.plain_values["step"]
+        4
+        >>> arrayckpt.convert(os.path.join(d, "model.pt"), os.path.join(d, "model.safetensors")).target_format
+        'safetensors'
+        >>> arrayckpt.save({"model": torch.nn.Linear(2, 2), "step": 4}, os.path.join(d, "train"))
+        >>> done = arrayckpt.convert(os.path.join(d, "train"), os.path.join(d, "hf"), to_format="hf")
+        >>> done.selected, sorted(os.listdir(os.path.join(d, "hf"))), done.skipped
+        ('model.', ['model.safetensors'], ('step',))
     """
     hf = HfOptions(select, dict(tie or {}), config)
     if (select is not None or tie or config is not None) and to_format != "hf":

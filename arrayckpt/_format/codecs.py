@@ -29,12 +29,24 @@ Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
 class Codec:
     """How to compress a tensor's chunks.
 
-    ``Codec("zstd", level=3)``; ``Codec("blosc", level=5, shuffle="bitshuffle")`` (byte or bit
-    shuffling groups the bytes of floats by significance, which is what makes weights compress).
     ``Codec()`` is no compression. A crc32c checksum is always added.
 
-    >>> Codec("blosc", shuffle="shuffle")
-    Codec(name='blosc', level=None, shuffle='shuffle', cname='zstd')
+    Args:
+        name: ``"none"``, ``"zstd"`` or ``"blosc"``.
+        level: the compression level (zstd: -7..22, blosc: 0..9; ``None``: the library's default).
+        shuffle: for blosc: ``"noshuffle"``, ``"shuffle"`` or ``"bitshuffle"`` (byte or bit shuffling groups the
+            bytes of floats by significance, which is what makes weights compress).
+        cname: for blosc: its inner compressor (``"zstd"``, ``"lz4"``, ...).
+
+    Raises:
+        StateError: an unknown name, shuffle or compressor, or a level out of range.
+
+    Examples:
+        >>> Codec("blosc", shuffle="shuffle")
+        Codec(name='blosc', level=None, shuffle='shuffle', cname='zstd')
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.zeros(64)}, path, codec=Codec("zstd", level=3))
     """
 
     name: Compression = "none"

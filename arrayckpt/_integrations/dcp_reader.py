@@ -101,24 +101,31 @@ def _close(holder: list[Checkpoint]) -> None:
 class ArrayckptReader(StorageReader):
     """A DCP ``StorageReader`` for arrayckpt checkpoints (see the module docstring).
 
-    ``path`` is a checkpoint's local path or URL (``storage_options`` as for :func:`arrayckpt.open`); it may
-    instead come from DCP's ``checkpoint_id``. ``allow_pickle=True`` lets pickled values load (only for
-    checkpoints you trust: unpickling can run code; DCP's own reader unpickles every non-tensor value).
-    ``base_roots``: where a delta checkpoint's bases may be besides the directory holding it (as for
-    :func:`arrayckpt.open`). ``FileSystemReader``'s ``_extension_registry`` is accepted and has no effect
-    (``dcp_options.py``).
+    Args:
+        path: a checkpoint's local path or URL; it may instead come from DCP's ``checkpoint_id``.
+        allow_pickle: let pickled values load (only for checkpoints you trust: unpickling can run code; DCP's own
+            reader unpickles every non-tensor value).
+        storage_options: for object storage, as for :func:`arrayckpt.open`.
+        base_roots: where a delta checkpoint's bases may be besides the directory holding it (as for
+            :func:`arrayckpt.open`).
+        filesystem_reader_options: ``FileSystemReader``'s ``_extension_registry`` is accepted and has no effect
+            (``dcp_options.py``).
 
-    >>> import arrayckpt, torch, tempfile, os, warnings
-    >>> import torch.distributed.checkpoint as dcp
-    >>> from arrayckpt.dcp import ArrayckptReader
-    >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
-    >>> arrayckpt.save({"model": {"w": torch.ones(2, 3)}, "step": 7}, path)
-    >>> state = {"model": {"w": torch.zeros(2, 3)}, "step": 0}
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore")  # DCP warns that it loads in a single process
-    ...     dcp.load(state, storage_reader=ArrayckptReader(path), no_dist=True)
-    >>> state["model"]["w"].sum().item(), state["step"]
-    (6.0, 7)
+    Raises:
+        TypeError: an argument ``FileSystemReader`` does not take either.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from arrayckpt.dcp import ArrayckptReader
+        >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
+        >>> arrayckpt.save({"model": {"w": torch.ones(2, 3)}, "step": 7}, path)
+        >>> state = {"model": {"w": torch.zeros(2, 3)}, "step": 0}
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # DCP warns that it loads in a single process
+        ...     dcp.load(state, storage_reader=ArrayckptReader(path), no_dist=True)
+        >>> state["model"]["w"].sum().item(), state["step"]
+        (6.0, 7)
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False,

@@ -158,28 +158,39 @@ class _Saves:
 class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` whose checkpoints are normal arrayckpt checkpoints.
 
-    ``path`` is a local directory or an object-storage URL (``s3://bucket/prefix`` with ``storage_options`` as
-    for :func:`arrayckpt.save`); it may instead come from DCP's ``checkpoint_id``. ``codec`` (None, "zstd",
-    "blosc", an :class:`arrayckpt.Codec` or a per-key choice) and ``allow_pickle`` mean what they mean for
-    :func:`arrayckpt.save`. ``overwrite`` is ``True`` by default, as for DCP's ``FileSystemWriter``: a checkpoint
-    at the path is replaced when the new one commits, and stays whole until then; ``overwrite=False`` refuses
-    with :class:`arrayckpt.CheckpointExistsError`. ``cache_staged_state_dict`` is ``FileSystemWriter``'s: with
-    ``dcp.async_save`` (no ``async_stager=``) keep the CPU copy of the state for the next save (pinned where an
-    accelerator is). ``FileSystemWriter``'s other arguments are accepted or refused as ``dcp_options.py`` says.
     Every rank writes its own chunks; rank 0 (DCP's coordinator) commits. Incompatible: DCP plan caching
     (``DefaultSavePlanner(enable_plan_caching=True)``: a cached plan would name another save's temporary
     directory) and ``use_collectives=False`` on several ranks (each would commit alone).
 
-    >>> import arrayckpt, torch, tempfile, os, warnings
-    >>> import torch.distributed.checkpoint as dcp
-    >>> from arrayckpt.dcp import ArrayckptWriter
-    >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore")  # DCP warns that it saves in a single process
-    ...     _ = dcp.save({"model": torch.nn.Linear(3, 2).state_dict(), "step": 1},
-    ...                  storage_writer=ArrayckptWriter(path), no_dist=True)
-    >>> arrayckpt.open(path)["model.weight"].shape, arrayckpt.open(path).plain_values["step"]
-    ((2, 3), 1)
+    Args:
+        path: a local directory or an object-storage URL (``s3://bucket/prefix``); it may instead come from DCP's
+            ``checkpoint_id``.
+        codec: as for :func:`arrayckpt.save` (None, "zstd", "blosc", an :class:`arrayckpt.Codec` or a per-key choice).
+        overwrite: ``True`` by default, as for DCP's ``FileSystemWriter``: a checkpoint at the path is replaced when
+            the new one commits, and stays whole until then; ``False`` refuses.
+        allow_pickle: as for :func:`arrayckpt.save`.
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+        cache_staged_state_dict: ``FileSystemWriter``'s: with ``dcp.async_save`` (no ``async_stager=``) keep the CPU
+            copy of the state for the next save (pinned where an accelerator is).
+        filesystem_writer_options: ``FileSystemWriter``'s other arguments, accepted or refused as ``dcp_options.py``
+            says.
+
+    Raises:
+        CheckpointExistsError: (at ``dcp.save``) a checkpoint is at the path and ``overwrite=False``.
+        ValueError: a ``FileSystemWriter`` argument arrayckpt cannot honour.
+        TypeError: an argument ``FileSystemWriter`` does not take either.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from arrayckpt.dcp import ArrayckptWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "step-1")
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # DCP warns that it saves in a single process
+        ...     _ = dcp.save({"model": torch.nn.Linear(3, 2).state_dict(), "step": 1},
+        ...                  storage_writer=ArrayckptWriter(path), no_dist=True)
+        >>> arrayckpt.open(path)["model.weight"].shape, arrayckpt.open(path).plain_values["step"]
+        ((2, 3), 1)
     """
 
     #: The chunk targets arrays are planned with (as for ``arrayckpt.save``; tests set small ones so that small

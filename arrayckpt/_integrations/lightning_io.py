@@ -90,20 +90,23 @@ def _checkpoint_io_bases() -> tuple[type, ...]:
 class ArrayckptIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     """Lightning's checkpoints as arrayckpt checkpoints: ``Trainer(plugins=[ArrayckptIO()])``.
 
-    ``allow_pickle``: pickle values that are not plain JSON (else saving one fails, naming it). ``asynchronous``:
-    save in the background (:func:`arrayckpt.async_save`). ``codec``: as for :func:`arrayckpt.save`.
-    ``storage_options``: for object-storage paths (``s3://bucket/run/epoch=0-step=10.ckpt``).
+    Args:
+        allow_pickle: pickle values that are not plain JSON (else saving one fails, naming it).
+        asynchronous: save in the background (:func:`arrayckpt.async_save`).
+        codec: as for :func:`arrayckpt.save`.
+        storage_options: for object-storage paths (``s3://bucket/run/epoch=0-step=10.ckpt``).
 
-    >>> import os, tempfile, torch
-    >>> from arrayckpt.lightning import ArrayckptIO
-    >>> io = ArrayckptIO()
-    >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0-step=10.ckpt")
-    >>> io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 10, "lr_schedulers": []}, path)
-    >>> os.path.isdir(path), io.load_checkpoint(path)
-    (True, {'state_dict': {'w': tensor([1., 1.])}, 'global_step': 10, 'lr_schedulers': []})
-    >>> io.remove_checkpoint(path)
-    >>> os.path.exists(path)
-    False
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from arrayckpt.lightning import ArrayckptIO
+        >>> io = ArrayckptIO()
+        >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0-step=10.ckpt")
+        >>> io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 10, "lr_schedulers": []}, path)
+        >>> os.path.isdir(path), io.load_checkpoint(path)
+        (True, {'state_dict': {'w': tensor([1., 1.])}, 'global_step': 10, 'lr_schedulers': []})
+        >>> io.remove_checkpoint(path)
+        >>> os.path.exists(path)
+        False
     """
 
     def __init__(self, *, allow_pickle: bool = False, asynchronous: bool = False, codec: CodecChoice = None,

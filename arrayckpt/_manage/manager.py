@@ -74,24 +74,44 @@ class CheckpointManager:
     With ``remote`` (a URL, or a :class:`Remote`), every save commits to ``root`` (fast local storage) first, then a
     background thread copies it to the remote root; training waits for that only in :meth:`wait_for_uploads` and
     :meth:`close`. :meth:`restore` takes the newest step from either tier (the local copy when it reads back whole),
-    :meth:`tiers` says which tiers hold each step, and each tier has its own retention. The coordinator holds each root
-    until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its saves refused. With ``memory``
-    (a :class:`PeerMemory`) steps are also kept in node-local memory, replicated to other nodes, and restored from there
-    first (``docs/PEER_MEMORY.md``); :meth:`tiers` reports them as ``"memory"``. ``durable=False`` saves without the
-    fsync before each commit (see :func:`arrayckpt.save`): for a local tier that a remote one makes durable.
+    :meth:`tiers` says which tiers hold each step (``"memory"`` too), and each tier has its own retention. The
+    coordinator holds each root until :meth:`close` (spec §9.4): a second manager on a held root is warned, and its
+    saves refused.
 
-    >>> import arrayckpt, torch, tempfile
-    >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
-    >>> w = torch.zeros(2)
-    >>> [manager.save(step, {"w": w}) for step in range(1, 5)]
-    [False, True, False, True]
-    >>> manager.latest_step(), manager.restore({"w": w})
-    (4, 4)
-    >>> two = arrayckpt.CheckpointManager(tempfile.mkdtemp(), remote=tempfile.mkdtemp())  # e.g. "s3://bucket/run"
-    >>> two.save(1, {"w": w}); two.wait_for_uploads(); two.tiers()
-    True
-    {1: ('local', 'remote')}
-    >>> two.close()
+    Args:
+        root: the directory (or object-storage prefix) where each step's checkpoint goes (``step-00000100``).
+        interval: when :meth:`save` actually saves (default: at every call).
+        retention: which committed steps to keep (default: ``Retention()``, the newest 3).
+        asynchronous: save in the background (:func:`arrayckpt.async_save`): :meth:`save` returns once the data is
+            staged.
+        codec: as for :func:`arrayckpt.save`.
+        process_group: the ranks that save together (default: the default group, if initialised).
+        incremental: save deltas between full checkpoints (:class:`Incremental`).
+        storage_options: for an object-storage ``root``, as for :func:`arrayckpt.save`.
+        remote: a second tier (a URL, or a :class:`Remote`): every save commits to ``root`` (fast local storage)
+            first, then a background thread copies it there.
+        memory: a peer-memory tier (:class:`PeerMemory`): steps are also kept in node-local memory, replicated to
+            other nodes, and restored from there first (``docs/PEER_MEMORY.md``).
+        durable: ``False`` saves without the fsync before each commit (see :func:`arrayckpt.save`): for a
+            local tier that a remote one makes durable.
+
+    Raises:
+        LocationError: ``root`` (or the remote's URL) or ``storage_options`` cannot name a location.
+        StorageError: the remote root refuses its first request for good (no bucket, bad credentials).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile
+        >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=2))
+        >>> w = torch.zeros(2)
+        >>> [manager.save(step, {"w": w}) for step in range(1, 5)]
+        [False, True, False, True]
+        >>> manager.latest_step(), manager.restore({"w": w})
+        (4, 4)
+        >>> two = arrayckpt.CheckpointManager(tempfile.mkdtemp(), remote=tempfile.mkdtemp())  # e.g. "s3://bucket/run"
+        >>> two.save(1, {"w": w}); two.wait_for_uploads(); two.tiers()
+        True
+        {1: ('local', 'remote')}
+        >>> two.close()
     """
 
     def __init__(
@@ -168,24 +188,67 @@ class CheckpointManager:
     # --- where checkpoints are --------------------------------------------------------------------
 
     def path(self, step: int) -> Path | str:
-        """Where step ``step``'s checkpoint is (a path, or a URL on object storage); in the local tier."""
+        """Where step ``step``'s checkpoint is in the local tier (committed or not).
+
+        Args:
+            step: the training step.
+
+        Returns:
+            A path, or a URL on object storage.
+
+        Examples:
+            >>> import arrayckpt, tempfile
+            >>> arrayckpt.CheckpointManager(tempfile.mkdtemp()).path(100).name
+            'step-00000100'
+        """
         return self._local.path(step)
 
     def remote_path(self, step: int) -> str | Path:
-        """Where step ``step``'s checkpoint is in the remote tier."""
+        """Where step ``step``'s checkpoint is in the remote tier (committed or not).
+
+        Args:
+            step: the training step.
+
+        Returns:
+            A URL (or a path, for a remote directory).
+
+        Raises:
+            StateError: this manager has no remote tier.
+
+        Examples:
+            >>> import arrayckpt, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), remote=tempfile.mkdtemp())  # or "s3://..."
+            >>> manager.remote_path(100).name
+            'step-00000100'
+            >>> manager.close()
+        """
         if self.remote is None:
             raise StateError("this manager has no remote tier (CheckpointManager(..., remote=...))")
         return self.remote.path(step)
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint in any tier, ascending (incomplete ones are ignored; see :meth:`tiers`)."""
+        """Steps with a committed checkpoint in any tier, ascending (incomplete ones are ignored; see :meth:`tiers`).
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp())
+            >>> [manager.save(step, {"w": torch.zeros(1)}) for step in (10, 20)] and manager.steps()
+            [10, 20]
+        """
         return sorted(self.tiers())
 
     def tiers(self) -> dict[int, tuple[str, ...]]:
         """Which tiers hold a committed checkpoint of each step, ascending: ``{step: ("memory", "local", "remote")}``,
         the names fastest first. ``"memory"``: this node's memory directory holds the step (committed here; whether
         the nodes hold it whole is known only to a restore or a flush, which ask them all). Waits for the memory save
-        in flight, raising its failure."""
+        in flight, raising its failure.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp())
+            >>> manager.save(5, {"w": torch.zeros(1)}) and manager.tiers()
+            {5: ('local',)}
+        """
         held: dict[int, list[str]] = {}
         for tier in self._tiers:
             for step in tier.steps():
@@ -206,7 +269,22 @@ class CheckpointManager:
         In the remote tier too (uploads cut short), except at the steps the local tier holds (its step copier may be
         copying them). What looked like a leftover but stays is in :attr:`kept` as ``(path, why)``; a step directory
         kept because it is not arrayckpt's is also named in a warning. What a running save holds is never removed (spec
-        §9.4). Coordinator only; raises ``CheckpointBusyError`` while another manager holds the root."""
+        §9.4). Coordinator only (on the other ranks it cleans up their memory tier only).
+
+        Args:
+            min_age_s: leftovers touched more recently than this many seconds ago are kept.
+
+        Returns:
+            What was removed.
+
+        Raises:
+            CheckpointBusyError: another manager holds the root.
+
+        Examples:
+            >>> import arrayckpt, tempfile
+            >>> arrayckpt.CheckpointManager(tempfile.mkdtemp()).clean_up(min_age_s=0)
+            []
+        """
         self.kept = []
         removed: list[str] = []
         coordinator = self._is_coordinator()
@@ -229,24 +307,64 @@ class CheckpointManager:
         return self._local.tree.open(step)
 
     def latest_step(self) -> int | None:
-        """The newest step committed in any tier (:meth:`steps`)."""
+        """The newest step committed in any tier (:meth:`steps`) (``None``: none).
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp())
+            >>> manager.latest_step() is None, manager.save(3, {"w": torch.zeros(1)}), manager.latest_step()
+            (True, True, 3)
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 
     # --- saving -----------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether the interval policy asks for a checkpoint at ``step``."""
+        """Whether the interval policy asks for a checkpoint at ``step`` (what :meth:`save` asks itself).
+
+        Args:
+            step: the training step.
+
+        Returns:
+            ``True`` when a save at ``step`` would save.
+
+        Examples:
+            >>> import arrayckpt, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=10))
+            >>> manager.should_save(5), manager.should_save(10)
+            (False, True)
+        """
         elapsed = time.monotonic() - (self._last_time or 0.0)
         return self.interval.due(step, self._last_step, elapsed, self._blocking_seconds)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, float] | None = None, changed_rows: Mapping[str, Any] | None = None) -> bool:
-        """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so; returns whether
-        a save was started. Asynchronous managers return once the data is staged. With ``incremental``,
-        ``changed_rows`` (key -> row indices changed since the previous save) spares reading the base back
-        for those keys. With a remote tier, the save is queued for upload, and an upload that failed since the
-        last call is raised here (``StorageError``; once per failure, after this save was made)."""
+        """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so, then apply the retention.
+        Asynchronous managers return once the data is staged. With a remote tier, the save is queued for upload.
+
+        Args:
+            step: the training step.
+            state: as for :func:`arrayckpt.save`.
+            force: save whatever the interval policy says (e.g. at the last step).
+            metrics: finite numbers by name, recorded with the step (what ``Retention(keep_best=...)`` ranks by).
+            changed_rows: with ``incremental``: key -> row indices changed since the previous save; spares reading
+                the base back for those keys.
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            StorageError: an upload failed since the last call (once per failure, after this save was made).
+            CheckpointBusyError: another manager holds the root.
+            ArrayckptError: what :func:`arrayckpt.save` raises (an asynchronous save's failure: at the next call).
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), interval=arrayckpt.Interval(every_steps=100))
+            >>> manager.save(50, {"w": torch.zeros(1)}), manager.save(50, {"w": torch.zeros(1)}, force=True)
+            (False, True)
+        """
         with self._sigterm.deferred():
             saved = self._save(step, state, force, metrics, changed_rows)
             if saved:
@@ -300,7 +418,18 @@ class CheckpointManager:
                        quantize=self.incremental.quantize)
 
     def wait(self) -> None:
-        """Wait for an asynchronous save and a memory save in flight (raising their errors), then apply retention."""
+        """Wait for an asynchronous save and a memory save in flight (raising their errors), then apply retention.
+
+        Raises:
+            ArrayckptError: what made the save in flight fail, as :func:`arrayckpt.save` raises it.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), asynchronous=True)
+            >>> manager.save(1, {"w": torch.zeros(1)})
+            True
+            >>> manager.wait()
+        """
         with self._sigterm.deferred():
             if self.memory is not None:
                 self.memory.wait()
@@ -311,8 +440,24 @@ class CheckpointManager:
 
     def wait_for_uploads(self, timeout: float | None = None) -> None:
         """Wait for the local save in flight and until every local step is uploaded (steps whose upload failed are
-        tried once more), then apply the local retention. Raises ``StorageError`` when an upload failed (the steps
-        stay local: a later save or call tries them again) and ``TimeoutError`` after ``timeout`` seconds."""
+        tried once more), then apply the local retention.
+
+        Args:
+            timeout: at most this many seconds (``None``: no limit).
+
+        Raises:
+            StorageError: an upload failed (the steps stay local: a later save or call tries them again).
+            TimeoutError: uploads are still running after ``timeout`` seconds.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), remote=tempfile.mkdtemp())
+            >>> manager.save(1, {"w": torch.zeros(1)})
+            True
+            >>> manager.wait_for_uploads(timeout=60); manager.upload_errors()
+            []
+            >>> manager.close()
+        """
         self.wait()
         if self.remote is None:
             return
@@ -323,7 +468,13 @@ class CheckpointManager:
         self._raise_upload_errors(new_only=False)
 
     def upload_errors(self) -> list[tuple[int, BaseException]]:
-        """``(step, error)`` for every step whose last upload failed and that has not been uploaded since."""
+        """``(step, error)`` for every step whose last upload failed and that has not been uploaded since.
+
+        Examples:
+            >>> import arrayckpt, tempfile
+            >>> arrayckpt.CheckpointManager(tempfile.mkdtemp()).upload_errors()  # no remote tier: never any
+            []
+        """
         return self.remote.errors() if self.remote is not None else []
 
     def _raise_upload_errors(self, new_only: bool) -> None:
@@ -360,7 +511,30 @@ class CheckpointManager:
         of what this rank restores, and one more memory copy; IO is one read of the step restored (plus the reads a
         damaged step got through). ``atomic=False`` spares the memory, but a failed attempt may leave some tensors
         overwritten (only a later successful attempt that loads every key rewrites them all). With several ranks
-        all of them restore the same step (see :func:`arrayckpt._manage.restore.restore_newest`)."""
+        all of them restore the same step (see ``arrayckpt._manage.restore.restore_newest``).
+
+        Args:
+            state: the targets, as for :func:`arrayckpt.load`.
+            step: restore this step only (default: the newest that reads back whole).
+            load_options: keyword arguments of :func:`arrayckpt.load` (``strict``, ``atomic``, ``allow_pickle``...).
+
+        Returns:
+            The step restored, or ``None`` when there is nothing to resume from.
+
+        Raises:
+            KeyMismatchError: the state does not match the step's keys (with ``strict``, the default).
+            CorruptCheckpointError: ``step`` was given and it is damaged in every copy.
+            CheckpointNotFoundError: ``step`` was given and no tier holds it.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp())
+            >>> state = {"w": torch.zeros(2)}
+            >>> manager.restore(state) is None  # a fresh start
+            True
+            >>> manager.save(7, {"w": torch.ones(2)}) and manager.restore(state), state["w"]
+            (7, tensor([1., 1.]))
+        """
         sources = self._restore_sources()
         if self.memory is not None:  # the newest step the surviving nodes hold whole, if not older (or ``step``)
             group = resolve_group(self.process_group)
@@ -405,9 +579,27 @@ class CheckpointManager:
         ``path(step)`` in the local tier (then, with a remote tier, it is uploaded like any save); collective, on
         every rank. ``step=None`` takes the newest memory step the nodes hold whole (after a node loss too: the
         replicas stand in). Returns the step flushed (``None``: no memory step to flush); a step the local tier
-        already holds as this very checkpoint is not copied again. Waits for the saves in flight first. Raises
-        ``StateError`` when the step is not whole among the nodes, ``CorruptCheckpointError`` naming a damaged
-        chunk file, ``CheckpointBusyError`` while another manager holds the root (``_peer/flush.py``)."""
+        already holds as this very checkpoint is not copied again. Waits for the saves in flight first
+        (``_peer/flush.py``).
+
+        Args:
+            step: the memory step to flush (``None``: the newest the nodes hold whole).
+
+        Returns:
+            The step flushed (``None``: no memory step to flush).
+
+        Raises:
+            StateError: the manager has no memory tier, or the step is not whole among the nodes.
+            CorruptCheckpointError: a chunk file is damaged (named).
+            CheckpointBusyError: another manager holds the root.
+
+        Examples:
+            Not run here: a memory tier needs several nodes (``tests/test_peer_memory.py`` runs it)::
+
+                manager = arrayckpt.CheckpointManager("/nvme/ckpt", memory=arrayckpt.PeerMemory(every_steps=50))
+                ...
+                manager.flush_memory()  # before the job ends: the newest memory step becomes durable
+        """
         if self.memory is None:
             raise StateError("this manager has no memory tier: pass memory=arrayckpt.PeerMemory(...)")
         with self._sigterm.deferred():
@@ -430,7 +622,19 @@ class CheckpointManager:
         The handler runs once: a second SIGTERM while it runs (a launcher forwarding the scheduler's) is
         ignored. A signal that arrives while the main thread is inside :meth:`save` or :meth:`wait` is handled
         when that call returns (never a save inside a save). If the saving fails, the error propagates and a
-        later SIGTERM is handled again (``signals.py``)."""
+        later SIGTERM is handled again (``signals.py``).
+
+        Args:
+            state_and_step: called on SIGTERM; returns ``(step, state)``, the newest state to save.
+
+        Examples:
+            Not run here (it installs a signal handler in the process)::
+
+                manager = arrayckpt.CheckpointManager("ckpt")
+                manager.save_on_sigterm(lambda: (step, state))  # reads the loop's current step and state
+                for step in range(start, total):
+                    ...
+        """
         self._sigterm.install(state_and_step)
 
     def _save_before_exit(self, state_and_step: StateAndStep) -> None:
@@ -446,7 +650,19 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the save in flight and (with a remote tier) for the uploads, raising what failed; then close every
-        tier, slowest first (the remote tier's copier stops, the roots are let go: another manager may take them)."""
+        tier, slowest first (the remote tier's copier stops, the roots are let go: another manager may take them).
+
+        Raises:
+            StorageError: an upload failed.
+            ArrayckptError: what made the save in flight fail.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile
+            >>> manager = arrayckpt.CheckpointManager(tempfile.mkdtemp(), asynchronous=True)
+            >>> manager.save(1, {"w": torch.zeros(1)})
+            True
+            >>> manager.close()
+        """
         try:
             self.wait()
             self.wait_for_uploads()

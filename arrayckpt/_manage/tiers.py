@@ -75,17 +75,23 @@ class Tier(Protocol):
 class Remote:
     """The second tier of a :class:`CheckpointManager`: where its committed checkpoints are copied in the background.
 
-    ``url`` is a root like the manager's own (``s3://bucket/run``, ``gs://``, a directory), with its
-    ``storage_options``; ``retention`` says which steps it keeps (default: ``Retention()``; a delta's bases are kept
-    as long as it is); ``max_bytes_per_second`` paces the uploads so that they leave bandwidth to training.
-    A local step is deleted only once its upload has committed, unless ``keep_until_uploaded`` is false (then the
-    local retention deletes as if there were no remote tier, and a step it deletes before its upload is never
-    uploaded).
+    Args:
+        url: a root like the manager's own (``s3://bucket/run``, ``gs://``, a directory).
+        storage_options: for an object-storage ``url``, as for :func:`arrayckpt.save`.
+        retention: which steps it keeps (default: ``Retention()``; a delta's bases are kept as long as it is).
+        max_bytes_per_second: paces the uploads so that they leave bandwidth to training.
+        keep_until_uploaded: a local step is deleted only once its upload has committed; ``False``: the local
+            retention deletes as if there were no remote tier, and a step it deletes before its upload is never
+            uploaded.
 
-    >>> import arrayckpt
-    >>> arrayckpt.Remote("s3://bucket/run", retention=arrayckpt.Retention(keep_last=5, keep_every=10_000),
-    ...                  max_bytes_per_second=200e6).max_bytes_per_second
-    200000000.0
+    Raises:
+        ValueError: ``max_bytes_per_second`` is not a positive number.
+
+    Examples:
+        >>> import arrayckpt
+        >>> arrayckpt.Remote("s3://bucket/run", retention=arrayckpt.Retention(keep_last=5, keep_every=10_000),
+        ...                  max_bytes_per_second=200e6).max_bytes_per_second
+        200000000.0
     """
 
     url: str | os.PathLike[str]

@@ -33,16 +33,26 @@ class PeerMemory:
     into node-local shared memory and replicated to ``replicas`` other nodes; :meth:`CheckpointManager.restore`
     takes the newest step the surviving nodes hold whole (onto any number of ranks), before the durable tiers.
 
-    ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE`` from ``torchrun``) or ``nodes`` (one failure-domain label per
-    rank) says which ranks are lost together. ``directory`` is this node's memory directory (default
-    ``/dev/shm/arrayckpt-<uid>/<hash of the manager's root>``: a restarted job finds it again); it must be yours
-    and writable by you alone (made so when missing), else the manager refuses it (:class:`UntrustedDirectoryError`).
-    ``keep`` memory steps are kept per node. Host memory per node = (chunks its ranks write + replicas it holds) x
-    ``keep``; a save that would need more than ``max_bytes`` per node is refused.
+    Host memory per node = (chunks its ranks write + replicas it holds) x ``keep``.
 
-    >>> import arrayckpt
-    >>> arrayckpt.PeerMemory(every_steps=100, ranks_per_node=8, max_bytes=64 << 30).replicas
-    1
+    Args:
+        every_steps: save into memory at every step that is a multiple of it.
+        replicas: how many other nodes hold a copy of each node's chunks.
+        keep: how many memory steps each node keeps.
+        ranks_per_node: says which ranks are lost together (default: ``LOCAL_WORLD_SIZE`` from ``torchrun``).
+        nodes: instead of ``ranks_per_node``, one failure-domain label per rank.
+        directory: this node's memory directory (default ``/dev/shm/arrayckpt-<uid>/<hash of the manager's root>``:
+            a restarted job finds it again); it must be yours and writable by you alone (made so when missing), else
+            the manager refuses it (:class:`UntrustedDirectoryError`).
+        max_bytes: a save that would need more host memory than this per node is refused.
+
+    Raises:
+        ValueError: a count that is not a positive int, or both ``ranks_per_node`` and ``nodes``.
+
+    Examples:
+        >>> import arrayckpt
+        >>> arrayckpt.PeerMemory(every_steps=100, ranks_per_node=8, max_bytes=64 << 30).replicas
+        1
     """
 
     every_steps: int
@@ -71,13 +81,41 @@ class PeerMemory:
             raise ValueError(f"PeerMemory: max_bytes must be a positive int, got {limit!r}")
 
     def node_directory(self, root: str) -> Path:
-        """This node's memory directory for the manager whose root is ``root``."""
+        """This node's memory directory for a manager (``directory``, else one under ``/dev/shm`` named by ``root``).
+
+        Args:
+            root: the manager's root.
+
+        Returns:
+            The absolute path (not created here).
+
+        Examples:
+            >>> import arrayckpt
+            >>> str(arrayckpt.PeerMemory(every_steps=10, directory="/dev/shm/mine").node_directory("ckpt"))
+            '/dev/shm/mine'
+        """
         if self.directory is not None:
             return Path(self.directory).expanduser().absolute()
         return default_parent() / hashlib.sha256(root.encode()).hexdigest()[:16]
 
     def placement(self, world_size: int) -> Placement:
-        """The failure domains of ``world_size`` ranks and where their replicas go."""
+        """The failure domains of ``world_size`` ranks and where their replicas go.
+
+        Args:
+            world_size: the number of ranks of the job.
+
+        Returns:
+            Each rank's failure domain (``domain_of``) and the number of replicas.
+
+        Raises:
+            StateError: ``nodes`` does not name ``world_size`` ranks, the ranks per node are unknown, or there are
+                no more failure domains than replicas.
+
+        Examples:
+            >>> import arrayckpt
+            >>> arrayckpt.PeerMemory(every_steps=10, ranks_per_node=2).placement(4).domain_of
+            (0, 0, 1, 1)
+        """
         if self.nodes is not None:
             labels = list(self.nodes)
             if len(labels) != world_size:

@@ -99,6 +99,15 @@ class Checkpoint(Mapping[str, LazyArray]):
     in memory keeps working (keys, shapes, dtypes, :attr:`manifest`, :attr:`step`, :attr:`metrics`, plain values
     that are not pickled), as a closed file's name does; reading data (slicing, ``.numpy()``, ``.torch()``,
     ``read_into``, :meth:`per_rank`, pickled values, opening a base) raises :class:`ClosedCheckpointError`.
+    Made by :func:`arrayckpt.open`.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"model": torch.nn.Linear(2, 1), "step": 3}, path, step=3, metrics={"loss": 0.5})
+        >>> with arrayckpt.open(path) as ckpt:
+        ...     sorted(ckpt), ckpt.step, ckpt.metrics, dict(ckpt.plain_values)
+        (['model.bias', 'model.weight'], 3, {'loss': 0.5}, {'step': 3})
     """
 
     def __init__(self, location: Location, allow_pickle: bool = False, opened: Opened | None = None,
@@ -479,14 +488,32 @@ def open_checkpoint(path: str | os.PathLike[str] | Location, *, allow_pickle: bo
     elsewhere is read only inside one of ``base_roots`` (directories or URLs you trust), else opening the delta
     raises :class:`arrayckpt.BaseNotAllowedError` naming its reference (spec §10.1).
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> arrayckpt.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, d)
-    >>> with arrayckpt.open(d) as ckpt:
-    ...     ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
-    ((2, 3), [3.0, 4.0], 7)
-    >>> ckpt.closed, sorted(ckpt)  # closed: data can no longer be read, what is in memory can
-    (True, ['w'])
+    Args:
+        path: a directory or an object-storage URL.
+        allow_pickle: let pickled values be read (unpickling runs the writer's code: only for checkpoints you trust).
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+        base_roots: directories or URLs you trust, where a delta's bases may be read besides the delta's own.
+
+    Returns:
+        The open checkpoint, a read-only mapping of dotted keys to :class:`LazyArray`.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        IncompleteCheckpointError: a save at ``path`` never committed.
+        CorruptCheckpointError: the root metadata is damaged.
+        FormatError: the metadata does not follow the format (or a newer version of it).
+        BaseNotAllowedError: a delta's base is outside the delta's directory and ``base_roots``.
+        LocationError: ``path`` or ``storage_options`` cannot name a location.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, d)
+        >>> with arrayckpt.open(d) as ckpt:
+        ...     ckpt["w"].shape, ckpt["w"][1, :2].tolist(), ckpt.plain_values["step"]
+        ((2, 3), [3.0, 4.0], 7)
+        >>> ckpt.closed, sorted(ckpt)  # closed: data can no longer be read, what is in memory can
+        (True, ['w'])
     """
     return Checkpoint(parse_location(path, storage_options), allow_pickle,
                       base_roots=parse_roots(base_roots, storage_options))

@@ -29,7 +29,16 @@ class LazyArray:
 
     ``arr[0:2]`` returns numpy (bfloat16 as ``ml_dtypes.bfloat16``); ``arr.torch()`` a torch tensor. Once its
     checkpoint is closed, the metadata stays and every read (and :attr:`spec`) raises
-    :class:`arrayckpt.ClosedCheckpointError`.
+    :class:`arrayckpt.ClosedCheckpointError`. Made by indexing a :class:`Checkpoint`.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)}, path)
+        >>> with arrayckpt.open(path) as ckpt:
+        ...     w = ckpt["w"]
+        ...     w.shape, w.dtype, w[1:].tolist(), w.torch()[0]
+        ((3, 2), torch.bfloat16, [[2.0, 3.0], [4.0, 5.0]], tensor([0., 1.], dtype=torch.bfloat16))
     """
 
     def __init__(self, checkpoint: ChainSource, entry: ArrayEntry, metadata: dict[str, Any]) -> None:

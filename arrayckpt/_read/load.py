@@ -52,7 +52,19 @@ class Settles(Protocol):
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What ``load`` could not match: keys of the state absent from the checkpoint, and the reverse."""
+    """What ``load`` could not match (with ``strict=True`` a missing key raises instead).
+
+    Attributes:
+        missing_keys: keys of the state absent from the checkpoint (left as they were).
+        unexpected_keys: keys of the checkpoint the state does not hold (not read).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.ones(2), "b": torch.ones(1)}, path)
+        >>> arrayckpt.load({"w": torch.zeros(2), "v": torch.zeros(1)}, path, strict=False).missing_keys
+        ['v']
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]
@@ -77,32 +89,56 @@ def load(
     replaced in their dicts and lists; objects with ``load_state_dict`` get their filled state dict
     back. Optimizers and other non-module stateful objects get state they lack created from the
     checkpoint (a fresh optimizer has no per-parameter state yet). Shapes and dtypes must match
-    exactly. With ``strict=True`` keys of ``state`` missing from the checkpoint raise
-    :class:`KeyMismatchError`; either way the result lists missing and unexpected keys. Everything
-    is checked before the first byte is read, so a mismatch leaves ``state`` untouched. Damage found
-    while reading (a failed checksum) is found after the bytes were read: CPU tensors, read in place, may
+    exactly. Everything is checked before the first byte is read, so a mismatch leaves ``state`` untouched. Damage
+    found while reading (a failed checksum) is found after the bytes were read: CPU tensors, read in place, may
     then hold some of the new bytes; the error lists their keys (in its message and as
-    ``error.overwritten_keys``). With ``atomic=True`` every read goes to fresh host buffers and the state
-    is touched only once every read and check has passed, so a failed load leaves ``state`` exactly as it
-    was (at the cost of a host copy of the data read and one more copy into the tensors).
+    ``error.overwritten_keys``). With several ranks, every rank calls ``load`` with its own targets and reads only
+    the slices they hold.
 
-    With several ranks, every rank calls ``load`` with its own targets and reads only the slices they
-    hold. ``read_once=True`` (collective) has data that several ranks need — replicated tensors,
-    data-parallel copies of a shard — read from storage by one of them and sent to the others over the
-    process group, so storage serves each byte once. ``path`` may be an object-storage URL, with
-    ``storage_options`` as for :func:`arrayckpt.save`; with several ranks the coordinator then reads the root
-    document once and sends it to the others, each checking its checksum (``share_root=False``: every rank reads
-    it itself; either way every rank must call ``load``, as for any collective). A delta checkpoint's bases are read
-    from the directory (prefix) holding it, or inside one of ``base_roots`` (as for :func:`arrayckpt.open`).
+    Args:
+        state: the targets, as given to :func:`arrayckpt.save` (tensors, DTensors, :class:`arrayckpt.Shard`,
+            :class:`arrayckpt.PerRank`, plain values, objects with ``load_state_dict``), nested in dicts and lists.
+        path: a directory or an object-storage URL.
+        strict: keys of ``state`` missing from the checkpoint raise :class:`KeyMismatchError`; ``False``: they are
+            left as they are and listed in the result.
+        allow_pickle: unpickle pickled values (runs the checkpoint writer's code: only for checkpoints you trust).
+        process_group: the ranks that load together (default: the default group, if initialised).
+        read_once: (collective) data that several ranks need — replicated tensors, data-parallel copies of a shard
+            — is read from storage by one of them and sent to the others over the process group, so storage serves
+            each byte once.
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+        atomic: every read goes to fresh host buffers and the state is touched only once every read and check has
+            passed, so a failed load leaves ``state`` exactly as it was (at the cost of a host copy of the data read
+            and one more copy into the tensors).
+        share_root: with several ranks, the coordinator reads the root document once and sends it to the others,
+            each checking its checksum; ``False``: every rank reads it itself (either way every rank must call
+            ``load``, as for any collective).
+        base_roots: where a delta checkpoint's bases may be read besides the directory (prefix) holding it (as for
+            :func:`arrayckpt.open`).
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> arrayckpt.save({"w": torch.ones(3), "step": 5}, path)
-    >>> state = {"w": torch.zeros(3), "step": 0}
-    >>> arrayckpt.load(state, path)
-    LoadResult(missing_keys=[], unexpected_keys=[])
-    >>> state
-    {'w': tensor([1., 1., 1.]), 'step': 5}
+    Returns:
+        The keys that did not match, either way.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        IncompleteCheckpointError: a save at ``path`` never committed.
+        KeyMismatchError: ``strict`` and keys of ``state`` are missing from the checkpoint.
+        StateError: a target's shape or dtype differs from the checkpoint's.
+        PickleNotAllowedError: a value needs unpickling and ``allow_pickle`` was not given.
+        BaseNotAllowedError: a delta's base is outside the delta's directory and ``base_roots``.
+        CorruptCheckpointError: stored bytes are damaged or missing (``error.overwritten_keys``: tensors already
+            partly filled).
+        CollectiveError: another rank failed or hung (with several ranks).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.ones(3), "step": 5}, path)
+        >>> state = {"w": torch.zeros(3), "step": 0}
+        >>> arrayckpt.load(state, path)
+        LoadResult(missing_keys=[], unexpected_keys=[])
+        >>> state
+        {'w': tensor([1., 1., 1.]), 'step': 5}
     """
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)

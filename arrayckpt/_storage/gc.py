@@ -40,9 +40,25 @@ def collect_garbage(root: str | os.PathLike[str], min_age_s: float = 3600.0, dry
     untouched for ``min_age_s`` seconds are removed. Committed checkpoints are never touched, nor any object that
     is not arrayckpt's.
 
-    >>> import arrayckpt, tempfile
-    >>> arrayckpt.gc(tempfile.mkdtemp())
-    []
+    Args:
+        root: a directory, or an object-storage prefix, that holds checkpoints.
+        min_age_s: only leftovers untouched for this many seconds are removed.
+        dry_run: only find the leftovers; remove nothing.
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+
+    Returns:
+        What was removed (or, with ``dry_run``, would be): local paths, or URLs.
+
+    Raises:
+        StateError: ``root`` is a checkpoint, or lies inside one, rather than a prefix holding checkpoints.
+        StorageError: the storage could not be listed or changed.
+
+    Examples:
+        >>> import arrayckpt, tempfile
+        >>> arrayckpt.gc(tempfile.mkdtemp())
+        []
+        >>> arrayckpt.gc(tempfile.mkdtemp(), min_age_s=0, dry_run=True)
+        []
     """
     found, _ = parse_location(root, storage_options).leftovers(min_age_s)
     return [leftover.location.native for leftover in found if dry_run or leftover.remove()]  # type: ignore[return-value]

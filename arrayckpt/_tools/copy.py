@@ -62,15 +62,33 @@ __all__ = ["CopyResult", "copy", "copy_checkpoint"]
 
 @dataclass(frozen=True)
 class CopyResult:
-    """What a copy did: the checkpoints written (bases first, the destination last) and those already in place."""
+    """What :func:`copy` did.
+
+    Attributes:
+        source: the checkpoint copied.
+        destination: where it was copied.
+        id: the checkpoint's id, the same at both ends.
+        copied: the locations written, bases first, the destination last.
+        skipped: the locations that already held the checkpoint meant for them (same id).
+        objects: how many chunk files were copied.
+        bytes_copied: their stored bytes.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.ones(4)}, f"{d}/a")
+        >>> result = arrayckpt.copy(f"{d}/a", f"{d}/b")
+        >>> result.objects, result.bytes_copied > 0, result.id == arrayckpt.open(f"{d}/a").manifest.id
+        (1, True, True)
+    """
 
     source: str
     destination: str
-    id: str | None  # the checkpoint's id, the same at both ends
-    copied: tuple[str, ...]  # locations written, bases first
-    skipped: tuple[str, ...]  # locations that already held the checkpoint meant for them (same id)
-    objects: int  # chunk files copied
-    bytes_copied: int  # their stored bytes
+    id: str | None
+    copied: tuple[str, ...]
+    skipped: tuple[str, ...]
+    objects: int
+    bytes_copied: int
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "destination": self.destination, "id": self.id, "copied": list(self.copied),
@@ -85,26 +103,44 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
     """Copy the committed checkpoint at ``src`` (with its chain of bases, if it is a delta) to ``dst``, streaming
     its files as stored, checking every chunk on the way, and committing ``dst`` last (see the module docstring).
 
-    ``storage_options`` serve both ends; ``src_options`` / ``dst_options`` override them for one end (e.g. two S3
-    endpoints). ``max_bytes_per_second`` caps the transfer rate; ``concurrency`` is the number of chunk files in flight
-    (default ``copy_concurrency``, 8; at most ``copy_in_flight_bytes`` of them: ``_settings.py``); ``progress(done,
-    total)`` is called in array bytes, for each checkpoint of the chain in turn. ``base_roots``: directories or URLs, at
-    either end, where bases outside the directory holding their delta checkpoint may be read and written (spec §10.1).
-    Raises :class:`BaseNotAllowedError` for a base elsewhere, ``CorruptCheckpointError`` for damage in the source
-    (nothing is committed), ``CheckpointExistsError`` when a committed checkpoint is at ``dst`` (without ``overwrite``)
-    or another one at a base's place, ``StorageError`` when either storage fails past its retries.
+    Args:
+        src: a committed checkpoint's directory or URL.
+        dst: where to copy it (its bases go beside it, as they are beside ``src``).
+        overwrite: replace a committed checkpoint at ``dst``.
+        storage_options: for object storage, at both ends (as for :func:`arrayckpt.save`).
+        src_options: overrides ``storage_options`` for ``src`` (e.g. two S3 endpoints).
+        dst_options: overrides ``storage_options`` for ``dst``.
+        max_bytes_per_second: caps the transfer rate.
+        read_back: read every object written back from ``dst`` and compare it (see the module docstring).
+        concurrency: the number of chunk files in flight (default ``copy_concurrency``, 8; at most
+            ``copy_in_flight_bytes`` of them: ``_settings.py``).
+        progress: called as ``progress(done, total)`` in array bytes, for each checkpoint of the chain in turn.
+        base_roots: directories or URLs, at either end, where bases outside the directory holding their delta
+            checkpoint may be read and written (spec §10.1).
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> arrayckpt.save({"w": torch.arange(6.0)}, f"{d}/step-1")
-    >>> arrayckpt.save({"w": torch.arange(6.0) * 2}, f"{d}/step-2", base=f"{d}/step-1")
-    >>> result = arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2")   # its base goes to mirror/step-1 first
-    >>> [os.path.relpath(p, d) for p in result.copied]
-    ['mirror/step-1', 'mirror/step-2']
-    >>> arrayckpt.open(f"{d}/mirror/step-2")["w"][:].tolist()
-    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
-    >>> arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2").copied   # already there: nothing to do
-    ()
+    Returns:
+        What was copied and what was already in place.
+
+    Raises:
+        BaseNotAllowedError: a base is outside its delta's directory and ``base_roots``.
+        CorruptCheckpointError: damage in the source (nothing is committed).
+        CheckpointExistsError: a committed checkpoint is at ``dst`` (without ``overwrite``), or another one at a
+            base's place.
+        StorageError: either storage fails past its retries.
+        ValueError: ``dst`` is ``src`` or inside it.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.arange(6.0)}, f"{d}/step-1")
+        >>> arrayckpt.save({"w": torch.arange(6.0) * 2}, f"{d}/step-2", base=f"{d}/step-1")
+        >>> result = arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2")   # its base goes to mirror/step-1 first
+        >>> [os.path.relpath(p, d) for p in result.copied]
+        ['mirror/step-1', 'mirror/step-2']
+        >>> arrayckpt.open(f"{d}/mirror/step-2")["w"][:].tolist()
+        [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+        >>> arrayckpt.copy(f"{d}/step-2", f"{d}/mirror/step-2").copied   # already there: nothing to do
+        ()
     """
     source = parse_location(src, src_options if src_options is not None else storage_options)
     target = parse_location(dst, dst_options if dst_options is not None else storage_options)

@@ -45,11 +45,25 @@ def parse_count(text: str) -> int:
 
 @dataclass(frozen=True)
 class SizeEstimate:
-    """Checkpoint size of a model: per parameter, in total, and per rank when sharded over ``ranks``."""
+    """Checkpoint size of a model, as :func:`estimate_size` returns it.
+
+    Attributes:
+        params: the number of parameters.
+        bytes_per_param: the bytes a parameter takes, all parts together.
+        breakdown: bytes per parameter by part: ``weights``, ``optimizer``, ``master``.
+        total_bytes: the size of the checkpoint.
+        ranks: the ranks it is sharded over.
+        per_rank_bytes: what each rank writes.
+
+    Examples:
+        >>> import arrayckpt
+        >>> arrayckpt.estimate_size(1_000_000, dtype="fp32", optimizer="sgd").breakdown
+        {'weights': 4, 'optimizer': 4, 'master': 0}
+    """
 
     params: int
     bytes_per_param: int
-    breakdown: dict[str, int]  # bytes per parameter by part: weights, optimizer, master
+    breakdown: dict[str, int]
     total_bytes: int
     ranks: int
     per_rank_bytes: int
@@ -62,9 +76,23 @@ def estimate_size(params: int, *, dtype: str = "bf16", optimizer: str = "adam", 
                   ranks: int = 1) -> SizeEstimate:
     """Expected checkpoint size of a model with ``params`` parameters, sharded evenly over ``ranks`` ranks.
 
-    >>> e = estimate_size(7_000_000_000, master_weights=True, ranks=8)
-    >>> e.bytes_per_param, e.total_bytes // 10**9, e.per_rank_bytes // 10**9
-    (14, 98, 12)
+    Args:
+        params: the number of parameters.
+        dtype: the weights' dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
+        optimizer: its fp32 state per parameter: ``"adam"`` (two moments), ``"sgd"`` (momentum) or ``"none"``.
+        master_weights: an fp32 master copy of the weights is kept (mixed-precision training).
+        ranks: the ranks the checkpoint is sharded over.
+
+    Returns:
+        The size per parameter, in total and per rank.
+
+    Raises:
+        ValueError: an unknown ``dtype`` or ``optimizer``, ``params < 0`` or ``ranks < 1``.
+
+    Examples:
+        >>> e = estimate_size(7_000_000_000, master_weights=True, ranks=8)
+        >>> e.bytes_per_param, e.total_bytes // 10**9, e.per_rank_bytes // 10**9
+        (14, 98, 12)
     """
     if dtype not in WEIGHT_BYTES:
         raise ValueError(f"weight dtype {dtype!r} is not one of {', '.join(WEIGHT_BYTES)}")

@@ -95,12 +95,37 @@ def _selected_shape(index: Index) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SliceSummary:
-    """Statistics of a selection of one tensor (min/max/mean/std over finite and NaN-free values)."""
+    """Statistics of a selection of one tensor, as :func:`show` returns them.
+
+    Attributes:
+        key: the tensor's key.
+        dtype: its dtype's name.
+        shape: the shape of the whole tensor.
+        index: the selection, as given.
+        selected_shape: the shape of the selection.
+        count: how many elements were selected.
+        nan_count: how many of them are NaN.
+        inf_count: how many are infinite.
+        min: the least finite value (``None``: none).
+        max: the greatest finite value.
+        mean: the mean of the finite values.
+        std: their standard deviation.
+        values: nested lists, for selections of at most ``max_values`` elements (else ``None``).
+        note: what the statistics leave out, in words (``""``: nothing).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.tensor([1.0, float("nan"), 3.0])}, path)
+        >>> s = arrayckpt.show(path, "w")
+        >>> s.count, s.nan_count, s.mean
+        (3, 1, 2.0)
+    """
 
     key: str
     dtype: str
-    shape: tuple[int, ...]  # of the whole tensor
-    index: str  # the selection, as given
+    shape: tuple[int, ...]
+    index: str
     selected_shape: tuple[int, ...]
     count: int
     nan_count: int
@@ -109,7 +134,7 @@ class SliceSummary:
     max: float | int | None
     mean: float | None
     std: float | None
-    values: object = None  # nested lists, for selections of at most ``max_values`` elements
+    values: object = None
     note: str = ""
 
     def to_dict(self) -> JSON:
@@ -183,14 +208,29 @@ def show(path: str | os.PathLike[str] | Checkpoint, key: str, index: str = "", *
          max_values: int = MAX_VALUES) -> SliceSummary:
     """Statistics (and, for small selections, the values) of ``checkpoint[key][index]``.
 
-    ``index`` is numpy-style text such as ``"0:4,::2"``. Memory stays bounded whatever the selection size.
+    Memory stays bounded whatever the selection size.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> arrayckpt.save({"w": torch.arange(12.0).reshape(3, 4)}, path)
-    >>> s = arrayckpt.show(path, "w", "1:,::2")
-    >>> s.selected_shape, s.values, s.min, s.max
-    ((2, 2), [[4.0, 6.0], [8.0, 10.0]], 4.0, 10.0)
+    Args:
+        path: a checkpoint's directory or URL, or an open :class:`Checkpoint`.
+        key: the tensor's key.
+        index: numpy-style text such as ``"0:4,::2"`` (``""``: the whole tensor).
+        max_values: the values themselves are returned for selections of at most this many elements.
+
+    Returns:
+        The selection's statistics (and values).
+
+    Raises:
+        KeyError: no tensor ``key`` (or it is a plain value).
+        ValueError: ``index`` cannot be parsed.
+        IndexError: ``index`` does not fit the tensor's shape.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.arange(12.0).reshape(3, 4)}, path)
+        >>> s = arrayckpt.show(path, "w", "1:,::2")
+        >>> s.selected_shape, s.values, s.min, s.max
+        ((2, 2), [[4.0, 6.0], [8.0, 10.0]], 4.0, 10.0)
     """
     with opened(path) as checkpoint:  # a Checkpoint passed in stays open
         return _show(checkpoint, key, index, max_values)
@@ -244,10 +284,23 @@ def _known_tensor(checkpoint: Checkpoint, key: str) -> str:
 class TensorDiff:
     """How one tensor present in both checkpoints (same dtype and shape) differs.
 
-    ``max_rel`` is ``max |a - b| / max(|a|, |b|)`` over elements whose difference is finite; elements
-    that differ where either side is NaN or infinite are counted in ``nonfinite``. ``chunks`` and
-    ``differing_chunks`` count the chunks of ``a``'s grid (both sides are read box by box on it, whatever ``b``'s
-    grid is); ``None`` only in reports made by older versions.
+    Attributes:
+        key: the tensor's key.
+        differing_elements: how many elements differ (bitwise).
+        max_abs: ``max |a - b|`` over elements whose difference is finite.
+        max_rel: ``max |a - b| / max(|a|, |b|)`` over the same elements.
+        nonfinite: elements that differ where either side is NaN or infinite.
+        chunks: the chunks of ``a``'s grid (both sides are read box by box on it, whatever ``b``'s grid is).
+        differing_chunks: how many of them differ (``None`` only in reports made by older versions).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.ones(4)}, os.path.join(d, "a"))
+        >>> arrayckpt.save({"w": torch.tensor([1.0, 1.0, 1.5, 1.0])}, os.path.join(d, "b"))
+        >>> t = arrayckpt.diff(os.path.join(d, "a"), os.path.join(d, "b")).tensors[0]
+        >>> t.key, t.differing_elements, t.max_abs, round(t.max_rel, 3)
+        ('w', 1, 0.5, 0.333)
     """
 
     key: str
@@ -264,15 +317,34 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class DiffReport:
-    """What differs between checkpoints ``a`` and ``b``."""
+    """What differs between checkpoints ``a`` and ``b``, as :func:`diff` returns it; ``identical`` when nothing does.
+
+    Attributes:
+        a: the first checkpoint.
+        b: the second.
+        only_in_a: keys only ``a`` has.
+        only_in_b: keys only ``b`` has.
+        changed: key -> how its dtype, shape or kind changed (``"tensor float32[4, 3] -> tensor bfloat16[4, 3]"``).
+        tensors: every common tensor, identical ones included.
+        values: the plain values that differ: key -> (in ``a``, in ``b``).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.zeros(2), "x": torch.zeros(1)}, os.path.join(d, "a"))
+        >>> arrayckpt.save({"w": torch.zeros(2, dtype=torch.bfloat16)}, os.path.join(d, "b"))
+        >>> r = arrayckpt.diff(os.path.join(d, "a"), os.path.join(d, "b"))
+        >>> r.identical, r.only_in_a, r.changed
+        (False, ('x',), {'w': 'tensor float32[2] -> tensor bfloat16[2]'})
+    """
 
     a: str
     b: str
     only_in_a: tuple[str, ...] = ()
     only_in_b: tuple[str, ...] = ()
-    changed: dict[str, str] = field(default_factory=dict)  # key -> "float32[4, 3] -> bfloat16[4, 3]"
-    tensors: tuple[TensorDiff, ...] = ()  # every common tensor, identical ones included
-    values: dict[str, tuple[object, object]] = field(default_factory=dict)  # plain values that differ: (a, b)
+    changed: dict[str, str] = field(default_factory=dict)
+    tensors: tuple[TensorDiff, ...] = ()
+    values: dict[str, tuple[object, object]] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -293,13 +365,25 @@ def diff(a: str | os.PathLike[str] | Checkpoint, b: str | os.PathLike[str] | Che
     -0.0 != +0.0. An alias (tied weights, stored once) is compared as the tensor it names, so a checkpoint of a
     tied model and one of the same weights untied are identical.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> arrayckpt.save({"w": torch.zeros(4), "step": 1}, os.path.join(d, "a"))
-    >>> arrayckpt.save({"w": torch.tensor([0.0, 0.5, 0.0, 0.0]), "step": 2}, os.path.join(d, "b"))
-    >>> r = arrayckpt.diff(os.path.join(d, "a"), os.path.join(d, "b"))
-    >>> r.tensors[0].differing_elements, r.tensors[0].max_abs, r.values
-    (1, 0.5, {'step': (1, 2)})
+    Args:
+        a: a checkpoint's directory or URL, or an open :class:`Checkpoint`.
+        b: the other.
+
+    Returns:
+        What differs.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``a`` or ``b``.
+        CorruptCheckpointError: stored bytes of either are damaged.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"w": torch.zeros(4), "step": 1}, os.path.join(d, "a"))
+        >>> arrayckpt.save({"w": torch.tensor([0.0, 0.5, 0.0, 0.0]), "step": 2}, os.path.join(d, "b"))
+        >>> r = arrayckpt.diff(os.path.join(d, "a"), os.path.join(d, "b"))
+        >>> r.tensors[0].differing_elements, r.tensors[0].max_abs, r.values
+        (1, 0.5, {'step': (1, 2)})
     """
     with opened(a) as left, opened(b) as right:  # Checkpoints passed in stay open
         return _diff(left, right)

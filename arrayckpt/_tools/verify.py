@@ -49,10 +49,25 @@ Progress = Callable[[int, int], None]  # (bytes checked so far, bytes to check)
 
 @dataclass(frozen=True)
 class Damage:
-    """One problem: the entry it affects (``None``: the checkpoint as a whole), the file, and what is wrong."""
+    """One problem :func:`verify` found.
+
+    Attributes:
+        key: the entry it affects (``None``: the checkpoint as a whole).
+        file: the path inside the checkpoint, e.g. ``model/w/c.1.0`` or ``zarr.json``.
+        problem: what is wrong, in words.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.ones(4)}, path)
+        >>> os.remove(os.path.join(path, "w", "zarr.json"))
+        >>> damage = arrayckpt.verify(path).damage[0]
+        >>> damage.key, damage.file
+        ('w', 'w/zarr.json')
+    """
 
     key: str | None
-    file: str  # path inside the checkpoint, e.g. ``model/w/c.1.0`` or ``zarr.json``
+    file: str
     problem: str
 
     def to_dict(self) -> JSON:
@@ -61,7 +76,28 @@ class Damage:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """What ``verify`` checked and every problem it found; ``ok`` when there were none."""
+    """What ``verify`` checked and every problem it found; ``ok`` when there were none.
+
+    Attributes:
+        path: the checkpoint verified.
+        damage: every problem found.
+        arrays: how many arrays were checked.
+        chunks: how many chunks were checked.
+        bytes_checked: their stored bytes.
+        damaged_keys: the keys with damage.
+        unprotected: what could not be checked because the checkpoint (or a base) predates the checksums (format
+            version < 3).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.ones(4)}, path)
+        >>> chunk = next(p for p in (path / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
+        >>> _ = chunk.write_bytes(b"garbage")
+        >>> report = arrayckpt.verify(path)
+        >>> report.ok, report.damaged_keys, report.damage[0].key
+        (False, ('w',), 'w')
+    """
 
     path: str
     damage: tuple[Damage, ...] = ()
@@ -69,7 +105,6 @@ class VerifyReport:
     chunks: int = 0
     bytes_checked: int = 0
     damaged_keys: tuple[str, ...] = ()
-    # What could not be checked because the checkpoint (or a base) predates the checksums (format version < 3).
     unprotected: tuple[str, ...] = ()
 
     @property
@@ -92,20 +127,34 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     every tensor, per-rank array and pickled value is present and passes its crc32c, and each array's chunks,
     in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught).
     Checkpoints older than format version 3 have neither checksum: the report lists them as ``unprotected``
-    (``ok`` says nothing about what was not checked). A missing checkpoint
-    raises :class:`arrayckpt.CheckpointNotFoundError`, storage that cannot be read at all (its retries used
-    up, access refused) :class:`arrayckpt.StorageError`, and a checkpoint (or base) replaced or removed while it
-    is being verified :class:`arrayckpt.ReplacedCheckpointError`, and a base outside the directory holding its
-    delta checkpoint and outside ``base_roots`` :class:`arrayckpt.BaseNotAllowedError` (spec §10.1), since those
-    say nothing about the data; everything else is reported, not raised (each damaged chunk by file, up to 100 per
-    array: then the array's other chunks are skipped, and a damage on the array says so).
+    (``ok`` says nothing about what was not checked). What says something about the data is reported, not raised
+    (each damaged chunk by file, up to 100 per array: then the array's other chunks are skipped, and a damage on the
+    array says so); what says nothing about it is raised.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> arrayckpt.save({"w": torch.ones(4, 4), "step": 1}, path)
-    >>> report = arrayckpt.verify(path)
-    >>> report.ok, report.arrays, report.bytes_checked
-    (True, 1, 64)
+    Args:
+        path: a directory or an object-storage URL.
+        progress: called as ``progress(bytes checked so far, bytes to check)``.
+        batch_bytes: how many stored bytes to read per batch (default: the ``verify_batch_bytes`` setting).
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+        base_roots: where a delta's bases may be besides the directory holding it (as for :func:`arrayckpt.open`).
+
+    Returns:
+        What was checked and every damage found; ``report.ok`` when there was none.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        StorageError: storage cannot be read at all (its retries used up, access refused).
+        ReplacedCheckpointError: the checkpoint (or a base) was replaced or removed while it was being verified.
+        BaseNotAllowedError: a base is outside the directory holding its delta and outside ``base_roots``
+            (spec §10.1).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.ones(4, 4), "step": 1}, path)
+        >>> report = arrayckpt.verify(path)
+        >>> report.ok, report.arrays, report.bytes_checked
+        (True, 1, 64)
     """
     location = parse_location(path, storage_options)
     where = str(location)

@@ -22,8 +22,27 @@ class Shard:
     """This rank's piece of a global tensor, for frameworks without DTensor (Megatron-style TP/PP/DP).
 
     ``Shard(local, global_shape=(1024, 512), global_offset=(256, 0))`` says ``local`` holds rows
-    256..256+local.shape[0] of a 1024x512 tensor. Ranks holding the same piece as data-parallel
-    replicas give it distinct ``replica_id``s (0 for the primary copy); replicas are stored once.
+    256..256+local.shape[0] of a 1024x512 tensor.
+
+    Args:
+        tensor: this rank's piece (saved from, or loaded into).
+        global_shape: the shape of the whole tensor.
+        global_offset: where ``tensor`` starts in it, one index per dimension.
+        replica_id: ranks holding the same piece as data-parallel replicas give it distinct ids (0 for the primary
+            copy); replicas are stored once.
+
+    Raises:
+        StateError: the piece does not fit in ``global_shape`` at ``global_offset``.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.arange(12.0).reshape(4, 3)}, path)  # saved whole, from one rank
+        >>> rows = torch.zeros(2, 3)  # this rank's rows 2..3 of the 4x3 weight (the shards of a save cover it all)
+        >>> _ = arrayckpt.load({"w": arrayckpt.Shard(rows, global_shape=(4, 3), global_offset=(2, 0))}, path)
+        >>> rows
+        tensor([[ 6.,  7.,  8.],
+                [ 9., 10., 11.]])
     """
 
     tensor: torch.Tensor
@@ -52,8 +71,19 @@ class Shard:
 class PerRank:
     """A value saved separately for every rank (RNG state, data-loader position) and restored to its rank.
 
-    ``arrayckpt.save({"rng": arrayckpt.PerRank(torch.get_rng_state())}, path)``. Loading needs the same
-    world size, unless the target names the rank to take the value from: ``PerRank(t, rank=0)``.
+    Loading needs the same world size, unless the target names the rank to take the value from.
+
+    Args:
+        value: this rank's value (on load: the target, filled in place when a tensor, else replaced).
+        rank: on load: take this saved rank's value instead of the loading rank's.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"rng": arrayckpt.PerRank(torch.get_rng_state())}, path)
+        >>> state = {"rng": arrayckpt.PerRank(None, rank=0)}
+        >>> _ = arrayckpt.load(state, path)
+        >>> torch.set_rng_state(state["rng"].value)
     """
 
     value: Any

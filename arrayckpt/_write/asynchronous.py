@@ -41,7 +41,21 @@ __all__ = ["SaveHandle", "async_save", "async_save_with"]
 
 
 class SaveHandle:
-    """A save running in the background: :meth:`wait` for it (re-raising its error) or poll :meth:`done`."""
+    """A save running in the background: :meth:`wait` for it (re-raising its error) or poll :meth:`done`. Made by
+    :func:`async_save`.
+
+    Attributes:
+        path: where the checkpoint is being saved.
+        blocking_seconds: how long ``async_save`` blocked the caller (staging copies); what a checkpoint costs
+            training.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> handle = arrayckpt.async_save({"w": torch.ones(4)}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+        >>> handle.wait()
+        >>> handle.done(), handle.blocking_seconds < 10
+        (True, True)
+    """
 
     def __init__(self, future: Future[None], path: str, blocking_seconds: float) -> None:
         self._future = future
@@ -51,10 +65,24 @@ class SaveHandle:
         self.blocking_seconds = blocking_seconds
 
     def done(self) -> bool:
+        """Whether the save is over, committed or failed (:meth:`wait` says which)."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save has committed; raise what made it fail (nothing was committed then)."""
+        """Block until the save has committed; raise what made it fail (nothing was committed then).
+
+        Args:
+            timeout: at most this many seconds (``None``: no limit).
+
+        Raises:
+            TimeoutError: the save is still running after ``timeout`` seconds (wait again later).
+            ArrayckptError: what made the save fail, as :func:`arrayckpt.save` raises it.
+
+        Examples:
+            >>> import arrayckpt, torch, tempfile, os
+            >>> handle = arrayckpt.async_save({"w": torch.ones(4)}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+            >>> handle.wait(timeout=60)
+        """
         try:
             self._future.result(timeout)
         except TimeoutError:
@@ -144,24 +172,47 @@ def async_save(
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
 
     The state may be modified as soon as this returns. A failure is raised by the handle's ``wait()``
-    (nothing is committed then). An earlier async save still running is waited for first
-    (``if_busy="wait"``; its error, if any, is raised here) or refused (``if_busy="error"``). An incremental
-    save (``base=...``, see :func:`arrayckpt.save`) compares the staged copy with the base in the
-    background, so it blocks training no longer than a full one. ``keep_copy=True`` keeps this save's host
-    copy once it has committed (a second host copy of the state), so that the next incremental save against
-    it compares in memory instead of reading the checkpoint back. ``durable=False``: no sync to disk before the
-    commit (see :func:`arrayckpt.save`). While the save runs, Python's cyclic garbage
+    (nothing is committed then). An incremental save (``base=...``) compares the staged copy with the base in the
+    background, so it blocks training no longer than a full one. While the save runs, Python's cyclic garbage
     collector is paused (as during :func:`arrayckpt.save`, for at most 30 s; cycles the training makes meanwhile
     are collected after it) and, on Linux, its IO worker threads run at niceness +10 (``ARRAYCKPT_BACKGROUND_NICE``
     sets another, 0 for none), so that where cores are short the training keeps them and the save takes what is
     left.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> w = torch.ones(4)
-    >>> handle = arrayckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
-    >>> w.zero_()  # training goes on; the checkpoint keeps the ones
-    tensor([0., 0., 0., 0.])
-    >>> handle.wait()
+    Args:
+        state: as for :func:`arrayckpt.save`.
+        path: as for :func:`arrayckpt.save`.
+        codec: as for :func:`arrayckpt.save`.
+        overwrite: as for :func:`arrayckpt.save`.
+        allow_pickle: as for :func:`arrayckpt.save`.
+        process_group: as for :func:`arrayckpt.save`.
+        step: as for :func:`arrayckpt.save`.
+        metrics: as for :func:`arrayckpt.save`.
+        if_busy: what to do while an earlier async save is still running: ``"wait"`` for it (its error, if any, is
+            raised here) or ``"error"`` (refuse).
+        storage_options: as for :func:`arrayckpt.save`.
+        base: as for :func:`arrayckpt.save`.
+        changed_rows: as for :func:`arrayckpt.save`.
+        quantize: as for :func:`arrayckpt.save`.
+        keep_copy: keep this save's host copy once it has committed (a second host copy of the state), so that the
+            next incremental save against it compares in memory instead of reading the checkpoint back.
+        durable: ``False``: no fsync before the commit (see :func:`arrayckpt.save`).
+
+    Returns:
+        The handle of the save running in the background.
+
+    Raises:
+        CheckpointBusyError: ``if_busy="error"`` and an earlier async save is still running.
+        ArrayckptError: what :func:`arrayckpt.save` raises before writing (a state that cannot be saved, a
+            checkpoint already at ``path``...); what fails later is raised by ``handle.wait()``.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> w = torch.ones(4)
+        >>> handle = arrayckpt.async_save({"w": w}, os.path.join(tempfile.mkdtemp(), "ckpt"))
+        >>> w.zero_()  # training goes on; the checkpoint keeps the ones
+        tensor([0., 0., 0., 0.])
+        >>> handle.wait()
     """
     options = SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle, process_group=process_group,
                           step=step, metrics=metrics, storage_options=storage_options, base=base,

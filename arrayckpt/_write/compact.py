@@ -36,7 +36,23 @@ __all__ = ["CompactResult", "compact"]
 
 @dataclass(frozen=True)
 class CompactResult:
-    """What a compaction did: the source chain (newest first) and the bytes written."""
+    """What :func:`compact` did.
+
+    Attributes:
+        source: the checkpoint compacted.
+        destination: the full checkpoint written.
+        chain: the source's chain, newest first (the source, then its bases).
+        arrays: how many arrays were written.
+        bytes_written: their stored bytes.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+            >>> d = tempfile.mkdtemp()
+            >>> arrayckpt.save({"w": torch.ones(4)}, f"{d}/a")
+            >>> result = arrayckpt.compact(f"{d}/a", f"{d}/b")
+            >>> result.arrays, len(result.chain)
+            (1, 1)
+    """
 
     source: str
     destination: str
@@ -58,21 +74,39 @@ def compact(src: str | os.PathLike[str] | Checkpoint, dst: str | os.PathLike[str
             base_roots: Sequence[str | os.PathLike[str]] | None = None) -> CompactResult:
     """Write the checkpoint at ``src`` (a delta chain, or a full checkpoint) as a full checkpoint at ``dst``.
 
-    Loading ``dst`` gives exactly what loading ``src`` gives. ``codec`` overrides the compression (default:
-    each tensor keeps its own). ``dst`` may be on other storage than ``src`` (e.g. compact an S3 chain to a
-    local directory). ``base_roots``: where bases may be besides the directory holding each checkpoint of the chain
-    (as for :func:`arrayckpt.open`).
+    Loading ``dst`` gives exactly what loading ``src`` gives.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> w = torch.zeros(4, 3)
-    >>> arrayckpt.save({"w": w}, f"{d}/base")
-    >>> w[1] = 1.0
-    >>> arrayckpt.save({"w": w}, f"{d}/delta", base=f"{d}/base")
-    >>> arrayckpt.compact(f"{d}/delta", f"{d}/full").chain == (f"{d}/delta", f"{d}/base")
-    True
-    >>> with arrayckpt.open(f"{d}/full") as full: full["w"][1].tolist(), full.manifest.base is None
-    ([1.0, 1.0, 1.0], True)
+    Args:
+        src: a checkpoint's directory or URL, or an open :class:`Checkpoint`.
+        dst: where to write the full checkpoint; it may be on other storage than ``src`` (e.g. compact an S3 chain
+            to a local directory).
+        overwrite: replace a committed checkpoint at ``dst``.
+        codec: overrides the compression, as for :func:`arrayckpt.save` (default: each tensor keeps its own).
+        storage_options: for object storage (both ends), as for :func:`arrayckpt.save`.
+        progress: called as ``progress(bytes done, bytes in all)``.
+        base_roots: where bases may be besides the directory holding each checkpoint of the chain (as for
+            :func:`arrayckpt.open`).
+
+    Returns:
+        What was written.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``src``.
+        CheckpointExistsError: a committed checkpoint is at ``dst`` and ``overwrite`` was not given.
+        CorruptCheckpointError: stored bytes of the chain are damaged or missing (nothing is committed).
+        BaseNotAllowedError: a base is outside its delta's directory and ``base_roots``.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> w = torch.zeros(4, 3)
+        >>> arrayckpt.save({"w": w}, f"{d}/base")
+        >>> w[1] = 1.0
+        >>> arrayckpt.save({"w": w}, f"{d}/delta", base=f"{d}/base")
+        >>> arrayckpt.compact(f"{d}/delta", f"{d}/full").chain == (f"{d}/delta", f"{d}/base")
+        True
+        >>> with arrayckpt.open(f"{d}/full") as full: full["w"][1].tolist(), full.manifest.base is None
+        ([1.0, 1.0, 1.0], True)
     """
     with opened(src, storage_options=storage_options, base_roots=base_roots) as checkpoint:  # one passed in stays open
         return _compact(checkpoint, dst, overwrite, codec, storage_options, progress)

@@ -107,12 +107,23 @@ def save(
             checkpoint, but a power loss soon after may leave the committed checkpoint without its data (a load
             then names the missing or damaged chunk). Object stores are durable either way.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
-    >>> model = torch.nn.Linear(4, 2)
-    >>> arrayckpt.save({"model": model, "step": 100}, path, codec={"model.*": "zstd"})
-    >>> sorted(arrayckpt.open(path))
-    ['model.bias', 'model.weight']
+    Raises:
+        CheckpointExistsError: a committed checkpoint is at ``path`` and ``overwrite`` was not given.
+        StateError: a value of ``state`` cannot be saved as it is, or the ranks' shards do not cover a tensor (the
+            message names the key and the fix).
+        PickleNotAllowedError: a value needs pickle and ``allow_pickle`` was not given.
+        CheckpointBusyError: another writer (a manager, a save in progress) holds ``path``.
+        LocationError: ``path`` or ``storage_options`` cannot name a location.
+        StorageError: a write failed (full disk, permissions, a store past its retries); nothing was committed.
+        CollectiveError: another rank failed or hung (with several ranks).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "step-100")
+        >>> model = torch.nn.Linear(4, 2)
+        >>> arrayckpt.save({"model": model, "step": 100}, path, codec={"model.*": "zstd"})
+        >>> sorted(arrayckpt.open(path))
+        ['model.bias', 'model.weight']
     """
     save_with(state, path, SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle,
                                        process_group=process_group, step=step, metrics=metrics,

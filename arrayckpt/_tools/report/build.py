@@ -62,18 +62,35 @@ def report(path: str | os.PathLike[str] | Checkpoint, *, against: str | os.PathL
            base_roots: Sequence[str | os.PathLike[str]] | None = None) -> Path:
     """Write a self-contained HTML report of checkpoint ``path`` to ``output`` and return its path.
 
-    ``against``: another checkpoint; the report then ranks the tensors by their relative change
-    ``||path - against|| / ||against||`` and maps it over layers. ``max_tensors``: compute statistics for the
-    largest so many tensors only (default: all). ``histograms`` and ``grids``: how many of the largest tensors
-    get a histogram and a chunk-grid picture. ``overview``: also write the main pictures as one PNG. Needs
-    matplotlib (``pip install 'arrayckpt[report]'``); reads every tensor once (twice with ``against``) in
+    Needs matplotlib (``pip install 'arrayckpt[report]'``); reads every tensor once (twice with ``against``) in
     bounded memory.
 
-    >>> import arrayckpt, torch, tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> arrayckpt.save({"model.w": torch.ones(4, 3), "step": 1}, os.path.join(d, "ckpt"))
-    >>> report(os.path.join(d, "ckpt"), output=os.path.join(d, "ckpt.html"), histograms=0, grids=0).name
-    'ckpt.html'
+    Args:
+        path: a checkpoint's directory or URL, or an open :class:`Checkpoint`.
+        against: another checkpoint; the report then ranks the tensors by their relative change
+            ``||path - against|| / ||against||`` and maps it over layers.
+        output: the HTML file to write.
+        overview: also write the main pictures as one PNG, here.
+        storage_options: for object storage, as for :func:`arrayckpt.save`.
+        max_tensors: compute statistics for the largest so many tensors only (default: all).
+        histograms: how many of the largest tensors get a histogram.
+        grids: how many of the largest tensors get a chunk-grid picture.
+        base_roots: where a delta's bases may be besides the directory holding it (as for :func:`arrayckpt.open`).
+
+    Returns:
+        The path of the HTML file written.
+
+    Raises:
+        ValueError: a negative ``max_tensors``, ``histograms`` or ``grids``.
+        ModuleNotFoundError: matplotlib is not installed.
+        CheckpointNotFoundError: nothing is at ``path`` (or ``against``).
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> arrayckpt.save({"model.w": torch.ones(4, 3), "step": 1}, os.path.join(d, "ckpt"))
+        >>> report(os.path.join(d, "ckpt"), output=os.path.join(d, "ckpt.html"), histograms=0, grids=0).name
+        'ckpt.html'
     """
     return write_report(path, against=against, output=output, overview=overview, storage_options=storage_options,
                         max_tensors=max_tensors, histograms=histograms, grids=grids, base_roots=base_roots).path
