@@ -37,7 +37,7 @@ from .._storage import Location, parse_location
 from .._storage.liveness import HeldRoot
 from .._torch.dist import resolve_group
 from .._write.asynchronous import SaveHandle, async_save_with
-from .._write.options import SaveOptions
+from .._write.options import SaveOptions, SaveSetup
 from .._write.save import save_with
 from .policy import Incremental, Interval, Retention
 from .restore import StepCandidate, StepCopy, restore_newest
@@ -109,10 +109,11 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
         self.process_group = process_group
         self._held = HeldRoot(self._location)  # the coordinator's hold on the root (spec §9.4)
         self._remote_held: HeldRoot | None = None
-        #: The options every save starts from; each save sets its step, metrics and base on a copy.
-        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
-                                        plan_cache=PlanCache(), storage_options=storage_options,
-                                        guard=self._held.check, durable=durable)
+        # The options every save starts from (each save sets its step, metrics and base on a copy), and what the
+        # manager adds to each: the check that it still holds its root, its own plan cache.
+        self._save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
+                                         storage_options=storage_options, durable=durable)
+        self._save_setup = SaveSetup(guard=self._held.check, plan_cache=PlanCache())
         self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -272,15 +273,16 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
-        options = replace(self.save_options, step=step, metrics=metrics, **self._delta_options(changed_rows))
+        options = replace(self._save_options, step=step, metrics=metrics, **self._delta_options(changed_rows))
         if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
-            self._pending = async_save_with(state, self.path(step), options, keep_copy=keep)
+            self._pending = async_save_with(state, self.path(step), options, keep_copy=keep,
+                                            setup=self._save_setup)
             self._blocking_seconds = self._pending.blocking_seconds
             if self._uploader is not None:
                 self._uploader.add(step, self._pending)
         else:
-            save_with(state, self.path(step), options)
+            save_with(state, self.path(step), options, self._save_setup)
             self._blocking_seconds = time.perf_counter() - started
             if self._uploader is not None:
                 self._uploader.add(step)
@@ -290,7 +292,8 @@ until :meth:`close` (spec §9.4): a second manager on a held root is warned, and
 
     def _save_memory(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> bool:
         assert self.memory is not None
-        self.memory.save(state, step, metrics, self.save_options, resolve_group(self.process_group))
+        self.memory.save(state, step, metrics, self._save_options, self._save_setup,
+                         resolve_group(self.process_group))
         return True
 
     def _delta_options(self, changed_rows: Mapping[str, Any] | None) -> dict[str, Any]:
