@@ -59,7 +59,7 @@ import torch
 import arrayckpt
 from arrayckpt._format.manifest import PerRankEntry
 from arrayckpt._layout.chunking import ChunkPolicy
-from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.options import SaveOptions, SaveSetup
 from arrayckpt._write.save import save_with
 
 KINDS = ("full", "sharded", "zstd", "delta-chunk", "delta-row", "delta-quant", "per-rank", "pickled")
@@ -84,12 +84,14 @@ def build(kind: str, root: Path) -> Path:
     if kind == "full":
         arrayckpt.save(state, path)
     elif kind == "sharded":
-        save_with(state, path, SaveOptions(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
+        save_with(state, path, SaveOptions(),
+                  SaveSetup(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
     elif kind == "zstd":
         arrayckpt.save(state, path, codec="zstd")
     elif kind.startswith("delta"):
         base = root / f"{kind}.base"
-        save_with(state, base, SaveOptions(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
+        save_with(state, base, SaveOptions(),
+                  SaveSetup(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
         state["w"][0, :4] += 1.0  # one chunk of "w" changes
         rows = torch.tensor([3, 17])
         state["emb"][rows] -= 0.5
@@ -99,8 +101,8 @@ def build(kind: str, root: Path) -> Path:
             options["changed_rows"] = {"emb": rows}
         if kind == "delta-quant":
             options["quantize"] = {"emb": 8}
-        save_with(state, path, SaveOptions(base=base, chunking=ChunkPolicy(inner_chunk_bytes=64,
-                                                                           outer_chunk_bytes=256), **options))
+        save_with(state, path, SaveOptions(base=base, **options),
+                  SaveSetup(chunking=ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)))
     elif kind == "per-rank":
         state["rng"] = arrayckpt.PerRank(torch.arange(16, dtype=torch.uint8))
         state["cursor"] = arrayckpt.PerRank({"epoch": 2, "offset": 100})
@@ -539,7 +541,8 @@ def gc_races(saves: int, root: Path, findings: list[dict[str, Any]]) -> dict[str
         for i in range(1, saves + 1):
             path = local / f"s{i % 4}"
             counts["saves"] += 1
-            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(overwrite=True, chunking=small)),
+            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(overwrite=True),
+                                                     SaveSetup(chunking=small)),
                        path, i, counts, findings, "gc-process")
     finally:
         child.kill()
@@ -577,7 +580,7 @@ def gc_races(saves: int, root: Path, findings: list[dict[str, Any]]) -> dict[str
         for i in range(1, saves + 1):
             path = f"{bucket}/s{i}"
             counts["saves"] += 1
-            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(chunking=small)),
+            _race_save(lambda p=path, n=i: save_with(_race_state(n), p, SaveOptions(), SaveSetup(chunking=small)),
                        path, i, counts, findings, "gc-object-storage")
     finally:
         stop.set()

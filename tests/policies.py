@@ -1,7 +1,7 @@
 """Saving with chunk targets other than the default, so that small tensors get the layout big ones get.
 
 The public ``save`` and ``async_save`` always plan with the default chunk policy; tests pass another one through
-the write layer's internal entry points (``save_with``, ``async_save_with``), which take a ``SaveOptions``.
+the write layer's internal entry points (``save_with``, ``async_save_with``), which take a ``SaveSetup``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from arrayckpt._write.asynchronous import SaveHandle, async_save_with
-from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.options import SaveOptions, SaveSetup
 from arrayckpt._write.save import save_with
 
 
@@ -24,18 +24,20 @@ class Chunking:
     name: str
     policy: ChunkPolicy
 
-    def options(self, **options: Any) -> SaveOptions:
-        """``SaveOptions`` with this policy and ``options`` (the keywords of ``arrayckpt.save``)."""
-        return SaveOptions(chunking=self.policy, **options)
+    @property
+    def setup(self) -> SaveSetup:
+        """A ``SaveSetup`` with this policy."""
+        return SaveSetup(chunking=self.policy)
 
     def save(self, state: Mapping[str, Any], path: str | os.PathLike[str], **options: Any) -> None:
         """``arrayckpt.save(state, path, **options)``, planned with this policy."""
-        save_with(state, path, self.options(**options))
+        save_with(state, path, SaveOptions(**options), self.setup)
 
     def async_save(self, state: Any, path: str | os.PathLike[str], *, if_busy: Any = "wait", keep_copy: bool = False,
                    **options: Any) -> SaveHandle:
         """``arrayckpt.async_save(state, path, **options)``, planned with this policy."""
-        return async_save_with(state, path, self.options(**options), if_busy=if_busy, keep_copy=keep_copy)
+        return async_save_with(state, path, SaveOptions(**options), if_busy=if_busy, keep_copy=keep_copy,
+                               setup=self.setup)
 
 
 def small_chunks(inner: int, outer: int) -> Chunking:

@@ -36,7 +36,7 @@ import arrayckpt._storage.liveness as liveness
 from arrayckpt._layout.chunking import ChunkPolicy
 from arrayckpt._storage import ObjectLocation, parse_location
 from arrayckpt._storage.liveness import Holder
-from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.options import SaveOptions, SaveSetup
 from arrayckpt._write.save import save_with
 from arrayckpt._write.transaction import WriteTransaction
 
@@ -93,7 +93,7 @@ def test_gc_looping_beside_saves_removes_nothing_they_hold(tmp_path: Path) -> No
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         for i in range(30):
-            save_with(_state(i), root / f"s{i % 3}", SaveOptions(overwrite=True, chunking=SMALL))
+            save_with(_state(i), root / f"s{i % 3}", SaveOptions(overwrite=True), SaveSetup(chunking=SMALL))
             _check(root / f"s{i % 3}", i)
     finally:
         child.kill()
@@ -113,7 +113,7 @@ def test_a_live_saves_temporary_directory_is_kept_and_removed_files_are_never_co
         seen.append(parse_location(root).leftovers(0).kept)
 
     during_commit(gc_now)
-    save_with(_state(1), root / "s", SaveOptions(chunking=SMALL))
+    save_with(_state(1), root / "s", SaveOptions(), SaveSetup(chunking=SMALL))
     assert seen[0] == [] and len(seen[1]) == 1 and "a save is running in it" in seen[1][0][1]
     _check(root / "s", 1)
 
@@ -122,7 +122,7 @@ def test_a_live_saves_temporary_directory_is_kept_and_removed_files_are_never_co
 
     during_commit(remove_a_chunk)
     with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) this save wrote are gone .*b/c\.1"):
-        save_with(_state(2), root / "s", SaveOptions(chunking=SMALL, overwrite=True))
+        save_with(_state(2), root / "s", SaveOptions(overwrite=True), SaveSetup(chunking=SMALL))
     _check(root / "s", 1)  # the old one stays
 
     def replace_the_directory(transaction):  # removed and made again under its name: another directory
@@ -132,7 +132,7 @@ def test_a_live_saves_temporary_directory_is_kept_and_removed_files_are_never_co
 
     during_commit(replace_the_directory)
     with pytest.raises(arrayckpt.StorageError, match="not committed"):
-        save_with(_state(3), root / "t", SaveOptions(chunking=SMALL))
+        save_with(_state(3), root / "t", SaveOptions(), SaveSetup(chunking=SMALL))
     assert sorted(p.name for p in root.iterdir()) == ["s"]  # nothing committed at t, nothing left beside
 
 
@@ -194,7 +194,7 @@ def test_a_first_save_on_object_storage_holds_a_lease_that_gc_respects(object_ro
         seen.append(parse_location(root, options).leftovers(0).kept)
 
     during_commit(gc_now)
-    save_with(_state(1), f"{root}/s", SaveOptions(chunking=SMALL, storage_options=options))
+    save_with(_state(1), f"{root}/s", SaveOptions(storage_options=options), SaveSetup(chunking=SMALL))
     assert seen[0] == [] and len(seen[1]) == 1 and "a save is running in it (its lease" in seen[1][0][1]
     _check(f"{root}/s", 1, options)
     assert ".arrayckpt-lease" not in parse_location(f"{root}/s", options).object_keys()  # released at the commit
@@ -204,7 +204,7 @@ def test_a_first_save_on_object_storage_holds_a_lease_that_gc_respects(object_ro
 
     during_commit(remove_a_chunk)
     with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) .*b/c\.1\.0"):
-        save_with(_state(2), f"{root}/t", SaveOptions(chunking=SMALL, storage_options=options))
+        save_with(_state(2), f"{root}/t", SaveOptions(storage_options=options), SaveSetup(chunking=SMALL))
     assert parse_location(f"{root}/t", options).object_keys() == []  # aborted: nothing left, the lease neither
 
 

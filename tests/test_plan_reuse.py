@@ -24,7 +24,7 @@ from arrayckpt._layout.plancache import PlanCache
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, fingerprint
 from arrayckpt._torch.dist import Group
 from arrayckpt._write.exchange import Report, forget_plan_caches, plan_cache_for
-from arrayckpt._write.options import SaveOptions
+from arrayckpt._write.options import SaveOptions, SaveSetup
 
 WORLD = 4
 ROWS, COLS = 16, 6
@@ -254,16 +254,16 @@ def test_two_plan_caches_in_one_process_keep_their_own_layouts(tmp_path: Path, _
     process group's PlanCache, used by plain saves, keeps nothing of theirs."""
     from arrayckpt._write.save import save_with
 
-    first, second = SaveOptions(plan_cache=PlanCache()), SaveOptions(plan_cache=PlanCache())
+    first, second = SaveSetup(plan_cache=PlanCache()), SaveSetup(plan_cache=PlanCache())
     for step in range(3):
-        save_with({"w": torch.full((4,), float(step))}, tmp_path / f"a{step}", first)
-        save_with({"v": torch.zeros(2, 3), "n": step}, tmp_path / f"b{step}", second)
+        save_with({"w": torch.full((4,), float(step))}, tmp_path / f"a{step}", SaveOptions(), first)
+        save_with({"v": torch.zeros(2, 3), "n": step}, tmp_path / f"b{step}", SaveOptions(), second)
     assert len(_fresh_caches) == 2
     assert first.plan_cache is not None and second.plan_cache is not None
     assert first.plan_cache.layout is not second.plan_cache.layout
     assert _thread_plan_cache().layout is None
     manager = arrayckpt.CheckpointManager(tmp_path / "m")
-    assert manager.save_options.plan_cache is not None and manager.save_options.plan_cache is not first.plan_cache
+    assert manager._save_setup.plan_cache is not None and manager._save_setup.plan_cache is not first.plan_cache
     manager.close()
     with arrayckpt.open(tmp_path / "b2") as ckpt:
         assert ckpt["v"].torch().tolist() == [[0.0] * 3] * 2 and ckpt.plain_values["n"] == 2

@@ -251,8 +251,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
         _dcp_load(target, src, metadata)
         return target[fqn]
 
-    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
-    write_streaming(skeleton, fetch, dst, options,
+    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle)
+    write_streaming(skeleton, fetch, dst, options, chunking=chunking,
                     source=f"{label}: {Path(src).name}", progress=progress, created=created)
     nbytes = sum(torch.empty((), dtype=i.properties.dtype).element_size() * i.size.numel() for _, i in tensors.values())
     return ConvertResult(label, "arrayckpt", len(tensors), nbytes, (str(dst),))

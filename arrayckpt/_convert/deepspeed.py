@@ -298,10 +298,10 @@ def from_deepspeed(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
         for tensor in fetchers[key][1]:
             _release_pages(tensor)
 
-    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking,
+    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle,
                           step=first.get("global_steps") if isinstance(first.get("global_steps"), int) else None)
-    write_streaming(skeleton, fetch, dst, options, source=f"deepspeed: {tag_dir.name}", progress=progress,
-                    release=release)
+    write_streaming(skeleton, fetch, dst, options, chunking=chunking, source=f"deepspeed: {tag_dir.name}",
+                    progress=progress, release=release)
     metas = list({id(m): m for m in _leaves(skeleton) if isinstance(m, torch.Tensor)}.values())  # a tie once
     return ConvertResult("deepspeed", "arrayckpt", len(metas), sum(m.numel() * m.element_size() for m in metas),
                          (str(dst),))

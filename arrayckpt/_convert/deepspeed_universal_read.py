@@ -184,10 +184,10 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
             _release_pages(tensor)
 
     step = states.get("global_steps")
-    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking,
+    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle,
                           step=step if isinstance(step, int) and not isinstance(step, bool) else None)
-    write_streaming(skeleton, lambda key: fetchers[key](), dst, options, source=f"deepspeed universal: {tag_dir.name}",
-                    progress=progress, release=release)
+    write_streaming(skeleton, lambda key: fetchers[key](), dst, options, chunking=chunking,
+                    source=f"deepspeed universal: {tag_dir.name}", progress=progress, release=release)
     notes = (f"{', '.join(skipped)}: a placeholder in the model states with no zero/<name>/fp32.pt (ds_to_universal "
              "does not write ZeRO 3's frozen parameters); not converted",) if skipped else ()
     return ConvertResult("deepspeed", "arrayckpt", len(fetchers), sum(

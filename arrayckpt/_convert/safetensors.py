@@ -278,7 +278,7 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
 
         skeleton = {name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta")
                     for name, t in tensors.items()}
-        write_streaming(skeleton, fetch, dst, SaveOptions(overwrite=overwrite, chunking=chunking),
+        write_streaming(skeleton, fetch, dst, SaveOptions(overwrite=overwrite), chunking=chunking,
                         source=f"safetensors: {Path(src).name}", progress=progress,
                         release=lambda key: _release_pages(held.pop(key)) if key in held else None,
                         created={"source": source_record(source.index_metadata,

@@ -58,8 +58,8 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     def release(key: str) -> None:
         _release_pages(real[id(leaves[key].value)])
 
-    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, chunking=chunking)
-    write_streaming(skeleton, fetch, dst, options,
+    options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle)
+    write_streaming(skeleton, fetch, dst, options, chunking=chunking,
                     source=f"torch.save: {Path(src).name}", progress=progress, release=release)
     tensors = [leaf.value for leaf in leaves.values() if isinstance(leaf.value, torch.Tensor)]
     return ConvertResult("torch", "arrayckpt", len(tensors), sum(_nbytes(t) for t in tensors), (str(dst),))

@@ -38,7 +38,7 @@ from .._storage import parse_location
 from .._storage.liveness import HeldRoot
 from .._torch.dist import Group, resolve_group
 from .._write.asynchronous import SaveHandle, async_save_with
-from .._write.options import SaveOptions
+from .._write.options import SaveOptions, SaveSetup
 from .._write.save import save_with
 from .policy import Incremental, Interval, Retention
 from .restore import StepCandidate, StepSource, restore_newest
@@ -138,10 +138,11 @@ class CheckpointManager:
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
         self.process_group = process_group
-        #: The options every save starts from; each save sets its step, metrics and base on a copy.
-        self.save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
-                                        plan_cache=PlanCache(), storage_options=storage_options,
-                                        guard=self._local.held.check, durable=durable)
+        # The options every save starts from (each save sets its step, metrics and base on a copy), and what the
+        # manager adds to each: the check that it still holds its root, its own plan cache.
+        self._save_options = SaveOptions(codec=codec, overwrite=True, process_group=process_group,
+                                         storage_options=storage_options, durable=durable)
+        self._save_setup = SaveSetup(guard=self._local.held.check, plan_cache=PlanCache())
         self._pending: SaveHandle | None = None  # the asynchronous save in flight
         self._last_step: int | None = None
         self._last_time: float | None = None
@@ -380,15 +381,16 @@ class CheckpointManager:
             raise StateError(f"step {step} is not after the last saved step {self._last_step}")
         self.wait()
         started = time.perf_counter()
-        options = self._delta_options(replace(self.save_options, step=step, metrics=metrics), changed_rows)
+        options = self._delta_options(replace(self._save_options, step=step, metrics=metrics), changed_rows)
         if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
-            self._pending = async_save_with(state, self.path(step), options, keep_copy=keep)
+            self._pending = async_save_with(state, self.path(step), options, keep_copy=keep,
+                                            setup=self._save_setup)
             self._blocking_seconds = self._pending.blocking_seconds
             if self.remote is not None:
                 self.remote.add(step, self._pending)
         else:
-            save_with(state, self.path(step), options)
+            save_with(state, self.path(step), options, self._save_setup)
             self._blocking_seconds = time.perf_counter() - started
             if self.remote is not None:
                 self.remote.add(step)
@@ -398,7 +400,8 @@ class CheckpointManager:
 
     def _save_memory(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> bool:
         assert self.memory is not None
-        self.memory.save(state, step, metrics, self.save_options, resolve_group(self.process_group))
+        self.memory.save(state, step, metrics, self._save_options, self._save_setup,
+                         resolve_group(self.process_group))
         return True
 
     def _delta_options(self, options: SaveOptions, changed_rows: Mapping[str, Any] | None) -> SaveOptions:

@@ -7,10 +7,10 @@ Call order (every rank calls :func:`start_memory_save`; collectives in brackets)
                   (refused, on every rank, when something that is not arrayckpt's is in its place)
     every rank:   copies its arrays into host buffers (reused by the next memory save) and returns: training goes on
     in the background, on a process group of its own (never interleaved with the training's collectives):
-    every rank:   the ordinary save of the staged copy into <node dir>/step-N (rank_target: its own node's dir)
+    every rank:   the ordinary save of the staged copy into <node dir>/step-N (a Destination: each rank its node's dir)
                     [the save's own four collectives]: the coordinator plans, every rank writes its own chunks into
                     its node's directory (same bytes, keys, checksums as a durable save), the coordinator commits the
-                    documents into its node's directory (PeerWriter: no rename, no look into other nodes)
+                    documents into its node's directory (a PeerWriter: no rename, no look into other nodes)
     coordinator:  reads the step's documents back                                  [broadcast] ->
     node leaders: write them into their directory (the root document last)
     every rank:   reads its own chunk files (which ones: the manifest's created.writers), their sizes and sums
@@ -34,6 +34,7 @@ import pickle
 from collections.abc import Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._errors import ArrayckptError, StateError
@@ -47,8 +48,8 @@ from .._storage.files import remove_arrayckpt_files
 from .._torch.dist import Group
 from .._write.describe import LocalState, describe_local
 from .._write.hostcopies import HostCopies
-from .._write.options import SaveOptions
-from .._write.save import SaveRequest, check_record, finish_save, prepare
+from .._write.options import Destination, SaveOptions, SaveSetup
+from .._write.save import SaveRequest, begin_save, finish_save
 from .config import PeerMemory, Placement
 from .node import NodeMemory, write_below
 from .record import Files, FileSum, StepRecord, file_sum
@@ -66,26 +67,17 @@ class MemorySaved:
     node_bytes: int
 
 
-@dataclass(frozen=True)
-class MemoryStepLocation(LocalLocation):
-    """A memory step in this node's directory; its coordinator's writer is a :class:`PeerWriter`."""
-
-    def open_writer(self, overwrite: bool) -> PeerWriter:
-        return PeerWriter(self)
-
-
 class PeerWriter(Writer):
     """The coordinator's side of a memory save: documents and the root document go straight into its node's step
     directory (no temporary directory: the memory step's commit is its record, written after the replication), and
     the chunks of other nodes are not looked for here (the replication checks every file instead)."""
 
-    location: MemoryStepLocation
+    location: LocalLocation
 
-    def __init__(self, location: MemoryStepLocation) -> None:
-        self.location = location
-        self.target = LocalLocation(location.path)
+    def __init__(self, path: Path) -> None:
+        self.location = self.target = LocalLocation(path)
         self.key_encoding = "default"
-        location.path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
 
     def write_documents(self, documents: Mapping[str, bytes]) -> Any:
         for path, document in documents.items():
@@ -108,8 +100,8 @@ class PeerWriter(Writer):
 
 
 def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None,
-                      options: SaveOptions, memory: PeerMemory, node: NodeMemory, group: Group, background: Group,
-                      copies: HostCopies, executor: Executor) -> Future[MemorySaved]:
+                      options: SaveOptions, setup: SaveSetup, memory: PeerMemory, node: NodeMemory, group: Group,
+                      background: Group, copies: HostCopies, executor: Executor) -> Future[MemorySaved]:
     """Stage ``state`` into ``copies`` and return; the save as memory step ``step`` on every node and its
     replication run on ``executor``, their collectives on ``background`` (a group of its own over the same ranks as
     ``group``). The caller must not start another memory save (which reuses ``copies``) before the future is done."""
@@ -124,8 +116,10 @@ def start_memory_save(state: Mapping[str, Any], step: int, metrics: Mapping[str,
             prepared = ArrayckptError(f"{type(e).__name__}: {e}")
     path = node.step_path(step)
     own = dataclasses.replace(options, step=step, metrics=metrics, base=None, changed_rows=None, quantize=None,
-                              overwrite=True, storage_options=None, rank_target=LocalLocation(path, fsync=False))
-    request = prepare(MemoryStepLocation(path), own, check_record(step, metrics))
+                              overwrite=True, storage_options=None)
+    # the coordinator commits into its node's step in place; every rank writes its chunks into its own node's
+    destination = Destination(open_writer=lambda overwrite: PeerWriter(path), chunks=LocalLocation(path, fsync=False))
+    request = begin_save(LocalLocation(path), own, dataclasses.replace(setup, destination=destination))
     try:
         local, error = _stage(state, group, own.allow_pickle, copies)
     except BaseException:

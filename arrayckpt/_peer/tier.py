@@ -24,7 +24,7 @@ from .._errors import StateError
 from .._storage import CleanedUp, Location
 from .._torch.dist import Group
 from .._write.hostcopies import HostCopies
-from .._write.options import SaveOptions
+from .._write.options import SaveOptions, SaveSetup
 from .config import PeerMemory
 from .flush import Flushed, flush_memory_step
 from .node import NodeMemory
@@ -63,7 +63,7 @@ class MemoryTier:
         return step % every == 0 and (self.last_step is None or step > self.last_step)
 
     def save(self, state: Mapping[str, Any], step: int, metrics: Mapping[str, float] | None, options: SaveOptions,
-             group: Group) -> None:
+             setup: SaveSetup, group: Group) -> None:
         """Start memory step ``step``: returns once the state is staged (after the previous memory save is over,
         its failure raised); :meth:`wait` for the rest."""
         self.wait()
@@ -72,7 +72,7 @@ class MemoryTier:
         started = time.perf_counter()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-memory")
-        self._pending = start_memory_save(state, step, metrics, options, self.config, self.node, group,
+        self._pending = start_memory_save(state, step, metrics, options, setup, self.config, self.node, group,
                                           self._background_group(group), self._copies, self._executor)
         self.blocking_seconds = time.perf_counter() - started
         self.last_step = step

@@ -34,8 +34,8 @@ from .._settings import settings
 from .._torch.dist import Group, resolve_group
 from .describe import describe_local
 from .hostcopies import HostCopies
-from .options import SaveOptions
-from .save import SaveRequest, _attempt, check_record, finish_save, prepare
+from .options import NO_SETUP, SaveOptions, SaveSetup
+from .save import SaveRequest, _attempt, begin_save, check_record, finish_save
 
 __all__ = ["SaveHandle", "async_save", "async_save_with"]
 
@@ -221,13 +221,15 @@ def async_save(
 
 
 def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptions, *,
-                    if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False) -> SaveHandle:
-    """:func:`async_save` with the options of the save as one value (which may also choose the chunk policy)."""
-    record = check_record(options.step, options.metrics)
+                    if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False,
+                    setup: SaveSetup = NO_SETUP) -> SaveHandle:
+    """:func:`async_save` with the options of the save as one value, and what an internal caller adds (``setup``:
+    the chunk policy, a guard, a plan cache)."""
+    check_record(options.step, options.metrics)  # a bad step fails before waiting for the previous save
     _wait_for_previous(if_busy)
     started = time.perf_counter()
     group = _background_group(resolve_group(options.process_group))
-    request = prepare(path, options, record)
+    request = begin_save(path, options, setup)
     try:
         with collector_paused():  # the caller waits for the staging, as for a save (and see _save_in_background)
             future = _stage_and_start(state, options, group, request, keep_copy)

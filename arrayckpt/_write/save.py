@@ -50,10 +50,10 @@ from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chu
 from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
-from .options import SaveOptions
+from .options import NO_SETUP, SaveOptions, SaveSetup
 from .transaction import WriteTransaction, begin_write
 
-__all__ = ["Record", "SaveRequest", "build_manifest", "created_info", "prepare", "save", "save_with"]
+__all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "save", "save_with"]
 
 
 def save(
@@ -131,11 +131,12 @@ def save(
                                        quantize=quantize, durable=durable))
 
 
-def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions) -> None:
-    """:func:`save` with its options as one value (which may also choose the chunk policy)."""
-    record = check_record(options.step, options.metrics)
+def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions,
+              setup: SaveSetup = NO_SETUP) -> None:
+    """:func:`save` with its options as one value, and what an internal caller adds (``setup``: the chunk policy,
+    a guard, a plan cache)."""
+    request = begin_save(path, options, setup)
     group = resolve_group(options.process_group)
-    request = prepare(path, options, record)
     try:
         with collector_paused():
             # a delta reads its data before writing; a DeviceData stands for its host view until its batch is copied
@@ -155,6 +156,7 @@ class Record:
 
 
 def check_record(step: object, metrics: object) -> Record:
+    """The step and metrics a save records, checked (a bad one fails the save before anything else is done)."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise StateError(f"step must be an int or None, got {step!r}")
     try:
@@ -169,8 +171,22 @@ class SaveRequest:
 
     location: Location
     options: SaveOptions
+    setup: SaveSetup
     record: Record  # options.step and options.metrics, checked
     delta: DeltaRequest | None  # options.base, .changed_rows and .quantize, checked (None: a full save)
+
+    def begin_write(self) -> WriteTransaction:
+        """The coordinator's write transaction: the destination's writer when the caller brought one."""
+        destination = self.setup.destination
+        if destination is None:
+            return begin_write(self.location, self.options.overwrite)
+        return WriteTransaction(destination.open_writer(self.options.overwrite))
+
+    def check_guard(self) -> None:
+        """Raise (on the coordinator; the save then fails on every rank) unless the caller's guard allows the save
+        to go on."""
+        if self.setup.guard is not None:
+            self.setup.guard()
 
     def close(self) -> None:
         """The save is over (committed or failed, synchronous or in the background): close the base it opened
@@ -179,15 +195,18 @@ class SaveRequest:
             self.delta.close()
 
 
-def prepare(path: str | os.PathLike[str] | Location, options: SaveOptions, record: Record) -> SaveRequest:
-    """Where the save goes and, for an incremental save, its base opened and checked (``record`` is
-    :func:`check_record` of the options, checked first by the caller so that a bad step fails before anything
-    else is done). The caller must :meth:`SaveRequest.close` it once the save is over."""
+def begin_save(path: str | os.PathLike[str] | Location, options: SaveOptions,
+               setup: SaveSetup = NO_SETUP) -> SaveRequest:
+    """The first half of every save (the second is :func:`finish_save`, after the state is described; a caller
+    may stage it in between, as ``async_save`` and peer-memory saves do): the step and metrics checked, where the
+    save goes and, for an incremental save, its base opened and checked. The caller must
+    :meth:`SaveRequest.close` it once the save is over."""
+    record = check_record(options.step, options.metrics)
     location = parse_location(path, options.storage_options)
     if not options.durable:
         location = location.without_fsync()
     delta = open_delta(options.base, location, options.changed_rows, options.quantize, options.storage_options)
-    return SaveRequest(location, options, record, delta)
+    return SaveRequest(location, options, setup, record, delta)
 
 
 def finish_save(local: LocalState | None, error: BaseException | None, group: Group, request: SaveRequest,
@@ -202,7 +221,7 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
                                                        local.description.aliases))
         changes = found or changes
     agreement: Agreement | None = None if delta is None else (delta.ref.id, sorted(delta.quantize.items()))
-    plan_cache = request.options.plan_cache or plan_cache_for(group)
+    plan_cache = request.setup.plan_cache or plan_cache_for(group)
     coordinator = _Coordinated()  # the coordinator's plan and write transaction, from planning to the commit
 
     def coordinate(reports: list[Report]) -> list[Reply | BaseException] | Resend:
@@ -217,7 +236,8 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         assert local is not None  # a failed description was answered with an error above
         plan, transaction = coordinator.plan, coordinator.transaction
 
-        target = request.options.rank_target or reply.target
+        destination = request.setup.destination
+        target = reply.target if destination is None else destination.chunks
         part = reply.part
         assert isinstance(part, RankPlan)  # exchange expands this rank's part
         written, error = _attempt(lambda: _write_tasks(part, group.rank, local, target, where, changes, delta))
@@ -288,23 +308,22 @@ def _coordinate(reports: list[Report], request: SaveRequest,
         return [StateError(f"{request.location}: the ranks disagree on the incremental save (base checkpoint id and "
                            f"quantize, by rank: {[r.agreement for r in reports]}); every rank must pass the same base= "
                            "and quantize=")] * size, None, None
-    options = request.options
+    options, chunking = request.options, request.setup.chunking
     try:
         fingerprints = tuple(r.fingerprint or b"" for r in reports)
-        layout = plan_cache.reusable(fingerprints, options.codec, options.chunking)
+        layout = plan_cache.reusable(fingerprints, options.codec, chunking)
         claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
         if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
             return Resend(), None, None
         if layout is None:
             descriptions = [r.description for r in reports]
-            layout = plan_layout(descriptions, fingerprints, options.codec, options.chunking)  # type: ignore[arg-type]
+            layout = plan_layout(descriptions, fingerprints, options.codec, chunking)  # type: ignore[arg-type]
             plan_cache.keep(layout)
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
         if request.delta is not None:
-            plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, options.chunking)
-        if options.guard is not None:
-            options.guard()
-        transaction = begin_write(request.location, options.overwrite)
+            plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, chunking)
+        request.check_guard()
+        transaction = request.begin_write()
     except ArrayckptError as e:
         return [e] * size, None, None
     try:
@@ -369,8 +388,7 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan,
                                       str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
-            if request.options.guard is not None:
-                request.options.guard()
+            request.check_guard()
             transaction.commit(manifest, plan.consolidated_json)
             return str(manifest.id)
         except ArrayckptError as e:

@@ -22,14 +22,14 @@ from .._errors import StateError
 from .._format.dtypes import DType, dtype_of_numpy
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
-from .._layout.chunking import ArrayPlan
+from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .._layout.saveplan import SavePlan, plan_save, with_key_encoding
 from .._settings import settings
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .describe import describe_local, host_view
 from .options import SaveOptions
-from .save import build_manifest, check_record, created_info, prepare
+from .save import begin_save, build_manifest, created_info
 from .transaction import WriteTransaction, begin_write
 
 __all__ = ["write_streaming"]
@@ -45,6 +45,7 @@ def write_streaming(
     path: str | os.PathLike[str],
     options: SaveOptions,
     *,
+    chunking: ChunkPolicy = DEFAULT_CHUNKING,
     source: str | None = None,
     batch_bytes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -68,17 +69,16 @@ def write_streaming(
     if options.process_group is not None or options.base is not None:
         raise StateError("a streaming write is one process writing a full checkpoint: process_group and base "
                          "do not apply")
-    record = check_record(options.step, options.metrics)
-    request = prepare(path, options, record)
+    request = begin_save(path, options)
     local = describe_local(dict(skeleton), 0, options.allow_pickle, host)
-    plan = plan_save([local.description], options.codec, options.chunking)  # one write: no cache for a next
+    plan = plan_save([local.description], options.codec, chunking)  # one write: no cache for a next
     with begin_write(request.location, options.overwrite) as transaction:
         plan = with_key_encoding(plan, transaction.key_encoding)
         transaction.write_documents(plan.documents)
         batch = settings().fetch_batch_bytes if batch_bytes is None else batch_bytes
         checksums = _write_arrays(plan, local.data, fetch, transaction, batch, progress, release)
         created = created_info(1) | ({"converted_from": source} if source is not None else {}) | dict(created or {})
-        manifest = build_manifest(plan, record, 1, None, [({}, checksums)], str(request.location), created)
+        manifest = build_manifest(plan, request.record, 1, None, [({}, checksums)], str(request.location), created)
         transaction.commit(manifest, plan.consolidated_json)
 
 
