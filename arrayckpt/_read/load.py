@@ -25,8 +25,9 @@ from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, Pick
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import open_location, stored_of
 from .._read.reader import ChainRead, Execute, Request, read
+from .._read.stored import StoredCheckpoint
 from .._storage import Location, parse_location, parse_roots
 from .._storage.base import Opened
 from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
@@ -107,8 +108,9 @@ def load(
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
-    with Checkpoint(location, allow_pickle, opened, parse_roots(base_roots, storage_options)) as checkpoint:
-        return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
+    with open_location(location, allow_pickle=allow_pickle, opened=opened,
+                       base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
+        return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=atomic)
 
 
 def _shared_root(location: Location, group: Group) -> Opened:
@@ -126,7 +128,7 @@ def _shared_root(location: Location, group: Group) -> Opened:
     return opened_from_bytes(location, *payload)
 
 
-def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, strict: bool, read_once: bool,
+def _load(state: Mapping[str, Any], checkpoint: StoredCheckpoint, group: Group, *, strict: bool, read_once: bool,
           atomic: bool, agreement: Settles | None = None) -> LoadResult:
     """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises); with an
     ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state."""
@@ -170,7 +172,7 @@ def _few(keys: list[str], limit: int = 10) -> str:
 class _LoadPlan:
     """How every entry reaches its leaf; built (and validated) before any array data is read."""
 
-    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int, atomic: bool = False,
+    def __init__(self, checkpoint: StoredCheckpoint, rank: int, world_size: int, atomic: bool = False,
                  agreement: Settles | None = None) -> None:
         self.checkpoint = checkpoint
         self.agreement = agreement  # settled after every read (atomic: one read call), before the state changes

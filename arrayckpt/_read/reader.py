@@ -118,7 +118,10 @@ def read_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray) -> No
 
 def read_boxes(checkpoint: ChainSource, key: str, boxes: Sequence[Box]) -> list[np.ndarray]:
     """Several boxes of tensor ``key`` into new arrays, read at once through the chain."""
-    dtype = checkpoint[key].numpy_dtype
+    entry = checkpoint.manifest.array_entry(key)
+    if entry is None:
+        raise KeyError(f"{checkpoint.location}: no tensor {key!r}")
+    dtype = entry.dtype.numpy
     outs = [np.empty(box.shape, dtype) for box in boxes]
     read(checkpoint, [ChainRead(key, box, out) for box, out in zip(boxes, outs, strict=True)])
     return outs
