@@ -230,7 +230,7 @@ def _row_values(checkpoint: ChainSource, entry: ArrayEntry, positions: np.ndarra
     return dequantize_rows(q, entry.dtype.numpy).reshape(len(positions), *entry.shape[1:])
 
 
-def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
+def basic_index(index: object, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
     """A numpy basic index (ints, slices with positive steps, ``...``) normalised as numpy reads it: ``...``
     expanded, negative positions counted from the end, slices clipped to the shape; an integer out of range
     raises :class:`IndexError` as numpy does. ``None`` for anything else (advanced indexing, ``None``, negative
@@ -261,7 +261,7 @@ def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] |
     return tuple(out)
 
 
-def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[int | slice, ...]] | None:
+def bounding_box(index: object, shape: tuple[int, ...]) -> tuple[Box, tuple[int | slice, ...]] | None:
     """For a basic index (see :func:`basic_index`): the box it touches and the same index relative to that box;
     ``None`` for anything else (the caller reads everything)."""
     normal = basic_index(index, shape)

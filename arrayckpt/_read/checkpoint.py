@@ -232,8 +232,12 @@ def open_checkpoint(path: str | os.PathLike[str] | Location, *, allow_pickle: bo
                          base_roots=parse_roots(base_roots, storage_options))
 
 
-def opened(source: Checkpoint | str | os.PathLike[str], **kwargs: Any) -> AbstractContextManager[Checkpoint]:
+def opened(source: Checkpoint | str | os.PathLike[str], *, allow_pickle: bool = False,
+           storage_options: Mapping[str, Any] | None = None,
+           base_roots: Sequence[str | os.PathLike[str]] | None = None) -> AbstractContextManager[Checkpoint]:
     """``with opened(source) as checkpoint:`` for internal callers: a :class:`Checkpoint` passed in is used as is
-    and left open (its owner closes it); a path is opened (``kwargs`` as for :func:`open_checkpoint`) and closed
+    and left open (its owner closes it); a path is opened (the options as for :func:`open_checkpoint`) and closed
     when the block ends."""
-    return nullcontext(source) if isinstance(source, Checkpoint) else open_checkpoint(source, **kwargs)
+    if isinstance(source, Checkpoint):
+        return nullcontext(source)
+    return open_checkpoint(source, allow_pickle=allow_pickle, storage_options=storage_options, base_roots=base_roots)

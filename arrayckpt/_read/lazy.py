@@ -16,6 +16,7 @@ from .._read.reader import ChainRead, read
 from .._settings import settings
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     import torch
     from torch import Tensor  # (inside the class, ``torch`` is the method below)
 
@@ -85,7 +86,7 @@ class LazyArray:
                             "it has no array of its own to open (slice it, or use .torch())")
         return array_spec(self._stored.node_kvstore(self.entry.path), self.metadata)
 
-    def __getitem__(self, index: Any) -> np.ndarray:
+    def __getitem__(self, index: Any) -> np.ndarray:  # any numpy index (numpy types it as a union of its own)
         """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
         touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
         self._stored.check_open()
@@ -103,7 +104,7 @@ class LazyArray:
              execute=self._stored.slices(self.key))
         return out.reshape([n for n, part in zip(shape, normal, strict=True) if not isinstance(part, int)])
 
-    def _through_chain(self, index: Any) -> np.ndarray:
+    def _through_chain(self, index: tuple[int | slice, ...]) -> np.ndarray:
         """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
         found = bounding_box(index, self.shape)
         assert found is not None  # a basic index (see __getitem__)
@@ -127,7 +128,7 @@ class LazyArray:
             self[(0,) * self.ndim]
             self[tuple(n - 1 for n in self.shape)]
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
 

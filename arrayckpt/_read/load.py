@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from .._torch.state import Leaf, StatefulNode, Walk, walk
 from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 __all__ = ["LoadResult", "load"]
 
@@ -184,7 +187,7 @@ class _LoadPlan:
         self.device = DeviceLoads()  # device targets, read through pooled host buffers
         self.in_place: list[str] = []  # keys read straight into the state's memory (not staged)
         self.copies: list[tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] = []  # (target, staged)
-        self.replacements: list[tuple[Leaf, Any]] = []
+        self.replacements: list[tuple[Leaf, object]] = []
         self.pickled: list[tuple[Leaf, str]] = []  # (leaf, key) of the pickled values the state takes
 
     def run(self, share_with: Group | None = None) -> None:
@@ -245,7 +248,7 @@ class _LoadPlan:
         for leaf, key in self.pickled:
             self._replace(leaf, values[key])
 
-    def _replace(self, leaf: Leaf, value: Any) -> None:
+    def _replace(self, leaf: Leaf, value: object) -> None:
         self._replaceable(leaf)
         self.replacements.append((leaf, value))
 
@@ -348,7 +351,7 @@ def _read_once(group: Group) -> Execute:
     """The read path's ``execute`` for ``read_once=True`` (collective): this rank reads its share of the plain
     reads, then the ranks exchange the rest; a rank that failed to read fails everyone, before any exchange."""
 
-    def execute(jobs: Sequence[ArrayIO], context: Any, where: str) -> None:
+    def execute(jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
         own, exchange = split_reads(list(jobs), group)
         error: BaseException | None = None
         try:

@@ -53,7 +53,7 @@ Request = ChainRead | ArrayIO
 #: Runs the plain reads of one :func:`read`: ``execute(jobs, context, where)`` fills every job's memory, reading
 #: from storage (with ``read_into`` and the checkpoint's read ``context``) what it does not get otherwise, and
 #: raises an :class:`arrayckpt.ArrayckptError` naming ``where`` on failure.
-Execute = Callable[[Sequence[ArrayIO], Any, str], None]
+Execute = Callable[[Sequence[ArrayIO], "ts.Context", str], None]
 
 
 def read(checkpoint: ChainSource, requests: Iterable[Request], *, execute: Execute = read_into) -> None:
@@ -93,7 +93,7 @@ class ArraySlices:
         self.spec = spec  # every job's spec (the array's)
         self._store: ts.TensorStore | None = None
 
-    def __call__(self, jobs: Sequence[ArrayIO], context: Any, where: str) -> None:
+    def __call__(self, jobs: Sequence[ArrayIO], context: ts.Context, where: str) -> None:
         for job in jobs:
             assert job.spec is self.spec, "ArraySlices reads slices of its own array only"
             if self._store is None:
