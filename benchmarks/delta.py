@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 
 import arrayckpt
+from arrayckpt._read.chain import dense_grid
+from arrayckpt._read.checkpoint import stored_of
 
 
 def _disk_bytes(path: Path) -> int:
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         arrayckpt.async_save(state, work / "base", keep_copy=True).wait()
         arrayckpt.save({"emb": state["emb"]}, work / "emb-base")
         base = arrayckpt.open(work / "base")
-        grids = {k: base.dense_grid(k) for k in state if k != "emb"}
+        grids = {k: dense_grid(stored_of(base), k) for k in state if k != "emb"}
         for step in range(args.steps):
             given = {"emb": _step(state, grids, g)}
             runs = _runs(state, work, given)

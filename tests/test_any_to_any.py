@@ -182,7 +182,10 @@ def _read_arrayckpt(path: Path) -> Flat:
     out: Flat = {}
     with arrayckpt.open(path, allow_pickle=True) as ckpt:
         for key, entry in ckpt.manifest.entries.items():
-            out.update({key: ckpt[key].torch()} if isinstance(entry, ArrayEntry) else _flat(ckpt.value(key), key))
+            if isinstance(entry, ArrayEntry):
+                out[key] = ckpt[key].torch()
+            else:
+                out.update(_flat(ckpt.plain_values[key], key))
     return out
 
 

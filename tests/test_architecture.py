@@ -7,6 +7,7 @@
 - the format and read layers need no torch: a process where ``import torch`` fails opens, slices, verifies,
   shows and inspects a checkpoint;
 - no module is longer than ~500 lines besides its docstrings unless its docstring says why;
+- the public ``Checkpoint`` has its user-facing members only (``CHECKPOINT_MEMBERS``), its plumbing kept private;
 - tuning knobs live in ``_settings.py`` (no module-level ``*_BYTES``/``*_THREADS``/... constants elsewhere);
 - tests that spawn processes are marked ``slow`` (the quick run leaves them out), and the README's test command
   (CI's) runs them all.
@@ -382,3 +383,27 @@ def test_tuning_knobs_live_in_the_settings_module():
         if '"ARRAYCKPT_' in text.replace('"ARRAYCKPT_NO_ZARR_HOOK"', ""):
             found.append(f"{module}: reads an ARRAYCKPT_ variable")
     assert not found, f"tuning knobs outside arrayckpt/_settings.py: {found}"
+
+
+# What users do with an opened checkpoint. Its plumbing (storage handles, node metadata, specs, the checks of a
+# read) is on ``_read/stored.py::StoredCheckpoint``, which the package reaches through ``stored_of(checkpoint)``.
+CHECKPOINT_MEMBERS = {
+    # Mapping[str, LazyArray]
+    "get", "items", "keys", "values",
+    # closing
+    "close", "closed",
+    # what it is and what it holds
+    "location", "manifest", "step", "metrics", "plain_values", "aliases", "per_rank", "nbytes",
+    # a delta checkpoint's chain of bases
+    "base", "chain",
+}
+
+
+def test_the_public_checkpoint_keeps_only_user_facing_members(tmp_path):
+    """A new public member of ``arrayckpt.Checkpoint`` is a decision: add it here, or put it on StoredCheckpoint."""
+    assert {name for name in dir(arrayckpt.Checkpoint) if not name.startswith("_")} == CHECKPOINT_MEMBERS
+    arrayckpt.save({"w": torch.ones(2), "step": 1}, tmp_path / "ckpt")
+    with arrayckpt.open(tmp_path / "ckpt") as ckpt:
+        ckpt.plain_values  # noqa: B018 - cached on the instance: still a member of the set
+        assert {name for name in vars(ckpt) if not name.startswith("_")} <= CHECKPOINT_MEMBERS
+        assert {name for name in dir(ckpt) if not name.startswith("_")} == CHECKPOINT_MEMBERS

@@ -136,7 +136,7 @@ def _arrays_and_values(path: Path) -> dict[str, Any]:
     import arrayckpt
 
     with arrayckpt.open(path) as ckpt:
-        return {k: ckpt[k].torch() if k in ckpt else ckpt.value(k) for k in ckpt.manifest.entries}
+        return {k: ckpt[k].torch() if k in ckpt else ckpt.plain_values[k] for k in ckpt.manifest.entries}
 
 
 def test_universal_checkpoints_read_back_as_the_zero_checkpoint_converts(converted, tmp_path):

@@ -380,11 +380,11 @@ def test_converted_checkpoint_can_be_a_base(tmp_path: Path) -> None:
 
 
 def test_async_kept_copy_spares_reading_the_base_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from arrayckpt._read.checkpoint import Checkpoint
+    import arrayckpt._write.changes as changes
 
     reads: list[str] = []
-    real = Checkpoint.read_box
-    monkeypatch.setattr(Checkpoint, "read_box", lambda self, key, box, out: (reads.append(key), real(self, key, box,
+    real = changes.read_box
+    monkeypatch.setattr(changes, "read_box", lambda stored, key, box, out: (reads.append(key), real(stored, key, box,
                                                                                                           out))[1])
     g = torch.Generator().manual_seed(5)
     state = {"a": torch.randn(400, 16, generator=g), "b": torch.randn(64, 64, generator=g)}

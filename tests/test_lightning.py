@@ -384,7 +384,7 @@ def test_callback_states_are_readable_and_resume_exactly(tmp_path):
     assert not [key for key in keys if key.startswith("callbacks.") and key.count(".") > 1], keys
     assert not [key for key in keys if "{" in key or "/" in key or ".ckpt" in key], keys
     with arrayckpt.open(ckpts / "last.ckpt") as opened:
-        state, state_key, _ = opened.value("callbacks.ModelCheckpoint")
+        state, state_key, _ = opened.plain_values["callbacks.ModelCheckpoint"]
         assert state_key == first[0].state_key and state["monitor"] == "train_loss"
         assert state["best_k_models"] == {p: s.item() for p, s in first[0].best_k_models.items()}  # plain numbers
     assert not _diff(seen[-1], ArrayckptIO().load_checkpoint(ckpts / "last.ckpt"))  # tensors back, dtypes and all

@@ -127,7 +127,7 @@ def test_values_that_are_not_plain_need_allow_pickle(saved, tmp_path):
     with pytest.warns(arrayckpt.PickleWarning, match="unpickling values .* fully"):  # DCP's, with weights_only=False
         arrayckpt.convert(saved / "with_args", tmp_path / "ckpt", allow_pickle=True)
     with arrayckpt.open(tmp_path / "ckpt", allow_pickle=True) as ckpt:
-        args = ckpt.value("args")
+        args = ckpt.plain_values["args"]
         assert isinstance(args, argparse.Namespace) and args.params_dtype == torch.bfloat16 and args.seq_length == 16
         assert torch.equal(ckpt["embedding.word_embeddings.weight"].torch(), _tensors()[
             "embedding.word_embeddings.weight"])
@@ -146,7 +146,7 @@ def test_common_pt_outside_weights_only_needs_allow_pickle(saved, tmp_path):
     with pytest.warns(arrayckpt.PickleWarning, match="common.pt: unpickling it fully"):  # says it runs code
         arrayckpt.convert(src, tmp_path / "ckpt", allow_pickle=True)
     with arrayckpt.open(tmp_path / "ckpt", allow_pickle=True) as ckpt:
-        assert ckpt.value("ratio") == Fraction(1, 3)
+        assert ckpt.plain_values["ratio"] == Fraction(1, 3)
 
 
 def test_other_backends_and_incomplete_checkpoints_are_refused(saved, tmp_path):

@@ -26,6 +26,7 @@ from policies import SHARDED
 import arrayckpt
 from arrayckpt import ClosedCheckpointError
 from arrayckpt._io import smallfiles
+from arrayckpt._read.checkpoint import stored_of
 
 CLOSED = "the checkpoint was closed"
 PINS_FDS = os.path.isdir("/proc/self/fd")  # local directories are pinned by descriptor on Linux only
@@ -98,7 +99,7 @@ READS: dict[str, Callable[[arrayckpt.Checkpoint], object]] = {
     "spec": lambda c: c["w"].spec,
     "per_rank": lambda c: c.per_rank("r"),
     "pickled": lambda c: c.plain_values["obj"],
-    "pickle_bytes": lambda c: c.pickle_bytes("obj"),
+    "pickle_bytes": lambda c: stored_of(c).pickle_bytes("obj"),
 }
 
 
@@ -119,7 +120,7 @@ def test_metadata_stays_readable_after_close(where: str) -> None:
         pass
     assert sorted(ckpt) == ["w"] and ckpt["w"].shape == (6, 4) and ckpt["w"].numpy_dtype == np.float32
     assert ckpt.step == 7 and ckpt.manifest.step == 7 and ckpt.plain_values["step"] == 7
-    assert len(ckpt) == 1 and ckpt.nbytes == 96 and "w" in ckpt.nodes
+    assert len(ckpt) == 1 and ckpt.nbytes == 96 and "w" in stored_of(ckpt).nodes
 
 
 def test_an_exception_inside_with_still_closes(where: str) -> None:
@@ -167,7 +168,7 @@ def test_a_delta_never_read_through_opens_no_base_and_closes(tmp_path: Path) -> 
     paths = _chain(tmp_path)
     pins = _pins()
     with arrayckpt.open(paths[2]) as ckpt:
-        assert "base" not in ckpt.__dict__
+        assert "base" not in stored_of(ckpt).__dict__
     assert smallfiles._PINS == pins
 
 

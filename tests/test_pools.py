@@ -99,4 +99,4 @@ arrayckpt.save({{"w": torch.ones(512, 1024), "v": torch.zeros(512, 1024)}}, path
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-2000:]
     with arrayckpt.open(tmp_path / "c") as checkpoint:
-        assert checkpoint.value("step") == 1 and checkpoint["w"][:].sum() == 512 * 1024
+        assert checkpoint.plain_values["step"] == 1 and checkpoint["w"][:].sum() == 512 * 1024

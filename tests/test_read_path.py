@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import arrayckpt
+from arrayckpt._read.stored import StoredCheckpoint
 
 REPLACED = "was replaced"
 
@@ -162,8 +163,8 @@ def test_a_delta_read_through_a_base_replaced_mid_read_is_refused(how: str) -> N
 
         real = load_module._load
 
-        def replace_base_then_read(state: Any, opened: arrayckpt.Checkpoint, *args: Any, **kwargs: Any) -> Any:
-            opened.chain()  # the chain is open (its base pinned/identified) before the base is replaced
+        def replace_base_then_read(state: Any, opened: StoredCheckpoint, *args: Any, **kwargs: Any) -> Any:
+            opened.base  # noqa: B018 - the chain is open (its base pinned/identified) before the base is replaced
             _overwrite(base, 2)
             return real(state, opened, *args, **kwargs)
 

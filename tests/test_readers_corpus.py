@@ -41,6 +41,7 @@ from arrayckpt._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, pe
 from arrayckpt._format.quant import QuantizedRows, dequantize_rows
 from arrayckpt._format.zarr import GROUP_METADATA, check_array_metadata, node_documents
 from arrayckpt._layout import saveplan
+from arrayckpt._read.checkpoint import stored_of
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNKS = small_chunks(1024, 4096)  # a few KiB per tensor: several outer chunks of several inner chunks
@@ -84,11 +85,12 @@ def _expected(path: Path) -> Item:
     """Per array node: arrayckpt's data; for a chunks delta, that with the unstored chunks zero; for the arrays of a
     rows delta, their complete contents, checked to rebuild (with the base) exactly what arrayckpt reads."""
     ckpt = arrayckpt.open(path, allow_pickle=True)
+    held = stored_of(ckpt)
     expected: dict[str, list[Any]] = {}
     partial = set()
     for key, entry in ckpt.manifest.entries.items():
         if isinstance(entry, PickleEntry):
-            expected[entry.path] = _record(np.frombuffer(ckpt.pickle_bytes(key), np.uint8))
+            expected[entry.path] = _record(np.frombuffer(held.pickle_bytes(key), np.uint8))
         elif isinstance(entry, PerRankEntry):
             for rank, value in enumerate(ckpt.per_rank(key)):
                 if isinstance(entry.items[rank], ArrayEntry):
@@ -99,11 +101,11 @@ def _expected(path: Path) -> Item:
             if entry.delta is None:
                 expected[entry.path] = _record(data)
             elif entry.delta.mode == "chunks":
-                foreign = _with_missing_chunks_as_fill(data, ckpt.nodes[entry.path], set(entry.delta.present))
+                foreign = _with_missing_chunks_as_fill(data, held.nodes[entry.path], set(entry.delta.present))
                 expected[entry.path] = _record(foreign)
                 partial.add(entry.path)
             else:
-                names = sorted(n.rsplit("/", 1)[1] for n in ckpt.nodes if n.startswith(entry.path + "/"))
+                names = sorted(n.rsplit("/", 1)[1] for n in held.nodes if n.startswith(entry.path + "/"))
                 stored = {name: _strict(path, f"{entry.path}/{name}") for name in names}
                 expected.update({f"{entry.path}/{name}": _record(a) for name, a in stored.items()})
                 rebuilt = np.asarray(ckpt.base[key][...]).copy()
@@ -218,7 +220,7 @@ def test_corpus_has_what_it_claims(corpus: dict[str, Item]) -> None:
     assert {"optim/state/0/weight/exp_avg", "rng/%r0", "obj"} <= set(corpus["model_adamw"].expected) | set(
         corpus["nested"].expected)
     for item in corpus.values():  # every array names its dimensions, unique in the checkpoint but for a delta's rows
-        nodes = arrayckpt.open(item.path).nodes
+        nodes = stored_of(arrayckpt.open(item.path)).nodes
         names = [n for path in item.expected for n in nodes[path]["dimension_names"]]
         assert all(n.endswith(".rows") for n in names if names.count(n) > 1), item.path
 

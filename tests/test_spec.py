@@ -50,6 +50,8 @@ from arrayckpt._layout.box import Box
 from arrayckpt._layout.delta import plan_delta
 from arrayckpt._layout.digests import stored_chunks
 from arrayckpt._layout.saveplan import plan_save
+from arrayckpt._read.chain import read_plan
+from arrayckpt._read.checkpoint import stored_of
 from arrayckpt._storage import follow_base, parse_location
 from arrayckpt._storage import object as _objstore
 from arrayckpt._storage.local import LocalWriter
@@ -687,8 +689,9 @@ def test_delta_example(tmp_path):
     assert torch.equal(opened["emb"].torch(), emb) and torch.equal(opened["w"].torch(), w)
     # w[1:7]: row 1 from the delta's chunk 0, rows 2-5 from the base (chunks 1 and 2, in one read), row 6 from chunk 3
     out = np.empty((6, 4), np.float32)
-    jobs, overlays = opened.read_plan("w", Box((1, 0), (6, 4)), out)
-    own, of_base = opened._base["path"], opened.base._base["path"]
+    stored = stored_of(opened)
+    jobs, overlays = read_plan(stored, "w", Box((1, 0), (6, 4)), out)
+    own, of_base = stored.node_kvstore("")["path"], stored.base.node_kvstore("")["path"]
     sources = [(job.index[0].start, job.index[0].stop, "delta" if job.spec["kvstore"]["path"].startswith(own)
                 else "base" if job.spec["kvstore"]["path"].startswith(of_base) else "?") for job in jobs]
     assert sources == [(1, 2, "delta"), (2, 6, "base"), (6, 7, "delta")] and not overlays

@@ -347,7 +347,7 @@ def test_lightning_checkpoint_io_hands_back_the_tie(tmp_path):
 
 
 def test_deltas_read_aliases_and_ties_that_change_along_the_chain(tmp_path, monkeypatch):
-    from arrayckpt._read.checkpoint import Checkpoint
+    import arrayckpt._write.changes as changes
 
     g = torch.Generator().manual_seed(0)
     w, other = torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
@@ -357,9 +357,9 @@ def test_deltas_read_aliases_and_ties_that_change_along_the_chain(tmp_path, monk
         assert ckpt.aliases() == {"head": "emb"}
 
     compared: list[str] = []
-    real = Checkpoint.read_box
-    monkeypatch.setattr(Checkpoint, "read_box", lambda self, key, box, out: (compared.append(key),
-                                                                              real(self, key, box, out))[1])
+    real = changes.read_box
+    monkeypatch.setattr(changes, "read_box", lambda stored, key, box, out: (compared.append(key),
+                                                                              real(stored, key, box, out))[1])
     w[5] += 1  # the target changes: an alias in a delta, its target a delta of its own
     arrayckpt.save({"emb": w, "head": w, "x": other}, d1, base=base)
     assert sorted(compared) == ["emb", "x"]  # only the target is compared with the base, not its alias

@@ -67,7 +67,7 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key in checkpoint.plain_values:
         entry = checkpoint.manifest.entries[key]
-        values[key] = {"pickled": entry.nbytes} if isinstance(entry, PickleEntry) else checkpoint.value(key)
+        values[key] = {"pickled": entry.nbytes} if isinstance(entry, PickleEntry) else checkpoint.plain_values[key]
     return {
         "path": str(checkpoint.location),
         "format_version": checkpoint.manifest.format_version,
@@ -97,8 +97,11 @@ def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
 def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
     """Chunks per dimension of the array that holds the tensor's layout (its own, or its base's for a rows
     delta): the sharding at save, since chunks follow the ranks' shards (``[4, 1]``: split over rows in 4)."""
+    from .._read.chain import dense_metadata
+    from .._read.checkpoint import stored_of
+
     try:
-        metadata = checkpoint.dense_metadata(key)
+        metadata = dense_metadata(stored_of(checkpoint), key)
     except ArrayckptError:  # a rows delta whose base cannot be read: `info` reports the chain's error instead
         return []
     from .._format.zarr import grid_counts

@@ -122,7 +122,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                          *(f"  rank {rank}: {text}" for rank, text in enumerate(value)))
                     return 0
             else:
-                value = checkpoint.value(args.key)
+                value = checkpoint.plain_values[args.key]
             print_json({"key": args.key, "value": value}) if args.json else emit(f"{args.key} = {value!r}")
             return 0
         summary = show(checkpoint, args.key, args.slice, max_values=args.max_values)

@@ -26,7 +26,7 @@ from typing import Any
 from .._errors import ArrayckptError, CheckpointExistsError, StorageError
 from .._format.jsontypes import JSON
 from .._format.manifest import PerRankEntry, PickleEntry
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import Checkpoint, stored_of
 
 __all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically",
            "write_failure"]
@@ -148,7 +148,8 @@ def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], object]) \
     root: dict[Any, Any] = {}
     skipped = []
     entries = checkpoint.manifest.entries
-    pickled = checkpoint.unpickle([k for k, e in entries.items() if isinstance(e, PickleEntry)])  # one warning
+    stored = stored_of(checkpoint)
+    pickled = stored.unpickle([k for k, e in entries.items() if isinstance(e, PickleEntry)])  # one warning
     made: dict[str, object] = {}  # by the key of the stored tensor
     for key, entry in entries.items():
         if isinstance(entry, PerRankEntry):
@@ -157,7 +158,7 @@ def nested_state(checkpoint: Checkpoint, tensor: Callable[[str], object]) \
         array = checkpoint.manifest.array_entry(key)  # an alias: its target's
         if array is not None and array.key not in made:
             made[array.key] = tensor(array.key)
-        value = made[array.key] if array is not None else pickled[key] if key in pickled else checkpoint.value(key)
+        value = made[array.key] if array is not None else pickled[key] if key in pickled else stored.value(key)
         node = root
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})

@@ -34,7 +34,7 @@ from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, warn_u
 from .._format.manifest import PickleEntry
 from .._io.smallfiles import read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import Checkpoint, stored_of
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
@@ -304,7 +304,7 @@ def _saved_whole(value: list[object]) -> bool:
 def refuse_pickles(checkpoint: Checkpoint) -> None:
     """A pickled value can only be exported from a checkpoint opened with ``allow_pickle=True``: say so first."""
     for key, entry in checkpoint.manifest.entries.items():
-        if isinstance(entry, PickleEntry) and not checkpoint.allow_pickle:
+        if isinstance(entry, PickleEntry) and not stored_of(checkpoint).allow_pickle:
             raise PickleNotAllowedError(f"{checkpoint.location}: value {key!r} is pickled; converting it needs "
                                         "allow_pickle=True (--allow-pickle), only for checkpoints you trust")
 

@@ -51,7 +51,7 @@ import torch
 from .._errors import FormatError
 from .._format.manifest import ArrayEntry, PerRankEntry
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import Checkpoint, stored_of
 from .._read.reader import ChainRead, read
 from .._settings import settings
 from .._storage.renames import exchange, fsync_dir, make_durable, rename_noreplace
@@ -97,7 +97,7 @@ def _widened(checkpoint: Checkpoint, key: str) -> torch.Tensor:
     for start in range(0, shape[0], rows):
         part = block[:min(rows, shape[0] - start)]
         box = Box((start,) + (0,) * (len(shape) - 1), tuple(part.shape))
-        read(checkpoint, [ChainRead(key, box, writable_numpy(part, array.entry.dtype, key))])
+        read(stored_of(checkpoint), [ChainRead(key, box, writable_numpy(part, array.entry.dtype, key))])
         out[start:start + part.shape[0]].copy_(part)
     return out
 
@@ -260,7 +260,7 @@ def _write_tag(checkpoint: Checkpoint, source: Source, tag_dir: Path, progress: 
 def _tag(checkpoint: Checkpoint, source: Source) -> str:
     """The source's DeepSpeed tag plus ``_universal`` (as DeepSpeed's tutorial names it), else ``global_step<N>``."""
     if source.from_deepspeed and "deepspeed.tag" in checkpoint.manifest.entries:
-        tag = checkpoint.value("deepspeed.tag")
+        tag = checkpoint.plain_values["deepspeed.tag"]
         if isinstance(tag, str) and tag and "/" not in tag and not tag.startswith("."):
             return f"{tag}_universal"
     step = checkpoint.step if checkpoint.step is not None else next(

@@ -246,7 +246,7 @@ def _nested(checkpoint: Checkpoint, entries: Iterable[Entry]) -> dict[Any, Any]:
     ``common.pt`` and ShardedObjects, which Megatron holds whole too."""
     root: dict[Any, Any] = {}
     for entry in entries:
-        value = checkpoint[entry.key].torch() if isinstance(entry, ArrayEntry) else checkpoint.value(entry.key)
+        value = checkpoint[entry.key].torch() if isinstance(entry, ArrayEntry) else checkpoint.plain_values[entry.key]
         node = root
         for part in entry.parts[:-1]:
             node = node.setdefault(part, {})

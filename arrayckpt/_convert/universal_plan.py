@@ -95,7 +95,7 @@ def _optimizer_key(checkpoint: Checkpoint) -> str:
 
 
 def _param_groups(checkpoint: Checkpoint, optim: str) -> list[dict[str, Any]]:
-    groups = checkpoint.value(f"{optim}.param_groups")
+    groups = checkpoint.plain_values[f"{optim}.param_groups"]
     if not isinstance(groups, list) or not groups or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise FormatError(f"{checkpoint.location}: {optim}.param_groups is {str(groups)[:120]}, not an optimizer's "
@@ -152,7 +152,7 @@ def _step_value(checkpoint: Checkpoint, key: str) -> Step:
         if math.prod(entry.shape) != 1:
             raise FormatError(f"{checkpoint.location}: {key} has shape {list(entry.shape)}, not one step count")
         return checkpoint[key].torch()
-    value = checkpoint.value(key) if isinstance(entry, ValueEntry) else None
+    value = checkpoint.plain_values[key] if isinstance(entry, ValueEntry) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FormatError(f"{checkpoint.location}: {key} is {value!r}, not a step count")
     return value

@@ -60,7 +60,7 @@ from .._format.manifest import PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import collector_paused
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.checkpoint import Checkpoint, open_checkpoint, stored_of
 from .._read.deviceload import DeviceLoads
 from .._read.reader import ChainRead, read
 from .._settings import settings
@@ -265,7 +265,7 @@ class ArrayckptReader(StorageReader):
                             _run(checkpoint, batch, planner)
                             batch, staged = [], 0
                 _run(checkpoint, batch, planner)
-                device.run([], lambda requests: read(checkpoint, requests), whole=False, touched=[])
+                device.run([], lambda requests: read(stored_of(checkpoint), requests), whole=False, touched=[])
                 for item, target in on_device:
                     planner.commit_tensor(item, target)
         finally:
@@ -321,14 +321,14 @@ class ArrayckptReader(StorageReader):
         source = self._source(item)
         if source.kind == "value":
             if source.key not in decoded:
-                decoded[source.key] = checkpoint.value(source.key)
+                decoded[source.key] = checkpoint.plain_values[source.key]
             value = decoded[source.key]
             for part in source.sub:
                 value = value[part]
         elif source.kind == "ndarray":
             value = np.asarray(checkpoint[source.key].numpy())
         else:  # a pickle, allowed (prepare_local_plan refused it otherwise)
-            value = checkpoint.value(source.key)
+            value = checkpoint.plain_values[source.key]
         out = io.BytesIO()
         torch.save(value, out)
         out.seek(0)
@@ -340,7 +340,7 @@ def _run(checkpoint: Checkpoint, batch: list[tuple[ReadItem, torch.Tensor, torch
     """Read a batch of tensor items at once, copy staged ones into their targets, and commit them to the planner."""
     if not batch:
         return
-    read(checkpoint, [request for _, _, _, request in batch])
+    read(stored_of(checkpoint), [request for _, _, _, request in batch])
     for item, target, buffer, _ in batch:
         if buffer is not None:
             target.copy_(buffer)

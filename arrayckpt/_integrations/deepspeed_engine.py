@@ -39,7 +39,7 @@ from .._convert.common import nested_state
 from .._errors import FormatError, KeyMismatchError, StateError
 from .._format.dtypes import DType
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._read.checkpoint import Checkpoint, open_checkpoint, stored_of
 from .._read.reader import ChainRead, read
 from .._settings import settings
 from .._torch.tensors import writable_numpy
@@ -108,8 +108,8 @@ class FlatReads:
                         outs = [torch.empty(group[0].rows, dtype=group[0].dtype)]  # would pin it rounded up
                     else:
                         outs = batch.views([(piece.rows, piece.dtype) for piece in group])
-                    read(self.checkpoint, [self._request(piece, out) for piece, out in zip(group, outs, strict=True)
-                                           if piece.numel])
+                    read(stored_of(self.checkpoint),
+                         [self._request(piece, out) for piece, out in zip(group, outs, strict=True) if piece.numel])
                     for piece, out in zip(group, outs, strict=True):
                         piece.then(out.reshape(-1)[piece.skip:piece.skip + piece.numel])
                 finally:
@@ -213,7 +213,7 @@ def _saved_step(checkpoint: Checkpoint, key: str) -> float | None:
         return float(value.item())
     if key not in checkpoint.manifest.entries:
         return None
-    value = checkpoint.value(key)
+    value = checkpoint.plain_values[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FormatError(f"{checkpoint.location}: {key} is {value!r}, not a step count")
     return float(value)

@@ -36,8 +36,8 @@ from .._layout.box import Box, grid_cells
 if TYPE_CHECKING:
     from .source import ChainSource
 
-__all__ = ["Dense", "Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "delta_rows", "plan_box",
-           "read_plan"]
+__all__ = ["Dense", "Overlay", "basic_index", "bounding_box", "dense_grid", "dense_layer", "dense_metadata",
+           "delta_rows", "plan_box", "read_plan"]
 
 Overlay = Callable[[], None]
 
@@ -75,11 +75,17 @@ def dense_layer(checkpoint: ChainSource, key: str) -> Dense:
     return Dense(layer, entry.key)
 
 
-def dense_grid(checkpoint: ChainSource, key: str) -> tuple[int, ...]:
-    """The read-chunk shape of the nearest dense layer of ``key`` (inner chunks when sharded): the grid a
-    delta of ``key`` against this checkpoint compares and stores chunks on."""
+def dense_metadata(checkpoint: ChainSource, key: str) -> dict[str, Any]:
+    """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its shape
+    (``checkpoint`` itself, or a base for a rows delta)."""
     dense = dense_layer(checkpoint, key)
-    metadata = dense.layer[dense.key].metadata
+    return dense.layer.metadata[dense.key]
+
+
+def dense_grid(checkpoint: ChainSource, key: str) -> tuple[int, ...]:
+    """The read-chunk shape of :func:`dense_metadata` (inner chunks when sharded): the grid a delta of ``key``
+    against this checkpoint compares and stores chunks on."""
+    metadata = dense_metadata(checkpoint, key)
     codecs = metadata.get("codecs", [])
     if codecs and codecs[0].get("name") == "sharding_indexed":
         return tuple(codecs[0]["configuration"]["chunk_shape"])
@@ -101,7 +107,7 @@ def plan_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray, jobs:
     entry = _entry(checkpoint, key)
     key = entry.key  # an alias reads its target, here and through the chain
     if entry.delta is None:
-        jobs.append(ArrayIO(key, checkpoint[key]._read_spec, out, box.slices() if box.shape else None))
+        jobs.append(ArrayIO(key, checkpoint.read_spec(key), out, box.slices() if box.shape else None))
         return
     base = checkpoint.base
     _entry(base, key, entry)
@@ -109,12 +115,12 @@ def plan_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray, jobs:
         plan_box(base, key, box, out, jobs, overlays)
         overlays.append(lambda: _overlay_rows(checkpoint, entry, box, out))
         return
-    grid = tuple(checkpoint[key].metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    grid = tuple(checkpoint.metadata[key]["chunk_grid"]["configuration"]["chunk_shape"])
     stored = _present_in(checkpoint.present_chunks(key), box, grid, entry.shape) if box.size else []
     if not stored:
         plan_box(base, key, box, out, jobs, overlays)
         return
-    _plan_chunks(_Layer(base, key, checkpoint[key]._read_spec, grid), box, out, stored, 0, jobs, overlays)
+    _plan_chunks(_Layer(base, key, checkpoint.read_spec(key), grid), box, out, stored, 0, jobs, overlays)
 
 
 class _Layer(NamedTuple):
@@ -224,7 +230,7 @@ def _row_values(checkpoint: ChainSource, entry: ArrayEntry, positions: np.ndarra
     return dequantize_rows(q, entry.dtype.numpy).reshape(len(positions), *entry.shape[1:])
 
 
-def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
+def basic_index(index: object, shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
     """A numpy basic index (ints, slices with positive steps, ``...``) normalised as numpy reads it: ``...``
     expanded, negative positions counted from the end, slices clipped to the shape; an integer out of range
     raises :class:`IndexError` as numpy does. ``None`` for anything else (advanced indexing, ``None``, negative
@@ -255,7 +261,7 @@ def basic_index(index: Any, shape: tuple[int, ...]) -> tuple[int | slice, ...] |
     return tuple(out)
 
 
-def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[int | slice, ...]] | None:
+def bounding_box(index: object, shape: tuple[int, ...]) -> tuple[Box, tuple[int | slice, ...]] | None:
     """For a basic index (see :func:`basic_index`): the box it touches and the same index relative to that box;
     ``None`` for anything else (the caller reads everything)."""
     normal = basic_index(index, shape)

@@ -1,9 +1,9 @@
-"""One stored tensor of an opened checkpoint: metadata at once, data when sliced (``_read/reader.py`` reads it)."""
+"""One stored tensor of an opened checkpoint: metadata at once, data when sliced (``_read/reader.py`` reads it,
+through the checkpoint's :class:`~.stored.StoredCheckpoint`)."""
 
 from __future__ import annotations
 
 import math
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,14 +12,15 @@ from .._format.manifest import ArrayEntry
 from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box
 from .._read.chain import basic_index, bounding_box
-from .._read.reader import ArraySlices, ChainRead, read
+from .._read.reader import ChainRead, read
 from .._settings import settings
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     import torch
     from torch import Tensor  # (inside the class, ``torch`` is the method below)
 
-    from .source import ChainSource
+    from .stored import StoredCheckpoint
 
 __all__ = ["LazyArray"]
 
@@ -41,8 +42,8 @@ class LazyArray:
         ((3, 2), torch.bfloat16, [[2.0, 3.0], [4.0, 5.0]], tensor([0., 1.], dtype=torch.bfloat16))
     """
 
-    def __init__(self, checkpoint: ChainSource, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
-        self._checkpoint = checkpoint
+    def __init__(self, stored: StoredCheckpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
+        self._stored = stored  # its checkpoint's: every read goes through it
         self.entry = entry
         self.metadata = metadata
 
@@ -90,29 +91,14 @@ class LazyArray:
         """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
         has no array of the tensor's shape: read it by slicing instead."""
         if self.entry.delta is not None and self.entry.delta.mode == "rows":
-            raise TypeError(f"{self._checkpoint.location}: tensor {self.key!r} is stored as changed rows of its base; "
+            raise TypeError(f"{self._stored.location}: tensor {self.key!r} is stored as changed rows of its base; "
                             "it has no array of its own to open (slice it, or use .torch())")
-        return array_spec(self._checkpoint.node_kvstore(self.entry.path), self.metadata)
+        return array_spec(self._stored.node_kvstore(self.entry.path), self.metadata)
 
-    @cached_property
-    def _read_spec(self) -> dict[str, Any]:
-        """:attr:`spec`, built once for the read path (which never changes it)."""
-        return self.spec
-
-    @cached_property
-    def _slices(self) -> ArraySlices:
-        """How slices of this array are read (the array opened once)."""
-        return ArraySlices(self._read_spec)
-
-    def _forget_handles(self) -> None:
-        """Drop the array handle and spec kept for reads (its checkpoint is closing)."""
-        self.__dict__.pop("_slices", None)
-        self.__dict__.pop("_read_spec", None)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
+    def __getitem__(self, index: Any) -> np.ndarray:  # any numpy index (numpy types it as a union of its own)
         """numpy indexing: basic indices (ints, slices, ``...``, negative positions) read only the chunks they
         touch; anything else (index arrays, negative steps, ``None``) reads the whole array, then indexes it."""
-        self._checkpoint.check_open()
+        self._stored.check_open()
         normal = basic_index(index, self.shape)
         if normal is None:
             whole: np.ndarray = self.numpy()[index]  # (an index array, a negative step, None: an array)
@@ -123,16 +109,17 @@ class LazyArray:
         shape = [1 if isinstance(part, int) else len(range(part.start, part.stop, part.step)) for part in normal]
         out = np.empty(shape, self.numpy_dtype)
         selection = tuple(slice(part, part + 1) if isinstance(part, int) else part for part in normal)
-        read(self._checkpoint, [ArrayIO(self.key, self._read_spec, out, selection or None)], execute=self._slices)
+        read(self._stored, [ArrayIO(self.key, self._stored.read_spec(self.key), out, selection or None)],
+             execute=self._stored.slices(self.key))
         return out.reshape([n for n, part in zip(shape, normal, strict=True) if not isinstance(part, int)])
 
-    def _through_chain(self, index: Any) -> np.ndarray:
+    def _through_chain(self, index: tuple[int | slice, ...]) -> np.ndarray:
         """A read of a delta entry: the bounding box of the index through the chain, then the index within it."""
         found = bounding_box(index, self.shape)
         assert found is not None  # a basic index (see __getitem__)
         box, relative = found
         out = np.empty(box.shape, self.numpy_dtype)
-        read(self._checkpoint, [ChainRead(self.key, box, out)])
+        read(self._stored, [ChainRead(self.key, box, out)])
         selected: np.ndarray = out[relative]
         return selected
 
@@ -150,7 +137,7 @@ class LazyArray:
             self[(0,) * self.ndim]
             self[tuple(n - 1 for n in self.shape)]
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
 
@@ -158,12 +145,12 @@ class LazyArray:
         """The whole array as a new CPU torch tensor of the saved dtype."""
         import torch
 
-        self._checkpoint.check_open()  # before allocating
+        self._stored.check_open()  # before allocating
         self._probe()
         try:
             out = torch.empty(self.shape, dtype=self.dtype)
         except (RuntimeError, MemoryError):  # torch's allocator says RuntimeError
-            raise MemoryError(f"{self._checkpoint.location}: tensor {self.key!r} ({self.entry.dtype.name}"
+            raise MemoryError(f"{self._stored.location}: tensor {self.key!r} ({self.entry.dtype.name}"
                               f"{list(self.shape)}, {self.nbytes:,} bytes) is more than this machine can allocate; "
                               "read it in slices (ckpt[key][a:b]), or use a machine with more memory") from None
         self.read_into(out)
@@ -173,6 +160,6 @@ class LazyArray:
         """Read the whole array into an existing CPU tensor of the same shape and dtype."""
         from .._torch.tensors import writable_numpy  # torch only when reading into torch
 
-        self._checkpoint.check_open()
+        self._stored.check_open()
         out = writable_numpy(tensor, self.entry.dtype, self.key)
-        read(self._checkpoint, [ChainRead(self.key, Box.whole(self.shape), out)])
+        read(self._stored, [ChainRead(self.key, Box.whole(self.shape), out)])

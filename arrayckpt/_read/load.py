@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -25,8 +25,9 @@ from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, Pick
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import open_location, stored_of
 from .._read.reader import ChainRead, Execute, Request, read
+from .._read.stored import StoredCheckpoint
 from .._storage import Location, parse_location, parse_roots
 from .._storage.base import Opened
 from .._storage.shared import opened_from_bytes, read_root_bytes, shares_root
@@ -39,6 +40,9 @@ from .._torch.state import Leaf, StatefulNode, Walk, walk
 from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
+
+if TYPE_CHECKING:
+    from .._io.arrays import StoreContext
 
 __all__ = ["LoadResult", "load"]
 
@@ -143,8 +147,9 @@ def load(
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
-    with Checkpoint(location, allow_pickle, opened, parse_roots(base_roots, storage_options)) as checkpoint:
-        return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=atomic)
+    with open_location(location, allow_pickle=allow_pickle, opened=opened,
+                       base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
+        return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=atomic)
 
 
 def _shared_root(location: Location, group: Group) -> Opened:
@@ -162,7 +167,7 @@ def _shared_root(location: Location, group: Group) -> Opened:
     return opened_from_bytes(location, *payload)
 
 
-def _load(state: Mapping[str, Any], checkpoint: Checkpoint, group: Group, *, strict: bool, read_once: bool,
+def _load(state: Mapping[str, Any], checkpoint: StoredCheckpoint, group: Group, *, strict: bool, read_once: bool,
           atomic: bool, agreement: Settles | None = None) -> LoadResult:
     """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises); with an
     ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state."""
@@ -206,7 +211,7 @@ def _few(keys: list[str], limit: int = 10) -> str:
 class _LoadPlan:
     """How every entry reaches its leaf; built (and validated) before any array data is read."""
 
-    def __init__(self, checkpoint: Checkpoint, rank: int, world_size: int, atomic: bool = False,
+    def __init__(self, checkpoint: StoredCheckpoint, rank: int, world_size: int, atomic: bool = False,
                  agreement: Settles | None = None) -> None:
         self.checkpoint = checkpoint
         self.agreement = agreement  # settled after every read (atomic: one read call), before the state changes
@@ -218,7 +223,7 @@ class _LoadPlan:
         self.device = DeviceLoads()  # device targets, read through pooled host buffers
         self.in_place: list[str] = []  # keys read straight into the state's memory (not staged)
         self.copies: list[tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]] = []  # (target, staged)
-        self.replacements: list[tuple[Leaf, Any]] = []
+        self.replacements: list[tuple[Leaf, object]] = []
         self.pickled: list[tuple[Leaf, str]] = []  # (leaf, key) of the pickled values the state takes
 
     def run(self, share_with: Group | None = None) -> None:
@@ -279,7 +284,7 @@ class _LoadPlan:
         for leaf, key in self.pickled:
             self._replace(leaf, values[key])
 
-    def _replace(self, leaf: Leaf, value: Any) -> None:
+    def _replace(self, leaf: Leaf, value: object) -> None:
         self._replaceable(leaf)
         self.replacements.append((leaf, value))
 
@@ -382,7 +387,7 @@ def _read_once(group: Group) -> Execute:
     """The read path's ``execute`` for ``read_once=True`` (collective): this rank reads its share of the plain
     reads, then the ranks exchange the rest; a rank that failed to read fails everyone, before any exchange."""
 
-    def execute(jobs: Sequence[ArrayIO], context: Any, where: str) -> None:
+    def execute(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
         own, exchange = split_reads(list(jobs), group)
         error: BaseException | None = None
         try:

@@ -36,6 +36,7 @@ from .._settings import settings
 if TYPE_CHECKING:
     import tensorstore as ts
 
+    from .._io.arrays import StoreContext
     from .source import ChainSource
 
 __all__ = ["ArraySlices", "ChainRead", "Execute", "Request", "read", "read_box", "read_boxes"]
@@ -53,7 +54,7 @@ Request = ChainRead | ArrayIO
 #: Runs the plain reads of one :func:`read`: ``execute(jobs, context, where)`` fills every job's memory, reading
 #: from storage (with ``read_into`` and the checkpoint's read ``context``) what it does not get otherwise, and
 #: raises an :class:`arrayckpt.ArrayckptError` naming ``where`` on failure.
-Execute = Callable[[Sequence[ArrayIO], Any, str], None]
+Execute = Callable[[Sequence[ArrayIO], "StoreContext", str], None]
 
 
 def read(checkpoint: ChainSource, requests: Iterable[Request], *, execute: Execute = read_into) -> None:
@@ -93,7 +94,7 @@ class ArraySlices:
         self.spec = spec  # every job's spec (the array's)
         self._store: ts.TensorStore | None = None
 
-    def __call__(self, jobs: Sequence[ArrayIO], context: Any, where: str) -> None:
+    def __call__(self, jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
         for job in jobs:
             assert job.spec is self.spec, "ArraySlices reads slices of its own array only"
             if self._store is None:
@@ -118,7 +119,10 @@ def read_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray) -> No
 
 def read_boxes(checkpoint: ChainSource, key: str, boxes: Sequence[Box]) -> list[np.ndarray]:
     """Several boxes of tensor ``key`` into new arrays, read at once through the chain."""
-    dtype = checkpoint[key].numpy_dtype
+    entry = checkpoint.manifest.array_entry(key)
+    if entry is None:
+        raise KeyError(f"{checkpoint.location}: no tensor {key!r}")
+    dtype = entry.dtype.numpy
     outs = [np.empty(box.shape, dtype) for box in boxes]
     read(checkpoint, [ChainRead(key, box, out) for box, out in zip(boxes, outs, strict=True)])
     return outs

@@ -1,18 +1,21 @@
-"""What the read path needs of an open checkpoint: :class:`ChainSource`, which ``Checkpoint`` implements.
+"""What the read path needs of an open checkpoint: :class:`ChainSource`, which ``stored.py``'s ``StoredCheckpoint``
+implements.
 
-``reader.py`` (the one read path), ``chain.py`` (reads through a delta's chain) and ``lazy.py`` (one array's
-handle) sit below ``checkpoint.py`` and read through this protocol, so that none of them imports the class that
-imports them, and none reaches into its private members.
+``reader.py`` (the one read path) and ``chain.py`` (reads through a delta's chain) sit below ``stored.py`` and read
+through this protocol, so that neither imports the class that imports them, and neither reaches into its private
+members.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
 
     from .._format.manifest import ArrayEntry, Manifest
+    from .._io.arrays import StoreContext
     from .._storage import Location
 
 __all__ = ["ChainSource"]
@@ -27,21 +30,19 @@ class ChainSource(Protocol):
     rows_cache: dict[str, np.ndarray]
 
     @property
+    def metadata(self) -> Mapping[str, dict[str, Any]]:
+        """Each array entry's array metadata (``{}`` for a rows delta)."""
+
+    @property
     def base(self) -> ChainSource:
         """The checkpoint a delta reads through (opened on first use)."""
 
     @property
-    def read_context(self) -> Any:
+    def read_context(self) -> StoreContext:
         """The context every read of data uses (raises once the checkpoint is closed)."""
 
-    def __getitem__(self, key: str) -> Any:
-        """The lazy array of ``key``."""
-
-    def check_open(self) -> None:
-        """Raise ``ClosedCheckpointError`` once closed."""
-
-    def node_kvstore(self, path: str) -> dict[str, Any]:
-        """The kvstore spec of a node's directory."""
+    def read_spec(self, key: str) -> dict[str, Any]:
+        """The array spec of array entry ``key`` (not a rows delta)."""
 
     def present_chunks(self, key: str) -> frozenset[int]:
         """A chunks delta's stored chunks (flat grid indices)."""

@@ -16,7 +16,7 @@ from typing import Any
 from .._errors import ArrayckptError
 from .._storage import parse_location, parse_roots
 from .._torch.dist import Group
-from .checkpoint import Checkpoint
+from .checkpoint import open_location, stored_of
 from .load import LoadResult, _load, load
 
 __all__ = ["Agreement", "load_together"]
@@ -37,8 +37,9 @@ def load_together(state: Mapping[str, Any], path: str | os.PathLike[str], group:
     agreement = Agreement(group)
     try:
         location = parse_location(path, storage_options)
-        with Checkpoint(location, allow_pickle, None, parse_roots(base_roots, storage_options)) as checkpoint:
-            return _load(state, checkpoint, group, strict=strict, read_once=read_once, atomic=True,
+        with open_location(location, allow_pickle=allow_pickle,
+                           base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
+            return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=True,
                          agreement=agreement)
     except ArrayckptError as e:
         if not agreement.reached:  # failed before its reads (opening, matching the state): tell the others

@@ -22,7 +22,7 @@ from .._io.arrays import ArrayIO
 from .._read.reader import read
 
 if TYPE_CHECKING:
-    from .._read.checkpoint import Checkpoint
+    from .._read.stored import StoredCheckpoint
 
 __all__ = ["ChunkRef", "chunk_file", "chunk_shape", "iter_chunks", "read_chunks"]
 
@@ -76,7 +76,7 @@ def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
 
 
 
-def read_chunks(checkpoint: Checkpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:
+def read_chunks(checkpoint: StoredCheckpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:
     """Read whole outer chunks of ``checkpoint``'s arrays concurrently into new arrays (checksums verified);
     raises on the first failure."""
     out = [np.empty(chunk.shape, dtype_by_name(chunk.spec["metadata"]["data_type"]).numpy) for chunk in chunks]

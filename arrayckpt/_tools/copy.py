@@ -50,7 +50,8 @@ from .._format.dtypes import dtype_by_name
 from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.paths import is_location_reference
 from .._format.zarr import check_array_metadata
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import open_location, stored_of
+from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
@@ -157,7 +158,8 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
     step copier)."""
     if source.tree.holds(target.tree):
         raise ValueError(f"{target}: cannot copy a checkpoint onto itself or into itself ({source})")
-    with Checkpoint(source, base_roots=base_roots) as checkpoint:
+    with open_location(source, base_roots=base_roots) as opened:
+        checkpoint = stored_of(opened)
         layers = [(checkpoint, target)]
         skipped: list[str] = []
         if _holds(target, checkpoint.manifest.id, base=False):
@@ -172,7 +174,7 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
         copied: list[str] = []
         objects = stored = 0
         for index, (layer, place) in reversed(list(enumerate(layers))):
-            def file_copier(to: Location, layer: Checkpoint = layer) -> FileCopier:
+            def file_copier(to: Location, layer: StoredCheckpoint = layer) -> FileCopier:
                 return FileCopier(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
                             concurrency=settings().copy_concurrency if concurrency is None else concurrency,
                             progress=progress)
@@ -206,7 +208,7 @@ def _holds(place: Location, identity: str | None, base: bool) -> bool:
     return False
 
 
-def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
+def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool,
                 make_copier: Callable[[Location], FileCopier]) -> FileCopier:
     """Copy one checkpoint of a chain (its base, if any, is in place already); returns the file copier that copied
     its chunk files (with its counts)."""
@@ -242,7 +244,7 @@ def _copy_layer(checkpoint: Checkpoint, target: Location, overwrite: bool,
     return copier
 
 
-def _arrays(checkpoint: Checkpoint, where: str) -> list[ArrayCopy]:
+def _arrays(checkpoint: StoredCheckpoint, where: str) -> list[ArrayCopy]:
     """Every array node of the checkpoint (validated before its grid is walked) and the chunks it stores."""
     keys: dict[str, str] = {}
     deltas: dict[str, str] = {}  # array path -> key, for the arrays of chunks deltas

@@ -22,7 +22,8 @@ import numpy as np
 from .._format.jsontypes import JSON
 from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from .._layout.box import Box
-from .._read.checkpoint import Checkpoint, opened
+from .._read.chain import dense_metadata
+from .._read.checkpoint import Checkpoint, opened, stored_of
 from .._read.reader import read_boxes
 from .._settings import settings
 from .._tools.chunkwise import ChunkRef, iter_chunks
@@ -405,7 +406,7 @@ def _diff(left: Checkpoint, right: Checkpoint) -> DiffReport:
                 compared[pair] = _diff_tensor(left, right, key)
             tensors.append(dataclasses.replace(compared[pair], key=key))
         elif isinstance(ea[key], ValueEntry) and ea[key].value != eb[key].value:  # type: ignore[union-attr]
-            values[key] = (left.value(key), right.value(key))
+            values[key] = (left.plain_values[key], right.plain_values[key])
         elif isinstance(ea[key], PerRankEntry) and not _same_per_rank(left, right, key):
             values[key] = ("per-rank values of a", "per-rank values of b")
         elif isinstance(ea[key], PickleEntry) and not _same_pickle(left, right, key):
@@ -434,7 +435,7 @@ def _describe(entry: Entry) -> str:
 def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     """Compare one tensor chunk by chunk (``a``'s grid), reading both sides' boxes in bounded batches."""
     # chunk by chunk on a's grid (of the array a stores, or of its base's for a delta), through both chains
-    dense_a = left.dense_metadata(key)
+    dense_a = dense_metadata(stored_of(left), key)
     differing = nonfinite = chunks = differing_chunks = 0
     max_abs = max_rel = 0.0
     batch: list[ChunkRef] = []
@@ -442,7 +443,7 @@ def _diff_tensor(left: Checkpoint, right: Checkpoint, key: str) -> TensorDiff:
     def compare_batch() -> None:
         nonlocal differing, nonfinite, differing_chunks, max_abs, max_rel
         boxes = [Box(tuple(s.start for s in c.index), c.shape) for c in batch]
-        mine, theirs = read_boxes(left, key, boxes), read_boxes(right, key, boxes)
+        mine, theirs = read_boxes(stored_of(left), key, boxes), read_boxes(stored_of(right), key, boxes)
         for x, y in zip(mine, theirs, strict=True):
             count, worst_abs, worst_rel, bad = _compare(x, y)
             differing += count
@@ -504,4 +505,4 @@ def _same_value(x: object, y: object) -> bool:
 
 def _same_pickle(left: Checkpoint, right: Checkpoint, key: str) -> bool:
     """Pickled values compared as stored bytes (never unpickled)."""
-    return left.pickle_bytes(key) == right.pickle_bytes(key)
+    return stored_of(left).pickle_bytes(key) == stored_of(right).pickle_bytes(key)

@@ -34,7 +34,8 @@ from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.jsontypes import JSON
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import check_array_metadata
-from .._read.checkpoint import Checkpoint
+from .._read.checkpoint import open_location, stored_of
+from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import ROOT_METADATA, Location, parse_location, parse_roots
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
@@ -159,20 +160,21 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     location = parse_location(path, storage_options)
     where = str(location)
     try:
-        checkpoint = Checkpoint(location, base_roots=parse_roots(base_roots, storage_options))
+        checkpoint = open_location(location, base_roots=parse_roots(base_roots, storage_options))
     except (IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
         return VerifyReport(where, (Damage(None, ROOT_METADATA, _short(str(e), where)),))
     with checkpoint:  # closing it closes the bases the layer walk opened
-        return _verify_chain(checkpoint, where, settings().verify_batch_bytes if batch_bytes is None else batch_bytes,
-                             progress)
+        budget = settings().verify_batch_bytes if batch_bytes is None else batch_bytes
+        return _verify_chain(stored_of(checkpoint), where, budget, progress)
 
 
-def _verify_chain(checkpoint: Checkpoint, where: str, batch_bytes: int, progress: Progress | None) -> VerifyReport:
+def _verify_chain(checkpoint: StoredCheckpoint, where: str, batch_bytes: int,
+                  progress: Progress | None) -> VerifyReport:
     """The checks of :func:`verify` on the opened checkpoint and every base of its chain."""
     damage: list[Damage] = []
     unprotected: list[str] = []
     arrays = chunks = checked = 0
-    layer: Checkpoint | None = checkpoint
+    layer: StoredCheckpoint | None = checkpoint
     while layer is not None:  # a delta checkpoint is only as good as its chain of bases: check them all
         prefix = "" if layer is checkpoint else f"{layer.location}: "
         found: list[Damage] = []
@@ -185,7 +187,7 @@ def _verify_chain(checkpoint: Checkpoint, where: str, batch_bytes: int, progress
     return VerifyReport(where, tuple(damage), arrays, chunks, checked, keys, tuple(unprotected))
 
 
-def _unprotected(layer: Checkpoint) -> list[str]:
+def _unprotected(layer: StoredCheckpoint) -> list[str]:
     """What this checkpoint's format version leaves unchecked (nothing from version 3 on)."""
     manifest = layer.manifest
     out = []
@@ -198,7 +200,7 @@ def _unprotected(layer: Checkpoint) -> list[str]:
     return out
 
 
-def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
+def _next_layer(layer: StoredCheckpoint, damage: list[Damage]) -> StoredCheckpoint | None:
     """The base of a delta checkpoint (``None`` for a full one, or when the base is unreadable: damage)."""
     if layer.manifest.base is None:
         return None
@@ -211,7 +213,7 @@ def _next_layer(layer: Checkpoint, damage: list[Damage]) -> Checkpoint | None:
         return None
 
 
-def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int,
+def _verify_layer(checkpoint: StoredCheckpoint, damage: list[Damage], batch_bytes: int,
                   progress: Progress | None) -> tuple[int, int, int]:
     """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
     location, nodes = checkpoint.location, checkpoint.nodes
@@ -240,7 +242,7 @@ def _verify_layer(checkpoint: Checkpoint, damage: list[Damage], batch_bytes: int
     return len(stored), count, checked
 
 
-def _walk(checkpoint: Checkpoint, stored: list[tuple[str, str, dict[str, Any]]],
+def _walk(checkpoint: StoredCheckpoint, stored: list[tuple[str, str, dict[str, Any]]],
           failed: Mapping[str, int]) -> Iterator[ChunkRef]:
     """The chunks of every array, lazily, leaving an array once ``MAX_ARRAY_DAMAGE`` of its chunks were found
     damaged (``failed``, filled in as the chunks are read): a crafted grid of millions of missing chunks costs a
@@ -252,7 +254,7 @@ def _walk(checkpoint: Checkpoint, stored: list[tuple[str, str, dict[str, Any]]],
             yield chunk
 
 
-def _delta_present(checkpoint: Checkpoint, key: str, array_path: str) -> frozenset[int] | None:
+def _delta_present(checkpoint: StoredCheckpoint, key: str, array_path: str) -> frozenset[int] | None:
     """The flat indices of the chunks a chunks delta stores for this array (``None``: it stores all of them)."""
     entry = checkpoint.manifest.entries.get(key)
     if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks" \
@@ -261,7 +263,8 @@ def _delta_present(checkpoint: Checkpoint, key: str, array_path: str) -> frozens
     return None
 
 
-def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> Iterator[ChunkRef]:
+def _present_chunks(checkpoint: StoredCheckpoint, key: str, array_path: str,
+                    spec: dict[str, Any]) -> Iterator[ChunkRef]:
     """The chunks an array stores, lazily: all of them, except in a chunks delta (only the changed ones)."""
     present = _delta_present(checkpoint, key, array_path)
     if present is None:
@@ -269,7 +272,7 @@ def _present_chunks(checkpoint: Checkpoint, key: str, array_path: str, spec: dic
     return iter_chunks(key, array_path, spec, sorted(present))
 
 
-def _stored_bytes(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[str, Any]) -> int:
+def _stored_bytes(checkpoint: StoredCheckpoint, key: str, array_path: str, spec: dict[str, Any]) -> int:
     """The bytes :func:`_present_chunks` yields, computed without listing the chunks of a full array."""
     present = _delta_present(checkpoint, key, array_path)
     if present is None:
@@ -278,7 +281,7 @@ def _stored_bytes(checkpoint: Checkpoint, key: str, array_path: str, spec: dict[
     return sum(chunk.nbytes for chunk in _present_chunks(checkpoint, key, array_path, spec))
 
 
-def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
+def _arrays(checkpoint: StoredCheckpoint, nodes: Mapping[str, Any],
             damage: list[Damage]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(key, array path, spec) of every stored array: tensors, per-rank arrays and pickled values."""
     location = checkpoint.location
@@ -292,7 +295,7 @@ def _arrays(checkpoint: Checkpoint, nodes: Mapping[str, Any],
                     damage.append(Damage(key, f"{entry.path}/{name}/{ROOT_METADATA}", _short(str(e), str(location))))
         elif isinstance(entry, ArrayEntry):
             try:
-                spec = checkpoint[key].spec
+                spec = checkpoint.read_spec(key)
             except ArrayckptError as e:  # e.g. its directory is a link (spec §12): damage, reported
                 damage.append(Damage(key, entry.path, _short(str(e), str(location))))
                 continue
@@ -365,7 +368,7 @@ def _batches(chunks: Iterable[ChunkRef], budget: int) -> Iterator[list[ChunkRef]
         yield batch
 
 
-def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, budget: int, damage: list[Damage],
+def _read_all(checkpoint: StoredCheckpoint, chunks: Iterable[ChunkRef], total: int, budget: int, damage: list[Damage],
               progress: Progress | None, digests: dict[str, ChunkDigest], failed: dict[str, int]) -> tuple[int, int]:
     """Read every chunk (batched for speed, taken lazily: memory is bounded by the batch, whatever the number of
     chunks) and add its content's checksum to its array's digest; a failed batch is re-read chunk by chunk to name
@@ -384,7 +387,7 @@ def _read_all(checkpoint: Checkpoint, chunks: Iterable[ChunkRef], total: int, bu
     return count, done
 
 
-def _read_alone(checkpoint: Checkpoint, chunk: ChunkRef, where: str, damage: list[Damage],
+def _read_alone(checkpoint: StoredCheckpoint, chunk: ChunkRef, where: str, damage: list[Damage],
                 digests: dict[str, ChunkDigest], failed: dict[str, int]) -> bool:
     """Read one chunk of a failed batch, reporting its damage; False when it was skipped, its array having too
     much damage already."""
@@ -407,7 +410,7 @@ def _read_alone(checkpoint: Checkpoint, chunk: ChunkRef, where: str, damage: lis
     return True
 
 
-def _read_batch(checkpoint: Checkpoint, batch: list[ChunkRef], digests: dict[str, ChunkDigest]) -> bool:
+def _read_batch(checkpoint: StoredCheckpoint, batch: list[ChunkRef], digests: dict[str, ChunkDigest]) -> bool:
     """Read ``batch`` and add its chunks' checksums to ``digests``; False (nothing added) when any read failed.
     The buffers are freed on return, so the next batch never coexists with this one."""
     try:

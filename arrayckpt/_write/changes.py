@@ -31,7 +31,9 @@ from .._layout.box import Box, grid_cells
 from .._layout.delta import PieceChange
 from .._layout.saveplan import SavePlan
 from .._layout.tasks import RowsTask
-from .._read.checkpoint import Checkpoint
+from .._read.chain import dense_grid
+from .._read.checkpoint import Checkpoint, stored_of
+from .._read.reader import read_box
 from .._settings import settings
 from .._storage import Location, follow_base
 
@@ -163,7 +165,7 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
                 or not isinstance(base_entry, ArrayEntry) or base_entry.dtype.name != description.dtype
                 or base_entry.shape != shape or base_entry.kind != description.kind):
             continue
-        grid = request.base.dense_grid(key)
+        grid = dense_grid(stored_of(request.base), key)
         held, values = data[array_path(key)]
         values = values[box.relative_to(held)]
         whole_rows = _whole_rows(box, shape)
@@ -181,7 +183,7 @@ def find_changes(arrays: Any, data: Mapping[str, tuple[Box, np.ndarray]], reques
             old = reference(array_path(key), box) if reference is not None else None
             if old is None:
                 old = np.empty(box.shape, values.dtype)
-                request.base.read_box(key, box, old)
+                read_box(stored_of(request.base), key, box, old)
             if whole_rows and tuple(grid[1:]) == tuple(shape[1:]):  # the usual case: rows are enough
                 row_mask = _changed_rows(values, old)
                 changed_rows = np.flatnonzero(row_mask) + box.offset[0]

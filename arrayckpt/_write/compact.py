@@ -24,8 +24,10 @@ from .._layout.box import Box
 from .._layout.chunking import ArrayPlan, plan_array
 from .._layout.digests import chunk_digests
 from .._layout.saveplan import documents_of
-from .._read.checkpoint import Checkpoint, opened
+from .._read.chain import dense_metadata
+from .._read.checkpoint import Checkpoint, opened, stored_of
 from .._read.reader import ChainRead, Request, read
+from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import parse_location
 from .transaction import begin_write
@@ -116,10 +118,10 @@ def _compact(checkpoint: Checkpoint, dst: str | os.PathLike[str], overwrite: boo
              storage_options: Mapping[str, Any] | None, progress: Callable[[int, int], None] | None) -> CompactResult:
     chain = checkpoint.chain()  # every base opened and checked before anything is written
     with begin_write(parse_location(dst, storage_options), overwrite) as transaction:
-        entries, arrays, sources = _plan(checkpoint, codec, transaction.key_encoding)
+        entries, arrays, sources = _plan(stored_of(checkpoint), codec, transaction.key_encoding)
         documents, consolidated = documents_of(arrays)
         transaction.write_documents(documents)
-        written, checksums = _copy(checkpoint, arrays, sources, transaction.target, progress)
+        written, checksums = _copy(stored_of(checkpoint), arrays, sources, transaction.target, progress)
         created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
         manifest = Manifest(entries=entries, step=checkpoint.manifest.step, containers=checkpoint.manifest.containers,
                             created=created, format_version=FORMAT_VERSION, metrics=checkpoint.manifest.metrics,
@@ -133,14 +135,14 @@ def _compact(checkpoint: Checkpoint, dst: str | os.PathLike[str], overwrite: boo
 Source = Callable[[np.ndarray], Request]  # how to read one array of the new checkpoint from the source, into memory
 
 
-def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
+def _plan(checkpoint: StoredCheckpoint, codec: CodecChoice | object, encoding: str,
           ) -> tuple[dict[str, Entry], dict[str, ArrayPlan], dict[str, Source]]:
     """The full checkpoint's entries and array plans, and for each array how to read its data from ``src``."""
     entries: dict[str, Entry] = {}
     arrays: dict[str, ArrayPlan] = {}
     sources: dict[str, Source] = {}
     named_by: dict[str, tuple[str, ...]] = {}  # a tensor's aliases, listed in its array's attributes
-    for alias, target in checkpoint.aliases().items():
+    for alias, target in checkpoint.manifest.aliases.items():
         named_by[target] = (*named_by.get(target, ()), alias)
 
     def add(key: str, path: str, dtype_name: str, shape: tuple[int, ...], kept: Codec, source: Source) -> None:
@@ -152,7 +154,7 @@ def _plan(checkpoint: Checkpoint, codec: CodecChoice | object, encoding: str,
     for key, entry in checkpoint.manifest.entries.items():
         if isinstance(entry, ArrayEntry):
             entries[key] = dataclasses.replace(entry, delta=None)
-            kept = codec_of_metadata(checkpoint.dense_metadata(key))
+            kept = codec_of_metadata(dense_metadata(checkpoint, key))
             add(key, entry.path, entry.dtype.name, entry.shape, kept, _chain_source(key, entry.shape))
         elif isinstance(entry, PickleEntry):
             entries[key] = entry
@@ -177,7 +179,7 @@ def _spec_source(key: str, spec: dict[str, Any]) -> Source:
     return lambda out: ArrayIO(key, spec, out)
 
 
-def _copy(checkpoint: Checkpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
+def _copy(checkpoint: StoredCheckpoint, arrays: dict[str, ArrayPlan], sources: dict[str, Source], target: Any,
           progress: Callable[[int, int], None] | None) -> tuple[int, Checksums]:
     """Read and write every array in batches of at most ``compact_batch_bytes`` (``_settings.py``; one array if bigger).
     Each batch is read through the read path, which refuses a source replaced before the batch was read: nothing is

@@ -32,7 +32,7 @@ import os
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -114,9 +114,10 @@ def write_report(path: str | os.PathLike[str] | Checkpoint, *,
     from . import figures, page  # matplotlib: only here
 
     figures.require_matplotlib()
-    options = {"storage_options": storage_options, "base_roots": base_roots}
-    with opened(path, **options) as checkpoint, (nullcontext() if against is None else opened(against, **options)) \
-            as other:
+    def open_(source: str | os.PathLike[str] | Checkpoint) -> AbstractContextManager[Checkpoint]:
+        return opened(source, storage_options=storage_options, base_roots=base_roots)
+
+    with open_(path) as checkpoint, (nullcontext() if against is None else open_(against)) as other:
         data = collect(checkpoint, other, max_tensors=max_tensors, histograms=histograms, grids=grids)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,10 @@ from ..._format.writers import ranks_at
 from ..._format.zarr import grid_counts
 from ..._io.arrays import ArrayIO
 from ..._read.chain import dense_layer
-from ..._read.checkpoint import Checkpoint, LazyArray
+from ..._read.checkpoint import Checkpoint, LazyArray, stored_of
 from ..._read.reader import read
 from ..._read.source import ChainSource
+from ..._read.stored import StoredCheckpoint
 from .data import ChunkGrid, DeltaPart, Layer
 
 __all__ = ["chain_of", "deltas_of", "grid_of", "step_of", "stored_text"]
@@ -59,12 +60,12 @@ def grid_of(checkpoint: Checkpoint, key: str) -> ChunkGrid | None:
     if not array.shape or not array.size:
         return None
     try:
-        layer, stored = dense_layer(checkpoint, key)
+        layer, stored = dense_layer(stored_of(checkpoint), key)
     except ArrayckptError:
         return None
-    grid = _grid(stored, layer[stored].metadata)
+    grid = _grid(stored, layer.metadata[stored])
     grid = _writers_from_bases(layer, replace(grid, writers=_writers(layer, stored, grid)))
-    if layer is not checkpoint and grid.writers is not None:  # a rows delta: its chunks are all its base's
+    if layer is not stored_of(checkpoint) and grid.writers is not None:  # a rows delta: its chunks are all its base's
         grid = replace(grid, in_base=frozenset(i for i, rank in enumerate(grid.writers) if rank >= 0))
     return replace(grid, key=key)  # an alias: the chunks of the tensor it names, under the key asked for
 
@@ -89,7 +90,7 @@ def _writers_from_bases(layer: ChainSource, grid: ChunkGrid) -> ChunkGrid:
         entry = layer.manifest.entries.get(grid.key)
         if not isinstance(entry, ArrayEntry) or (entry.delta is not None and entry.delta.mode != "chunks"):
             break
-        below = _grid(grid.key, layer[grid.key].metadata)
+        below = _grid(grid.key, layer.metadata[grid.key])
         if below.shape != grid.shape:
             break
         holders = np.ravel_multi_index(tuple((origins // np.asarray(below.chunk)).T), below.counts)
@@ -170,7 +171,7 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
         if array.key != key:  # an alias: stored as its target
             continue
         entry = array.entry
-        stored = _stored_bytes(checkpoint, array)
+        stored = _stored_bytes(stored_of(checkpoint), array)
         out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),
                              stored, array.nbytes))
     out.sort(key=lambda p: (-p.stored_bytes, -p.nbytes))
@@ -185,14 +186,14 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
         elif part.mode == "rows":
             try:
                 out[i] = DeltaPart(part.key, part.mode, part.stored, part.stored_bytes, part.nbytes,
-                                   row_density=_row_density(checkpoint, entry))
+                                   row_density=_row_density(stored_of(checkpoint), entry))
             except ArrayckptError:  # its rows cannot be read: the table still lists it
                 continue
         drawn += out[i].drawn
     return out
 
 
-def _stored_bytes(checkpoint: Checkpoint, array: LazyArray) -> int:
+def _stored_bytes(checkpoint: StoredCheckpoint, array: LazyArray) -> int:
     """Bytes a delta checkpoint stores of a tensor: all of them, its present chunks (clipped to the array), or
     its row-delta arrays (spec §4.2, ``stored_bytes``)."""
     entry = array.entry
@@ -213,7 +214,7 @@ def _stored_bytes(checkpoint: Checkpoint, array: LazyArray) -> int:
     return total * entry.dtype.itemsize
 
 
-def _row_density(checkpoint: Checkpoint, entry: ArrayEntry) -> np.ndarray:
+def _row_density(checkpoint: StoredCheckpoint, entry: ArrayEntry) -> np.ndarray:
     """The fraction of rows a rows delta stores, in ``ROW_BINS`` equal bins of rows (row indices read in blocks
     of ``ROWS_BLOCK``)."""
     spec = checkpoint.rows_delta_spec(entry, "rows")
