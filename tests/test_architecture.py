@@ -335,7 +335,7 @@ def test_tests_that_spawn_processes_are_marked_slow():
     body calls a spawning helper is marked ``slow``, itself or by its module's ``pytestmark`` (the S3 fixtures are
     marked by ``conftest.py``)."""
     unmarked = []
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):
         tree = ast.parse(path.read_text())
         module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
                           and "mark.slow" in ast.unparse(n.value) for n in tree.body)

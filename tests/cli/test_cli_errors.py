@@ -148,7 +148,7 @@ def test_the_cli_corpus_of_the_fault_campaign_finds_nothing(tmp_path: Path, monk
     this change it found two tracebacks (a truncated ``.distcp``, ``estimate --params 1e400``)."""
     import importlib.util
 
-    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    benchmarks = Path(__file__).parents[2] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # faults.py imports its sibling faults_paths.py
     spec = importlib.util.spec_from_file_location("faults", benchmarks / "faults.py")
     assert spec is not None and spec.loader is not None

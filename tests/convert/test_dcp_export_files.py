@@ -187,7 +187,7 @@ def test_export_memory_stays_near_one_tensor(tmp_path: Path) -> None:
     tensor_bytes, count = 16 * MiB, 8
     arrayckpt.save({f"layer{i}": torch.full((tensor_bytes // 4,), float(i)) for i in range(count)}, tmp_path / "big")
     arrayckpt.save({"w": torch.ones(4)}, tmp_path / "small")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MiB),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "big"), str(tmp_path / "small"),

@@ -30,7 +30,7 @@ from arrayckpt._convert.safetensors import _safetensors_source
 
 pytestmark = pytest.mark.slow  # every test here kills an export at each of its steps (a process per kill)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 USER_FILES = {"tokenizer.json": '{"vocab": {}}', "README.md": "# my model\n"}
 # One interpreter imports everything once, then for each k it forks a process (before any thread was started) that
 # runs the export, counting its steps, and SIGKILLs itself at the k-th; it reports how that process ended.

@@ -246,5 +246,5 @@ def test_verify_reports_every_damaged_chunk_up_to_a_hundred_per_array(tmp_path: 
 
 
 def test_the_limit_is_the_one_the_spec_states():
-    spec = (Path(__file__).parents[1] / "spec" / "FORMAT.md").read_text()
+    spec = (Path(__file__).parents[2] / "spec" / "FORMAT.md").read_text()
     assert LIMIT == 2**24 and "`MAX_GRID_CHUNKS = 2^24` (16,777,216)" in spec

@@ -43,7 +43,7 @@ from arrayckpt._format.zarr import GROUP_METADATA, check_array_metadata, node_do
 from arrayckpt._layout import saveplan
 from arrayckpt._read.checkpoint import stored_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHUNKS = small_chunks(1024, 4096)  # a few KiB per tensor: several outer chunks of several inner chunks
 FOREIGN_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}  # not Zarr core types: zarr-python needs them registered
 

@@ -59,7 +59,7 @@ from arrayckpt._torch.dtypes import torch_dtype
 from arrayckpt._write.changes import base_ref, find_changes, rows_jobs
 from arrayckpt._write.save import Record, build_manifest, describe_local, host_view, open_delta
 
-SPEC = (Path(__file__).resolve().parent.parent / "spec" / "FORMAT.md").read_text(encoding="utf-8")
+SPEC = (Path(__file__).resolve().parents[2] / "spec" / "FORMAT.md").read_text(encoding="utf-8")
 
 
 def _after(marker: str) -> str:

@@ -25,7 +25,7 @@ from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_
 
 pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 # --- the geometry ------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from arrayckpt._peer.node import NodeMemory
 from arrayckpt._peer.record import StepRecord, file_sum
 from arrayckpt._peer.save import _announced_file
 from tests.dist_helpers import run_ranks
-from tests.test_peer_memory import _full, _state
+from tests.peer.test_peer_memory import _full, _state
 
 STEP3 = "step-00000003"
 

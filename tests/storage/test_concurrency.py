@@ -214,7 +214,7 @@ def test_s3_readers_see_one_whole_checkpoint(s3_server: Any, s3_bucket: str) -> 
 
 _CHILD = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/.."]  # this file's directory, and tests/ for its helpers
 import test_concurrency as race
 tally, deadline = race.Tally(), time.monotonic() + float(sys.argv[3])
 print("ready", flush=True)
