@@ -1,7 +1,13 @@
-"""Crafted chunk grids (issue 23, item 5): a 1 KB checkpoint whose one array claims millions of chunks, root
+"""The limits on an array's chunks (spec §12), on checkpoints crafted past them.
+
+Crafted chunk grids (issue 23, item 5): a 1 KB checkpoint whose one array claims millions of chunks, root
 re-sealed. Readers refuse grids over ``MAX_GRID_CHUNKS`` (spec §12) and writers never plan one; everything that
 walks a grid at the limit (verify, sync, compact, diff, report, a read through a chunks delta) runs in memory
 bounded by a batch, checked in a child process whose address space is capped at its baseline + 384 MiB.
+
+A chunk's decoded size is limited too (``MAX_CHUNK_BYTES``): a chunk shape larger than its array, or one huge chunk,
+is refused before anything is allocated (TensorStore would try, and abort the process with ``std::bad_alloc``:
+those cases run in a subprocess with a timeout), and a save never writes a chunk readers would refuse.
 
 Before the fixes each of these grew with the grid: ``verify`` of 2**26 one-element chunks passed 2.5 GiB in 15 s
 (``itertools.product`` copies ``range(2**26)`` into a tuple), the local fast path listed (and, the chunks being
@@ -16,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +255,103 @@ def test_verify_reports_every_damaged_chunk_up_to_a_hundred_per_array(tmp_path: 
 def test_the_limit_is_the_one_the_spec_states():
     spec = (Path(__file__).parents[2] / "spec" / "FORMAT.md").read_text()
     assert LIMIT == 2**24 and "`MAX_GRID_CHUNKS = 2^24` (16,777,216)" in spec
+
+
+# --- the size of one decoded chunk (each probe in a child process: TensorStore would abort it) --------------------
+
+
+TIMEOUT_S = 60  # generous: the subprocess imports torch; a hang shows as a timeout, not as a slow pass
+
+
+_PROBE = textwrap.dedent("""
+    import json, sys, torch, arrayckpt
+    path, ops = sys.argv[1], sys.argv[2].split(",")
+    def run(op):
+        if op == "open":
+            return arrayckpt.open(path)
+        if op == "slice":
+            return arrayckpt.open(path)["w"][0:1]
+        if op == "numpy":
+            return arrayckpt.open(path)["w"].numpy()
+        if op == "load":
+            return arrayckpt.load({"w": torch.zeros(4, 4)}, path)
+        if op == "verify":
+            report = arrayckpt.verify(path)
+            raise arrayckpt.CorruptCheckpointError("; ".join(d.problem for d in report.damage) or "ok")
+        if op == "show":
+            return arrayckpt.show(path, "w")
+        if op == "steps":
+            return arrayckpt.CheckpointManager(sys.argv[3]).steps()
+    out = {}
+    for op in ops:
+        try:
+            out[op] = ["ok", repr(run(op))[:200]]
+        except Exception as e:
+            out[op] = [type(e).__name__, str(e)]
+    print(json.dumps(out))
+""")
+
+
+def _probe(path: Path, ops: str, *extra: str) -> dict[str, list[str]]:
+    """Run ``ops`` on the checkpoint at ``path`` in a fresh interpreter: {op: [exception name or 'ok', message]}."""
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(path), ops, *extra], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _save(path: Path, codec: str | None = None) -> Path:
+    arrayckpt.save({"w": torch.arange(16.0).reshape(4, 4)}, path, codec=codec)
+    return path
+
+
+def _edit_metadata(path: Path, **changes: object) -> None:
+    """Change fields of array ``w``'s consolidated metadata (and the manifest's shape, if given)."""
+    document = json.loads((path / "zarr.json").read_text())
+    metadata = document["consolidated_metadata"]["metadata"]["w"]
+    if "shape" in changes:
+        metadata["shape"] = changes["shape"]
+        document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
+    if "chunk_shape" in changes:
+        metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
+    write_root(path, document)
+
+
+@pytest.mark.slow
+def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt")
+    _edit_metadata(path, chunk_shape=[2**45, 4])
+    results = _probe(path, "slice,show,verify")
+    for op, (kind, message) in results.items():
+        assert kind in ("FormatError", "CorruptCheckpointError"), (op, kind, message)
+        assert "chunk shape [35184372088832, 4] is larger than the array's shape [4, 4]" in message, (op, message)
+    with pytest.raises(arrayckpt.FormatError, match=r"entry 'w': array metadata chunk shape \[35184372088832, 4\]"):
+        arrayckpt.open(path)["w"]  # in this process too: refused before TensorStore sees it
+
+
+@pytest.mark.slow
+def test_a_huge_array_with_one_huge_chunk_is_refused_before_allocating(tmp_path: Path) -> None:
+    path = _save(tmp_path / "ckpt")
+    _edit_metadata(path, shape=[2**45, 4], chunk_shape=[2**45, 4])
+    kind, message = _probe(path, "slice")["slice"]
+    assert kind == "FormatError" and "exceeds the limit of 17179869184 bytes per decoded chunk" in message, message
+
+
+def test_a_save_never_writes_a_chunk_readers_would_refuse():
+    """Shards with a prime row count and small rows fall back to one chunk per shard; past the readers' limit on a
+    decoded chunk the save is refused with the fix, rather than writing a checkpoint nobody can read."""
+    from arrayckpt._errors import StateError
+    from arrayckpt._format.zarr import MAX_CHUNK_BYTES
+    from arrayckpt._layout.box import Box
+    from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
+
+    def describe(rows: int, cols: int) -> list[LocalDescription]:
+        return [LocalDescription(arrays=(ArrayDescription("w", ("w",), "tensor", "float32", (2 * rows, cols),
+                                                          Box((r * rows, 0), (rows, cols)), 0),)) for r in range(2)]
+
+    prime = 4194319  # rows per rank: no divisor near any chunk target
+    assert prime * 1024 * 4 > MAX_CHUNK_BYTES
+    with pytest.raises(StateError, match="tensor 'w': its shards .* leave no chunk grid under"):
+        plan_save(describe(prime, 1024), None)
+    planned = plan_save(describe(prime, 4), None)  # the same fallback, small enough: planned as before
+    assert planned.arrays["w"].outer_chunk == (prime, 4)

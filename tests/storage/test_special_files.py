@@ -1,8 +1,9 @@
-"""Hostile files in a checkpoint: special files (a FIFO) where a chunk or the root document should be, chunk shapes
-that would make TensorStore allocate terabytes, a chunk count too large to list, and the path errors name.
+"""Files of a local checkpoint that are not what they should be: special files (a FIFO) where a chunk, the root
+document or a node document should be are refused without waiting on them, and chunk errors name the user's path,
+not the directory pinned for the read.
 
-Every case that could hang (a FIFO) or abort the process (``std::bad_alloc``) runs in a subprocess with a timeout,
-so a regression fails the test instead of hanging or killing the suite.
+Every case that could hang (a FIFO) runs in a subprocess with a timeout, so a regression fails the test instead of
+hanging the suite.
 """
 
 from __future__ import annotations
@@ -12,16 +13,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import tracemalloc
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from helpers import write_root
 
 import arrayckpt
-from arrayckpt._tools import verify as verify_module
 
 TIMEOUT_S = 60  # generous: the subprocess imports torch; a hang shows as a timeout, not as a slow pass
 
@@ -103,38 +100,6 @@ def test_a_fifo_as_a_node_document_is_reported_by_verify(tmp_path: Path) -> None
     assert kind == "CorruptCheckpointError" and "w/zarr.json is not a regular file" in message
 
 
-def _edit_metadata(path: Path, **changes: object) -> None:
-    """Change fields of array ``w``'s consolidated metadata (and the manifest's shape, if given)."""
-    document = json.loads((path / "zarr.json").read_text())
-    metadata = document["consolidated_metadata"]["metadata"]["w"]
-    if "shape" in changes:
-        metadata["shape"] = changes["shape"]
-        document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
-    if "chunk_shape" in changes:
-        metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
-    write_root(path, document)
-
-
-@pytest.mark.slow
-def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Path) -> None:
-    path = _save(tmp_path / "ckpt")
-    _edit_metadata(path, chunk_shape=[2**45, 4])
-    results = _probe(path, "slice,show,verify")
-    for op, (kind, message) in results.items():
-        assert kind in ("FormatError", "CorruptCheckpointError"), (op, kind, message)
-        assert "chunk shape [35184372088832, 4] is larger than the array's shape [4, 4]" in message, (op, message)
-    with pytest.raises(arrayckpt.FormatError, match=r"entry 'w': array metadata chunk shape \[35184372088832, 4\]"):
-        arrayckpt.open(path)["w"]  # in this process too: refused before TensorStore sees it
-
-
-@pytest.mark.slow
-def test_a_huge_array_with_one_huge_chunk_is_refused_before_allocating(tmp_path: Path) -> None:
-    path = _save(tmp_path / "ckpt")
-    _edit_metadata(path, shape=[2**45, 4], chunk_shape=[2**45, 4])
-    kind, message = _probe(path, "slice")["slice"]
-    assert kind == "FormatError" and "exceeds the limit of 17179869184 bytes per decoded chunk" in message, message
-
-
 @pytest.mark.parametrize("codec", [None, "zstd"])
 def test_chunk_errors_name_the_users_path_not_the_pinned_directory(tmp_path: Path, codec: str | None) -> None:
     path = _save(tmp_path / "ckpt", codec)
@@ -150,48 +115,3 @@ def test_chunk_errors_name_the_users_path_not_the_pinned_directory(tmp_path: Pat
     (damage,) = arrayckpt.verify(path).damage
     assert f"{path}/w/c.0.0" in damage.problem
     assert all("/proc/self/fd" not in m for m in (str(sliced.value), str(loaded.value), damage.problem))
-
-
-@pytest.mark.slow
-def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """2**15 chunks (shape [2]*15, chunk [1]*15): a list of every ChunkRef took ~50 MB (1.5 KB a chunk); batches
-    stay small."""
-    ndim = 15
-    path = tmp_path / "ckpt"
-    arrayckpt.save({"w": torch.zeros([2] * ndim, dtype=torch.uint8)}, path)
-    _edit_metadata(path, chunk_shape=[1] * ndim)
-    batches: list[int] = []
-    def read_chunks(checkpoint: object, batch: list) -> list[np.ndarray]:
-        batches.append(len(batch))
-        return [np.zeros(chunk.shape, np.uint8) for chunk in batch]
-
-    monkeypatch.setattr(verify_module, "read_chunks", read_chunks)
-    tracemalloc.start()
-    try:
-        report = arrayckpt.verify(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert report.chunks == 2**ndim and sum(batches) == 2**ndim and report.bytes_checked == 2**ndim
-    assert max(batches) <= verify_module.BATCH_CHUNKS
-    assert peak < 24 << 20, f"verify's peak traced memory {peak / 2**20:.0f} MiB grows with the chunk count"
-
-
-def test_a_save_never_writes_a_chunk_readers_would_refuse():
-    """Shards with a prime row count and small rows fall back to one chunk per shard; past the readers' limit on a
-    decoded chunk the save is refused with the fix, rather than writing a checkpoint nobody can read."""
-    from arrayckpt._errors import StateError
-    from arrayckpt._format.zarr import MAX_CHUNK_BYTES
-    from arrayckpt._layout.box import Box
-    from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
-
-    def describe(rows: int, cols: int) -> list[LocalDescription]:
-        return [LocalDescription(arrays=(ArrayDescription("w", ("w",), "tensor", "float32", (2 * rows, cols),
-                                                          Box((r * rows, 0), (rows, cols)), 0),)) for r in range(2)]
-
-    prime = 4194319  # rows per rank: no divisor near any chunk target
-    assert prime * 1024 * 4 > MAX_CHUNK_BYTES
-    with pytest.raises(StateError, match="tensor 'w': its shards .* leave no chunk grid under"):
-        plan_save(describe(prime, 1024), None)
-    planned = plan_save(describe(prime, 4), None)  # the same fallback, small enough: planned as before
-    assert planned.arrays["w"].outer_chunk == (prime, 4)

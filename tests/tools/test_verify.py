@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import policies
 import pytest
 import torch
+from helpers import write_root
 from policies import WHOLE, Chunking
 
 import arrayckpt
+from arrayckpt._tools import verify as verify_module
 
 
 @pytest.fixture
@@ -97,3 +102,43 @@ def test_progress_is_reported(ckpt):
     seen: list[tuple[int, int]] = []
     arrayckpt.verify(ckpt, progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1]
+
+
+# --- a crafted grid of many chunks, walked in bounded memory ------------------------------------------------------
+
+
+def _edit_metadata(path: Path, **changes: object) -> None:
+    """Change fields of array ``w``'s consolidated metadata (and the manifest's shape, if given)."""
+    document = json.loads((path / "zarr.json").read_text())
+    metadata = document["consolidated_metadata"]["metadata"]["w"]
+    if "shape" in changes:
+        metadata["shape"] = changes["shape"]
+        document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
+    if "chunk_shape" in changes:
+        metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
+    write_root(path, document)
+
+
+@pytest.mark.slow
+def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2**15 chunks (shape [2]*15, chunk [1]*15): a list of every ChunkRef took ~50 MB (1.5 KB a chunk); batches
+    stay small."""
+    ndim = 15
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.zeros([2] * ndim, dtype=torch.uint8)}, path)
+    _edit_metadata(path, chunk_shape=[1] * ndim)
+    batches: list[int] = []
+    def read_chunks(checkpoint: object, batch: list) -> list[np.ndarray]:
+        batches.append(len(batch))
+        return [np.zeros(chunk.shape, np.uint8) for chunk in batch]
+
+    monkeypatch.setattr(verify_module, "read_chunks", read_chunks)
+    tracemalloc.start()
+    try:
+        report = arrayckpt.verify(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.chunks == 2**ndim and sum(batches) == 2**ndim and report.bytes_checked == 2**ndim
+    assert max(batches) <= verify_module.BATCH_CHUNKS
+    assert peak < 24 << 20, f"verify's peak traced memory {peak / 2**20:.0f} MiB grows with the chunk count"
