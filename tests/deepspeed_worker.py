@@ -1,5 +1,5 @@
-"""The DeepSpeed jobs of ``tests/test_deepspeed.py`` and ``tests/test_deepspeed_matrix.py``: DeepSpeed on CPU with
-gloo under torchrun, a tiny model, real ZeRO checkpoints.
+"""The DeepSpeed jobs of ``tests/integrations/test_deepspeed.py`` and ``tests/integrations/test_deepspeed_matrix.py``:
+DeepSpeed on CPU with gloo under torchrun, a tiny model, real ZeRO checkpoints.
 
 A DeepSpeed process spends ~18 s of CPU before its first step (importing DeepSpeed, torch's compiler stack that
 creating an optimizer imports, loading the compiled ops), so the two files share their jobs: one 2-rank ``train``

@@ -3,7 +3,7 @@
 The save and load protocols only need gather / broadcast / all_gather of Python objects, so running
 the ranks as threads exercises the whole protocol (planning, validation, writer assignment, commit)
 in milliseconds, which is what a property test needs. Real multi-process runs are in
-test_distributed.py.
+write/test_distributed.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The DeepSpeed jobs of ``tests/test_deepspeed_universal.py`` (the torchrun script: ``python -m
+"""The DeepSpeed jobs of ``tests/convert/test_deepspeed_universal.py`` (the torchrun script: ``python -m
 torch.distributed.run ... universal_worker.py MODE DIR``), on ``deepspeed_worker.py``'s CPU recipe, model, batches and
 config: one 2-rank ``train`` job and one ``resume`` job per world size, each process paying DeepSpeed's start-up once.
 

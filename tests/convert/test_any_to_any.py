@@ -315,7 +315,7 @@ def _job(rank: int, world: int, root: str, made: dict[str, str]) -> None:
     import cpuinfo
 
     cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)  # once for the job's engines (universal_worker.py)
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # Megatron's save on CPU: see tests/test_megatron.py
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # Megatron's save on CPU: see tests/convert/test_megatron.py
     torch.cuda.current_device = lambda: "cpu"
     base = Path(root)
     for name, source in SOURCES.items():

@@ -11,7 +11,7 @@ model is built). The 1-rank phase also loads the 2-rank export, and both load an
 saved itself (its keys nested as ``arrayckpt.save`` nests them). What each rank loaded comes back here and is
 compared bit for bit with the state it was saved from; then each export is converted back into arrayckpt and
 compared with the arrayckpt checkpoint it came from. ``torch.cuda.synchronize`` and ``torch.cuda.current_device``,
-which Megatron's save calls even on CPU, are stubbed in the job (``tests/test_megatron.py`` explains them).
+which Megatron's save calls even on CPU, are stubbed in the job (``tests/convert/test_megatron.py`` explains them).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ uninterrupted one bit for bit (losses as exact floats, parameters and optimizer 
 ``examples/train_resume.py``. Then: asynchronous saves, top-k removal, hyper-parameters that need pickle, the
 checkpoint dict round trip (``map_location``), keys too long for a directory, removal rules, and ``s3://`` paths.
 
-Run as a script (``python tests/test_lightning.py ROOT EPOCHS CKPT_PATH OUT``) this module is the fresh process:
-it fits to ``EPOCHS`` resuming from ``CKPT_PATH`` and writes what the parent compares to ``OUT``.
+Run as a script (``python tests/integrations/test_lightning.py ROOT EPOCHS CKPT_PATH OUT``) this module is the fresh
+process: it fits to ``EPOCHS`` resuming from ``CKPT_PATH`` and writes what the parent compares to ``OUT``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Faults around a save: a full disk, and two writers racing for the same path."""
+"""A local directory under faults: a full disk, two writers racing for the same path, a checkpoint path that is a
+link, leftovers that are links or cannot be removed."""
 
 from __future__ import annotations
 
