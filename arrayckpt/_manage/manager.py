@@ -597,7 +597,7 @@ class CheckpointManager:
             CheckpointBusyError: another manager holds the root.
 
         Examples:
-            Not run here: a memory tier needs several nodes (``tests/test_peer_memory.py`` runs it)::
+            Not run here: a memory tier needs several nodes (``tests/peer/test_peer_memory.py`` runs it)::
 
                 manager = arrayckpt.CheckpointManager("/nvme/ckpt", memory=arrayckpt.PeerMemory(every_steps=50))
                 ...
