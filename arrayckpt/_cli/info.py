@@ -7,6 +7,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ArrayckptError
+from .._format.jsontypes import json_object, member
 from .common import print_json
 
 if TYPE_CHECKING:
@@ -48,10 +49,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 def codec_name(array: LazyArray) -> str:
     """A short description of an array's codec pipeline (``zstd(3)``, ``blosc(zstd,5,bitshuffle)``)."""
     codecs = array.metadata.get("codecs", [])
-    if codecs and codecs[0].get("name") == "sharding_indexed":
-        codecs = codecs[0]["configuration"]["codecs"]
-    for codec in codecs:
-        name, config = codec.get("name"), codec.get("configuration", {})
+    if isinstance(codecs, list) and codecs and json_object(codecs[0]).get("name") == "sharding_indexed":
+        codecs = member(codecs[0], "configuration", "codecs")
+    for codec in codecs if isinstance(codecs, list) else []:
+        name, config = json_object(codec).get("name"), json_object(json_object(codec).get("configuration"))
         if name == "zstd":
             return f"zstd({config.get('level')})"
         if name == "blosc":

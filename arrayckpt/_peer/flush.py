@@ -36,6 +36,7 @@ from .._errors import (
     StateError,
     StorageError,
 )
+from .._format.jsontypes import JSON, member
 from .._format.manifest import MANIFEST_ATTRIBUTE, parse_root_document
 from .._format.zarr import chunk_key, parse_chunk_key
 from .._io.arrays import resolve_context
@@ -131,12 +132,12 @@ def flush_memory_step(node: NodeMemory, group: Group, step: int | None, location
     return Flushed(step, ident, str(location), True, len(mine), copied)
 
 
-def _open(location: Location, ident: str | None, nodes: Mapping[str, Any],
+def _open(location: Location, ident: str | None, nodes: Mapping[str, JSON],
           guard: Callable[[], None] | None) -> tuple[Any, WriteTransaction | None]:
     """The coordinator's part before the copy: ``"there"`` when ``location`` holds this checkpoint already, else the
     write transaction (its documents written) and what the ranks need of it."""
     try:
-        manifest = location.read_root().get("attributes", {}).get(MANIFEST_ATTRIBUTE)
+        manifest = member(location.read_root(), "attributes", MANIFEST_ATTRIBUTE)
         if isinstance(manifest, dict) and ident is not None and manifest.get("id") == ident:
             return "there", None
     except (CheckpointNotFoundError, IncompleteCheckpointError):
@@ -162,11 +163,11 @@ def _encoded(node: Any, encoding: str) -> Any:
     return node
 
 
-def _consolidated(nodes: Mapping[str, Any], encoding: str) -> str:
+def _consolidated(nodes: Mapping[str, JSON], encoding: str) -> str:
     return "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(_encoded(n, encoding))}" for p, n in nodes.items()) + "}"
 
 
-def _copy_files(node: NodeMemory, step: int, mine: list[tuple[str, str, Any]], nodes: Mapping[str, Any],
+def _copy_files(node: NodeMemory, step: int, mine: list[tuple[str, str, Any]], nodes: Mapping[str, JSON],
                 target: Location, encoding: str, where: str) -> int:
     """Copy this rank's share of the chunk files into ``target`` (each checked against the record first, each key
     turned into the destination's encoding); the bytes copied."""
