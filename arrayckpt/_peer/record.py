@@ -18,7 +18,6 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import crc32c
 
@@ -57,7 +56,7 @@ def file_sum(data: bytes | memoryview | mmap.mmap) -> FileSum:
         view.release()
 
 
-def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_members(pairs: list[tuple[str, object]]) -> JSON:
     """A JSON object's members, refusing a name given twice (JSON keeps the last: a damaged key could hide a file)."""
     out = dict(pairs)
     if len(out) != len(pairs):

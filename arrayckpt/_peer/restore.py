@@ -218,7 +218,7 @@ def _broadcast_from(group: Group, source: int, obj: Any) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group.cpu_pg, source), group=group.cpu_pg)
+    dist.broadcast_object_list(box, src=group.global_rank(source), group=group.cpu_pg)
     return box[0]
 
 

@@ -174,6 +174,7 @@ def _replicate(step: int, memory: PeerMemory, node: NodeMemory, group: Group, pl
     """Everything after the ordinary save: documents to every node, the record, the replicas, the commit."""
     where = str(node.step_path(step))
     documents = group.broadcast(node.read_documents(step) if group.is_coordinator else None)
+    assert documents is not None, "every rank receives the coordinator's documents, which it read (never None)"
     if placement.leader(group.rank) and not group.is_coordinator:
         node.write_documents(step, documents)
     manifest, nodes = parse_root_document(parse_root_bytes(documents[""], where), where)

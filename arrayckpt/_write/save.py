@@ -25,9 +25,9 @@ import pickle
 import socket
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ from .options import NO_SETUP, SaveOptions, SaveSetup
 from .transaction import WriteTransaction, begin_write
 
 __all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "save", "save_with"]
+
+T = TypeVar("T")  # what a rank-local stage returns (``_attempt``)
 
 
 def save(
@@ -265,7 +267,7 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     return str(outcome)
 
 
-def _attempt(fn: Any) -> tuple[Any, BaseException | None]:
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     """Run a rank-local stage; its error is returned so that every rank can raise it (no rank hangs)."""
     try:
         return fn(), None
