@@ -43,6 +43,8 @@ from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from .._io.arrays import StoreContext
 
 __all__ = ["LoadResult", "load"]
@@ -81,7 +83,7 @@ def load(
     *,
     strict: bool = True,
     allow_pickle: bool = False,
-    process_group: Any = None,
+    process_group: ProcessGroup | Group | None = None,
     read_once: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     atomic: bool = False,
