@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TypeAlias
 
 from .._tools.estimate import human_bytes
 
-__all__ = ["Counter", "add_base_root_option", "positive", "print_json"]
+__all__ = ["Commands", "Counter", "add_base_root_option", "positive", "print_json"]
+
+# What ``ArgumentParser.add_subparsers`` returns: every command adds its parser to it (``add_info(commands)``...).
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class Counter:
@@ -34,7 +37,7 @@ class Counter:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
-def print_json(data: Any) -> None:
+def print_json(data: object) -> None:
     json.dump(data, sys.stdout, indent=2, default=repr)
     print()
 

@@ -8,11 +8,10 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
 
 from .._errors import FormatError
 from .._tools.estimate import human_bytes
-from .common import Counter, print_json
+from .common import Commands, Counter, print_json
 from .text import emit
 
 __all__ = ["add_compact", "add_convert"]
@@ -20,7 +19,7 @@ __all__ = ["add_compact", "add_convert"]
 FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch"]
 
 
-def add_convert(commands: Any) -> argparse.ArgumentParser:
+def add_convert(commands: Commands) -> argparse.ArgumentParser:
     """Add ``convert`` to the command line's subparsers."""
     convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
                                   "torch_dist, DeepSpeed (from ZeRO or Universal, to a Universal Checkpoint); to a "
@@ -58,7 +57,7 @@ def add_convert(commands: Any) -> argparse.ArgumentParser:
     return convert
 
 
-def add_compact(commands: Any) -> argparse.ArgumentParser:
+def add_compact(commands: Commands) -> argparse.ArgumentParser:
     """Add ``compact`` to the command line's subparsers."""
     compact = commands.add_parser("compact", help="write a delta checkpoint and its chain of bases as one full one")
     compact.add_argument("src", help="checkpoint directory or URL (a delta: its bases are read too)")

@@ -4,10 +4,11 @@ values; ``--tree`` as a tree of the dotted keys; ``--json`` everything, for scri
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._errors import ArrayckptError
-from .common import print_json
+from .._format.jsontypes import JSON, json_object, member
+from .common import Commands, print_json
 
 if TYPE_CHECKING:
     from .._read.checkpoint import Checkpoint, LazyArray
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["add_info", "chain_info", "chunk_grid", "codec_name", "info_dict", "per_rank_info"]
 
 
-def add_info(commands: Any) -> argparse.ArgumentParser:
+def add_info(commands: Commands) -> argparse.ArgumentParser:
     """Add ``info`` to the command line's subparsers."""
     info = commands.add_parser("info", help="list the tensors and values of a checkpoint")
     info.add_argument("path", help="checkpoint directory (or file:// URL)")
@@ -40,7 +41,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     elif args.tree:
         emit(*tree_lines(info, width))
     else:
-        note = zarr_hint(t["dtype"] for t in info["tensors"].values())
+        note = zarr_hint(str(json_object(t).get("dtype")) for t in json_object(info["tensors"]).values())
         emit(*info_lines(info, width, [note] if note else []))
     return 0
 
@@ -48,10 +49,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 def codec_name(array: LazyArray) -> str:
     """A short description of an array's codec pipeline (``zstd(3)``, ``blosc(zstd,5,bitshuffle)``)."""
     codecs = array.metadata.get("codecs", [])
-    if codecs and codecs[0].get("name") == "sharding_indexed":
-        codecs = codecs[0]["configuration"]["codecs"]
-    for codec in codecs:
-        name, config = codec.get("name"), codec.get("configuration", {})
+    if isinstance(codecs, list) and codecs and json_object(codecs[0]).get("name") == "sharding_indexed":
+        codecs = member(codecs[0], "configuration", "codecs")
+    for codec in codecs if isinstance(codecs, list) else []:
+        name, config = json_object(codec).get("name"), json_object(json_object(codec).get("configuration"))
         if name == "zstd":
             return f"zstd({config.get('level')})"
         if name == "blosc":
@@ -59,12 +60,12 @@ def codec_name(array: LazyArray) -> str:
     return "none"
 
 
-def info_dict(checkpoint: Checkpoint) -> dict[str, Any]:
+def info_dict(checkpoint: Checkpoint) -> JSON:
     """Everything ``info`` shows, as plain JSON-able data."""
     from .._format.manifest import PickleEntry
     from .._tools.report.layout import stored_text
 
-    values: dict[str, Any] = {}
+    values: JSON = {}
     for key in checkpoint.plain_values:
         entry = checkpoint.manifest.entries[key]
         values[key] = {"pickled": entry.nbytes} if isinstance(entry, PickleEntry) else checkpoint.plain_values[key]
@@ -109,9 +110,9 @@ def chunk_grid(checkpoint: Checkpoint, key: str) -> list[int]:
     return grid_counts(metadata)
 
 
-def chain_info(checkpoint: Checkpoint) -> list[dict[str, Any]]:
+def chain_info(checkpoint: Checkpoint) -> list[JSON]:
     """The checkpoint and its bases, newest first; an unreadable base ends the list with its error."""
-    out = []
+    out: list[JSON] = []
     layer: Checkpoint | None = checkpoint
     while layer is not None:
         out.append({"path": str(layer.location), "step": layer.step, "id": layer.manifest.id,

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._tools.estimate import human_bytes
-from .common import Counter, print_json
+from .common import Commands, Counter, print_json
 from .text import emit
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ __all__ = ["add_diff", "add_show", "add_verify", "per_rank_values"]
 MAX_DAMAGE_LINES = 50
 
 
-def add_verify(commands: Any) -> argparse.ArgumentParser:
+def add_verify(commands: Commands) -> argparse.ArgumentParser:
     """Add ``verify`` to the command line's subparsers."""
     verify = commands.add_parser("verify", help="read every chunk and check checksums and completeness "
                                                 "(exit status 1 on damage)")
@@ -29,7 +29,7 @@ def add_verify(commands: Any) -> argparse.ArgumentParser:
     return verify
 
 
-def add_show(commands: Any) -> argparse.ArgumentParser:
+def add_show(commands: Commands) -> argparse.ArgumentParser:
     """Add ``show`` to the command line's subparsers."""
     show = commands.add_parser("show", help="values and statistics of a tensor or a slice of it")
     show.add_argument("path", help="checkpoint directory (or file:// URL)")
@@ -42,7 +42,7 @@ def add_show(commands: Any) -> argparse.ArgumentParser:
     return show
 
 
-def add_diff(commands: Any) -> argparse.ArgumentParser:
+def add_diff(commands: Commands) -> argparse.ArgumentParser:
     """Add ``diff`` to the command line's subparsers."""
     diff = commands.add_parser("diff", help="compare two checkpoints (exit status 1 when they differ)")
     diff.add_argument("a", help="first checkpoint")

@@ -18,11 +18,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from .._errors import ArrayckptError
 from .._torch import TORCH_EXTRA, is_missing_torch
-from .common import add_base_root_option
+from .common import Commands, add_base_root_option
 from .convert import add_compact, add_convert
 from .info import add_info
 from .inspect import add_diff, add_show, add_verify
@@ -34,7 +33,7 @@ from .text import emit, escaped
 __all__ = ["build_parser", "cli_message", "main"]
 
 # Every command, in the order ``--help`` lists them: ``add(subparsers)`` adds its parser, with ``func`` to run.
-COMMANDS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
+COMMANDS: tuple[Callable[[Commands], argparse.ArgumentParser], ...] = (
     add_info, add_gc, add_verify, add_show, add_diff, add_estimate, add_interval, add_convert, add_compact,
     add_report, add_sync,
 )

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from .common import add_base_root_option
+from .common import Commands, add_base_root_option
 from .text import emit
 
 __all__ = ["add_report"]
@@ -27,7 +26,7 @@ def _count(text: str) -> int:
     return value
 
 
-def add_report(subparsers: Any) -> argparse.ArgumentParser:
+def add_report(subparsers: Commands) -> argparse.ArgumentParser:
     """Add the ``report`` command to ``subparsers`` (what ``ArgumentParser.add_subparsers`` returned)."""
     parser = subparsers.add_parser(
         "report", help="write a picture of a checkpoint: one self-contained HTML file (sizes, statistics, "

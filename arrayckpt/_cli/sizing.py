@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
 
 from .._tools.estimate import human_bytes
-from .common import positive, print_json
+from .common import Commands, positive, print_json
 
 __all__ = ["add_estimate", "add_interval"]
 
 
-def add_estimate(commands: Any) -> argparse.ArgumentParser:
+def add_estimate(commands: Commands) -> argparse.ArgumentParser:
     """Add ``estimate`` to the command line's subparsers."""
     estimate = commands.add_parser("estimate", help="checkpoint size by the 10/14 bytes-per-parameter rule")
     estimate.add_argument("--params", type=param_count, required=True, help="parameter count, e.g. 7B or 405e9")
@@ -27,7 +26,7 @@ def add_estimate(commands: Any) -> argparse.ArgumentParser:
     return estimate
 
 
-def add_interval(commands: Any) -> argparse.ArgumentParser:
+def add_interval(commands: Commands) -> argparse.ArgumentParser:
     """Add ``interval`` to the command line's subparsers."""
     interval = commands.add_parser("interval", help="optimal checkpoint interval (Young/Daly)")
     interval.add_argument("--blocking-seconds", type=positive, required=True,

@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from .common import add_base_root_option
+from .._format.jsontypes import JSON
+from .common import Commands, add_base_root_option
 from .text import emit
 
 __all__ = ["add_gc", "add_sync"]
 
 
-def add_gc(commands: Any) -> argparse.ArgumentParser:
+def add_gc(commands: Commands) -> argparse.ArgumentParser:
     """Add ``gc`` to the command line's subparsers."""
     gc = commands.add_parser("gc", help="remove what interrupted saves left in a directory or under a prefix "
                                         "(s3://bucket/run: its incomplete checkpoints)")
@@ -51,7 +51,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             removed += swept.removed
             kept += swept.kept
     if args.json:
-        report: dict[str, Any] = {"removed" if not args.dry_run else "would_remove": removed}
+        report: JSON = {"removed" if not args.dry_run else "would_remove": removed}
         if kept:
             report["kept"] = [{"path": path, "reason": reason} for path, reason in kept]
         print(json.dumps(report))
@@ -72,7 +72,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_sync(commands: Any) -> argparse.ArgumentParser:
+def add_sync(commands: Commands) -> argparse.ArgumentParser:
     """Add the ``sync`` command to the ``arrayckpt`` command line's subparsers; returns its parser."""
     sync = commands.add_parser("sync", help="copy a committed checkpoint (and its chain of bases) to another "
                                             "location as stored, checking every chunk; the copy commits last")

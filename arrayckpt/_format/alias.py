@@ -14,9 +14,9 @@ when the manifest is parsed (``manifest.py``). Pure: no IO, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .._errors import FormatError
+from .jsontypes import JSON
 from .keys import Key
 from .paths import shown
 
@@ -32,11 +32,11 @@ class AliasEntry:
     parts: Key
     target: str  # the dotted key of a tensor or ndarray entry
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"kind": "alias", "keys": list(self.parts), "target": self.target}
 
 
-def parse_alias(key: str, parts: Key, data: dict[str, Any]) -> AliasEntry:
+def parse_alias(key: str, parts: Key, data: JSON) -> AliasEntry:
     """An ``alias`` entry, its target a string (that it names an array entry is checked with the other entries)."""
     target = data.get("target")
     if not isinstance(target, str):

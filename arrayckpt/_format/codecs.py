@@ -10,9 +10,10 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, cast
 
 from .._errors import FormatError, StateError
+from .jsontypes import JSON, json_object, member
 
 __all__ = ["Codec", "CodecChoice", "CodecLike", "codec_pipeline", "resolve_codec", "sharded_pipeline"]
 
@@ -23,6 +24,7 @@ BLOSC_COMPRESSORS = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
 
 Compression = Literal["none", "zstd", "blosc"]
 Shuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
+SHUFFLES: tuple[Shuffle, ...] = ("noshuffle", "shuffle", "bitshuffle")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Codec:
     def __post_init__(self) -> None:
         if self.name not in ("none", "zstd", "blosc"):
             raise StateError(f"unknown codec {self.name!r}; use 'none', 'zstd' or 'blosc'")
-        if self.shuffle not in ("noshuffle", "shuffle", "bitshuffle"):
+        if self.shuffle not in SHUFFLES:
             raise StateError(f"unknown shuffle {self.shuffle!r}; use 'noshuffle', 'shuffle' or 'bitshuffle'")
         low, high = (0, 9) if self.name == "blosc" else (-7, 22)
         if self.level is not None and (
@@ -99,16 +101,16 @@ def resolve_codec(choice: CodecChoice, key: str) -> Codec:
     return _as_codec(choice)
 
 
-def _bytes_codec(itemsize: int) -> dict[str, Any]:
+def _bytes_codec(itemsize: int) -> JSON:
     if itemsize == 1:  # endianness is meaningless for one-byte types and zarr-python omits it
         return {"name": "bytes"}
     return {"name": "bytes", "configuration": {"endian": "little"}}
 
 
-_CRC32C: dict[str, Any] = {"name": "crc32c"}
+_CRC32C: JSON = {"name": "crc32c"}
 
 
-def codec_pipeline(codec: Codec, itemsize: int) -> list[dict[str, Any]]:
+def codec_pipeline(codec: Codec, itemsize: int) -> list[JSON]:
     """The Zarr v3 codec list for one chunk: bytes, optional compression, crc32c."""
     pipeline = [_bytes_codec(itemsize)]
     if codec.name == "zstd":
@@ -132,7 +134,7 @@ def codec_pipeline(codec: Codec, itemsize: int) -> list[dict[str, Any]]:
     return pipeline
 
 
-def check_checksummed(metadata: dict[str, Any], where: str) -> None:
+def check_checksummed(metadata: JSON, where: str) -> None:
     """Refuse arrays whose chunks carry no crc32c: damage (or a planted file) would read back unnoticed."""
     codecs = metadata.get("codecs")
     if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) \
@@ -149,7 +151,7 @@ def _ends_with_crc(codecs: object) -> bool:
     return isinstance(codecs, list) and bool(codecs) and codecs[-1] == _CRC32C
 
 
-def sharded_pipeline(inner_chunk: list[int], inner: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def sharded_pipeline(inner_chunk: list[int], inner: list[JSON]) -> list[JSON]:
     """Wrap a chunk pipeline in ``sharding_indexed``: one file per outer chunk, inner chunks inside."""
     return [
         {
@@ -164,18 +166,21 @@ def sharded_pipeline(inner_chunk: list[int], inner: list[dict[str, Any]]) -> lis
     ]
 
 
-def codec_of_metadata(metadata: dict[str, Any]) -> Codec:
+def codec_of_metadata(metadata: JSON) -> Codec:
     """The :class:`Codec` an array's ``zarr.json`` was written with (for rewriting it the same way, e.g. when a
     delta chain is compacted); anything unrecognised reads as no compression."""
-    codecs = metadata.get("codecs", [])
-    if codecs and codecs[0].get("name") == "sharding_indexed":
-        codecs = codecs[0].get("configuration", {}).get("codecs", [])
-    for codec in codecs:
-        config = codec.get("configuration", {})
+    codecs = metadata.get("codecs")
+    if isinstance(codecs, list) and codecs and json_object(codecs[0]).get("name") == "sharding_indexed":
+        codecs = member(codecs[0], "configuration", "codecs")
+    for codec in codecs if isinstance(codecs, list) else []:
+        codec = json_object(codec)
+        config = json_object(codec.get("configuration"))
+        # A level is an int or None by the time Codec() has checked it, which it does on construction.
+        level = cast("int | None", config.get("level" if codec.get("name") == "zstd" else "clevel"))
         if codec.get("name") == "zstd":
-            return Codec("zstd", level=config.get("level"))
-        if codec.get("name") == "blosc" and config.get("cname") in BLOSC_COMPRESSORS:
-            shuffle = config.get("shuffle", "bitshuffle")
-            return Codec("blosc", level=config.get("clevel"), cname=config["cname"],
-                         shuffle=shuffle if shuffle in ("noshuffle", "shuffle", "bitshuffle") else "bitshuffle")
+            return Codec("zstd", level=level)
+        cname = config.get("cname")
+        if codec.get("name") == "blosc" and isinstance(cname, str) and cname in BLOSC_COMPRESSORS:
+            shuffle: Shuffle = next((s for s in SHUFFLES if s == config.get("shuffle", "bitshuffle")), "bitshuffle")
+            return Codec("blosc", level=level, cname=cname, shuffle=shuffle)
     return Codec()

@@ -20,8 +20,8 @@ import functools
 import hashlib
 import re
 import struct
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TypeGuard
 
 import crc32c
 import numpy as np
@@ -38,7 +38,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _CRC = struct.Struct("<I")
 
 
-def valid_digest(value: object) -> bool:
+def valid_digest(value: object) -> TypeGuard[str]:
     """Whether ``value`` is a digest as this format writes them: ``sha256:`` and 64 lowercase hex digits."""
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
@@ -51,7 +51,7 @@ def seal(document: bytes) -> bytes:
     return document.replace(marker, f"sha256:{hashlib.sha256(document).hexdigest()}".encode())
 
 
-def check_root_integrity(data: bytes, manifest: dict[str, Any], required: bool, where: object) -> bool:
+def check_root_integrity(data: bytes, manifest: Mapping[str, object], required: bool, where: object) -> bool:
     """Check a root document's checksum; ``True`` when it has one (and it matches), ``False`` when it has none and
     none is ``required`` (an older version's checkpoint: unprotected). Raises ``CorruptCheckpointError`` on a
     mismatch, and on a missing checksum where the format version requires one (its member renamed or removed

@@ -13,12 +13,13 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Literal, TypeGuard
 
 from .._errors import FormatError
 from .alias import AliasEntry, alias_problem, parse_alias
 from .dtypes import DType, dtype_by_name
 from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
+from .jsontypes import JSON
 from .keys import Key, array_path, parse_array_path, parse_key_parts
 from .paths import BaseRef, check_node_paths
 
@@ -57,7 +58,7 @@ class Quantization:
     bits: int
     max_abs_error: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"bits": self.bits, "max_abs_error": self.max_abs_error}
 
 
@@ -84,8 +85,8 @@ class Delta:
             return ()
         return ("rows", "values") if self.quantized is None else ("rows", "codes", "scale", "offset")
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.mode}
+    def to_dict(self) -> JSON:
+        out: JSON = {"mode": self.mode}
         if self.mode == "chunks":
             out["present"] = list(self.present)
         else:
@@ -114,8 +115,8 @@ class ArrayEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> JSON:
+        out: JSON = {
             "kind": self.kind,
             "keys": list(self.parts),
             "path": self.path,
@@ -133,9 +134,9 @@ class ValueEntry:
 
     key: str
     parts: Key
-    value: Any  # the encoded JSON form
+    value: object  # the encoded JSON form (``values.py``: decode_value)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"kind": "value", "keys": list(self.parts), "value": self.value}
 
 
@@ -151,7 +152,7 @@ class PickleEntry:
     def path(self) -> str:
         return array_path(self.key)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"kind": "pickle", "keys": list(self.parts), "path": self.path, "nbytes": self.nbytes}
 
 
@@ -164,7 +165,7 @@ class PerRankEntry:
     parts: Key
     items: tuple[ValueEntry | ArrayEntry | None, ...]  # None: that rank did not hold the key
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {
             "kind": "per_rank",
             "keys": list(self.parts),
@@ -177,7 +178,7 @@ def per_rank_path(key: str, rank: int) -> str:
     return f"{array_path(key)}/%r{rank}"
 
 
-def _per_rank_item(item: ValueEntry | ArrayEntry) -> dict[str, Any]:
+def _per_rank_item(item: ValueEntry | ArrayEntry) -> JSON:
     if isinstance(item, ValueEntry):
         return {"value": item.value}
     return {"dtype": item.dtype.name, "shape": list(item.shape), "kind": item.kind}
@@ -194,7 +195,7 @@ class Manifest:
     step: int | None = None
     # Containers that are not dicts, by dotted prefix ("list" or "tuple"), to rebuild nested state.
     containers: Mapping[str, str] = field(default_factory=dict)
-    created: Mapping[str, Any] = field(default_factory=dict)
+    created: Mapping[str, object] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     # Training metrics the caller attached (e.g. validation loss), for choosing which checkpoints to keep.
     metrics: Mapping[str, float] = field(default_factory=dict)
@@ -207,8 +208,8 @@ class Manifest:
     # :func:`encode_root_document` computes it over the serialised document.
     integrity: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> JSON:
+        out: JSON = {
             "format_version": self.format_version,
             "step": self.step,
             "created": dict(self.created),
@@ -422,7 +423,7 @@ def _check_structure(entries: Mapping[str, Entry], containers: Mapping[str, str]
                                   f"({path!r} below {path[:i]!r}); a Zarr array cannot have children")
 
 
-def is_arrayckpt_root(document: object) -> TypeGuard[dict[str, Any]]:
+def is_arrayckpt_root(document: object) -> TypeGuard[JSON]:
     """Whether a parsed root ``zarr.json`` is arrayckpt's (it carries the manifest); a foreign Zarr group is not."""
     return isinstance(document, dict) and isinstance(document.get("attributes"), dict) and \
         MANIFEST_ATTRIBUTE in document["attributes"]
@@ -440,7 +441,7 @@ def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:
     ).encode())
 
 
-def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, dict[str, Any]]]:
+def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[str, JSON]]:
     """The manifest and consolidated node metadata of a root ``zarr.json``."""
     if not isinstance(document, dict) or document.get("zarr_format") != 3 or document.get("node_type") != "group":
         raise FormatError(f"{where}: root zarr.json is not a Zarr v3 group")
@@ -476,7 +477,7 @@ def array_nodes(entries: Mapping[str, Entry]) -> dict[str, str]:
     return out
 
 
-def _check_digested(manifest: Manifest, nodes: dict[str, Any], where: str) -> None:
+def _check_digested(manifest: Manifest, nodes: JSON, where: str) -> None:
     """Chunk digests name stored arrays only, and (from the version that requires them) every stored array has
     one: an array without a digest would go unchecked by ``verify``."""
     arrays = {path for path, node in nodes.items() if isinstance(node, dict) and node.get("node_type") == "array"}

@@ -19,11 +19,12 @@ Pure: no IO, no torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from .._errors import FormatError
+from .jsontypes import JSON
 from .keys import valid_segment
 
 __all__ = ["BaseRef", "RelativeReference", "check_node_paths", "group_paths", "is_location_reference", "is_node_path",
@@ -49,7 +50,7 @@ def is_node_path(path: object) -> bool:
     return all(valid_segment(s) for s in parents) and (valid_segment(last) or bool(_RANK_SEGMENT.fullmatch(last)))
 
 
-def group_paths(array_paths: Mapping[str, Any]) -> set[str]:
+def group_paths(array_paths: Collection[str]) -> set[str]:
     """Every proper prefix, in whole segments, of the given array node paths: the groups a checkpoint holds."""
     groups: set[str] = set()
     for path in array_paths:
@@ -58,7 +59,7 @@ def group_paths(array_paths: Mapping[str, Any]) -> set[str]:
     return groups
 
 
-def check_node_paths(nodes: Mapping[Any, Any], arrays: Mapping[str, str], where: str) -> None:
+def check_node_paths(nodes: Mapping[str, object], arrays: Mapping[str, str], where: str) -> None:
     """Refuse consolidated metadata whose nodes are not exactly those the manifest implies: ``arrays`` maps each
     array node path the entries imply to its entry's name (``manifest.py::array_nodes``); the groups are their
     prefixes. Every writer writes exactly these (spec §2), so anything else is damage or crafting, and a key that
@@ -136,7 +137,7 @@ class BaseRef:
     id: str
     step: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"path": self.path, "id": self.id, "step": self.step}
 
     @classmethod

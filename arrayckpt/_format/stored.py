@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
 
 import crc32c
 import numpy as np
@@ -22,26 +21,27 @@ import numpy as np
 from .._errors import CorruptCheckpointError
 from .dtypes import dtype_by_name
 from .integrity import crc_combine
+from .jsontypes import JSON, int_list, json_object, member
 
 __all__ = ["MISSING", "max_chunk_file_bytes", "stored_content_crc"]
 
 MISSING = 2**64 - 1  # shard index entry of an inner chunk that is not stored
 _CRC = struct.Struct("<I")
-_CRC32C: dict[str, Any] = {"name": "crc32c"}
+_CRC32C: JSON = {"name": "crc32c"}
 _BYTES_ANY = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 
 
-def max_chunk_file_bytes(metadata: dict[str, Any]) -> int:
+def max_chunk_file_bytes(metadata: JSON) -> int:
     """An upper bound on the size of any chunk file of the array described by ``metadata`` (valid array metadata):
     its elements, plus what compression can add (zstd and blosc add well under 1/16 and a few KiB per block), plus
     each inner chunk's crc32c and the shard index. What a peer announces beyond this is not a chunk file of it."""
     itemsize = dtype_by_name(metadata["data_type"]).itemsize
-    outer = list(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    outer = int_list(member(metadata, "chunk_grid", "configuration", "chunk_shape"), "chunk shape")
     raw: int = math.prod(outer) * itemsize
     codecs = metadata.get("codecs", [])
     pieces = 1
-    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
-        inner = codecs[0].get("configuration", {}).get("chunk_shape", outer)
+    if isinstance(codecs, list) and len(codecs) == 1 and json_object(codecs[0]).get("name") == "sharding_indexed":
+        inner = int_list(member(codecs[0], "configuration", "chunk_shape") or outer, "inner chunk shape")
         pieces = math.prod(-(-o // max(1, i)) for o, i in zip(outer, inner, strict=False))
     return raw + raw // 16 + pieces * (4096 + 16) + 64
 
@@ -65,15 +65,15 @@ def _checked_body(data: memoryview, expected: int, file: str, what: str = "chunk
     return body, actual
 
 
-def stored_content_crc(metadata: dict[str, Any], grid_index: tuple[int, ...], data: bytes | memoryview,
+def stored_content_crc(metadata: JSON, grid_index: tuple[int, ...], data: bytes | memoryview,
                        file: str) -> int | None:
     """Check the stored bytes ``data`` of outer chunk ``grid_index`` of the array described by ``metadata`` (valid
     array metadata, checked by the reader) and return the chunk's content checksum (spec §11.2). ``None`` when the
     pipeline is not one of the uncompressed ones this module reads (decode the chunk instead). Raises
     ``CorruptCheckpointError`` naming ``file`` on any mismatch."""
     itemsize = dtype_by_name(metadata["data_type"]).itemsize
-    shape = list(metadata["shape"])
-    outer = list(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    shape = int_list(metadata["shape"], "shape")
+    outer = int_list(member(metadata, "chunk_grid", "configuration", "chunk_shape"), "chunk shape")
     origin = [i * c for i, c in zip(grid_index, outer, strict=True)]
     extent = [max(0, min(c, n - o)) for c, n, o in zip(outer, shape, origin, strict=True)]  # in bounds
     codecs = metadata["codecs"]
@@ -81,9 +81,9 @@ def stored_content_crc(metadata: dict[str, Any], grid_index: tuple[int, ...], da
     if _plain(codecs, itemsize):
         body, crc = _checked_body(view, math.prod(outer) * itemsize, file)
         return crc if extent == outer else _clipped_crc(body, outer, extent, itemsize)
-    if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+    if not isinstance(codecs, list) or len(codecs) != 1 or json_object(codecs[0]).get("name") != "sharding_indexed":
         return None
-    config = codecs[0].get("configuration", {})
+    config = json_object(codecs[0].get("configuration"))
     inner = config.get("chunk_shape")
     if not (_plain(config.get("codecs"), itemsize) and config.get("index_codecs") == [_BYTES_ANY[1], _CRC32C]
             and config.get("index_location", "end") == "end" and isinstance(inner, list)):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
 
 from .._errors import FormatError
 from .dtypes import dtype_by_name
+from .jsontypes import JSON, int_list, json_object, member
 
-__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "MAX_GRID_CHUNKS", "ROOT_METADATA", "check_array_metadata", "check_grid",
-           "chunk_key", "chunk_keys", "dimension_names", "grid_counts", "grid_indices", "node_documents",
-           "parse_chunk_key", "unravel"]
+__all__ = ["GROUP_METADATA", "KEY_ENCODINGS", "MAX_GRID_CHUNKS", "ROOT_METADATA", "array_shape", "check_array_metadata",
+           "check_grid", "chunk_key", "chunk_keys", "dimension_names", "grid_counts", "grid_indices", "node_documents",
+           "outer_chunk_shape", "parse_chunk_key", "read_chunk_shape", "unravel"]
 
 ROOT_METADATA = "zarr.json"  # the metadata document of every Zarr v3 node; the root's is the commit
 
@@ -32,20 +32,20 @@ def _group_paths(array_paths: list[str]) -> list[str]:
     return sorted(groups)
 
 
-GROUP_METADATA: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+GROUP_METADATA: JSON = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
 
 def _node_order(path: str) -> tuple[int, str]:
     return path.count("/"), path
 
 
-def node_documents(arrays: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def node_documents(arrays: Mapping[str, JSON]) -> dict[str, JSON]:
     """``zarr.json`` documents for every array and every intermediate group, by path, in the order of the root's
     consolidated metadata (spec §8): by depth, then by path. zarr-python 3 (``ConsolidatedMetadata._flat_to_nested``)
     sorts the nodes by depth, keeping their order within a depth, and takes each run of consecutive nodes with
     the same parent as that parent's *only* members: the members of one group must be listed together, which
     sorting by path within a depth ensures (every path below ``g/`` sorts between ``g/`` and the next group)."""
-    nodes: dict[str, dict[str, Any]] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
+    nodes: dict[str, JSON] = {path: GROUP_METADATA for path in _group_paths(list(arrays))}
     nodes.update(arrays)
     return {path: nodes[path] for path in sorted(nodes, key=_node_order)}
 
@@ -63,7 +63,7 @@ def _positive_ints(value: object, length: int) -> bool:
         isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**62 for n in value)
 
 
-def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: str, where: str) -> dict[str, Any]:
+def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: str, where: str) -> JSON:
     """Validate one array's (consolidated) metadata before anything acts on it: the fields arrayckpt relies
     on must have the right types and agree with the manifest; codecs are checked by the reader."""
     def bad(what: str) -> FormatError:
@@ -102,7 +102,7 @@ def check_array_metadata(metadata: object, shape: tuple[int, ...], data_type: st
     return metadata
 
 
-def _check_dimension_names(metadata: dict[str, Any], ndim: int, bad: Callable[[str], FormatError]) -> None:
+def _check_dimension_names(metadata: JSON, ndim: int, bad: Callable[[str], FormatError]) -> None:
     """``dimension_names`` is optional (format versions 1 and 2 lack it); when present it is a list of one string
     or null per dimension, no non-empty name twice (TensorStore cannot open an array whose names repeat)."""
     if "dimension_names" not in metadata:
@@ -203,40 +203,60 @@ def _check_chunk_sizes(outer: list[int], inner: list[int] | None, shape: tuple[i
 KEY_ENCODINGS = ("default", "v2")
 
 
-def _separator(encoding: dict[str, Any]) -> str:
+def _separator(encoding: JSON) -> str:
     default = "/" if encoding.get("name") == "default" else "."
-    return str(encoding.get("configuration", {}).get("separator", default))
+    return str(json_object(encoding.get("configuration")).get("separator", default))
 
 
-def grid_counts(metadata: dict[str, Any]) -> list[int]:
+def array_shape(metadata: JSON) -> list[int]:
+    """The ``shape`` of an array's metadata (checked by :func:`check_array_metadata`, or written by arrayckpt)."""
+    return int_list(metadata.get("shape"), "array shape")
+
+
+def outer_chunk_shape(metadata: JSON) -> list[int]:
+    """The (outer) chunk shape of an array's metadata (checked, or written by arrayckpt): its regular grid's."""
+    return int_list(member(metadata, "chunk_grid", "configuration", "chunk_shape"), "chunk shape")
+
+
+def read_chunk_shape(metadata: JSON) -> list[int]:
+    """The shape of the chunks an array's data is read in (checked metadata): its inner chunks when sharded, else
+    its outer chunks."""
+    codecs = metadata.get("codecs")
+    if isinstance(codecs, list) and codecs and json_object(codecs[0]).get("name") == "sharding_indexed":
+        return int_list(member(codecs[0], "configuration", "chunk_shape"), "inner chunk shape")
+    return outer_chunk_shape(metadata)
+
+
+def grid_counts(metadata: JSON) -> list[int]:
     """Chunks per dimension of an array's (outer) chunk grid."""
-    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-    return [-(-n // c) for n, c in zip(metadata["shape"], chunks, strict=True)]
+    return [-(-n // c) for n, c in zip(array_shape(metadata), outer_chunk_shape(metadata), strict=True)]
 
 
-def chunk_key(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
+def chunk_key(metadata: JSON, grid_index: tuple[int, ...]) -> str:
     """The key of chunk ``grid_index`` below its array (``c.1.0`` or ``c`` for 0-d with the default encoding;
     ``1.0`` or ``0`` with the v2 encoding)."""
-    encoding = metadata.get("chunk_key_encoding", {})
+    encoding = json_object(metadata.get("chunk_key_encoding"))
     if encoding.get("name") == "v2":
         return _separator(encoding).join(str(i) for i in grid_index) or "0"
     return _separator(encoding).join(["c", *(str(i) for i in grid_index)])
 
 
-def chunk_keys(metadata: dict[str, Any], grid_indices: Iterable[tuple[int, ...]]) -> list[str]:
+def chunk_keys(metadata: JSON, grid_indices: Iterable[tuple[int, ...]]) -> list[str]:
     """:func:`chunk_key` of many grid indices, the encoding read once (about 1 µs a key)."""
-    encoding = metadata.get("chunk_key_encoding", {})
+    encoding = json_object(metadata.get("chunk_key_encoding"))
     separator = _separator(encoding)
     if encoding.get("name") == "v2":
         return [separator.join(map(str, index)) or "0" for index in grid_indices]
     return [separator.join(("c", *map(str, index))) for index in grid_indices]
 
 
-def parse_chunk_key(metadata: dict[str, Any], name: str) -> tuple[int, ...] | None:
+def parse_chunk_key(metadata: JSON, name: str) -> tuple[int, ...] | None:
     """The grid index a chunk key names, if it is a valid key of this array (right encoding, inside the grid)."""
     shape = metadata.get("shape", [])
-    chunks = metadata.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", [])
-    encoding = metadata.get("chunk_key_encoding", {})
+    chunks = member(metadata, "chunk_grid", "configuration", "chunk_shape") or []
+    if not (isinstance(shape, list) and isinstance(chunks, list)):
+        return None
+    encoding = json_object(metadata.get("chunk_key_encoding"))
     separator = _separator(encoding)
     parts = name.split(separator) if name else []
     if encoding.get("name") == "v2":

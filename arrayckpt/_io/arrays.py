@@ -18,15 +18,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
 from .._format.dtypes import as_typed, dtype_by_name
 from .._format.integrity import chunk_crc
-from .._format.jsontypes import JSON
-from .._format.zarr import chunk_key, grid_indices
+from .._format.jsontypes import JSON, json_object
+from .._format.zarr import array_shape, chunk_key, grid_indices, outer_chunk_shape
 from .._io.fastio import RowLayout, read_rows, row_layout, write_rows
 from .._io.priority import worker_initializer
 from .._io.smallfiles import user_paths
@@ -141,7 +141,7 @@ def read_context() -> LazyContext:
                         "file_io_concurrency": {"limit": settings().file_io_concurrency}})
 
 
-def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+def array_spec(kvstore: JSON, metadata: JSON) -> JSON:
     """The zarr3 driver spec of one array whose metadata is known up front."""
     return {
         "driver": "zarr3",
@@ -152,7 +152,7 @@ def array_spec(kvstore: dict[str, Any], metadata: dict[str, Any]) -> dict[str, A
     }
 
 
-def open_array(spec: dict[str, Any], context: StoreContext, key: str = "", where: str = "") -> ts.TensorStore:
+def open_array(spec: JSON, context: StoreContext, key: str = "", where: str = "") -> ts.TensorStore:
     """Open one array for reading slices of it (metadata is assumed from the spec); in a local directory, first
     refuse a chunk file that is not a regular file (one ``scandir``, see :func:`check_chunk_files`)."""
     _check_array_directory(spec, key, where)
@@ -167,14 +167,14 @@ def check_chunk_files(job: ArrayIO, where: str) -> None:
     ``file`` kvstore would block forever opening a FIFO. One ``stat`` per chunk file the read touches (missing
     ones are left to TensorStore to report), or, when it touches more than ``STAT_CHUNKS`` (a crafted grid claims
     millions), one scan of the array's directory."""
-    kvstore = job.spec.get("kvstore", {})
+    kvstore = json_object(job.spec.get("kvstore"))
     if kvstore.get("driver") != "file":
         return
-    metadata = job.spec["metadata"]
-    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    metadata = json_object(job.spec.get("metadata"))
+    chunks = outer_chunk_shape(metadata)
     index = job.index or ()
     ranges = []
-    for d, (n, c) in enumerate(zip(metadata["shape"], chunks, strict=True)):
+    for d, (n, c) in enumerate(zip(array_shape(metadata), chunks, strict=True)):
         part = index[d] if d < len(index) else slice(None)
         start, stop = (part, part + 1) if isinstance(part, int) else slice(part.start, part.stop).indices(n)[:2]
         if stop <= start:
@@ -184,7 +184,7 @@ def check_chunk_files(job: ArrayIO, where: str) -> None:
         _check_array_directory(job.spec, job.key, where)
         return
     for grid_index in grid_indices(ranges):
-        path = kvstore["path"] + chunk_key(metadata, grid_index)
+        path = str(kvstore["path"]) + chunk_key(metadata, grid_index)
         try:
             mode = os.lstat(path).st_mode  # a link is refused, never followed (spec §12)
         except OSError:
@@ -193,13 +193,13 @@ def check_chunk_files(job: ArrayIO, where: str) -> None:
             raise _not_regular(path, job.key, where, stat.S_ISLNK(mode))
 
 
-def _check_array_directory(spec: dict[str, Any], key: str, where: str) -> None:
+def _check_array_directory(spec: JSON, key: str, where: str) -> None:
     """Refuse a local array whose directory holds something that is neither a file nor a directory (a FIFO in a
     chunk's place): d_type from one ``scandir``, descending only into chunk-key directories (``c/0/...``)."""
-    kvstore = spec.get("kvstore", {})
+    kvstore = json_object(spec.get("kvstore"))
     if kvstore.get("driver") != "file":
         return
-    pending = [kvstore["path"]]
+    pending = [str(kvstore["path"])]
     while pending:
         try:
             entries = list(os.scandir(pending.pop()))
@@ -225,7 +225,7 @@ def _not_regular(path: str, key: str, where: str, link: bool = False) -> Corrupt
                                              "damaged: restore the file from a copy"))
 
 
-def _start_open(spec: dict[str, Any], context: StoreContext, key: str, where: str) -> ts.Future[ts.TensorStore]:
+def _start_open(spec: JSON, context: StoreContext, key: str, where: str) -> ts.Future[ts.TensorStore]:
     """``ts.open`` checks the spec at once (raising ValueError) before returning a future: name the array."""
     try:
         import tensorstore as ts  # on first use (CLI start-up)
@@ -239,7 +239,7 @@ class ArrayIO:
     """One array transfer: the named array's spec and the host memory it goes from or to."""
 
     key: str
-    spec: dict[str, Any]
+    spec: JSON
     data: np.ndarray
     index: tuple[slice, ...] | None = None  # the part of the array ``data`` covers (None: all of it)
     node: str | None = None  # writes: the array's path in the checkpoint, to report its chunks' checksums by
@@ -285,12 +285,12 @@ def chunk_checksums(jobs: Sequence[ArrayIO]) -> Checksums:
     for job in jobs:
         if job.node is None:
             continue
-        metadata = job.spec["metadata"]
-        shape = tuple(metadata["shape"])
+        metadata = json_object(job.spec.get("metadata"))
+        shape = tuple(array_shape(metadata))
         box = Box.whole(shape) if job.index is None else \
             Box(tuple(s.start for s in job.index), tuple(s.stop - s.start for s in job.index))
         found = out.setdefault(job.node, {})
-        for flat, cell in grid_cells(box, tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"]), shape):
+        for flat, cell in grid_cells(box, tuple(outer_chunk_shape(metadata)), shape):
             if cell.intersect(box) == cell:
                 found[flat] = chunk_crc(job.data[cell.relative_to(box)])
     return out
@@ -300,7 +300,7 @@ def _write_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
     """Start one write. TensorStore may keep referring to the source memory instead of copying it (we wait
     before returning, so it stays unchanged), except into its in-memory kvstore, which would keep the
     reference for good: a later change to the tensor would change the "stored" chunk under its checksum."""
-    keep = job.spec.get("kvstore", {}).get("driver") != "memory"
+    keep = json_object(job.spec.get("kvstore")).get("driver") != "memory"
     return store.write(typed_data(job), can_reference_source_data_indefinitely=keep)
 
 
@@ -341,7 +341,7 @@ def _read_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
 def typed_data(job: ArrayIO) -> np.ndarray:
     """The job's memory typed as its array (a bfloat16/float8 host view comes carrier-typed: TensorStore would
     convert its integers by value)."""
-    name = job.spec.get("metadata", {}).get("data_type")
+    name = json_object(job.spec.get("metadata")).get("data_type")
     return job.data if name is None else as_typed(job.data, dtype_by_name(name))
 
 
@@ -350,8 +350,8 @@ def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], l
     fast: list[tuple[ArrayIO, tuple]] = []
     slow: list[ArrayIO] = []
     for job in jobs:
-        kvstore = job.spec.get("kvstore", {})
-        layout = row_layout(job.spec["metadata"]) if kvstore.get("driver") == "file" else None
+        kvstore = json_object(job.spec.get("kvstore"))
+        layout = row_layout(json_object(job.spec.get("metadata"))) if kvstore.get("driver") == "file" else None
         first = _first_row(job, layout) if layout is not None else None
         if first is None:
             slow.append(job)
@@ -364,7 +364,7 @@ def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:
     """The first row ``job.index`` selects, when it selects whole rows only (else ``None``)."""
     if job.index is None or layout.ndim == 0:
         return 0
-    shape = job.spec["metadata"]["shape"]
+    shape = array_shape(json_object(job.spec.get("metadata")))
     rows, *rest = job.index
     if rows.step not in (None, 1) or any((s.start or 0, s.stop, s.step) != (0, n, None) and
                                          (s.start, s.stop, s.step) != (None, None, None)

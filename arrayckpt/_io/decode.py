@@ -9,11 +9,12 @@ applied exactly as a read of the file would apply it, for any pipeline the reade
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._errors import CorruptCheckpointError
+from .._format.jsontypes import JSON
 from .arrays import array_spec
 
 if TYPE_CHECKING:
@@ -26,10 +27,10 @@ class ChunkDecoder:
     """Decodes the stored chunk files of one array (its metadata as in the root document); thread-safe. Decoders of
     several arrays may share one ``context`` (its in-memory store) under different ``path`` prefixes."""
 
-    def __init__(self, metadata: dict[str, Any], context: ts.Context | None = None, path: str = "chunks/") -> None:
+    def __init__(self, metadata: JSON, context: ts.Context | None = None, path: str = "chunks/") -> None:
         import tensorstore as ts  # on first use (CLI start-up)
         context = context if context is not None else ts.Context()  # a store nothing else reads or writes
-        kvstore = {"driver": "memory", "path": path}
+        kvstore: JSON = {"driver": "memory", "path": path}
         self._array = ts.open(array_spec(kvstore, metadata), context=context, open=True,
                               assume_metadata=True).result()
         self._store = ts.KvStore.open(kvstore, context=context).result()

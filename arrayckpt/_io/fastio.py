@@ -31,6 +31,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError, StorageError
 from .._format.dtypes import DTYPES
 from .._format.integrity import crc_combine
+from .._format.jsontypes import JSON, member
 from .._settings import settings
 from .pools import map_kept
 from .priority import worker_initializer
@@ -80,10 +81,10 @@ class RowLayout:
         return self.separator.join(["c", str(index), *("0" * (self.ndim - 1))])
 
 
-_LAYOUTS: dict[int, tuple[dict[str, Any], RowLayout | None]] = {}  # by id(metadata), see row_layout
+_LAYOUTS: dict[int, tuple[JSON, RowLayout | None]] = {}  # by id(metadata), see row_layout
 
 
-def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
+def row_layout(metadata: JSON) -> RowLayout | None:
     """The row layout of an array's metadata, or ``None`` when the fast path does not apply.
 
     Save plans and opened checkpoints reuse their metadata dicts, so the answer is cached per dict.
@@ -98,19 +99,19 @@ def row_layout(metadata: dict[str, Any]) -> RowLayout | None:
     return layout
 
 
-def _row_layout(metadata: dict[str, Any]) -> RowLayout | None:
-    try:
-        shape = metadata["shape"]
-        chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-        separator = metadata["chunk_key_encoding"]["configuration"]["separator"]
-        codecs = metadata["codecs"]
-        if metadata["chunk_grid"]["name"] != "regular" or metadata["chunk_key_encoding"]["name"] != "default":
-            return None
-    except (KeyError, TypeError):
+def _row_layout(metadata: JSON) -> RowLayout | None:
+    shape = metadata.get("shape")
+    chunk = member(metadata, "chunk_grid", "configuration", "chunk_shape")
+    separator = member(metadata, "chunk_key_encoding", "configuration", "separator")
+    codecs = metadata.get("codecs")
+    if not (isinstance(shape, list) and isinstance(chunk, list) and isinstance(separator, str)
+            and isinstance(codecs, list)) or member(metadata, "chunk_grid", "name") != "regular" \
+            or member(metadata, "chunk_key_encoding", "name") != "default":
         return None
     if sys.byteorder != "little" or list(chunk[1:]) != list(shape[1:]) or math.prod(shape) == 0:
         return None
-    dtype = DTYPES.get(metadata.get("data_type", ""))
+    data_type = metadata.get("data_type")
+    dtype = DTYPES.get(data_type) if isinstance(data_type, str) else None
     if dtype is None:
         return None
     row_bytes = dtype.itemsize * math.prod(shape[1:])

@@ -13,11 +13,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 from .._errors import StateError
 from .._format.codecs import Codec, codec_pipeline, sharded_pipeline
 from .._format.dtypes import DType
+from .._format.jsontypes import JSON
 from .._format.zarr import check_grid
 from .._format.zarr import dimension_names as default_dimension_names
 from .._layout.box import Box
@@ -87,7 +87,7 @@ class ArrayPlan:
                              "torch.chunk-style even splits), or save it with larger chunks")
 
     @cached_property
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> JSON:
         """The array's ``zarr.json`` document (computed once; see :func:`array_metadata`)."""
         return array_metadata(self)
 
@@ -193,7 +193,7 @@ def plan_array(key: str, path: str, dtype: DType, shape: tuple[int, ...], codec:
     return ArrayPlan(key, path, dtype, shape, outer, inner, codec)
 
 
-def array_metadata(plan: ArrayPlan) -> dict[str, Any]:
+def array_metadata(plan: ArrayPlan) -> JSON:
     """The array's ``zarr.json`` document (also stored in the root's consolidated metadata)."""
     chunk_codecs = codec_pipeline(plan.codec, plan.dtype.itemsize)
     codecs = sharded_pipeline(list(plan.inner_chunk), chunk_codecs) if plan.sharded else chunk_codecs

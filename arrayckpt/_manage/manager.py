@@ -22,7 +22,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,8 @@ from .signals import SigtermSave, StateAndStep
 from .tiers import LocalTier, Remote, RemoteTier, Tier
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
     from torch.distributed import ProcessGroup
 
 __all__ = ["CheckpointManager"]
@@ -340,7 +342,8 @@ class CheckpointManager:
         return self.interval.due(step, self._last_step, elapsed, self._blocking_seconds)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
-             metrics: Mapping[str, float] | None = None, changed_rows: Mapping[str, Any] | None = None) -> bool:
+             metrics: Mapping[str, float] | None = None,
+             changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None) -> bool:
         """Save ``state`` as step ``step`` if the interval policy (or ``force``) says so, then apply the retention.
         Asynchronous managers return once the data is staged. With a remote tier, the save is queued for upload.
 
@@ -373,7 +376,7 @@ class CheckpointManager:
             return saved
 
     def _save(self, step: int, state: Mapping[str, Any], force: bool, metrics: Mapping[str, float] | None,
-              changed_rows: Mapping[str, Any] | None) -> bool:
+              changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None) -> bool:
         in_memory = self.memory is not None and self.memory.due(step)
         if not (force or self.should_save(step)):
             return in_memory and self._save_memory(step, state, metrics)
@@ -404,7 +407,8 @@ class CheckpointManager:
                          resolve_group(self.process_group))
         return True
 
-    def _delta_options(self, options: SaveOptions, changed_rows: Mapping[str, Any] | None) -> SaveOptions:
+    def _delta_options(self, options: SaveOptions,
+                       changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None) -> SaveOptions:
         """``options`` for the next save: a delta against the newest local checkpoint, or as they are (a full
         save)."""
         if self.incremental is None:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Collection, Mapping
 
 from .._errors import ArrayckptError, CheckpointNotFoundError, IncompleteCheckpointError
+from .._format.jsontypes import member
 from .._format.manifest import MANIFEST_ATTRIBUTE
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import CleanedUp, Location
@@ -48,7 +49,7 @@ class StepTree:
     def identity(self, step: int) -> str | None:
         """The id of step ``step``'s committed checkpoint (``None``: none is committed there, or it has no id)."""
         try:
-            manifest = self.step_location(step).read_root().get("attributes", {}).get(MANIFEST_ATTRIBUTE)
+            manifest = member(self.step_location(step).read_root(), "attributes", MANIFEST_ATTRIBUTE)
         except (CheckpointNotFoundError, IncompleteCheckpointError):
             return None
         return manifest.get("id") if isinstance(manifest, dict) else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypeAlias
 
 from .._errors import (
     ArrayckptError,
@@ -36,6 +36,7 @@ from .._errors import (
     StateError,
     StorageError,
 )
+from .._format.jsontypes import JSON, json_object, member
 from .._format.manifest import MANIFEST_ATTRIBUTE, parse_root_document
 from .._format.zarr import chunk_key, parse_chunk_key
 from .._io.arrays import resolve_context
@@ -45,10 +46,14 @@ from .._storage.kvio import wait_all, write_key
 from .._torch.dist import Group
 from .._write.transaction import WriteTransaction, begin_write
 from .node import NodeMemory
-from .record import StepRecord, file_sum
+from .record import FileSum, StepRecord, file_sum
 from .restore import choose, pick_holder, ranks_by_node, share_documents, survey
 
 __all__ = ["Flushed", "flush_memory_step"]
+
+# What the coordinator's ``_open`` tells every rank: the checkpoint is at the location already, or where to copy into
+# (the destination's location and chunk key encoding).
+_Opened: TypeAlias = Literal["there"] | tuple[Literal["copy"], Location, str]
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def flush_memory_step(node: NodeMemory, group: Group, step: int | None, location
     files = StepRecord.parse(record_bytes, nodes, where).files
     location = location_of(step)
     transaction: WriteTransaction | None = None
-    opened: tuple[str, Any, str] | BaseException | None = None  # ("copy", target, encoding) / "there" / the error
+    opened: _Opened | BaseException | None = None  # ("copy", target, encoding) / "there" / the error
     if group.is_coordinator:
         try:
             opened, transaction = _open(location, manifest.id, nodes, guard)
@@ -96,6 +101,7 @@ def flush_memory_step(node: NodeMemory, group: Group, step: int | None, location
         opened = group.broadcast(opened)
         if isinstance(opened, BaseException):
             raise opened
+        assert opened is not None, "the coordinator broadcasts what it opened, or its error, never None"
         if opened == "there":
             return Flushed(step, ident, str(location), False, 0, 0)
         _, target, encoding = opened
@@ -131,12 +137,12 @@ def flush_memory_step(node: NodeMemory, group: Group, step: int | None, location
     return Flushed(step, ident, str(location), True, len(mine), copied)
 
 
-def _open(location: Location, ident: str | None, nodes: Mapping[str, Any],
-          guard: Callable[[], None] | None) -> tuple[Any, WriteTransaction | None]:
+def _open(location: Location, ident: str | None, nodes: Mapping[str, JSON],
+          guard: Callable[[], None] | None) -> tuple[_Opened, WriteTransaction | None]:
     """The coordinator's part before the copy: ``"there"`` when ``location`` holds this checkpoint already, else the
     write transaction (its documents written) and what the ranks need of it."""
     try:
-        manifest = location.read_root().get("attributes", {}).get(MANIFEST_ATTRIBUTE)
+        manifest = member(location.read_root(), "attributes", MANIFEST_ATTRIBUTE)
         if isinstance(manifest, dict) and ident is not None and manifest.get("id") == ident:
             return "there", None
     except (CheckpointNotFoundError, IncompleteCheckpointError):
@@ -154,26 +160,25 @@ def _open(location: Location, ident: str | None, nodes: Mapping[str, Any],
     return ("copy", transaction.target, encoding), transaction
 
 
-def _encoded(node: Any, encoding: str) -> Any:
+def _encoded(node: JSON, encoding: str) -> JSON:
     """A node document with the destination's chunk key encoding (arrays only; separator ``.``)."""
-    if isinstance(node, dict) and node.get("node_type") == "array" \
-            and node.get("chunk_key_encoding", {}).get("name") != encoding:
+    if node.get("node_type") == "array" and json_object(node.get("chunk_key_encoding")).get("name") != encoding:
         return {**node, "chunk_key_encoding": {"name": encoding, "configuration": {"separator": "."}}}
     return node
 
 
-def _consolidated(nodes: Mapping[str, Any], encoding: str) -> str:
+def _consolidated(nodes: Mapping[str, JSON], encoding: str) -> str:
     return "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(_encoded(n, encoding))}" for p, n in nodes.items()) + "}"
 
 
-def _copy_files(node: NodeMemory, step: int, mine: list[tuple[str, str, Any]], nodes: Mapping[str, Any],
+def _copy_files(node: NodeMemory, step: int, mine: list[tuple[str, str, FileSum]], nodes: Mapping[str, JSON],
                 target: Location, encoding: str, where: str) -> int:
     """Copy this rank's share of the chunk files into ``target`` (each checked against the record first, each key
     turned into the destination's encoding); the bytes copied."""
     import tensorstore as ts
 
     context = resolve_context(target.write_context())
-    stores: dict[str, Any] = {}
+    stores: dict[str, ts.KvStore] = {}
     pending = []
     nbytes = 0
     for path, key, expected in mine:

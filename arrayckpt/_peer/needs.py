@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from .._format.alias import AliasEntry
+from .._format.jsontypes import JSON
 from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, Manifest, ValueEntry
-from .._format.zarr import chunk_keys, grid_counts
+from .._format.zarr import array_shape, chunk_keys, grid_counts, outer_chunk_shape
 from .._layout.box import Box, grid_cells
 from .._torch.shards import Shard, to_local_box
 from .._torch.state import walk
@@ -25,7 +26,7 @@ from .._torch.state import walk
 __all__ = ["needed_files"]
 
 
-def needed_files(state: Mapping[str, Any], manifest: Manifest, nodes: Mapping[str, Any]) -> dict[str, set[str]]:
+def needed_files(state: Mapping[str, Any], manifest: Manifest, nodes: Mapping[str, JSON]) -> dict[str, set[str]]:
     """Array path -> the chunk keys a ``load`` of ``state`` from this checkpoint reads on this rank."""
     arrays = {p: m for p, m in nodes.items() if isinstance(m, dict) and m.get("node_type") == "array"}
     out: dict[str, set[str]] = {}
@@ -40,21 +41,21 @@ def needed_files(state: Mapping[str, Any], manifest: Manifest, nodes: Mapping[st
             box = to_local_box(target, key)[1]
             _add_box(out, entry.path, arrays[entry.path], box)
         elif isinstance(entry, ArrayEntry) and entry.path in arrays and isinstance(target, np.ndarray):
-            _add_box(out, entry.path, arrays[entry.path], Box.whole(tuple(arrays[entry.path]["shape"])))
+            _add_box(out, entry.path, arrays[entry.path], Box.whole(tuple(array_shape(arrays[entry.path]))))
         else:
             prefix = array_path(key)
             for path, metadata in arrays.items():
                 if path == prefix or path.startswith(prefix + "/"):
-                    _add_box(out, path, metadata, Box.whole(tuple(metadata["shape"])))
+                    _add_box(out, path, metadata, Box.whole(tuple(array_shape(metadata))))
     return out
 
 
-def _add_box(out: dict[str, set[str]], path: str, metadata: dict[str, Any], box: Box) -> None:
+def _add_box(out: dict[str, set[str]], path: str, metadata: JSON, box: Box) -> None:
     """The keys of the outer chunks of the array at ``path`` that ``box`` meets."""
-    shape = tuple(metadata["shape"])
+    shape = tuple(array_shape(metadata))
     if box.size == 0 and shape:
         return
-    grid = tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    grid = tuple(outer_chunk_shape(metadata))
     counts = grid_counts(metadata)
     cells = grid_cells(box, grid, shape) if shape else [(0, box)]
     indices = [tuple(int(i) for i in np.unravel_index(flat, counts)) if counts else () for flat, _ in cells]

@@ -18,11 +18,11 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import crc32c
 
 from .._errors import CorruptCheckpointError, FormatError
+from .._format.jsontypes import JSON
 from .._format.zarr import grid_counts, parse_chunk_key
 from .._io.smallfiles import check_no_links
 
@@ -56,7 +56,7 @@ def file_sum(data: bytes | memoryview | mmap.mmap) -> FileSum:
         view.release()
 
 
-def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_members(pairs: list[tuple[str, object]]) -> JSON:
     """A JSON object's members, refusing a name given twice (JSON keeps the last: a damaged key could hide a file)."""
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -79,7 +79,7 @@ class StepRecord:
                            "world_size": self.world_size, "files": files}, separators=(",", ":")).encode()
 
     @classmethod
-    def parse(cls, data: bytes, nodes: Mapping[str, Any], where: str) -> StepRecord:
+    def parse(cls, data: bytes, nodes: Mapping[str, JSON], where: str) -> StepRecord:
         """The record in ``data``, each key checked to be a chunk key of an array among ``nodes`` (the step's
         consolidated metadata) and every chunk of every array listed; ``FormatError`` naming ``where`` otherwise."""
         try:
@@ -113,7 +113,7 @@ class StepRecord:
         return cls(step, ident, world, files)
 
 
-def _check_whole(files: Files, nodes: Mapping[str, Any], where: str) -> None:
+def _check_whole(files: Files, nodes: Mapping[str, JSON], where: str) -> None:
     """Refuse a record that leaves out a chunk of the step (a memory step stores every chunk of every array): a file
     it does not list would be loaded unchecked."""
     for path, metadata in nodes.items():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 
@@ -41,10 +41,12 @@ from .._storage.base import parse_root_bytes
 from .._torch.dist import Group
 from .needs import needed_files
 from .node import NodeMemory
-from .record import StepRecord
+from .record import FileSum, StepRecord
 from .wire import FileRef, Transfer, exchange_files
 
 __all__ = ["Survey", "choose", "memory_restore", "pick_holder", "ranks_by_node", "share_documents", "survey"]
+
+T = TypeVar("T")  # what _broadcast_from sends
 
 
 @dataclass(frozen=True)
@@ -211,14 +213,14 @@ def share_documents(node: NodeMemory, group: Group, step: int,
     return _broadcast_from(group, source, (documents, record, error))
 
 
-def _broadcast_from(group: Group, source: int, obj: Any) -> Any:
+def _broadcast_from(group: Group, source: int, obj: T) -> T:
     """``obj`` of rank ``source`` on every rank."""
     if group.size == 1:
         return obj
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group.cpu_pg, source), group=group.cpu_pg)
+    dist.broadcast_object_list(box, src=group.global_rank(source), group=group.cpu_pg)
     return box[0]
 
 
@@ -271,7 +273,7 @@ def pick_holder(path: str, key: str, holders: Mapping[str, Mapping[str, frozense
 
 
 def _plan(ids: list[str], wanted: list[dict[str, list[str]]], holders: Mapping[str, Mapping[str, frozenset[str]]],
-          files: Mapping[str, Mapping[str, Any]]) -> list[Transfer]:
+          files: Mapping[str, Mapping[str, FileSum]]) -> list[Transfer]:
     """Who sends which file to whom: each file a node's ranks need and the node lacks, once per node, from one
     holder node (chosen by the key's hash among the holders, then one of its ranks the same way)."""
     ranks_of = ranks_by_node(ids)

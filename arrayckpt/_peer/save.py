@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ArrayckptError, StateError
+from .._format.jsontypes import JSON
 from .._format.manifest import parse_root_document
 from .._format.stored import max_chunk_file_bytes
 from .._format.writers import expand_runs
@@ -173,6 +174,7 @@ def _replicate(step: int, memory: PeerMemory, node: NodeMemory, group: Group, pl
     """Everything after the ordinary save: documents to every node, the record, the replicas, the commit."""
     where = str(node.step_path(step))
     documents = group.broadcast(node.read_documents(step) if group.is_coordinator else None)
+    assert documents is not None, "every rank receives the coordinator's documents, which it read (never None)"
     if placement.leader(group.rank) and not group.is_coordinator:
         node.write_documents(step, documents)
     manifest, nodes = parse_root_document(parse_root_bytes(documents[""], where), where)
@@ -212,7 +214,7 @@ def _replicate(step: int, memory: PeerMemory, node: NodeMemory, group: Group, pl
     return MemorySaved(step, str(manifest.id), own_bytes + received)
 
 
-def _own_files(step: int, node: NodeMemory, created: Mapping[str, Any], nodes: Mapping[str, Any],
+def _own_files(step: int, node: NodeMemory, created: Mapping[str, object], nodes: Mapping[str, JSON],
                group: Group) -> list[tuple[FileRef, bytes]]:
     """The chunk files this rank wrote (``created.writers``; all of them with one rank), read back with their sums."""
     writers = created.get("writers") if group.size > 1 else None
@@ -232,7 +234,7 @@ def _own_files(step: int, node: NodeMemory, created: Mapping[str, Any], nodes: M
     return out
 
 
-def _announced(refs: object, nodes: Mapping[str, Any], rank: int, where: str) -> tuple[FileRef, ...]:
+def _announced(refs: object, nodes: Mapping[str, JSON], rank: int, where: str) -> tuple[FileRef, ...]:
     """The chunk files rank ``rank`` says it wrote, each checked by :func:`_announced_file`."""
     out = []
     for item in refs if isinstance(refs, list) else [refs]:
@@ -244,7 +246,7 @@ def _announced(refs: object, nodes: Mapping[str, Any], rank: int, where: str) ->
     return tuple(out)
 
 
-def _announced_file(item: object, nodes: Mapping[str, Any]) -> FileRef | None:
+def _announced_file(item: object, nodes: Mapping[str, JSON]) -> FileRef | None:
     """``(array path, key, size, crc32c, trailer)`` from a peer as a :class:`FileRef`, or ``None`` unless the key is a
     chunk key of an array of the step (so that no path leaves the step's directory) and the size one such a chunk
     file can have (so that no receiver allocates more)."""

@@ -55,7 +55,8 @@ class MemoryTier:
         self._copies = HostCopies()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[MemorySaved] | None = None
-        self._background: dict[ProcessGroup, Group] = {}  # the manager's group's pg -> the background collectives'
+        # the manager's group's pg -> the background collectives'
+        self._background: dict[ProcessGroup | None, Group] = {}
 
     def due(self, step: int) -> bool:
         """Whether a memory save is due at ``step``: a multiple of ``every_steps`` after the last memory step."""

@@ -66,11 +66,11 @@ def exchange_files(group: Group, transfers: Sequence[Transfer], read: Callable[[
                     data = read(ref)
                     payload += data[:ref.sum.size].ljust(ref.sum.size, b"\0")
                 tensor = torch.frombuffer(payload, dtype=torch.uint8)
-                pending.append(dist.isend(tensor, dst=dist.get_global_rank(group.cpu_pg, transfer.dst),
+                pending.append(dist.isend(tensor, dst=group.global_rank(transfer.dst),
                                           group=group.cpu_pg))
             else:
                 buffer = torch.empty(transfer.nbytes, dtype=torch.uint8)
-                pending.append(dist.irecv(buffer, src=dist.get_global_rank(group.cpu_pg, transfer.src),
+                pending.append(dist.irecv(buffer, src=group.global_rank(transfer.src),
                                           group=group.cpu_pg))
                 incoming.append((transfer, buffer))
         for work in pending:

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .._errors import CorruptCheckpointError
 from .._format.dtypes import as_typed
+from .._format.jsontypes import JSON, json_object
 from .._format.manifest import ArrayEntry
 from .._format.quant import QuantizedRows, dequantize_rows
-from .._format.zarr import unravel
+from .._format.zarr import array_shape, outer_chunk_shape, read_chunk_shape, unravel
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into
 from .._layout.box import Box, grid_cells
 
@@ -75,7 +76,7 @@ def dense_layer(checkpoint: ChainSource, key: str) -> Dense:
     return Dense(layer, entry.key)
 
 
-def dense_metadata(checkpoint: ChainSource, key: str) -> dict[str, Any]:
+def dense_metadata(checkpoint: ChainSource, key: str) -> JSON:
     """The array metadata of tensor ``key`` in the nearest layer of the chain storing it as an array of its shape
     (``checkpoint`` itself, or a base for a rows delta)."""
     dense = dense_layer(checkpoint, key)
@@ -85,11 +86,7 @@ def dense_metadata(checkpoint: ChainSource, key: str) -> dict[str, Any]:
 def dense_grid(checkpoint: ChainSource, key: str) -> tuple[int, ...]:
     """The read-chunk shape of :func:`dense_metadata` (inner chunks when sharded): the grid a delta of ``key``
     against this checkpoint compares and stores chunks on."""
-    metadata = dense_metadata(checkpoint, key)
-    codecs = metadata.get("codecs", [])
-    if codecs and codecs[0].get("name") == "sharding_indexed":
-        return tuple(codecs[0]["configuration"]["chunk_shape"])
-    return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    return tuple(read_chunk_shape(dense_metadata(checkpoint, key)))
 
 
 def read_plan(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray) -> tuple[list[ArrayIO], list[Overlay]]:
@@ -115,7 +112,7 @@ def plan_box(checkpoint: ChainSource, key: str, box: Box, out: np.ndarray, jobs:
         plan_box(base, key, box, out, jobs, overlays)
         overlays.append(lambda: _overlay_rows(checkpoint, entry, box, out))
         return
-    grid = tuple(checkpoint.metadata[key]["chunk_grid"]["configuration"]["chunk_shape"])
+    grid = tuple(outer_chunk_shape(checkpoint.metadata[key]))
     stored = _present_in(checkpoint.present_chunks(key), box, grid, entry.shape) if box.size else []
     if not stored:
         plan_box(base, key, box, out, jobs, overlays)
@@ -128,7 +125,7 @@ class _Layer(NamedTuple):
 
     base: ChainSource
     key: str
-    spec: dict[str, Any]
+    spec: JSON
     grid: tuple[int, ...]
 
 
@@ -188,7 +185,7 @@ def delta_rows(checkpoint: ChainSource, entry: ArrayEntry) -> np.ndarray:
     cache = checkpoint.rows_cache
     if entry.key not in cache:
         spec = checkpoint.rows_delta_spec(entry, "rows")
-        rows = np.empty(tuple(spec["metadata"]["shape"]), np.int64)
+        rows = np.empty(tuple(array_shape(json_object(spec.get("metadata")))), np.int64)
         read_into([ArrayIO(entry.key, spec, rows)], checkpoint.read_context, str(checkpoint.location))
         checkpoint.check_delta_rows(entry, rows)
         cache[entry.key] = rows

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._format.jsontypes import JSON
 from .._format.manifest import ArrayEntry
 from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box
@@ -42,7 +43,7 @@ class LazyArray:
         ((3, 2), torch.bfloat16, [[2.0, 3.0], [4.0, 5.0]], tensor([0., 1.], dtype=torch.bfloat16))
     """
 
-    def __init__(self, stored: StoredCheckpoint, entry: ArrayEntry, metadata: dict[str, Any]) -> None:
+    def __init__(self, stored: StoredCheckpoint, entry: ArrayEntry, metadata: JSON) -> None:
         self._stored = stored  # its checkpoint's: every read goes through it
         self.entry = entry
         self.metadata = metadata
@@ -87,7 +88,7 @@ class LazyArray:
         return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.entry.dtype.name})"
 
     @property
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JSON:
         """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
         has no array of the tensor's shape: read it by slicing instead."""
         if self.entry.delta is not None and self.entry.delta.mode == "rows":

@@ -20,6 +20,7 @@ import torch
 
 from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from .._format.dtypes import dtype_of_numpy
+from .._format.jsontypes import JSON
 from .._format.keys import dotted
 from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry
 from .._format.values import decode_value
@@ -42,6 +43,8 @@ from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from .._io.arrays import StoreContext
 
 __all__ = ["LoadResult", "load"]
@@ -80,7 +83,7 @@ def load(
     *,
     strict: bool = True,
     allow_pickle: bool = False,
-    process_group: Any = None,
+    process_group: ProcessGroup | Group | None = None,
     read_once: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     atomic: bool = False,
@@ -292,12 +295,12 @@ class _LoadPlan:
         if isinstance(leaf.parent, tuple):
             raise StateError(f"{self.where}: cannot replace {dotted(leaf.parts)!r} inside a tuple; use a list")
 
-    def _fresh(self, entry: ArrayEntry, spec: dict[str, Any] | None) -> torch.Tensor | np.ndarray:
+    def _fresh(self, entry: ArrayEntry, spec: JSON | None) -> torch.Tensor | np.ndarray:
         fresh = _empty_like_entry(entry)
         self._array(entry, spec, fresh)
         return fresh
 
-    def _array(self, entry: ArrayEntry, spec: dict[str, Any] | None,
+    def _array(self, entry: ArrayEntry, spec: JSON | None,
                target: torch.Tensor | Shard | np.ndarray) -> None:
         """Read the part of ``entry`` that ``target`` holds (a DTensor's or Shard's box, else everything);
         ``spec`` names the array (``None``: the checkpoint's array of that key, through its chain of bases)."""
@@ -335,11 +338,11 @@ class _LoadPlan:
             self._read(entry, spec, box, writable_numpy(staged, entry.dtype, key))
             self.copies.append((local, staged))
 
-    def _read(self, entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> None:
+    def _read(self, entry: ArrayEntry, spec: JSON | None, box: Box, out: np.ndarray) -> None:
         self.requests.append(self._request(entry, spec, box, out))
 
     @staticmethod
-    def _request(entry: ArrayEntry, spec: dict[str, Any] | None, box: Box, out: np.ndarray) -> Request:
+    def _request(entry: ArrayEntry, spec: JSON | None, box: Box, out: np.ndarray) -> Request:
         if spec is None:
             return ChainRead(entry.key, box, out)
         return ArrayIO(entry.key, spec, out, box.slices() if box.shape else None)

@@ -23,11 +23,12 @@ of one array is read by :class:`ArraySlices`. Whatever runs them, the checks are
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .._errors import ArrayckptError
+from .._format.jsontypes import JSON
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into, typed_data
 from .._layout.box import Box
 from .._read.chain import Overlay, plan_box
@@ -90,7 +91,7 @@ class ArraySlices:
     them). ``read_into`` starts threads (its local fast path, its TensorStore transfers) and opens the array for
     every call, which costs more than a small read: ~1.5 ms instead of ~0.15 ms per slice of a small tensor."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: JSON) -> None:
         self.spec = spec  # every job's spec (the array's)
         self._store: ts.TensorStore | None = None
 

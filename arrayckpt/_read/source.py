@@ -9,7 +9,9 @@ members.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from .._format.jsontypes import JSON
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,7 +32,7 @@ class ChainSource(Protocol):
     rows_cache: dict[str, np.ndarray]
 
     @property
-    def metadata(self) -> Mapping[str, dict[str, Any]]:
+    def metadata(self) -> Mapping[str, JSON]:
         """Each array entry's array metadata (``{}`` for a rows delta)."""
 
     @property
@@ -41,13 +43,13 @@ class ChainSource(Protocol):
     def read_context(self) -> StoreContext:
         """The context every read of data uses (raises once the checkpoint is closed)."""
 
-    def read_spec(self, key: str) -> dict[str, Any]:
+    def read_spec(self, key: str) -> JSON:
         """The array spec of array entry ``key`` (not a rows delta)."""
 
     def present_chunks(self, key: str) -> frozenset[int]:
         """A chunks delta's stored chunks (flat grid indices)."""
 
-    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
+    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> JSON:
         """The array spec of one part (``rows``, ``values``, ...) of a rows delta."""
 
     def check_delta_rows(self, entry: ArrayEntry, rows: np.ndarray) -> None:

@@ -39,10 +39,11 @@ from .._errors import (
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import DTYPES, DType, dtype_by_name
+from .._format.jsontypes import JSON, json_object
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry, parse_root_document, per_rank_path
 from .._format.quant import packed_columns
 from .._format.values import decode_value
-from .._format.zarr import check_array_metadata, grid_counts
+from .._format.zarr import array_shape, check_array_metadata, grid_counts
 from .._io.arrays import ArrayIO, array_spec
 from .._io.smallfiles import check_no_links
 from .._read.reader import ArraySlices, read
@@ -85,11 +86,11 @@ class StoredCheckpoint:
         try:
             self.manifest, nodes = parse_root_document(document, where)
             #: The root's consolidated metadata: every node's ``zarr.json`` document by path (read-only).
-            self.nodes: MappingProxyType[str, dict[str, Any]] = MappingProxyType(nodes)
+            self.nodes: MappingProxyType[str, JSON] = MappingProxyType(nodes)
             if self.manifest.base is not None:  # refused at open, not at the first read through it (no IO)
                 follow_base(location, self.manifest.base.path, base_roots)
             #: Each array entry's array metadata, checked (``{}`` for a rows delta: it has no array of its shape).
-            self.metadata: dict[str, dict[str, Any]] = {}
+            self.metadata: dict[str, JSON] = {}
             for key, entry in self.manifest.entries.items():
                 if isinstance(entry, ArrayEntry):
                     rows = entry.delta is not None and entry.delta.mode == "rows"
@@ -102,7 +103,7 @@ class StoredCheckpoint:
             raise
         self._read_context: StoreContext | None = None  # made on the first read of data (importing TensorStore then)
         self.rows_cache: dict[str, np.ndarray] = {}  # row indices of rows deltas, by key (chain.delta_rows)
-        self._specs: dict[str, dict[str, Any]] = {}  # read_spec, by key
+        self._specs: dict[str, JSON] = {}  # read_spec, by key
         self._slices: dict[str, ArraySlices] = {}  # slices, by key
         self._present: dict[str, frozenset[int]] = {}  # present_chunks, by key
         self._closed = False
@@ -211,7 +212,7 @@ class StoredCheckpoint:
 
     # --- specs and checks ---------------------------------------------------------------------------------
 
-    def read_spec(self, key: str) -> dict[str, Any]:
+    def read_spec(self, key: str) -> JSON:
         """The TensorStore spec of array entry ``key`` (not a rows delta), built once for the read path (which
         never changes it)."""
         spec = self._specs.get(key)
@@ -228,15 +229,15 @@ class StoredCheckpoint:
             execute = self._slices[key] = ArraySlices(self.read_spec(key))
         return execute
 
-    def node_kvstore(self, path: str) -> dict[str, Any]:
+    def node_kvstore(self, path: str) -> JSON:
         """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage, whose
         node directories must not be symbolic links: spec §12)."""
         self.check_open()
         if self._kvstore.get("driver") == "file":
-            check_no_links(self._kvstore["path"], path, str(self.location))
+            check_no_links(str(self._kvstore["path"]), path, str(self.location))
         return kvstore_at(self._kvstore, path)
 
-    def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
+    def array_spec(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> JSON:
         """The TensorStore spec of the array at ``path`` (of entry ``key``), its metadata checked to describe a
         checksummed ``dtype`` array of ``shape`` (:class:`arrayckpt.FormatError` if not)."""
         return array_spec(self.node_kvstore(path), self._node(path, key, dtype, shape))
@@ -251,13 +252,13 @@ class StoredCheckpoint:
             self._present[key] = frozenset(entry.delta.present)
         return self._present[key]
 
-    def _check_present(self, key: str, largest: int, metadata: dict[str, Any]) -> None:
+    def _check_present(self, key: str, largest: int, metadata: JSON) -> None:
         count = math.prod(grid_counts(metadata))
         if largest >= count:
             raise FormatError(f"{self.location}: entry {key!r}: its delta names chunk {largest}, beyond its "
                               f"{count}-chunk grid: the manifest is damaged or crafted")
 
-    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> dict[str, Any]:
+    def rows_delta_spec(self, entry: ArrayEntry, name: str) -> JSON:
         """Spec of one array of a rows delta (``rows``, ``values``, ``codes``, ``scale``, ``offset``), checked."""
         assert entry.delta is not None
         count = self._delta_count(entry)
@@ -294,13 +295,13 @@ class StoredCheckpoint:
             raise CorruptCheckpointError(f"{where} are {len(changed)}, but the manifest records {entry.delta.rows}: "
                                          "the checkpoint is damaged or crafted")
 
-    def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> dict[str, Any]:
+    def _node(self, path: str, key: str, dtype: DType, shape: tuple[int, ...]) -> JSON:
         where = f"{self.location}: entry {key!r}"
         metadata = check_array_metadata(self.nodes.get(path), shape, dtype.name, where)
         check_checksummed(metadata, where)
         return metadata
 
-    def per_rank_spec(self, key: str, rank: int) -> dict[str, Any]:
+    def per_rank_spec(self, key: str, rank: int) -> JSON:
         """TensorStore spec of rank ``rank``'s array of per-rank entry ``key``."""
         entry = self.manifest.entries[key]
         item = entry.items[rank] if isinstance(entry, PerRankEntry) and 0 <= rank < len(entry.items) else None
@@ -310,7 +311,7 @@ class StoredCheckpoint:
 
     # --- plain values ---------------------------------------------------------------------------------------
 
-    def pickle_spec(self, key: str) -> dict[str, Any]:
+    def pickle_spec(self, key: str) -> JSON:
         """TensorStore spec of the bytes of pickled value ``key`` (a uint8 array), checked."""
         entry = self.manifest.entries[key]
         if not isinstance(entry, PickleEntry):
@@ -320,7 +321,7 @@ class StoredCheckpoint:
     def pickle_bytes(self, key: str) -> bytes:
         """The stored bytes of pickled value ``key``, read (checksum checked) but never unpickled."""
         spec = self.pickle_spec(key)
-        raw = np.empty(tuple(spec["metadata"]["shape"]), np.uint8)
+        raw = np.empty(tuple(array_shape(json_object(spec.get("metadata")))), np.uint8)
         read(self, [ArrayIO(key, spec, raw)])
         return raw.tobytes()
 

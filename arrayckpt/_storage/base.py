@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointError, FormatError, LocationError
 from .._format.integrity import check_root_integrity
-from .._format.jsontypes import JSON
+from .._format.jsontypes import JSON, member
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
@@ -106,7 +106,7 @@ class Location(abc.ABC):
     # --- data ------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+    def kvstore(self, subpath: str = "") -> JSON:
         """TensorStore kvstore spec of the "directory" ``subpath`` inside the checkpoint (ends in ``/``)."""
 
     @abc.abstractmethod
@@ -120,7 +120,7 @@ class Location(abc.ABC):
     # --- reading ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def read_root(self) -> dict[str, Any]:
+    def read_root(self) -> JSON:
         """The parsed root ``zarr.json`` of a committed checkpoint. Raises ``CheckpointNotFoundError`` when
         nothing is there, ``IncompleteCheckpointError`` when data but no root document is (a save that never
         committed), ``CorruptCheckpointError`` when the root document is not JSON, ``StorageError`` when
@@ -245,7 +245,7 @@ class Writer(abc.ABC):
     target: Location  # where the ranks write the data (may differ from ``location``: a temporary directory)
     key_encoding: str  # the Zarr chunk key encoding the save's arrays must use ("default" or "v2")
 
-    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+    def kvstore(self, subpath: str = "") -> JSON:
         """TensorStore kvstore spec of ``subpath`` inside the checkpoint being written."""
         return self.target.kvstore(subpath)
 
@@ -305,7 +305,7 @@ class Opened(NamedTuple):
     """What :meth:`Location.open_committed` gives: the committed checkpoint opened for reading."""
 
     document: JSON  # the root document, parsed and checked
-    kvstore: dict[str, Any]  # the TensorStore kvstore spec to read its data through
+    kvstore: JSON  # the TensorStore kvstore spec to read its data through
     release: Callable[[], None]  # releases what the open holds (call it once, when done)
     token: Any  # for :meth:`Location.changed_since`
 
@@ -394,7 +394,7 @@ def parse_root_bytes(data: bytes, where: object) -> JSON:
     except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an integer of too many digits
         problem = e if isinstance(e, ValueError) else "JSON nested too deeply"
         raise CorruptCheckpointError(f"{where}: root zarr.json is damaged: {problem}") from None
-    if is_arrayckpt_root(document) and isinstance(manifest := document["attributes"][MANIFEST_ATTRIBUTE], dict):
+    if is_arrayckpt_root(document) and isinstance(manifest := member(document, "attributes", MANIFEST_ATTRIBUTE), dict):
         version = manifest.get("format_version")
         required = isinstance(version, int) and version >= INTEGRITY_VERSION
         check_root_integrity(data, manifest, required, where)

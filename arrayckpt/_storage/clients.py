@@ -13,6 +13,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._format.jsontypes import JSON
 from .._settings import settings
 
 if TYPE_CHECKING:
@@ -29,14 +30,14 @@ os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "60")
 
 
 def driver_spec(scheme: str, bucket: str, options: Mapping[str, Any],
-                environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+                environ: Mapping[str, str] = os.environ) -> JSON:
     """The TensorStore kvstore spec of a bucket, without its path (``memory``: the process's in-memory store);
     ``environ``: the environment variables that say where credentials come from."""
     if scheme == "memory":
         return {"driver": "memory"}
     if scheme == "gs":
         return {"driver": "gcs", "bucket": bucket}
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket}
+    spec: JSON = {"driver": "s3", "bucket": bucket}
     if options.get("endpoint_url"):
         spec["endpoint"] = options["endpoint_url"]
     if options.get("region"):
@@ -105,7 +106,7 @@ def object_context(scheme: str, options_key: tuple[tuple[str, Any], ...]) -> ts.
             retries = {"max_retries": int(options.get("max_retries", settings().object_retries)),
                        "initial_delay": "50ms", "max_delay": "5s"}
             limit = {"limit": int(options.get("request_concurrency", settings().object_concurrency))}
-            spec: dict[str, Any] = {}
+            spec: JSON = {}
             if scheme == "s3":
                 spec = {"s3_request_retries": retries, "s3_request_concurrency": limit}
             elif scheme == "gs":

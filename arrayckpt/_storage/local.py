@@ -32,6 +32,7 @@ from .._errors import (
     LocationError,
     StorageError,
 )
+from .._format.jsontypes import JSON
 from .._format.manifest import is_arrayckpt_root
 from .._io.arrays import LazyContext, read_context, write_context
 from .._io.smallfiles import first_link, read_checkpoint_file, read_regular_file
@@ -83,7 +84,7 @@ class LocalLocation(Location):
     def native(self) -> Path:
         return self.path
 
-    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+    def kvstore(self, subpath: str = "") -> JSON:
         """TensorStore kvstore spec of a directory inside the checkpoint."""
         return file_kvstore(self.path, subpath)
 
@@ -98,7 +99,7 @@ class LocalLocation(Location):
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def read_root(self) -> dict[str, Any]:
+    def read_root(self) -> JSON:
         return read_root_json(self)
 
     def open_committed(self) -> Opened:
@@ -297,7 +298,7 @@ def _newest_mtime(path: Path) -> float:
     return newest
 
 
-def file_kvstore(root: Path | str, subpath: str) -> dict[str, Any]:
+def file_kvstore(root: Path | str, subpath: str) -> JSON:
     """TensorStore's ``file`` kvstore spec of ``root/subpath/`` (plain strings: called once per array)."""
     return {"driver": "file", "path": f"{root}/{subpath}/" if subpath else f"{root}/"}
 
@@ -315,7 +316,7 @@ def _identity(path: str) -> tuple[int, int] | None:
     return held.st_dev, held.st_ino
 
 
-def read_root_json(location: LocalLocation, directory: str | None = None) -> dict[str, Any]:
+def read_root_json(location: LocalLocation, directory: str | None = None) -> JSON:
     """The root ``zarr.json`` of a committed checkpoint (read from ``directory`` if given, e.g. a pinned
     one), or a clear error saying what is there instead."""
     root = Path(directory or location.path) / ROOT_METADATA

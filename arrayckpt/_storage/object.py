@@ -33,6 +33,7 @@ from .._errors import (
     LocationError,
     StorageError,
 )
+from .._format.jsontypes import JSON, json_object, member
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .base import (
@@ -98,7 +99,7 @@ class ObjectLocation(Location):
     def option(self) -> dict[str, Any]:
         return dict(self.options)
 
-    def kvstore(self, subpath: str = "") -> dict[str, Any]:
+    def kvstore(self, subpath: str = "") -> JSON:
         """TensorStore kvstore spec of a "directory" (key prefix) inside the checkpoint."""
         # the memory kvstore has no buckets: the bucket is the first path segment there
         path = "/".join(p for p in (self.bucket if self.scheme == "memory" else "", self.prefix, subpath) if p)
@@ -146,11 +147,11 @@ class ObjectLocation(Location):
         except Exception as e:
             raise StorageError(f"{self}: cannot open the object store: {e}") from e
 
-    def read_root(self) -> dict[str, Any]:
+    def read_root(self) -> JSON:
         """The root ``zarr.json`` of a committed checkpoint, or a clear error saying what is there instead."""
         return self._read_root_stamped()[0]
 
-    def _read_root_stamped(self) -> tuple[dict[str, Any], bytes]:
+    def _read_root_stamped(self) -> tuple[JSON, bytes]:
         store = self.open_store()
         try:
             result = store.read(ROOT_METADATA).result()
@@ -321,7 +322,7 @@ for _scheme in OBJECT_SCHEMES:
     register_scheme(_scheme, parse_object_url)
 
 
-def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
+def stale_keys(keys: list[str], nodes: Mapping[str, JSON]) -> list[str]:
     """The keys among ``keys`` that are arrayckpt-shaped but not part of the checkpoint whose consolidated
     node metadata is ``nodes``: chunks of another generation or of arrays it does not have, documents of
     nodes it does not have."""
@@ -340,10 +341,10 @@ def stale_keys(keys: list[str], nodes: Mapping[str, Any]) -> list[str]:
     return stale
 
 
-def _encoding_of(nodes: Mapping[str, Any]) -> str:
+def _encoding_of(nodes: Mapping[str, JSON]) -> str:
     for metadata in nodes.values():
         if isinstance(metadata, dict) and metadata.get("node_type") == "array":
-            return str(metadata.get("chunk_key_encoding", {}).get("name", "default"))
+            return str(json_object(metadata.get("chunk_key_encoding")).get("name", "default"))
     return "default"
 
 
@@ -356,7 +357,7 @@ class ObjectWriter(Writer):
         self.location = location
         self.store = location.open_store()
         self.target = location  # where the ranks write
-        self._old_nodes: dict[str, Any] | None = None  # the committed checkpoint being replaced
+        self._old_nodes: dict[str, JSON] | None = None  # the committed checkpoint being replaced
         self._deferred: Mapping[str, bytes] = {}
         self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
         self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
@@ -381,8 +382,7 @@ class ObjectWriter(Writer):
                 raise CheckpointExistsError(
                     f"{location}: a committed checkpoint is already here; pass overwrite=True to replace it "
                     "(the old one stays readable until the new one commits)")
-            metadata = document["consolidated_metadata"]["metadata"] if isinstance(
-                document.get("consolidated_metadata"), dict) else {}
+            metadata = member(document, "consolidated_metadata", "metadata")
             self._old_nodes = metadata if isinstance(metadata, dict) else {}
             self._refuse_nested(_list(self.store, location))
         else:

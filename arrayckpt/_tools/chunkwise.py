@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._format.dtypes import dtype_by_name
-from .._format.zarr import chunk_key, grid_indices, unravel
+from .._format.jsontypes import JSON, json_object, member
+from .._format.zarr import array_shape, chunk_key, grid_indices, outer_chunk_shape, unravel
 from .._io.arrays import ArrayIO
 from .._read.reader import read
 
@@ -35,7 +36,7 @@ class ChunkRef:
     array_path: str  # the array's path inside the checkpoint
     file: str  # the chunk file's path inside the checkpoint, e.g. ``model/w/c.1.0``
     index: tuple[slice, ...]  # the part of the array it holds (clipped to the array's shape)
-    spec: dict[str, Any]  # the array's TensorStore spec
+    spec: JSON  # the array's TensorStore spec
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -43,25 +44,25 @@ class ChunkRef:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_by_name(self.spec["metadata"]["data_type"]).itemsize
+        return math.prod(self.shape) * dtype_by_name(member(self.spec, "metadata", "data_type")).itemsize
 
 
-def chunk_shape(metadata: dict[str, Any]) -> tuple[int, ...]:
+def chunk_shape(metadata: JSON) -> tuple[int, ...]:
     """The outer (write-unit) chunk shape of an array's ``zarr.json`` document."""
-    return tuple(metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    return tuple(outer_chunk_shape(metadata))
 
 
-def chunk_file(metadata: dict[str, Any], grid_index: tuple[int, ...]) -> str:
+def chunk_file(metadata: JSON, grid_index: tuple[int, ...]) -> str:
     """The chunk key of outer chunk ``grid_index`` (``c.1.0``; ``c`` for a 0-d array)."""
     return chunk_key(metadata, grid_index)
 
 
-def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
+def iter_chunks(key: str, array_path: str, spec: JSON,
                 flat: Iterable[int] | None = None) -> Iterator[ChunkRef]:
     """Every outer chunk of an array in C order, or those at the C-order positions ``flat`` (none for an array with
     no elements). Lazy: memory does not grow with the number of chunks."""
-    metadata = spec["metadata"]
-    shape = tuple(metadata["shape"])
+    metadata = json_object(spec.get("metadata"))
+    shape = tuple(array_shape(metadata))
     if math.prod(shape) == 0:
         return
     chunk = chunk_shape(metadata)
@@ -79,7 +80,7 @@ def iter_chunks(key: str, array_path: str, spec: dict[str, Any],
 def read_chunks(checkpoint: StoredCheckpoint, chunks: list[ChunkRef]) -> list[np.ndarray]:
     """Read whole outer chunks of ``checkpoint``'s arrays concurrently into new arrays (checksums verified);
     raises on the first failure."""
-    out = [np.empty(chunk.shape, dtype_by_name(chunk.spec["metadata"]["data_type"]).numpy) for chunk in chunks]
+    out = [np.empty(chunk.shape, dtype_by_name(member(chunk.spec, "metadata", "data_type")).numpy) for chunk in chunks]
     read(checkpoint, [ArrayIO(chunk.key, chunk.spec, data, chunk.index or None)
                       for chunk, data in zip(chunks, out, strict=True)])
     return out

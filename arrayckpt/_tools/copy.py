@@ -47,6 +47,7 @@ from .._errors import (
 )
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
+from .._format.jsontypes import JSON, json_object, member
 from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.paths import is_location_reference
 from .._format.zarr import check_array_metadata
@@ -91,7 +92,7 @@ class CopyResult:
     objects: int
     bytes_copied: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"source": self.source, "destination": self.destination, "id": self.id, "copied": list(self.copied),
                 "skipped": list(self.skipped), "objects": self.objects, "bytes_copied": self.bytes_copied}
 
@@ -198,7 +199,7 @@ def _holds(place: Location, identity: str | None, base: bool) -> bool:
         if base:
             raise
         return False  # the writer decides what may be replaced
-    manifest = document.get("attributes", {}).get(MANIFEST_ATTRIBUTE)
+    manifest = member(document, "attributes", MANIFEST_ATTRIBUTE)
     found = manifest.get("id") if isinstance(manifest, dict) else None
     if identity is not None and found == identity:
         return True
@@ -216,10 +217,10 @@ def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool,
     arrays = _arrays(checkpoint, where)
     with begin_write(target, overwrite) as transaction:
         encoding = transaction.key_encoding  # what the destination's writer needs (object storage: the generation)
-        nodes: dict[str, Any] = {}
+        nodes: dict[str, JSON] = {}
         for path, node in checkpoint.nodes.items():
             if isinstance(node, dict) and node.get("node_type") == "array" \
-                    and node["chunk_key_encoding"].get("name") != encoding:
+                    and json_object(node.get("chunk_key_encoding")).get("name") != encoding:
                 node = {**node, "chunk_key_encoding": {"name": encoding, "configuration": {"separator": "."}}}
             nodes[path] = node
         arrays = [ArrayCopy(a.path, a.key, a.source, nodes[a.path], a.present) for a in arrays]

@@ -17,15 +17,16 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._errors import ArrayckptError, CorruptCheckpointError, StorageError
 from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
+from .._format.jsontypes import JSON
 from .._format.stored import stored_content_crc
-from .._format.zarr import chunk_key, grid_counts, grid_indices
+from .._format.zarr import array_shape, chunk_key, grid_counts, grid_indices, outer_chunk_shape
 from .._io.arrays import LazyContext, resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.smallfiles import read_checkpoint_file
@@ -92,14 +93,14 @@ class ArrayCopy:
 
     path: str
     key: str
-    source: dict[str, Any]
-    target: dict[str, Any]
+    source: JSON
+    target: JSON
     present: tuple[int, ...] | None
 
     def chunks(self) -> Iterator[tuple[int, ...]]:
         """The grid index of every stored chunk, in digest order (lazily: a grid is never listed)."""
         counts = grid_counts(self.source)
-        if math.prod(self.source["shape"]) == 0:
+        if math.prod(array_shape(self.source)) == 0:
             return iter(())
         if self.present is None:
             return grid_indices([range(n) for n in counts])
@@ -107,9 +108,8 @@ class ArrayCopy:
 
     def extent(self, grid_index: tuple[int, ...]) -> tuple[slice, ...]:
         """The in-bounds part of a chunk, in array coordinates."""
-        chunk = self.source["chunk_grid"]["configuration"]["chunk_shape"]
-        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, chunk, self.source["shape"],
-                                                                            strict=True))
+        chunk, shape = outer_chunk_shape(self.source), array_shape(self.source)
+        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(grid_index, chunk, shape, strict=True))
 
     @property
     def itemsize(self) -> int:
@@ -118,7 +118,7 @@ class ArrayCopy:
     def nbytes(self) -> int:
         """Array bytes of the stored chunks (what progress counts)."""
         if self.present is None:
-            return math.prod(self.source["shape"]) * self.itemsize
+            return math.prod(array_shape(self.source)) * self.itemsize
         return sum(math.prod(s.stop - s.start for s in self.extent(g)) for g in self.chunks()) * self.itemsize
 
 
@@ -126,10 +126,10 @@ class FileCopier:
     """Copies the chunk files of one checkpoint from ``source_kvstore`` (read with ``source``'s context) to
     ``target``; see the module docstring."""
 
-    def __init__(self, source: Location, source_kvstore: dict[str, Any], target: Location, *, throttle: Throttle,
+    def __init__(self, source: Location, source_kvstore: JSON, target: Location, *, throttle: Throttle,
                  read_back: bool, concurrency: int, progress: Progress | None) -> None:
         self._where = str(source)
-        self._local = source_kvstore["path"] if source_kvstore.get("driver") == "file" else None
+        self._local = str(source_kvstore["path"]) if source_kvstore.get("driver") == "file" else None
         self._source = None if self._local else _open(source_kvstore, source.read_context(), self._where)
         self._target = _open(target.kvstore(), target.write_context(), str(target))
         self._target_name = str(target)
@@ -174,7 +174,7 @@ class FileCopier:
     def _copy_file(self, array: ArrayCopy, grid_index: tuple[int, ...]) -> int:
         """Copy one chunk file, checked; returns its content checksum. Retries it after a storage error."""
         name = chunk_key(array.source, grid_index)
-        claim = math.prod(array.source["chunk_grid"]["configuration"]["chunk_shape"]) * array.itemsize
+        claim = math.prod(outer_chunk_shape(array.source)) * array.itemsize
         self._budget.acquire(claim)
         try:
             for delay in (*RETRY_DELAYS, None):
@@ -241,7 +241,7 @@ class FileCopier:
             return decoder
 
 
-def _open(spec: dict[str, Any], context: ts.Context | LazyContext, where: str) -> ts.KvStore:
+def _open(spec: JSON, context: ts.Context | LazyContext, where: str) -> ts.KvStore:
     try:
         import tensorstore as ts  # on first use (CLI start-up)
         return ts.KvStore.open(spec, context=resolve_context(context)).result()

@@ -31,9 +31,9 @@ from .._errors import (
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
-from .._format.jsontypes import JSON
+from .._format.jsontypes import JSON, json_object
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
-from .._format.zarr import check_array_metadata
+from .._format.zarr import array_shape, check_array_metadata
 from .._read.checkpoint import open_location, stored_of
 from .._read.stored import StoredCheckpoint
 from .._settings import settings
@@ -217,7 +217,7 @@ def _verify_layer(checkpoint: StoredCheckpoint, damage: list[Damage], batch_byte
                   progress: Progress | None) -> tuple[int, int, int]:
     """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
     location, nodes = checkpoint.location, checkpoint.nodes
-    stored: list[tuple[str, str, dict[str, Any]]] = []  # one item per array (the manifest's size), never per chunk
+    stored: list[tuple[str, str, JSON]] = []  # one item per array (the manifest's size), never per chunk
     for key, array_path, spec in _arrays(checkpoint, nodes, damage):
         stored.append((key, array_path, spec))
         damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
@@ -242,7 +242,7 @@ def _verify_layer(checkpoint: StoredCheckpoint, damage: list[Damage], batch_byte
     return len(stored), count, checked
 
 
-def _walk(checkpoint: StoredCheckpoint, stored: list[tuple[str, str, dict[str, Any]]],
+def _walk(checkpoint: StoredCheckpoint, stored: list[tuple[str, str, JSON]],
           failed: Mapping[str, int]) -> Iterator[ChunkRef]:
     """The chunks of every array, lazily, leaving an array once ``MAX_ARRAY_DAMAGE`` of its chunks were found
     damaged (``failed``, filled in as the chunks are read): a crafted grid of millions of missing chunks costs a
@@ -264,7 +264,7 @@ def _delta_present(checkpoint: StoredCheckpoint, key: str, array_path: str) -> f
 
 
 def _present_chunks(checkpoint: StoredCheckpoint, key: str, array_path: str,
-                    spec: dict[str, Any]) -> Iterator[ChunkRef]:
+                    spec: JSON) -> Iterator[ChunkRef]:
     """The chunks an array stores, lazily: all of them, except in a chunks delta (only the changed ones)."""
     present = _delta_present(checkpoint, key, array_path)
     if present is None:
@@ -272,17 +272,17 @@ def _present_chunks(checkpoint: StoredCheckpoint, key: str, array_path: str,
     return iter_chunks(key, array_path, spec, sorted(present))
 
 
-def _stored_bytes(checkpoint: StoredCheckpoint, key: str, array_path: str, spec: dict[str, Any]) -> int:
+def _stored_bytes(checkpoint: StoredCheckpoint, key: str, array_path: str, spec: JSON) -> int:
     """The bytes :func:`_present_chunks` yields, computed without listing the chunks of a full array."""
     present = _delta_present(checkpoint, key, array_path)
     if present is None:
-        metadata = spec["metadata"]
-        return math.prod(metadata["shape"]) * dtype_by_name(metadata["data_type"]).itemsize
+        metadata = json_object(spec.get("metadata"))
+        return math.prod(array_shape(metadata)) * dtype_by_name(metadata.get("data_type")).itemsize
     return sum(chunk.nbytes for chunk in _present_chunks(checkpoint, key, array_path, spec))
 
 
-def _arrays(checkpoint: StoredCheckpoint, nodes: Mapping[str, Any],
-            damage: list[Damage]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def _arrays(checkpoint: StoredCheckpoint, nodes: Mapping[str, JSON],
+            damage: list[Damage]) -> Iterator[tuple[str, str, JSON]]:
     """(key, array path, spec) of every stored array: tensors, per-rank arrays and pickled values."""
     location = checkpoint.location
     for key, entry in checkpoint.manifest.entries.items():
@@ -335,7 +335,7 @@ def _pickle_metadata_problem(metadata: object, entry: PickleEntry) -> str | None
 
 
 def _check_node_file(location: Location, key: str | None, node_path: str,
-                     document: dict[str, Any]) -> list[Damage]:
+                     document: JSON) -> list[Damage]:
     """A node's own ``zarr.json`` must exist and agree with the consolidated copy in the root document."""
     file = f"{node_path}/{ROOT_METADATA}"
     try:

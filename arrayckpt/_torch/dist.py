@@ -8,9 +8,9 @@ each rank its part of the plan, gather the write results, broadcast the commit o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from .._errors import CollectiveError
 
@@ -21,6 +21,8 @@ __all__ = ["Group", "resolve_group"]
 
 _CPU_GROUPS: dict[ProcessGroup | None, ProcessGroup | None] = {}
 
+T = TypeVar("T")  # what one collective exchanges: the same type on every rank
+
 
 @dataclass(frozen=True)
 class Group:
@@ -28,36 +30,45 @@ class Group:
 
     rank: int
     size: int
-    pg: Any = None  # the user's process group (None: single process)
-    cpu_pg: Any = None  # a gloo group over the same ranks, for object collectives
+    pg: ProcessGroup | None = None  # the user's process group (None: single process)
+    cpu_pg: ProcessGroup | None = None  # a gloo group over the same ranks, for object collectives (None: no torch)
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def global_rank(self, rank: int) -> int:
+        """Rank ``rank`` of this group in torch's global numbering: what torch's collectives over :attr:`cpu_pg`
+        take as source or destination."""
+        import torch.distributed as dist
+
+        assert self.cpu_pg is not None, "only a group of several processes exchanges through torch, and " \
+            "resolve_group gives every such group its gloo group"
+        return dist.get_global_rank(self.cpu_pg, rank)
+
+    def gather(self, obj: T) -> list[T] | None:
         """Every rank's ``obj`` on the coordinator (``None`` elsewhere)."""
         if self.size == 1:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] | None = [None] * self.size if self.is_coordinator else None
+        out: list[T] | None = [obj] * self.size if self.is_coordinator else None  # each slot overwritten
         with _collective("gather", self.rank):
-            dist.gather_object(obj, out, dst=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
+            dist.gather_object(obj, out, dst=self.global_rank(0), group=self.cpu_pg)
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: T) -> T:
         """The coordinator's ``obj`` on every rank."""
         if self.size == 1:
             return obj
         import torch.distributed as dist
 
-        box = [obj if self.is_coordinator else None]
+        box = [obj]  # what the other ranks pass is replaced by the coordinator's
         with _collective("broadcast", self.rank):
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
+            dist.broadcast_object_list(box, src=self.global_rank(0), group=self.cpu_pg)
         return box[0]
 
-    def scatter(self, objs: list[Any] | None) -> Any:
+    def scatter(self, objs: Sequence[T] | None) -> T:
         """``objs[rank]`` of the coordinator's list on every rank (the list is ignored elsewhere): each rank
         receives only its own object. A group without a torch process group (a test double) broadcasts the
         list instead."""
@@ -65,21 +76,23 @@ class Group:
             assert objs is not None
             return objs[0]
         if self.cpu_pg is None:
-            return self.broadcast(objs)[self.rank]
+            scattered = self.broadcast(objs)
+            assert scattered is not None, "the coordinator scatters a list (its own is broadcast)"
+            return scattered[self.rank]
         import torch.distributed as dist
 
-        out: list[Any] = [None]
+        out: list[T | None] = [None]
         with _collective("scatter", self.rank):
-            dist.scatter_object_list(out, objs if self.is_coordinator else None,
-                                     src=dist.get_global_rank(self.cpu_pg, 0), group=self.cpu_pg)
-        return out[0]
+            dist.scatter_object_list(out, list(objs) if self.is_coordinator and objs is not None else None,
+                                     src=self.global_rank(0), group=self.cpu_pg)
+        return out[0]  # type: ignore[return-value]  # filled with the coordinator's objs[rank], a T
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: T) -> list[T]:
         if self.size == 1:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.size
+        out: list[T] = [obj] * self.size  # each slot overwritten
         with _collective("all_gather", self.rank):
             dist.all_gather_object(out, obj, group=self.cpu_pg)
         return out

@@ -71,12 +71,12 @@ def _exchange(shared: list[Request], needers: dict[Request, list[int]], reader: 
             payload = _bytes_of(mine[request].data)
             for rank in needers[request]:
                 if rank != group.rank:
-                    ops.append(dist.P2POp(dist.isend, payload, dist.get_global_rank(group.cpu_pg, rank),
+                    ops.append(dist.P2POp(dist.isend, payload, group.global_rank(rank),
                                           group.cpu_pg))
         elif request in mine:
             buffer, finish = _landing(mine[request].data)
             landing.append(finish)
-            ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group.cpu_pg, source), group.cpu_pg))
+            ops.append(dist.P2POp(dist.irecv, buffer, group.global_rank(source), group.cpu_pg))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -32,10 +32,16 @@ from .._io.priority import background_priority
 from .._layout.box import Box
 from .._settings import settings
 from .._torch.dist import Group, resolve_group
-from .describe import describe_local
+from .changes import Reference
+from .describe import LocalState, describe_local
 from .hostcopies import HostCopies
 from .options import NO_SETUP, SaveOptions, SaveSetup
 from .save import SaveRequest, _attempt, begin_save, check_record, finish_save
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from .._read.checkpoint import Checkpoint
 
 __all__ = ["SaveHandle", "async_save", "async_save_with"]
 
@@ -148,23 +154,23 @@ _EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-save")
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[SaveHandle] = []
 _STAGER = _Stager()
-_BACKGROUND_GROUPS: dict[Any, Group] = {}
+_BACKGROUND_GROUPS: dict[ProcessGroup | None, Group] = {}
 
 
 def async_save(
-    state: Any,
+    state: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
     codec: CodecChoice = None,
     overwrite: bool = False,
     allow_pickle: bool = False,
-    process_group: Any = None,
+    process_group: ProcessGroup | Group | None = None,
     step: int | None = None,
     metrics: Mapping[str, float] | None = None,
     if_busy: Literal["wait", "error"] = "wait",
     storage_options: Mapping[str, Any] | None = None,
-    base: Any = None,
-    changed_rows: Mapping[str, Any] | None = None,
+    base: str | os.PathLike[str] | Checkpoint | None = None,
+    changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None,
     quantize: Mapping[str, int] | None = None,
     keep_copy: bool = False,
     durable: bool = True,
@@ -220,7 +226,7 @@ def async_save(
     return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy)
 
 
-def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptions, *,
+def async_save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions, *,
                     if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False,
                     setup: SaveSetup = NO_SETUP) -> SaveHandle:
     """:func:`async_save` with the options of the save as one value, and what an internal caller adds (``setup``:
@@ -242,7 +248,7 @@ def async_save_with(state: Any, path: str | os.PathLike[str], options: SaveOptio
     return handle
 
 
-def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: SaveRequest,
+def _stage_and_start(state: Mapping[str, Any], options: SaveOptions, group: Group, request: SaveRequest,
                      keep_copy: bool) -> Future[None]:
     """Copy the state to host staging buffers, then start the rest of the save in the background (which closes
     ``request`` when it finishes)."""
@@ -266,7 +272,8 @@ def _stage_and_start(state: Any, options: SaveOptions, group: Group, request: Sa
 
 
 
-def _save_in_background(local: Any, error: BaseException | None, group: Group, request: SaveRequest, reference: Any,
+def _save_in_background(local: LocalState | None, error: BaseException | None, group: Group, request: SaveRequest,
+                        reference: Reference | None,
                         keep: dict[str, Box] | None) -> None:
     """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
     the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the

@@ -23,9 +23,11 @@ import numpy as np
 
 from .._errors import BaseNotAllowedError, FormatError, StateError
 from .._format.dtypes import as_typed
+from .._format.jsontypes import JSON, json_object
 from .._format.keys import array_path
 from .._format.manifest import ArrayEntry, BaseRef
 from .._format.quant import max_abs_error, quantize_rows
+from .._format.zarr import array_shape
 from .._io.arrays import ArrayIO, array_spec
 from .._layout.box import Box, grid_cells
 from .._layout.delta import PieceChange
@@ -233,10 +235,10 @@ def _changed_chunks_by_rows(row_mask: np.ndarray, box: Box, grid: tuple[int, ...
 # --- on every rank: writing --------------------------------------------------------------------------
 
 
-def chunk_jobs(task: Any, change: PieceChange, spec: dict[str, Any], values: np.ndarray, held: Box) -> list[Any]:
+def chunk_jobs(task: Any, change: PieceChange, spec: JSON, values: np.ndarray, held: Box) -> list[Any]:
     """The writes of a chunks delta task: only the changed chunks of the task's box."""
     changed = set(change.chunks or ())
-    shape = tuple(spec["metadata"]["shape"])
+    shape = tuple(array_shape(json_object(spec.get("metadata"))))
     jobs = []
     for flat, cell in grid_cells(task.box, change.grid, shape):
         part = cell.intersect(task.box) if flat in changed else None
@@ -248,7 +250,7 @@ def chunk_jobs(task: Any, change: PieceChange, spec: dict[str, Any], values: np.
 
 
 def rows_jobs(task: RowsTask, plan: SavePlan, values: np.ndarray, held: Box, rows: np.ndarray,
-              bits: int | None, kvstore: Callable[[str], dict[str, Any]]) -> tuple[list[Any], float]:
+              bits: int | None, kvstore: Callable[[str], JSON]) -> tuple[list[Any], float]:
     """The writes of one rows task (indices, values or quantized codes; -1 and zeros as padding) and the
     largest quantization error (0.0 when exact)."""
     n = len(rows)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._format.codecs import Codec, CodecChoice, codec_of_metadata, resolve_codec
 from .._format.dtypes import dtype_by_name
+from .._format.jsontypes import JSON, json_object
 from .._format.manifest import FORMAT_VERSION, ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, per_rank_path
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
@@ -62,7 +63,7 @@ class CompactResult:
     arrays: int
     bytes_written: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         return {"source": self.source, "destination": self.destination, "chain": list(self.chain),
                 "arrays": self.arrays, "bytes_written": self.bytes_written}
 
@@ -164,8 +165,8 @@ def _plan(checkpoint: StoredCheckpoint, codec: CodecChoice | object, encoding: s
             for rank, item in enumerate(entry.items):
                 if isinstance(item, ArrayEntry):
                     spec = checkpoint.per_rank_spec(key, rank)
-                    add(key, per_rank_path(key, rank), item.dtype.name, item.shape, codec_of_metadata(spec["metadata"]),
-                        _spec_source(key, spec))
+                    codec = codec_of_metadata(json_object(spec.get("metadata")))
+                    add(key, per_rank_path(key, rank), item.dtype.name, item.shape, codec, _spec_source(key, spec))
         else:
             entries[key] = entry
     return entries, arrays, sources
@@ -175,7 +176,7 @@ def _chain_source(key: str, shape: tuple[int, ...]) -> Source:
     return lambda out: ChainRead(key, Box.whole(shape), out)
 
 
-def _spec_source(key: str, spec: dict[str, Any]) -> Source:
+def _spec_source(key: str, spec: JSON) -> Source:
     return lambda out: ArrayIO(key, spec, out)
 
 

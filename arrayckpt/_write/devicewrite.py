@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .._format.dtypes import DType
+from .._format.jsontypes import JSON
 from .._io.arrays import ArrayIO, Checksums, write_all
 from .._layout.box import Box, row_pieces
 from .._torch.dtypes import numpy_view
@@ -56,7 +57,7 @@ class DevicePart:
     """One write of device data: ``source`` (a view of the device tensor) goes to ``index`` of the array."""
 
     key: str
-    spec: dict[str, Any]
+    spec: JSON
     node: str
     source: torch.Tensor
     dt: DType
@@ -67,7 +68,7 @@ class DevicePart:
         return self.source.numel() * self.source.element_size()
 
 
-def device_parts(key: str, spec: dict[str, Any], node: str, data: DeviceData, held: Box, box: Box,
+def device_parts(key: str, spec: JSON, node: str, data: DeviceData, held: Box, box: Box,
                  chunk_rows: int) -> list[DevicePart]:
     """The writes of ``box`` (of the part ``held`` that ``data`` holds), cut at multiples of ``chunk_rows`` (the
     outer chunk's rows) into pieces of about a batch each."""

@@ -27,7 +27,7 @@ this process received. Each process group has one (:func:`plan_cache_for`); a ``
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -119,7 +119,7 @@ def exchange(group: Group, plan_cache: PlanCache, description: LocalDescription 
     report = _report(description, error, print_, claim, changes, agreement)
     while True:
         gathered = group.gather(report)
-        replies: list[Reply | BaseException] | list[Resend] | None = None
+        replies: Sequence[Reply | BaseException | Resend] | None = None
         if group.is_coordinator:
             assert gathered is not None
             decided = coordinate(gathered)

@@ -25,9 +25,9 @@ import pickle
 import socket
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -53,7 +53,12 @@ from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
 from .options import NO_SETUP, SaveOptions, SaveSetup
 from .transaction import WriteTransaction, begin_write
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "save", "save_with"]
+
+T = TypeVar("T")  # what a rank-local stage returns (``_attempt``)
 
 
 def save(
@@ -63,12 +68,12 @@ def save(
     codec: CodecChoice = None,
     overwrite: bool = False,
     allow_pickle: bool = False,
-    process_group: Any = None,
+    process_group: ProcessGroup | Group | None = None,
     step: int | None = None,
     metrics: Mapping[str, float] | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    base: Any = None,
-    changed_rows: Mapping[str, Any] | None = None,
+    base: str | os.PathLike[str] | Checkpoint | None = None,
+    changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None,
     quantize: Mapping[str, int] | None = None,
     durable: bool = True,
 ) -> None:
@@ -265,7 +270,7 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     return str(outcome)
 
 
-def _attempt(fn: Any) -> tuple[Any, BaseException | None]:
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     """Run a rank-local stage; its error is returned so that every rank can raise it (no rank hangs)."""
     try:
         return fn(), None
@@ -404,7 +409,7 @@ def check_bases_unchanged(delta: DeltaRequest, location: Location) -> None:
     for layer in delta.base.chain():
         expected = layer.manifest.id
         try:
-            now: Any = parse_root_document(layer.location.read_root(), str(layer.location))[0].id
+            now: str | None = parse_root_document(layer.location.read_root(), str(layer.location))[0].id
         except ArrayckptError as e:
             now = f"unreadable: {e}"
         if now != expected:
@@ -415,7 +420,8 @@ def check_bases_unchanged(delta: DeltaRequest, location: Location) -> None:
                 "could never be read; save again against the checkpoint there now, or as a full checkpoint")
 
 
-def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | None,
+def open_delta(base: str | os.PathLike[str] | Checkpoint | None, location: Location,
+               changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None,
                quantize: Mapping[str, int] | None, storage_options: Mapping[str, Any] | None) -> DeltaRequest | None:
     """The delta request of a save against ``base`` (``None`` for a full save), checked before anything is
     written."""
@@ -424,7 +430,7 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
             raise StateError("changed_rows and quantize apply to incremental saves only; pass base=...")
         return None
     owned = not isinstance(base, Checkpoint)  # opened here from a path: closed when the save finishes
-    checkpoint = open_checkpoint(base, storage_options=storage_options) if owned else base
+    checkpoint = base if isinstance(base, Checkpoint) else open_checkpoint(base, storage_options=storage_options)
     try:
         return _delta_request(checkpoint, owned, location, changed_rows, quantize)
     except BaseException:
@@ -433,7 +439,8 @@ def open_delta(base: Any, location: Location, changed_rows: Mapping[str, Any] | 
         raise
 
 
-def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location, changed_rows: Mapping[str, Any] | None,
+def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location,
+                   changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None,
                    quantize: Mapping[str, int] | None) -> DeltaRequest:
     for layer in checkpoint.chain():
         if str(layer.location) == str(location):
@@ -458,7 +465,7 @@ def _delta_request(checkpoint: Checkpoint, owned: bool, location: Location, chan
 
 def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: DeltaRequest | None,
                    written: list[tuple[dict[str, float], Checksums]], where: str,
-                   created: dict[str, Any] | None = None) -> Manifest:
+                   created: Mapping[str, object] | None = None) -> Manifest:
     """The manifest of a save that is about to commit, from what each writer reported: the quantization errors
     and the chunk checksums (the chunk digests; every stored chunk must have been reported)."""
     entries = dict(plan.entries)
@@ -492,7 +499,7 @@ def _merged(parts: Iterable[Mapping[int, int]]) -> dict[int, int]:
     return out
 
 
-def created_info(world_size: int) -> dict[str, Any]:
+def created_info(world_size: int) -> dict[str, object]:
     """Provenance recorded in the manifest (informational)."""
     return {
         "library": f"arrayckpt {__version__}",

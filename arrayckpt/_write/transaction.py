@@ -37,9 +37,10 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._errors import ArrayckptError, StorageError
+from .._format.jsontypes import JSON
 from .._format.manifest import ArrayEntry, Manifest, encode_root_document
 from .._format.zarr import chunk_keys, grid_counts, unravel
 
@@ -140,7 +141,7 @@ class WriteTransaction:
             raise RuntimeError(f"{self.location}: cannot {what} a save that was {self._state}")
 
 
-def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, Any]) -> dict[str, list[str]]:
+def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, JSON]) -> dict[str, list[str]]:
     """The chunk key names every array of a checkpoint stores, by array path (``nodes``: its consolidated node
     metadata): every chunk of its grid, or for a chunks delta those in ``present``."""
     present = {entry.path: entry.delta.present for entry in manifest.entries.values()

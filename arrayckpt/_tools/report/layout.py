@@ -15,9 +15,10 @@ import numpy as np
 
 from ..._errors import ArrayckptError
 from ..._format.dtypes import dtype_by_name
+from ..._format.jsontypes import json_object
 from ..._format.manifest import ArrayEntry, ValueEntry
 from ..._format.writers import ranks_at
-from ..._format.zarr import grid_counts
+from ..._format.zarr import array_shape, grid_counts
 from ..._io.arrays import ArrayIO
 from ..._read.chain import dense_layer
 from ..._read.checkpoint import Checkpoint, LazyArray, stored_of
@@ -204,7 +205,7 @@ def _stored_bytes(checkpoint: StoredCheckpoint, array: LazyArray) -> int:
         for name in ("rows", "values", "codes", "scale", "offset"):
             node = checkpoint.nodes.get(f"{entry.path}/{name}")
             if isinstance(node, dict) and isinstance(node.get("shape"), list):
-                total += math.prod(node["shape"]) * dtype_by_name(node.get("data_type")).itemsize
+                total += math.prod(array_shape(node)) * dtype_by_name(node.get("data_type")).itemsize
         return total
     grid = _grid(entry.key, array.metadata)
     total = 0
@@ -218,7 +219,7 @@ def _row_density(checkpoint: StoredCheckpoint, entry: ArrayEntry) -> np.ndarray:
     """The fraction of rows a rows delta stores, in ``ROW_BINS`` equal bins of rows (row indices read in blocks
     of ``ROWS_BLOCK``)."""
     spec = checkpoint.rows_delta_spec(entry, "rows")
-    stored = spec["metadata"]["shape"][0]
+    stored = array_shape(json_object(spec.get("metadata")))[0]
     rows_total = entry.shape[0]
     bins = max(1, min(ROW_BINS, rows_total))
     changed = np.zeros(bins, np.int64)
