@@ -162,7 +162,7 @@ def test_s3_removes_old_incomplete_checkpoints_and_nothing_else(s3_server: S3Ser
     # just written: a save may still be running
     assert arrayckpt.gc(root, storage_options=options) == []
     kept = dict(find_object_garbage(parse_object_url(root, options), 3600)[1])
-    assert re.search(r"newest object written [0-9] s ago, under the minimum age of 3600 s", kept[f"{root}/step-2"])
+    assert re.search(r"newest object written [0-9]+ s ago, under the minimum age of 3600 s", kept[f"{root}/step-2"])
     assert "NOTES.txt" in kept[f"{root}/step-3"] and "app.log" in kept[f"{root}/logs"]
     assert s3_server.list_keys(s3_bucket) == everything
 
