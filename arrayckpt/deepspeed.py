@@ -71,7 +71,8 @@ def load(engine: Any, path: str | os.PathLike[str], *, load_optimizer_states: bo
         PickleNotAllowedError: the client state needs pickle and ``allow_pickle`` was not given.
 
     Examples:
-        Not run here: an engine needs a launched DeepSpeed job (``tests/integrations/test_deepspeed.py`` runs this for real)::
+        Not run here: an engine needs a launched DeepSpeed job (``tests/integrations/test_deepspeed.py`` runs this
+        for real)::
 
             import arrayckpt.deepspeed
             engine, *_ = deepspeed.initialize(model=model, config=cfg)
