@@ -11,7 +11,8 @@
 - tuning knobs live in ``_settings.py`` (no module-level ``*_BYTES``/``*_THREADS``/... constants elsewhere);
 - at most ``MAX_ANY_SHARE`` of the package's annotations mention ``Any`` (the real type where it is known);
 - tests that spawn processes are marked ``slow`` (the quick run leaves them out), and the README's test command
-  (CI's) runs them all.
+  (CI's) runs them all;
+- the README stays under ``README_LINES`` lines (the manual is the site built from ``docs/``).
 
 Imports are read with ``ast``; function-level imports count (they run too), and so do imports under
 ``if TYPE_CHECKING:`` (a type a module names is a dependency all the same: a cycle through one is a design cycle,
@@ -355,6 +356,16 @@ def test_the_readme_test_command_runs_every_test_and_names_the_quick_run():
     command = text.split("<!-- test-command -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
     assert "pytest" in command and "slow" not in command, command
     assert '-m "not slow"' in text
+
+
+README_LINES = 250  # what a newcomer reads in five minutes; the manual is the site built from docs/
+
+
+def test_the_readme_stays_a_five_minute_read():
+    """The README says what arrayckpt is, how to install it, the quick start and the development commands, and links
+    to the manual; everything else belongs in ``docs/`` (issue 34)."""
+    lines = (PACKAGE.parent / "README.md").read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines; move guides into docs/ (the manual)"
 
 
 # Module-level constants named like tuning knobs that are facts, not knobs (limits of the format and of what a reader
