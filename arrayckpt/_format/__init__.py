@@ -4,6 +4,7 @@ The manifest and the root document (``manifest.py``), Zarr v3 node metadata and 
 keys and their array paths (``keys.py``), plain values as typed JSON (``values.py``), the dtype table
 (``dtypes.py``), codec pipelines (``codecs.py``), quantized delta rows (``quant.py``), aliases (``alias.py``), which
 rank wrote each chunk (``writers.py``), the root checksum and chunk digests (``integrity.py``), stored chunk files
-checked without decoding (``stored.py``) and the type of a JSON object (``jsontypes.py``). Everything above reads
-and writes through these definitions; ``spec/FORMAT.md`` is their normative description.
+checked without decoding (``stored.py``), the packed layout's chunk table, index file and kerchunk references
+(``packs.py``) and the type of a JSON object (``jsontypes.py``). Everything above reads and writes through these
+definitions; ``spec/FORMAT.md`` is their normative description.
 """
