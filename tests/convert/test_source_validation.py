@@ -13,34 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import write_root
+from crafted import assert_one_line_error, cli_error, edit_root, entries
 
 import arrayckpt
 from arrayckpt.cli import main
-
-
-def _edit_root(path: Path, change) -> None:
-    document = json.loads((path / "zarr.json").read_text())
-    change(document)
-    write_root(path, document)
-
-
-def _entries(document: dict[str, Any]) -> dict[str, Any]:
-    return document["attributes"]["arrayckpt"]["entries"]
-
-
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
-def _assert_one_line_error(code: int, err: str, match: str) -> None:
-    assert code == 2
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("arrayckpt: error: "), err
-    assert match in lines[0], err
-
 
 # --- items 8 and 14: safetensors headers -----------------------------------------------------------------------
 
@@ -58,7 +34,7 @@ def test_overlapping_safetensors_offsets_are_refused(tmp_path, capsys):
     with pytest.raises(arrayckpt.FormatError, match=r"m.safetensors: tensors 'a' and 'b' have overlapping "
                                                     r"data_offsets"):
         arrayckpt.convert(src, tmp_path / "out")
-    _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match="overlapping")
+    assert_one_line_error(*cli_error(capsys, "convert", str(src), str(tmp_path / "out")), match="overlapping")
     assert not (tmp_path / "out").exists()
 
 
@@ -88,7 +64,7 @@ def test_lying_safetensors_headers_are_format_errors(tmp_path, capsys, header, m
     src = _safetensors(tmp_path / "m.safetensors", header, bytes(4))
     with pytest.raises(arrayckpt.FormatError, match=match):
         arrayckpt.convert(src, tmp_path / "out")
-    _assert_one_line_error(*_cli(capsys, "convert", str(src), str(tmp_path / "out")), match=match)
+    assert_one_line_error(*cli_error(capsys, "convert", str(src), str(tmp_path / "out")), match=match)
 
 
 # --- issue 5, item 2: a tensor claiming gigabytes its files do not hold ---------------------------------------------
@@ -103,11 +79,11 @@ def claims_32_gib(tmp_path: Path) -> Path:
     n = 1 << 33
 
     def claim(document):
-        _entries(document)["w"]["shape"] = [n]
+        entries(document)["w"]["shape"] = [n]
         document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
         array = document["consolidated_metadata"]["metadata"]["w"]
         array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
-    _edit_root(path, claim)
+    edit_root(path, claim)
     return path
 
 
@@ -119,8 +95,8 @@ def test_convert_of_a_tensor_claiming_32_gib_fails_before_allocating(claims_32_g
         (claims_32_gib / "w/c.0").unlink()
     before = sorted(p.name for p in claims_32_gib.parent.iterdir())
     out = claims_32_gib.parent / ("out.pt" if to == ["--to", "torch"] else "out.safetensors" if not to else "out")
-    code, err = _cli(capsys, "convert", str(claims_32_gib), str(out), *to)
-    _assert_one_line_error(code, err, f"{claims_32_gib}: tensor 'w': ")
+    code, err = cli_error(capsys, "convert", str(claims_32_gib), str(out), *to)
+    assert_one_line_error(code, err, f"{claims_32_gib}: tensor 'w': ")
     assert "c.0" in err and sorted(p.name for p in claims_32_gib.parent.iterdir()) == before  # nothing left behind
 
 

@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from crafted import edit_metadata, probe, save_small
 from helpers import write_root
 
 import arrayckpt
@@ -260,68 +260,11 @@ def test_the_limit_is_the_one_the_spec_states():
 # --- the size of one decoded chunk (each probe in a child process: TensorStore would abort it) --------------------
 
 
-TIMEOUT_S = 60  # generous: the subprocess imports torch; a hang shows as a timeout, not as a slow pass
-
-
-_PROBE = textwrap.dedent("""
-    import json, sys, torch, arrayckpt
-    path, ops = sys.argv[1], sys.argv[2].split(",")
-    def run(op):
-        if op == "open":
-            return arrayckpt.open(path)
-        if op == "slice":
-            return arrayckpt.open(path)["w"][0:1]
-        if op == "numpy":
-            return arrayckpt.open(path)["w"].numpy()
-        if op == "load":
-            return arrayckpt.load({"w": torch.zeros(4, 4)}, path)
-        if op == "verify":
-            report = arrayckpt.verify(path)
-            raise arrayckpt.CorruptCheckpointError("; ".join(d.problem for d in report.damage) or "ok")
-        if op == "show":
-            return arrayckpt.show(path, "w")
-        if op == "steps":
-            return arrayckpt.CheckpointManager(sys.argv[3]).steps()
-    out = {}
-    for op in ops:
-        try:
-            out[op] = ["ok", repr(run(op))[:200]]
-        except Exception as e:
-            out[op] = [type(e).__name__, str(e)]
-    print(json.dumps(out))
-""")
-
-
-def _probe(path: Path, ops: str, *extra: str) -> dict[str, list[str]]:
-    """Run ``ops`` on the checkpoint at ``path`` in a fresh interpreter: {op: [exception name or 'ok', message]}."""
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(path), ops, *extra], capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _save(path: Path, codec: str | None = None) -> Path:
-    arrayckpt.save({"w": torch.arange(16.0).reshape(4, 4)}, path, codec=codec)
-    return path
-
-
-def _edit_metadata(path: Path, **changes: object) -> None:
-    """Change fields of array ``w``'s consolidated metadata (and the manifest's shape, if given)."""
-    document = json.loads((path / "zarr.json").read_text())
-    metadata = document["consolidated_metadata"]["metadata"]["w"]
-    if "shape" in changes:
-        metadata["shape"] = changes["shape"]
-        document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
-    if "chunk_shape" in changes:
-        metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
-    write_root(path, document)
-
-
 @pytest.mark.slow
 def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Path) -> None:
-    path = _save(tmp_path / "ckpt")
-    _edit_metadata(path, chunk_shape=[2**45, 4])
-    results = _probe(path, "slice,show,verify")
+    path = save_small(tmp_path / "ckpt")
+    edit_metadata(path, chunk_shape=[2**45, 4])
+    results = probe(path, "slice,show,verify")
     for op, (kind, message) in results.items():
         assert kind in ("FormatError", "CorruptCheckpointError"), (op, kind, message)
         assert "chunk shape [35184372088832, 4] is larger than the array's shape [4, 4]" in message, (op, message)
@@ -331,9 +274,9 @@ def test_a_chunk_larger_than_its_array_is_refused_before_allocating(tmp_path: Pa
 
 @pytest.mark.slow
 def test_a_huge_array_with_one_huge_chunk_is_refused_before_allocating(tmp_path: Path) -> None:
-    path = _save(tmp_path / "ckpt")
-    _edit_metadata(path, shape=[2**45, 4], chunk_shape=[2**45, 4])
-    kind, message = _probe(path, "slice")["slice"]
+    path = save_small(tmp_path / "ckpt")
+    edit_metadata(path, shape=[2**45, 4], chunk_shape=[2**45, 4])
+    kind, message = probe(path, "slice")["slice"]
     assert kind == "FormatError" and "exceeds the limit of 17179869184 bytes per decoded chunk" in message, message
 
 

@@ -13,37 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import write_root
+from crafted import assert_one_line_error, cli_error, edit_root, entries
 from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._format.values import NotJSONable, decode_value, encode_value
 from arrayckpt._read.checkpoint import stored_of
-from arrayckpt.cli import main
-
-
-def _edit_root(path: Path, change) -> None:
-    document = json.loads((path / "zarr.json").read_text())
-    change(document)
-    write_root(path, document)
-
-
-def _entries(document: dict[str, Any]) -> dict[str, Any]:
-    return document["attributes"]["arrayckpt"]["entries"]
-
-
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    code = main(list(args))
-    return code, capsys.readouterr().err
-
-
-def _assert_one_line_error(code: int, err: str, match: str) -> None:
-    assert code == 2
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("arrayckpt: error: "), err
-    assert match in lines[0], err
-
 
 # --- item 4: structural invariants of the manifest -------------------------------------------------------------
 
@@ -55,26 +30,26 @@ def chunks_delta(tmp_path) -> Path:
     chunking.save({"w": w}, tmp_path / "a")
     w[:, :2] += 1  # every row changes: a chunks delta
     chunking.save({"w": w}, tmp_path / "b", base=tmp_path / "a")
-    entry = _entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["w"]
+    entry = entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["w"]
     assert entry["delta"]["mode"] == "chunks" and len(entry["delta"]["present"]) >= 2
     return tmp_path / "b"
 
 
 def test_duplicate_present_chunk_is_refused_and_verify_reports_it(chunks_delta, capsys):
     def duplicate(document):  # one flipped bit: the last chunk's index becomes the first's
-        present = _entries(document)["w"]["delta"]["present"]
+        present = entries(document)["w"]["delta"]["present"]
         present[-1] = present[0]
-    _edit_root(chunks_delta, duplicate)
+    edit_root(chunks_delta, duplicate)
     with pytest.raises(arrayckpt.FormatError, match=r"entry 'w': delta 'present' must list each chunk index once"):
         arrayckpt.open(chunks_delta)
     report = arrayckpt.verify(chunks_delta)
     assert not report.ok and "each chunk index once" in report.damage[0].problem
-    code, _ = _cli(capsys, "verify", str(chunks_delta))
+    code, _ = cli_error(capsys, "verify", str(chunks_delta))
     assert code == 1
 
 
 def test_present_chunk_beyond_the_grid_is_refused_at_open(chunks_delta):
-    _edit_root(chunks_delta, lambda d: _entries(d)["w"]["delta"].update(present=[0, 10_000]))
+    edit_root(chunks_delta, lambda d: entries(d)["w"]["delta"].update(present=[0, 10_000]))
     with pytest.raises(arrayckpt.FormatError, match=r"b: entry 'w': its delta names chunk 10000, beyond its"):
         arrayckpt.open(chunks_delta)
     assert not arrayckpt.verify(chunks_delta).ok
@@ -86,16 +61,16 @@ def rows_delta(tmp_path) -> Path:
     e = torch.zeros(10, 2)
     e[[2, 5]] = 1.0
     arrayckpt.save({"e": e}, tmp_path / "b", base=tmp_path / "a", changed_rows={"e": [2, 5]})
-    assert _entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["e"]["delta"]["rows"] == 2
+    assert entries(json.loads((tmp_path / "b" / "zarr.json").read_text()))["e"]["delta"]["rows"] == 2
     return tmp_path / "b"
 
 
 def test_rows_delta_row_count_must_match_the_stored_rows(rows_delta):
-    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(rows=1))
+    edit_root(rows_delta, lambda d: entries(d)["e"]["delta"].update(rows=1))
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"tensor 'e': its changed rows are 2, but the "
                                                                r"manifest records 1"):
         arrayckpt.open(rows_delta)["e"].numpy()
-    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(rows=3))
+    edit_root(rows_delta, lambda d: entries(d)["e"]["delta"].update(rows=3))
     with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': its rows delta records 3 changed rows but stores 2"):
         arrayckpt.open(rows_delta)["e"].numpy()
     assert not arrayckpt.verify(rows_delta).ok
@@ -113,23 +88,23 @@ def test_rows_stored_twice_are_refused(rows_delta):
 
 def test_quantized_delta_of_an_integer_tensor_is_refused(rows_delta):
     def quantize_ints(document):
-        _entries(document)["e"]["dtype"] = "int32"
-        _entries(document)["e"]["delta"]["quantized"] = {"bits": 8, "max_abs_error": 0.0}
-    _edit_root(rows_delta, quantize_ints)
+        entries(document)["e"]["dtype"] = "int32"
+        entries(document)["e"]["delta"]["quantized"] = {"bits": 8, "max_abs_error": 0.0}
+    edit_root(rows_delta, quantize_ints)
     with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': a quantized rows delta of a int32 tensor"):
         arrayckpt.open(rows_delta)
 
 
 @pytest.mark.parametrize("error", [float("nan"), -1.0])
 def test_quantized_max_abs_error_must_be_finite_and_non_negative(rows_delta, error):
-    _edit_root(rows_delta, lambda d: _entries(d)["e"]["delta"].update(quantized={"bits": 8, "max_abs_error": error}))
+    edit_root(rows_delta, lambda d: entries(d)["e"]["delta"].update(quantized={"bits": 8, "max_abs_error": error}))
     with pytest.raises(arrayckpt.FormatError, match=r"entry 'e': delta 'quantized' must be"):
         arrayckpt.open(rows_delta)
 
 
 def test_per_rank_entries_must_agree_on_the_number_of_ranks(ckpt):
     arrayckpt.save({"r": arrayckpt.PerRank(torch.zeros(2)), "s": arrayckpt.PerRank(3)}, ckpt)
-    _edit_root(ckpt, lambda d: _entries(d)["s"]["ranks"].append({"value": 4}))
+    edit_root(ckpt, lambda d: entries(d)["s"]["ranks"].append({"value": 4}))
     with pytest.raises(arrayckpt.FormatError, match=r"per-rank entries disagree on the number of ranks that saved "
                                                     r"\(\[1, 2\]\)"):
         arrayckpt.open(ckpt)
@@ -138,7 +113,7 @@ def test_per_rank_entries_must_agree_on_the_number_of_ranks(ckpt):
 def test_containers_must_hold_entries(ckpt):
     arrayckpt.save({"layers": [torch.ones(2), torch.zeros(1)]}, ckpt)
     arrayckpt.open(ckpt)
-    _edit_root(ckpt, lambda d: d["attributes"]["arrayckpt"]["containers"].update({"layer": "list"}))
+    edit_root(ckpt, lambda d: d["attributes"]["arrayckpt"]["containers"].update({"layer": "list"}))
     with pytest.raises(arrayckpt.FormatError, match=r"'containers' names a list at 'layer', but no entry lies below"):
         arrayckpt.open(ckpt)
 
@@ -147,9 +122,9 @@ def test_an_array_inside_another_array_is_refused(ckpt):
     arrayckpt.save({"w": torch.ones(2), "v": torch.zeros(2)}, ckpt)
 
     def nest(document):
-        entry = _entries(document).pop("v")
-        _entries(document)["w.v"] = {**entry, "keys": ["w", "v"], "path": "w/v"}
-    _edit_root(ckpt, nest)
+        entry = entries(document).pop("v")
+        entries(document)["w.v"] = {**entry, "keys": ["w", "v"], "path": "w/v"}
+    edit_root(ckpt, nest)
     with pytest.raises(arrayckpt.FormatError, match=r"entry 'w.v' is stored inside the array of entry 'w'"):
         arrayckpt.open(ckpt)
 
@@ -163,7 +138,7 @@ def test_deeply_nested_root_document_is_a_corrupt_checkpoint(ckpt, capsys):
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"root zarr.json is damaged: JSON nested too deeply"):
         arrayckpt.open(ckpt)
     assert not arrayckpt.verify(ckpt).ok
-    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="nested too deeply")
+    assert_one_line_error(*cli_error(capsys, "info", str(ckpt)), match="nested too deeply")
 
 
 def test_integer_of_too_many_digits_is_a_corrupt_checkpoint(ckpt, capsys):
@@ -172,15 +147,15 @@ def test_integer_of_too_many_digits_is_a_corrupt_checkpoint(ckpt, capsys):
     (ckpt / "zarr.json").write_text(text)
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"root zarr.json is damaged: .*digits"):
         arrayckpt.open(ckpt)
-    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="digits")
+    assert_one_line_error(*cli_error(capsys, "info", str(ckpt)), match="digits")
 
 
 def test_deeply_nested_plain_value_is_a_format_error(ckpt, capsys):
     arrayckpt.save({"w": torch.ones(2), "cfg": 1}, ckpt)
-    _edit_root(ckpt, lambda d: _entries(d)["cfg"].update(value=json.loads("[" * 500 + "]" * 500)))
+    edit_root(ckpt, lambda d: entries(d)["cfg"].update(value=json.loads("[" * 500 + "]" * 500)))
     with pytest.raises(arrayckpt.FormatError, match=r"value 'cfg' is nested more than 200 levels deep"):
         arrayckpt.open(ckpt).plain_values["cfg"]
-    _assert_one_line_error(*_cli(capsys, "info", str(ckpt)), match="nested more than 200 levels")
+    assert_one_line_error(*cli_error(capsys, "info", str(ckpt)), match="nested more than 200 levels")
 
 
 def test_values_nest_as_deep_as_decoding_accepts():
@@ -210,11 +185,11 @@ def test_damaged_pickle_metadata_is_reported_as_damage(ckpt, capsys, damage):
             del node["chunk_grid"]
         else:
             node["chunk_grid"] = "regular"
-    _edit_root(ckpt, hurt)
+    edit_root(ckpt, hurt)
     report = arrayckpt.verify(ckpt)
     assert [(d.key, d.file) for d in report.damage] == [("obj", "obj/zarr.json")]
     assert "chunk_grid" in report.damage[0].problem
-    code, _ = _cli(capsys, "verify", str(ckpt))
+    code, _ = cli_error(capsys, "verify", str(ckpt))
     assert code == 1
 
 
@@ -227,8 +202,8 @@ def test_a_root_document_claiming_a_gigabyte_is_refused_unread(ckpt: Path, capsy
         f.truncate((1 << 30) + 1)  # sparse: nothing stored, a gigabyte claimed
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=r"zarr.json holds more than 1,073,741,824 bytes"):
         arrayckpt.open(ckpt)
-    code, err = _cli(capsys, "info", str(ckpt))
-    _assert_one_line_error(code, err, f"{ckpt}: zarr.json holds more than")
+    code, err = cli_error(capsys, "info", str(ckpt))
+    assert_one_line_error(code, err, f"{ckpt}: zarr.json holds more than")
 
 
 # --- issue 5, item 2: a tensor claiming gigabytes its files do not hold ---------------------------------------------
@@ -243,11 +218,11 @@ def claims_32_gib(tmp_path: Path) -> Path:
     n = 1 << 33
 
     def claim(document):
-        _entries(document)["w"]["shape"] = [n]
+        entries(document)["w"]["shape"] = [n]
         document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
         array = document["consolidated_metadata"]["metadata"]["w"]
         array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
-    _edit_root(path, claim)
+    edit_root(path, claim)
     return path
 
 

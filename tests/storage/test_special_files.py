@@ -8,60 +8,14 @@ hanging the suite.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from crafted import probe, save_small
 
 import arrayckpt
-
-TIMEOUT_S = 60  # generous: the subprocess imports torch; a hang shows as a timeout, not as a slow pass
-
-_PROBE = textwrap.dedent("""
-    import json, sys, torch, arrayckpt
-    path, ops = sys.argv[1], sys.argv[2].split(",")
-    def run(op):
-        if op == "open":
-            return arrayckpt.open(path)
-        if op == "slice":
-            return arrayckpt.open(path)["w"][0:1]
-        if op == "numpy":
-            return arrayckpt.open(path)["w"].numpy()
-        if op == "load":
-            return arrayckpt.load({"w": torch.zeros(4, 4)}, path)
-        if op == "verify":
-            report = arrayckpt.verify(path)
-            raise arrayckpt.CorruptCheckpointError("; ".join(d.problem for d in report.damage) or "ok")
-        if op == "show":
-            return arrayckpt.show(path, "w")
-        if op == "steps":
-            return arrayckpt.CheckpointManager(sys.argv[3]).steps()
-    out = {}
-    for op in ops:
-        try:
-            out[op] = ["ok", repr(run(op))[:200]]
-        except Exception as e:
-            out[op] = [type(e).__name__, str(e)]
-    print(json.dumps(out))
-""")
-
-
-def _probe(path: Path, ops: str, *extra: str) -> dict[str, list[str]]:
-    """Run ``ops`` on the checkpoint at ``path`` in a fresh interpreter: {op: [exception name or 'ok', message]}."""
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(path), ops, *extra], capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _save(path: Path, codec: str | None = None) -> Path:
-    arrayckpt.save({"w": torch.arange(16.0).reshape(4, 4)}, path, codec=codec)
-    return path
 
 
 def _fifo_in_place_of(file: Path) -> None:
@@ -72,9 +26,9 @@ def _fifo_in_place_of(file: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", [None, "zstd"])  # the local fast path, and TensorStore's file kvstore
 def test_a_fifo_in_place_of_a_chunk_is_refused_not_waited_on(tmp_path: Path, codec: str | None) -> None:
-    path = _save(tmp_path / "ckpt", codec)
+    path = save_small(tmp_path / "ckpt", codec)
     _fifo_in_place_of(path / "w" / "c.0.0")
-    results = _probe(path, "slice,numpy,load,verify")
+    results = probe(path, "slice,numpy,load,verify")
     for op, (kind, message) in results.items():
         assert kind == "CorruptCheckpointError", (op, kind, message)
         assert "not a regular file" in message and f"{path}/w/c.0.0" in message, (op, message)
@@ -84,9 +38,9 @@ def test_a_fifo_in_place_of_a_chunk_is_refused_not_waited_on(tmp_path: Path, cod
 @pytest.mark.slow
 def test_a_fifo_as_root_document_is_refused_not_waited_on(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    path = _save(root / "step_00000001")
+    path = save_small(root / "step_00000001")
     _fifo_in_place_of(path / "zarr.json")
-    results = _probe(path, "open,steps", str(root))
+    results = probe(path, "open,steps", str(root))
     assert results["open"][0] == "CorruptCheckpointError"
     assert f"{path}: zarr.json is not a regular file" in results["open"][1]
     assert results["steps"] == ["ok", "[]"]  # not a committed checkpoint; listed without waiting on the pipe
@@ -94,15 +48,15 @@ def test_a_fifo_as_root_document_is_refused_not_waited_on(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_fifo_as_a_node_document_is_reported_by_verify(tmp_path: Path) -> None:
-    path = _save(tmp_path / "ckpt")
+    path = save_small(tmp_path / "ckpt")
     _fifo_in_place_of(path / "w" / "zarr.json")
-    kind, message = _probe(path, "verify")["verify"]
+    kind, message = probe(path, "verify")["verify"]
     assert kind == "CorruptCheckpointError" and "w/zarr.json is not a regular file" in message
 
 
 @pytest.mark.parametrize("codec", [None, "zstd"])
 def test_chunk_errors_name_the_users_path_not_the_pinned_directory(tmp_path: Path, codec: str | None) -> None:
-    path = _save(tmp_path / "ckpt", codec)
+    path = save_small(tmp_path / "ckpt", codec)
     chunk = path / "w" / "c.0.0"
     data = bytearray(chunk.read_bytes())
     data[5] ^= 0xFF

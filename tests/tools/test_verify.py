@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tracemalloc
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import numpy as np
 import policies
 import pytest
 import torch
-from helpers import write_root
+from crafted import edit_metadata
 from policies import WHOLE, Chunking
 
 import arrayckpt
@@ -107,18 +106,6 @@ def test_progress_is_reported(ckpt):
 # --- a crafted grid of many chunks, walked in bounded memory ------------------------------------------------------
 
 
-def _edit_metadata(path: Path, **changes: object) -> None:
-    """Change fields of array ``w``'s consolidated metadata (and the manifest's shape, if given)."""
-    document = json.loads((path / "zarr.json").read_text())
-    metadata = document["consolidated_metadata"]["metadata"]["w"]
-    if "shape" in changes:
-        metadata["shape"] = changes["shape"]
-        document["attributes"]["arrayckpt"]["entries"]["w"]["shape"] = changes["shape"]
-    if "chunk_shape" in changes:
-        metadata["chunk_grid"]["configuration"]["chunk_shape"] = changes["chunk_shape"]
-    write_root(path, document)
-
-
 @pytest.mark.slow
 def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2**15 chunks (shape [2]*15, chunk [1]*15): a list of every ChunkRef took ~50 MB (1.5 KB a chunk); batches
@@ -126,7 +113,7 @@ def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: py
     ndim = 15
     path = tmp_path / "ckpt"
     arrayckpt.save({"w": torch.zeros([2] * ndim, dtype=torch.uint8)}, path)
-    _edit_metadata(path, chunk_shape=[1] * ndim)
+    edit_metadata(path, chunk_shape=[1] * ndim)
     batches: list[int] = []
     def read_chunks(checkpoint: object, batch: list) -> list[np.ndarray]:
         batches.append(len(batch))
