@@ -37,7 +37,7 @@ import abc
 import json
 import os
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -50,11 +50,12 @@ from .._format.zarr import ROOT_METADATA
 
 if TYPE_CHECKING:
     from .._io.arrays import StoreContext
+    from .packs import PackWriter
 
 __all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "CleanedUp", "Leftover", "Leftovers", "Location",
            "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base",
-           "kvstore_at", "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "register_scheme",
-           "relative_parts"]
+           "kvstore_at", "open_pack", "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "read_into",
+           "read_ranges", "register_scheme", "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
 LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
@@ -223,6 +224,24 @@ class Location(abc.ABC):
         reports success to the coordinator: make them durable. Nothing by default (object stores have nothing
         to fsync)."""
         return None
+
+    # --- packs (issue 35: a rank's chunk files appended into a few files or objects; ``packs.py``) --------------
+
+    def open_pack(self, rank: int, segment_bytes: int | None = None) -> PackWriter:
+        """Start rank ``rank``'s pack here (a writer's :attr:`Writer.target`), in segments of ``segment_bytes``
+        (``None``: this storage's knob, ``local_segment_bytes`` or ``object_segment_bytes``). ``NotImplementedError``
+        where the storage holds no packs."""
+        raise NotImplementedError(f"{self}: this storage holds no packs")
+
+    def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(offset, length)`` range of the pack file ``name`` (relative to this location), read
+        concurrently. A missing pack, or one shorter than a range, is ``CorruptCheckpointError`` naming the checkpoint,
+        the pack and the range (missing data is never zeros); a failing storage is ``StorageError``."""
+        raise NotImplementedError(f"{self}: this storage holds no packs")
+
+    def read_pack_into(self, name: str, ranges: Sequence[tuple[int, int]], buffers: Sequence[memoryview]) -> None:
+        """:meth:`read_pack` into writable buffers of the caller, one per range and of its length."""
+        raise NotImplementedError(f"{self}: this storage holds no packs")
 
     @abc.abstractmethod
     def delete(self) -> None:
@@ -457,3 +476,18 @@ def open_writer(location: Location, overwrite: bool) -> Writer:
 def finish_rank_writes(target: Location) -> None:
     """What a non-coordinator rank does after writing its chunks to ``target`` (see :class:`Location`)."""
     target.finish_rank_writes()
+
+
+def open_pack(target: Location, rank: int, segment_bytes: int | None = None) -> PackWriter:
+    """Rank ``rank``'s pack in a writer's ``target`` (see :meth:`Location.open_pack` and ``packs.py``)."""
+    return target.open_pack(rank, segment_bytes)
+
+
+def read_ranges(location: Location, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """The ``(offset, length)`` ranges of the pack file ``name`` at ``location`` (:meth:`Location.read_pack`)."""
+    return location.read_pack(name, ranges)
+
+
+def read_into(location: Location, name: str, ranges: Sequence[tuple[int, int]], buffers: Sequence[memoryview]) -> None:
+    """The ranges of the pack file ``name`` into ``buffers`` (:meth:`Location.read_pack_into`)."""
+    location.read_pack_into(name, ranges, buffers)

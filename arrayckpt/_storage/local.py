@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from .base import (
 )
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
+from .packs import FilePackWriter, read_file_ranges
 from .renames import exchange, fsync_dir, make_durable, rename_noreplace
 
 __all__ = [
@@ -225,6 +226,17 @@ class LocalLocation(Location):
         """On a (possibly shared) filesystem, fsync the chunks written below before reporting success."""
         if self.fsync:
             make_durable(self.path)
+
+    def open_pack(self, rank: int, segment_bytes: int | None = None) -> FilePackWriter:
+        size = settings().local_segment_bytes if segment_bytes is None else segment_bytes
+        return FilePackWriter(str(self.path), self.fsync, rank, size, self)
+
+    def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """(A committed checkpoint is read through its pinned directory: the location ``open_committed`` gave.)"""
+        return read_file_ranges(str(self.path), name, ranges, self)
+
+    def read_pack_into(self, name: str, ranges: Sequence[tuple[int, int]], buffers: Sequence[memoryview]) -> None:
+        read_file_ranges(str(self.path), name, ranges, self, buffers)
 
     def delete(self) -> None:
         """Remove the checkpoint: the commit first (so a half-removed one reads as incomplete), then arrayckpt's

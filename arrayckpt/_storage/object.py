@@ -22,7 +22,7 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from .._errors import (
 from .._format.jsontypes import JSON, json_object, member
 from .._format.manifest import is_arrayckpt_root
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
+from .._settings import settings
 from .base import (
     LEASE_NAME,
     ROOT_METADATA,
@@ -58,6 +59,7 @@ from .kvio import read_key as _read
 from .kvio import wait_all as _wait
 from .kvio import write_key as _write
 from .liveness import MANAGER_LEASE, Lease
+from .packs import ObjectPackWriter, read_object_ranges
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -280,6 +282,16 @@ class ObjectLocation(Location):
 
     def open_writer(self, overwrite: bool) -> ObjectWriter:
         return ObjectWriter(self, overwrite)
+
+    def open_pack(self, rank: int, segment_bytes: int | None = None) -> ObjectPackWriter:
+        size = settings().object_segment_bytes if segment_bytes is None else segment_bytes
+        return ObjectPackWriter(self.open_store(), rank, size, self)
+
+    def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return read_object_ranges(self.open_store(), name, ranges, self)
+
+    def read_pack_into(self, name: str, ranges: Sequence[tuple[int, int]], buffers: Sequence[memoryview]) -> None:
+        read_object_ranges(self.open_store(), name, ranges, self, buffers)
 
     def claim(self, patience_s: float = 0.0) -> Lease:
         return Lease(self.open_store(), MANAGER_LEASE, str(self), "another CheckpointManager holds this root",
