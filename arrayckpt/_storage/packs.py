@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from .._errors import CorruptCheckpointError, FormatError, StorageError
+from .._format.packs import PACK_PREFIX, PackFile, pack_name
 from .._io.pools import map_kept
 from .._io.smallfiles import check_no_links, open_nonblocking, user_paths
 from .._settings import settings
@@ -49,20 +50,14 @@ from .kvio import delete_keys, wait_all
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["MAX_PUT_BYTES", "PACK_DIRECTORY", "FilePackWriter", "ObjectPackWriter", "PackData", "PackFile", "PackSlot",
-           "PackWriter", "pack_file_name", "read_file_ranges", "read_object_ranges"]
+__all__ = ["MAX_PUT_BYTES", "PACK_DIRECTORY", "FilePackWriter", "ObjectPackWriter", "PackData", "PackSlot",
+           "PackWriter", "read_file_ranges", "read_object_ranges"]
 
-PACK_DIRECTORY = "packs"
+PACK_DIRECTORY = PACK_PREFIX.rstrip("/")
 MAX_PUT_BYTES = 5 << 30  # the largest object S3 takes in one PUT (a fact of the store; GCS takes more)
 _IOV_MAX = 1024  # buffers one pwritev/preadv takes (Linux's IOV_MAX)
 
 PackData = bytes | bytearray | memoryview | Sequence[memoryview]  # one chunk file's bytes, whole or in pieces
-
-
-def pack_file_name(rank: int, segment: int) -> str:
-    """The name of segment ``segment`` of rank ``rank``'s pack, relative to the checkpoint's root. (The format
-    module ``_format/packs.py``, being written beside this one, will own this name: move it there then.)"""
-    return f"{PACK_DIRECTORY}/r{rank:06d}-{segment:03d}.pack"
 
 
 class PackSlot(NamedTuple):
@@ -70,13 +65,6 @@ class PackSlot(NamedTuple):
 
     segment: int
     offset: int
-
-
-class PackFile(NamedTuple):
-    """One segment a pack wrote: its name (relative to the checkpoint's root) and size, for the coordinator's table."""
-
-    name: str
-    size: int
 
 
 class PackWriter(abc.ABC):
@@ -163,7 +151,7 @@ class PackWriter(abc.ABC):
             self._complete(len(self._sizes) - 1)
         self._finish()
         self._state = "closed"
-        return [PackFile(pack_file_name(self.rank, s), size) for s, size in enumerate(self._sizes)]
+        return [PackFile(pack_name(self.rank, s), size, self.rank) for s, size in enumerate(self._sizes)]
 
     def abort(self) -> None:
         """Remove every segment this pack wrote (also after :meth:`close`, when the save fails elsewhere). Never
@@ -182,7 +170,7 @@ class PackWriter(abc.ABC):
             raise ValueError(f"{self.where}: rank {self.rank}'s pack is {self._state}")
 
     def _name(self, segment: int) -> str:
-        return pack_file_name(self.rank, segment)
+        return pack_name(self.rank, segment)
 
     @abc.abstractmethod
     def _start(self, segment: int) -> None:

@@ -19,9 +19,10 @@ import pytest
 from s3_server import FaultProxy, S3Server
 
 from arrayckpt._errors import CorruptCheckpointError, FormatError, StorageError
+from arrayckpt._format.packs import PackFile, pack_name
 from arrayckpt._storage import LocalLocation, Location, ObjectLocation, parse_object_url
 from arrayckpt._storage.base import open_pack, read_into, read_ranges
-from arrayckpt._storage.packs import MAX_PUT_BYTES, PackFile, PackWriter, pack_file_name
+from arrayckpt._storage.packs import MAX_PUT_BYTES, PackWriter
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -71,7 +72,7 @@ def _write_all(pack: PackWriter, chunks: list[bytes], threads: int = 4) -> list[
 
 def _check_round_trip(location: Location, files: list[PackFile], chunks: list[bytes], slots: list) -> None:
     """Every chunk reads back equal, through ``read_ranges`` and ``read_into``, one call per pack file."""
-    assert [f.name for f in files] == [pack_file_name(3, s) for s in range(len(files))]
+    assert [f.name for f in files] == [pack_name(3, s) for s in range(len(files))]
     assert _stored(location) == [f.name for f in files]
     for segment, file in enumerate(files):
         mine = [i for i, slot in enumerate(slots) if slot.segment == segment]
@@ -88,7 +89,7 @@ def test_threads_write_reserved_ranges_and_read_them_back(target: Location) -> N
     pack = open_pack(target, 3)
     slots = _write_all(pack, chunks)
     files = pack.close()
-    assert len(files) == 1 and files[0] == PackFile("packs/r000003-000.pack", sum(map(len, chunks)))
+    assert len(files) == 1 and files[0] == PackFile("packs/r000003-000.pack", sum(map(len, chunks)), 3)
     _check_round_trip(target, files, chunks, slots)
 
 
@@ -106,7 +107,7 @@ def test_segments_roll_over_at_segment_bytes(target: Location) -> None:
 def test_abort_removes_everything_it_wrote(target: Location) -> None:
     other = open_pack(target, 4)  # another rank's pack stays
     other.write(*other.reserve(5), b"other")
-    assert other.close() == [PackFile("packs/r000004-000.pack", 5)]
+    assert other.close() == [PackFile("packs/r000004-000.pack", 5, 4)]
     pack = open_pack(target, 3, segment_bytes=100)
     _write_all(pack, [b"x" * 80] * 5)
     assert len(_stored(target)) > 2  # (on object storage the full segments were PUT already)
@@ -130,7 +131,7 @@ def test_writes_must_match_their_reservations(target: Location) -> None:
     pack.write(*slot, b"abcd")
     with pytest.raises(ValueError, match="written already"):
         pack.write(*slot, b"abcd")
-    assert pack.close() == [PackFile("packs/r000000-000.pack", 4)]
+    assert pack.close() == [PackFile("packs/r000000-000.pack", 4, 0)]
     with pytest.raises(ValueError, match="pack is closed"):
         pack.write(*slot, b"abcd")
     pack.abort()
