@@ -28,5 +28,5 @@ def test_peer_recovery_example_resumes_on_3_ranks_from_the_survivors_memory(tmp_
     out = run_example("peer_recovery.py", "--dir", str(tmp_path), "--steps", "14", "--kill-after", "8")
     assert "OK: resumed on 3 ranks from the survivors' memory; losses continue bit for bit" in out, out
     assert "from peer memory onto 3 ranks" in out and "SIGKILLed after memory step 8" in out, out
-    assert "flushed to the durable tier: ('local',)" in out, out
+    assert "flushed to the durable tier: ('memory', 'local')" in out, out
     assert not (tmp_path / "shm-node1").exists()  # the lost node's memory stayed lost
