@@ -1,0 +1,144 @@
+"""Files and objects per checkpoint at scale, simulated: a Llama-70B-shaped training state on 8 to 1,024 ranks,
+today's layout against the packed layout's projection (issue 35) and PyTorch DCP.
+
+Run from the repository root::
+
+    python benchmarks/files.py                          # 8, 64, 256 and 1,024 ranks
+    python benchmarks/files.py --ranks 8,64 --json files.json
+
+What it simulates: the state FSDP2 gives every rank of a Llama-3-70B-shaped model (80 layers of ``q``/``k``/``v``/
+``o``, ``gate``/``up``/``down`` and two norms; the embedding, final norm and output layer: 723 parameters; hidden
+8,192, FFN 28,672, 8 KV heads of 128, vocabulary 128,256): bf16 parameters and fp32 AdamW ``exp_avg``/``exp_avg_sq``,
+each sharded on dim 0 over every rank (``torch.chunk``-style, as ``Shard(0)`` does), and AdamW's 0-d ``step`` tensor
+per parameter, replicated: 2,892 arrays. Every rank's state is made of ``arrayckpt.Shard`` s over meta tensors (no
+data), described by the code a rank runs in ``arrayckpt.save`` and planned by the coordinator's planner with the
+default chunk policy (``plan``: seconds, one process). Then, from the plan:
+
+- ``files``: what today's layout writes: one file per stored chunk (each a shard file, ``sharding_indexed``, or a
+  plain chunk), one ``zarr.json`` per array and intermediate group, and the root;
+- ``packed``: what the packed layout (``docs/PACKED_LAYOUT.md``) writes for the same plan: per rank that writes
+  anything, its bytes over the segment size (``local_segment_bytes`` on a filesystem, ``object_segment_bytes`` on
+  object storage, ``_settings.py``), plus the index, the root and ``refs.json``; ``packed_multipart``: the same
+  with one pack per rank, uploaded to object storage as one multipart object;
+- ``dcp``: DCP's ``FileSystemWriter`` with its defaults (one ``.distcp`` file per rank, ``thread_count=1``, and
+  ``.metadata``);
+- ``root_mib``: today's root document (manifest, chunk digests, ``created.writers``, consolidated metadata), and
+  ``index_mib``: the packed layout's chunk table (24 bytes per stored chunk and a crc32c per array,
+  ``_format/packs.py``), which a loader reads by array, not whole.
+
+The target of issue 35: at 256 and 1,024 ranks the packed layout writes at most 2 x ranks data files plus a
+constant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import arrayckpt  # noqa: E402
+from arrayckpt._format.manifest import encode_root_document  # noqa: E402
+from arrayckpt._format.packs import ROW_SIZE  # noqa: E402
+from arrayckpt._layout import saveplan  # noqa: E402
+from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
+from arrayckpt._settings import settings  # noqa: E402
+from arrayckpt._write.describe import describe_local  # noqa: E402
+from arrayckpt._write.save import Record, build_manifest  # noqa: E402
+from scale import _chunk, _meta, _no_data, _reported_chunks  # noqa: E402
+
+HIDDEN, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
+DEFAULT_RANKS = (8, 64, 256, 1024)
+MIB = 2**20
+
+
+def parameters() -> list[tuple[str, tuple[int, ...]]]:
+    out = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)), (p + "self_attn.k_proj.weight", (KV, HIDDEN)),
+                (p + "self_attn.v_proj.weight", (KV, HIDDEN)), (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                (p + "mlp.gate_proj.weight", (FFN, HIDDEN)), (p + "mlp.up_proj.weight", (FFN, HIDDEN)),
+                (p + "mlp.down_proj.weight", (HIDDEN, FFN)), (p + "input_layernorm.weight", (HIDDEN,)),
+                (p + "post_attention_layernorm.weight", (HIDDEN,))]
+    return out + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
+
+
+def rank_state(rank: int, ranks: int, params: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """What ``get_state_dict`` gives one rank of FSDP2 (every parameter ``Shard(0)`` over all ranks)."""
+    model, optim = {}, {}
+    for name, shape in params:
+        a, b = _chunk(shape[0], ranks, rank)
+        local, offset = (b - a, *shape[1:]), (a, *[0] * (len(shape) - 1))
+        model[name] = arrayckpt.Shard(_meta(local, torch.bfloat16), shape, offset)
+        step = torch.empty((), dtype=torch.float32, device="meta")  # one per parameter, as AdamW keeps it
+        optim[name] = {"step": step, **{m: arrayckpt.Shard(_meta(local, torch.float32), shape, offset)
+                                        for m in ("exp_avg", "exp_avg_sq")}}
+    groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": [n for n, _ in params]}]
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}}
+
+
+def _groups(paths: list[str]) -> int:
+    """The intermediate groups above these array paths (each a ``zarr.json`` today)."""
+    return len({"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)})
+
+
+def measure(ranks: int) -> dict[str, Any]:
+    params = parameters()
+    descriptions = [describe_local(rank_state(r, ranks, params), r, False, _no_data).description
+                    for r in range(ranks)]
+    started = time.perf_counter()
+    layout = saveplan.plan_layout(descriptions, tuple(saveplan.fingerprint(d) for d in descriptions), None,
+                                  DEFAULT_CHUNKING)
+    plan = saveplan.assemble(layout, [(d.values, d.per_rank) for d in descriptions])
+    plan_s = time.perf_counter() - started
+    chunks = {path: math.prod(-(-n // c) for n, c in zip(a.shape, a.outer_chunk, strict=True))
+              for path, a in plan.arrays.items()}
+    stored = sum(chunks.values())
+    written = [({}, sums) for sums in _reported_chunks(plan)]
+    root = encode_root_document(build_manifest(plan, Record(1000), ranks, None, written, "files"),
+                                plan.consolidated_json)
+    loads = np.asarray(plan.bytes_by_rank, np.int64)
+    local, remote = settings().local_segment_bytes, settings().object_segment_bytes
+    packed_local = int(np.ceil(loads / local).sum()) + 3  # + index, root, refs.json
+    packed_object = int(np.ceil(loads / remote).sum()) + 3
+    one_per_rank = int((loads > 0).sum()) + 3  # a pack file per rank, uploaded as one multipart object
+    return {"ranks": ranks, "arrays": len(plan.arrays), "plan_s": round(plan_s, 2),
+            "files": stored + len(plan.arrays) + _groups(list(plan.arrays)) + 1, "chunk_files": stored,
+            "packed_files": packed_local, "packed_objects": packed_object, "packed_multipart": one_per_rank,
+            "dcp_files": ranks + 1,
+            "bytes_per_rank_gib": round(float(loads.max()) / 2**30, 2),
+            "root_mib": round(len(root) / MIB, 2), "index_mib": round((stored * ROW_SIZE + 4 * len(chunks)) / MIB, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = []
+    columns = ("ranks", "arrays", "files", "packed_files", "packed_objects", "packed_multipart", "dcp_files",
+               "bytes_per_rank_gib", "root_mib", "index_mib", "plan_s")
+    print(" ".join(f"{c:>12}" for c in columns))
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        row = measure(ranks)
+        rows.append(row)
+        print(" ".join(f"{row[c]!s:>12}" for c in columns), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    last = rows[-1]
+    print(f"files: ranks={last['ranks']} files={last['files']} packed={last['packed_files']} "
+          f"packed_objects={last['packed_objects']} dcp={last['dcp_files']}")
+
+
+if __name__ == "__main__":
+    main()
