@@ -46,6 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from scale import _chunk, _meta, _no_data, _reported_chunks  # noqa: E402
+
 import arrayckpt  # noqa: E402
 from arrayckpt._format.manifest import encode_root_document  # noqa: E402
 from arrayckpt._format.packs import ROW_SIZE  # noqa: E402
@@ -54,7 +56,6 @@ from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
 from arrayckpt._settings import settings  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
-from scale import _chunk, _meta, _no_data, _reported_chunks  # noqa: E402
 
 HIDDEN, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
 DEFAULT_RANKS = (8, 64, 256, 1024)
