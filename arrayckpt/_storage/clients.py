@@ -211,8 +211,8 @@ def listing_fs(scheme: str, options: Mapping[str, Any], **more: Any) -> Any:
     s3fs on S3 and gcsfs on GCS where installed, else ``None``; ``more``: constructor arguments (e.g.
     ``skip_instance_cache``). On S3 the ``max_retries`` option bounds botocore's tries too (its default, 5 tries with
     back-off, took ~10 s to give up on an endpoint that refuses connections). On GCS gcsfs's plain JSON-API file system:
-    the one recent gcsfs makes by default first asks each bucket's layout over gRPC, which emulators do not serve (a
-    30 s wait per call)."""
+    the one recent gcsfs makes by default first asks each bucket's layout over gRPC, which emulators do not serve (up
+    to a minute per call)."""
     if scheme == "s3":
         try:
             import s3fs

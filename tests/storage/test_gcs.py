@@ -110,7 +110,7 @@ def test_save_open_load_overwrite_and_zarr_python_read(gcs_server: GCSServer, gc
         "the replaced checkpoint's chunks are deleted after the commit"
 
     # zarr-python through gcsfs, torch not involved. gcsfs.core.GCSFileSystem: the file system recent gcsfs makes by
-    # default asks each bucket's layout over gRPC first, which the emulator does not serve (30 s per call)
+    # default asks each bucket's layout over gRPC first, which the emulator does not serve (up to a minute per call)
     fs = GCSFileSystem(asynchronous=True, **location.fsspec_options())
     store = zarr.storage.FsspecStore(fs, path=f"{gcs_bucket}/run/step-1", read_only=True)
     group = zarr.open_group(store, mode="r")
