@@ -25,12 +25,13 @@ def chunking(request: pytest.FixtureRequest) -> Chunking:
     return {"whole": WHOLE, "sharded": SHARDED}[request.param]
 
 
-# The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket), shared by
-# every test module; the server starts only when a test asks for it.
+# The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket) and the GCS ones
+# (fake-gcs-server, a fresh bucket), shared by every test module; a server starts only when a test asks for it.
+from gcs_server import gcs_bucket, gcs_server  # noqa: E402, F401
 from s3_server import s3_bucket, s3_proxy, s3_server  # noqa: E402, F401
 
 # Fixtures that start a server or spawn ranks: a test asking for one (directly or through another fixture) is slow.
-SLOW_FIXTURES = frozenset({"s3_server", "s3_proxy", "s3_bucket", "jobs"})
+SLOW_FIXTURES = frozenset({"s3_server", "s3_proxy", "s3_bucket", "gcs_server", "gcs_bucket", "jobs"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -21,8 +21,8 @@ def add_gc(commands: Commands) -> argparse.ArgumentParser:
     gc.add_argument("root", help="directory, or object-storage prefix (s3://bucket/run), holding checkpoints")
     gc.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                     help="only remove leftovers untouched this long (default 3600; on object storage without "
-                         "modification times, memory:// or gs://, only 0 removes). A running save's is never "
-                         "removed, at any age: its lock or lease marks it (spec §9.4)")
+                         "modification times, memory:// or S3/GCS without s3fs/gcsfs, only 0 removes). A running "
+                         "save's is never removed, at any age: its lock or lease marks it (spec §9.4)")
     gc.add_argument("--memory", metavar="DIR", action="append", default=[],
                     help="also remove the peer-memory directories of ended jobs right below DIR (e.g. "
                          "/dev/shm/arrayckpt-UID, where PeerMemory keeps them by default): your own, that no running "

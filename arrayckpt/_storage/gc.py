@@ -125,10 +125,11 @@ def object_leftovers(location: ObjectPrefix, min_age_s: float) -> Leftovers:
       (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,
       numbered objects or a Zarr store of someone else's;
     - its newest object is at least ``min_age_s`` old. On S3 the objects' ``LastModified`` (through s3fs,
-      one listing per 1,000 objects) is compared with this machine's clock. Where the store gives no times
-      (``memory://``, TensorStore's in-process store; ``gs://``; S3 without s3fs) objects count as just
-      written, so only ``min_age_s=0`` removes anything there: the caller then vouches that no save to
-      those prefixes is running (on ``memory://`` such a save could only be one of this very process).
+      one listing per 1,000 objects), on GCS their ``updated`` time (through gcsfs), is compared with this machine's
+      clock. Where the store gives no times (``memory://``, TensorStore's in-process store; S3 without s3fs, GCS
+      without gcsfs) objects count as just written, so only ``min_age_s=0`` removes anything there: the caller then
+      vouches that no save to those prefixes is running (on ``memory://`` such a save could only be one of this very
+      process).
 
     The root itself must not be, or lie inside, a checkpoint or another Zarr hierarchy (its groups would
     look like incomplete checkpoints): that is refused.

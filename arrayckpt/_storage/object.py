@@ -51,7 +51,7 @@ from .base import (
     register_scheme,
     relative_parts,
 )
-from .clients import driver_spec, object_context
+from .clients import driver_spec, fsspec_options, listing_fs, object_context, resolve_options
 from .gc import hierarchies_above, object_leftovers
 from .kvio import delete_keys as _delete
 from .kvio import list_keys as _list
@@ -68,10 +68,6 @@ __all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context",
            "stale_keys"]
 
 OBJECT_SCHEMES = ("s3", "gs", "memory")
-
-# storage_options understood (s3fs's names where it has one)
-_OPTION_NAMES = frozenset({"endpoint_url", "region", "key", "secret", "token", "anon", "max_retries",
-                           "request_concurrency", "profile"})
 
 
 @dataclass(frozen=True)
@@ -173,15 +169,8 @@ class ObjectLocation(Location):
         return _read(self.open_store(), f"{node_path}/{ROOT_METADATA}" if node_path else ROOT_METADATA, self)
 
     def fsspec_options(self) -> dict[str, Any]:
-        """The same storage options for fsspec/s3fs (e.g. ``zarr.open_group(url, storage_options=...)``)."""
-        options = self.option
-        out: dict[str, Any] = {}
-        for name in ("endpoint_url", "key", "secret", "token", "anon", "profile"):
-            if options.get(name) is not None:
-                out[name] = options[name]
-        if options.get("region"):
-            out["client_kwargs"] = {"region_name": options["region"]}
-        return out
+        """The same storage options for fsspec (s3fs, gcsfs): e.g. ``zarr.open_group(url, storage_options=...)``."""
+        return fsspec_options(self.scheme, self.option)
 
     # --- objects below the prefix (keys relative to it) -------------------------------------------
 
@@ -190,9 +179,9 @@ class ObjectLocation(Location):
         return _list(self.open_store(), self)
 
     def object_times(self) -> list[tuple[str, float | None]]:
-        """Every object below the prefix with its modification time (epoch seconds), where the store tells: on
-        S3 through s3fs (``LastModified``); elsewhere TensorStore's listing, without times."""
-        fs = self._s3fs(skip_instance_cache=True)
+        """Every object below the prefix with its modification time (epoch seconds), where the store tells: through
+        s3fs on S3 (``LastModified``) and gcsfs on GCS (``updated``); elsewhere TensorStore's listing, without times."""
+        fs = listing_fs(self.scheme, self.option, skip_instance_cache=True)
         if fs is None:
             return [(key, None) for key in self.object_keys()]
         base = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
@@ -206,7 +195,7 @@ class ObjectLocation(Location):
         for name, info in entries.items():
             if info.get("type") == "directory" or not name.startswith(base + "/"):
                 continue
-            modified = info.get("LastModified")
+            modified = info.get("LastModified" if self.scheme == "s3" else "mtime")
             out.append((name[len(base) + 1:], modified.timestamp() if modified is not None else None))
         return out
 
@@ -225,27 +214,12 @@ class ObjectLocation(Location):
         """Delete these objects (one DELETE each, concurrently)."""
         _delete(self.open_store(), keys, self)
 
-    def _s3fs(self, **options: Any) -> Any:
-        """An s3fs file system with these storage options, on S3 where s3fs is installed (else ``None``). The
-        ``max_retries`` option bounds botocore's tries too (its default, 5 tries with back-off, took ~10 s to give up
-        on an endpoint that refuses connections)."""
-        if self.scheme != "s3":
-            return None
-        try:
-            import s3fs
-        except ImportError:
-            return None
-        if "max_retries" in self.option:
-            retries = {"total_max_attempts": int(self.option["max_retries"]) + 1}
-            options = {**options, "config_kwargs": {"retries": retries}}
-        return s3fs.S3FileSystem(**options, **self.fsspec_options())
-
     # --- the places around it --------------------------------------------------------------------
 
     def children(self) -> list[str]:
-        """Names of the "directories" right below the prefix. On S3 one delimited listing through s3fs when it
-        is installed (TensorStore lists every key below, recursively); elsewhere TensorStore's listing."""
-        fs = self._s3fs()
+        """Names of the "directories" right below the prefix: one delimited listing through s3fs or gcsfs where
+        installed (TensorStore lists every key below, recursively); elsewhere TensorStore's listing."""
+        fs = listing_fs(self.scheme, self.option)
         if fs is None:
             return sorted({key.split("/", 1)[0] for key in self.object_keys() if "/" in key})
         path = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
@@ -305,9 +279,8 @@ class ObjectLocation(Location):
 
 
 def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None) -> ObjectLocation:
-    """``s3://bucket/prefix`` (or ``gs://``, ``memory://``) with its storage options resolved: given options
-    first, then the standard environment variables (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``,
-    ``AWS_REGION``/``AWS_DEFAULT_REGION``; credentials are left to the client's default chain)."""
+    """``s3://bucket/prefix`` (or ``gs://``, ``memory://``) with its storage options resolved (given options first,
+    then the standard environment variables: see :func:`arrayckpt._storage.clients.resolve_options`)."""
     scheme, _, rest = text.partition("://")
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
@@ -317,16 +290,7 @@ def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None
         raise LocationError(f"{text!r}: the prefix must not contain '.', '..' or empty segments (object storage "
                             f"would keep them in the keys, not resolve them); write the prefix they stand for: "
                             f"{scheme + '://' + bucket + posixpath.normpath('/' + prefix)!r}")
-    options = dict(storage_options or {})
-    unknown = set(options) - _OPTION_NAMES
-    if unknown:
-        raise LocationError(f"{text!r}: unknown storage option(s) {sorted(unknown)}; known: {sorted(_OPTION_NAMES)}")
-    if scheme == "s3":
-        options.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
-        options.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"))
-    options = {k: v for k, v in options.items() if v is not None}
-    if bool(options.get("key")) != bool(options.get("secret")):  # a usage error, before any request is made
-        raise LocationError(f"{text!r}: storage options 'key' and 'secret' go together; give both or neither")
+    options = resolve_options(text, scheme, storage_options)
     return ObjectLocation(scheme, bucket, prefix, tuple(sorted(options.items())))
 
 
