@@ -39,8 +39,8 @@ def add_convert(commands: Commands) -> argparse.ArgumentParser:
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")
     convert.add_argument("--select", default=None, metavar="PREFIX",
-                         help="hf: the model's key prefix, stripped from the names (default: the one module under "
-                              "a top-level key, e.g. model.; '' for the whole state)")
+                         help="hf, peft: the model's key prefix, stripped from the names (default: the one module "
+                              "under a top-level key, e.g. model.; '' for the whole state)")
     convert.add_argument("--tie", action="append", type=tie, default=[], metavar="ALIAS=TARGET",
                          help="hf: ALIAS holds the same tensor as TARGET and is left out (repeatable), e.g. "
                               "lm_head.weight=transformer.wte.weight")

@@ -204,9 +204,7 @@ def _selection(checkpoint: Checkpoint, select: str | None) -> Selection:
     if len(roots) > 1:
         raise StateError(f"{checkpoint.location}: LoRA tensors under several prefixes ({', '.join(sorted(roots))}); "
                          "choose the model's with select='model.' (--select PREFIX)")
-    if not roots:
-        if not adapters_of(tensors):
-            raise _no_adapter(checkpoint, tensors, "")
+    if not roots:  # saved from get_base_model(), or no adapter at all (to_peft says so, naming the model's tensors)
         return select_model(checkpoint, None)
     prefix = roots.pop()
     chosen = {key[len(prefix):]: key for key in tensors if key.startswith(prefix)}
@@ -223,7 +221,7 @@ def _root(key: str) -> str | None:
 
 def _no_adapter(checkpoint: Checkpoint, tensors: Sequence[str], prefix: str) -> StateError:
     shown = ", ".join(tensors[:SHOWN]) + (", ..." if len(tensors) > SHOWN else "")
-    where = f"under {prefix!r}" if prefix else "in it"
+    where = f"under {prefix!r}" if prefix else "of the model"
     return StateError(f"{checkpoint.location}: holds no LoRA adapter: none of the {len(tensors)} tensor(s) {where} "
                       f"has lora_A or lora_B in its name ({shown or 'none'}; top-level keys: "
                       f"{top_level_keys(checkpoint.manifest.entries)}); save the PeftModel that get_peft_model "
