@@ -84,3 +84,12 @@ def test_a_prefix_match_needs_half_the_missing_keys():
     assert find_prefix_match(["a", "b", "c"], held) == (("", "model.", 2))
     assert find_prefix_match(["a", "c", "d"], held) is None
     assert find_prefix_match([], held) is None
+
+
+def test_key_prefix_applies_to_every_source_format_into_arrayckpt(tmp_path):
+    torch.save({"w": torch.arange(4.0), "sub": {"b": torch.ones(2)}, "step": 3}, tmp_path / "state.pt")
+    arrayckpt.convert(tmp_path / "state.pt", tmp_path / "ckpt", key_prefix="run.state")
+    with arrayckpt.open(tmp_path / "ckpt") as ckpt:
+        assert list(ckpt) == ["run.state.w", "run.state.sub.b"] and dict(ckpt.plain_values) == {"run.state.step": 3}
+    with pytest.raises(arrayckpt.FormatError, match="key_prefix is for a conversion into arrayckpt"):
+        arrayckpt.convert(tmp_path / "ckpt", tmp_path / "out.safetensors", key_prefix="model")
