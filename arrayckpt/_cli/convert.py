@@ -16,7 +16,7 @@ from .text import emit
 
 __all__ = ["add_compact", "add_convert"]
 
-FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch"]
+FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch"]
 
 
 def add_convert(commands: Commands) -> argparse.ArgumentParser:
@@ -33,18 +33,26 @@ def add_convert(commands: Commands) -> argparse.ArgumentParser:
                          help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
                               "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
                               "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
-                              "megatron.core.dist_checkpointing.load loads")
+                              "megatron.core.dist_checkpointing.load loads; peft: a LoRA adapter directory "
+                              "PeftModel.from_pretrained loads")
     convert.add_argument("--max-shard-size", type=size, default=None, metavar="SIZE",
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")
     convert.add_argument("--select", default=None, metavar="PREFIX",
-                         help="hf: the model's key prefix, stripped from the names (default: the one module under "
-                              "a top-level key, e.g. model.; '' for the whole state)")
+                         help="hf, peft: the model's key prefix, stripped from the names (default: the one module "
+                              "under a top-level key, e.g. model.; '' for the whole state)")
     convert.add_argument("--tie", action="append", type=tie, default=[], metavar="ALIAS=TARGET",
                          help="hf: ALIAS holds the same tensor as TARGET and is left out (repeatable), e.g. "
                               "lm_head.weight=transformer.wte.weight")
     convert.add_argument("--config", default=None, metavar="CONFIG_JSON",
-                         help="hf: config.json to copy into the output (its model's tied weights are left out)")
+                         help="hf: config.json to copy into the output (its model's tied weights are left out); peft: "
+                              "the adapter_config.json to write (default: the one the checkpoint records)")
+    convert.add_argument("--adapter", default=None, metavar="NAME",
+                         help="peft: the adapter to export (of several), or the name to import it under (default: "
+                              "default)")
+    convert.add_argument("--key-prefix", default="", metavar="PREFIX",
+                         help="into arrayckpt: store the source's keys under PREFIX (e.g. model, so that "
+                              "arrayckpt.load({'model': model}, ...) finds a Hugging Face model's weights)")
     convert.add_argument("--param-names", default=None, metavar="FILE",
                          help="deepspeed: the module's names of the optimizer's parameters, one per line, in the "
                               "order its param groups list them (for an optimizer saved by number whose numbers "
@@ -95,7 +103,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                          max_shard_bytes=args.max_shard_size, select=args.select, tie=dict(args.tie) or None,
                          config=args.config, progress=counter, base_roots=args.base_root,
-                         param_names=_param_names(args.param_names))
+                         param_names=_param_names(args.param_names), key_prefix=args.key_prefix,
+                         adapter=args.adapter)
     finally:
         counter.close()
     if args.json:

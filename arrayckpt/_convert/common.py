@@ -29,7 +29,7 @@ from .._format.manifest import PerRankEntry, PickleEntry
 from .._read.checkpoint import Checkpoint, stored_of
 
 __all__ = ["ConvertResult", "Progress", "nested_state", "refusal_reason", "refuse_existing", "replaced_atomically",
-           "write_failure"]
+           "restore_containers", "write_failure"]
 
 Progress = Callable[[int, int], None]
 

@@ -206,7 +206,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
              allow_pickle: bool = False, progress: Progress | None = None,
              chunking: ChunkPolicy = DEFAULT_CHUNKING, extra: Mapping[str, object] | None = None,
              label: str = "dcp", trusted_values: bool = False,
-             created: dict[str, object] | None = None) -> ConvertResult:
+             created: dict[str, object] | None = None, key_prefix: str = "") -> ConvertResult:
     """A DCP checkpoint (saved by any number of ranks) into arrayckpt, one whole tensor at a time.
 
     The nesting of the saved state dict is rebuilt from DCP's planner data, so keys, lists and plain values
@@ -253,7 +253,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
 
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle)
     write_streaming(skeleton, fetch, dst, options, chunking=chunking,
-                    source=f"{label}: {Path(src).name}", progress=progress, created=created)
+                    source=f"{label}: {Path(src).name}", progress=progress, created=created, key_prefix=key_prefix)
     nbytes = sum(torch.empty((), dtype=i.properties.dtype).element_size() * i.size.numel() for _, i in tensors.values())
     return ConvertResult(label, "arrayckpt", len(tensors), nbytes, (str(dst),))
 

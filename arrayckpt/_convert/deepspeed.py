@@ -246,7 +246,7 @@ def _check_slice_mappings(params: list[FlatParam], optim: list[dict[str, Any]], 
 
 def from_deepspeed(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
                    allow_pickle: bool = False, progress: Progress | None = None,
-                   chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+                   chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "") -> ConvertResult:
     """A DeepSpeed ZeRO checkpoint (its directory, whose ``latest`` names the tag, or a tag directory) into
     arrayckpt; the keys are in this module's docstring. A Universal Checkpoint (a tag directory with
     ``zero/optimizer_state.pt``, or a directory whose ``latest_universal`` names one) goes to
@@ -257,7 +257,7 @@ def from_deepspeed(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     tag_dir = tag_directory(root)
     if is_universal(tag_dir):
         return from_universal(tag_dir, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress,
-                              chunking=chunking)
+                              chunking=chunking, key_prefix=key_prefix)
     first = load_pt(model_states_file(tag_dir), mmap=True)
     files = find_zero_files(tag_dir, first)
     models = [first, *(load_pt(f, mmap=True) for f in files.model_files[1:])]
@@ -301,7 +301,7 @@ def from_deepspeed(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle,
                           step=first.get("global_steps") if isinstance(first.get("global_steps"), int) else None)
     write_streaming(skeleton, fetch, dst, options, chunking=chunking, source=f"deepspeed: {tag_dir.name}",
-                    progress=progress, release=release)
+                    progress=progress, release=release, key_prefix=key_prefix)
     metas = list({id(m): m for m in _leaves(skeleton) if isinstance(m, torch.Tensor)}.values())  # a tie once
     return ConvertResult("deepspeed", "arrayckpt", len(metas), sum(m.numel() * m.element_size() for m in metas),
                          (str(dst),))

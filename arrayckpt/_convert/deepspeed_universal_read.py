@@ -105,7 +105,7 @@ def _param_groups(optimizer: dict[str, Any], names: list[list[str]], file: Path)
 
 def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: bool = False,
                    allow_pickle: bool = False, progress: Progress | None = None,
-                   chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+                   chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "") -> ConvertResult:
     """The universal tag directory ``tag_dir`` into arrayckpt at ``dst``; the keys are in this module's docstring."""
     states_file, states = _model_states(tag_dir)
     zero = tag_dir / "zero"
@@ -187,7 +187,8 @@ def from_universal(tag_dir: Path, dst: str | os.PathLike[str], *, overwrite: boo
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle,
                           step=step if isinstance(step, int) and not isinstance(step, bool) else None)
     write_streaming(skeleton, lambda key: fetchers[key](), dst, options, chunking=chunking,
-                    source=f"deepspeed universal: {tag_dir.name}", progress=progress, release=release)
+                    source=f"deepspeed universal: {tag_dir.name}", progress=progress, release=release,
+                    key_prefix=key_prefix)
     notes = (f"{', '.join(skipped)}: a placeholder in the model states with no zero/<name>/fp32.pt (ds_to_universal "
              "does not write ZeRO 3's frozen parameters); not converted",) if skipped else ()
     return ConvertResult("deepspeed", "arrayckpt", len(fetchers), sum(

@@ -4,7 +4,8 @@ DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as
 (``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
 ``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
 Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
-safetensors it is. Only arrayckpt -> safetensors and hf run without torch; the other converters are imported
+safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``) goes both ways. Only
+arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
 when used, after checking that torch is there."""
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from .._read.checkpoint import open_checkpoint
 from .._torch import require_torch
 from .common import ConvertResult, Progress
 from .hf import HfOptions, refuse_earlier_export, to_hf
+from .peft import ADAPTER_CONFIG, AdapterConfig, PeftOptions, refuse_earlier_adapter, to_peft
 from .safetensors import to_safetensors
 from .switch import held_temporary
 from .whatis import checkpoint_steps, explain_path
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "safetensors", "torch")
-DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron")  # targets that are directories
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch")
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft")  # targets that are directories
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -41,6 +43,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "arrayckpt"
         if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
+        if (p / ADAPTER_CONFIG).is_file():
+            return "peft"  # PeftModel.save_pretrained's directory (its adapter_model.safetensors is not a model's)
         if (p / ".metadata").is_file():
             return "dcp"
         if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
@@ -83,12 +87,14 @@ def _check_target(dst: str | os.PathLike[str], target: str, max_shard_bytes: int
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_format: str | None = None,
             to_format: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
             max_shard_bytes: int | None = None, select: str | None = None, tie: Mapping[str, str] | None = None,
-            config: str | os.PathLike[str] | None = None, progress: Progress | None = None,
+            config: AdapterConfig | None = None, progress: Progress | None = None,
             base_roots: Sequence[str | os.PathLike[str]] | None = None,
-            param_names: Sequence[str] | None = None) -> ConvertResult:
+            param_names: Sequence[str] | None = None, key_prefix: str = "",
+            adapter: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
-    megatron (Megatron-Core ``torch_dist``) into any of them. deepspeed is read from a ZeRO checkpoint (stage 1, 2
-    or 3; its directory or a tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
+    megatron (Megatron-Core ``torch_dist``) into any of them, and a LoRA adapter (peft) both ways. deepspeed is read
+    from a ZeRO checkpoint (stage 1, 2 or 3; its directory or a tag directory) or a Universal Checkpoint, and written
+    as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -102,6 +108,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     the ties of the model ``config`` describes), dtypes kept, ``model.safetensors`` or shards (``max_shard_bytes``,
     default 50 GB) with their index, and ``config`` copied as ``config.json``. ``from_pretrained`` loads it.
 
+    ``to_format="peft"`` writes the directory ``dst`` that ``PeftModel.from_pretrained(base_model, dst)`` loads: the
+    LoRA adapter's tensors of the ``PeftModel`` saved in the checkpoint (``select``: its key prefix, found as the one
+    in front of ``base_model.model.``; ``adapter``: which, when it holds several) in ``adapter_model.safetensors``
+    under the names ``get_peft_model_state_dict`` gives them, and ``adapter_config.json`` from ``config`` (a
+    ``LoraConfig``, its ``to_dict()``, or an ``adapter_config.json``), or else from the plain value of the
+    checkpoint that holds a ``peft_type`` (``{"model": peft_model, "adapter_config": ...}``). ``from_format="peft"``
+    reads such a directory back: the tensors under the ``PeftModel``'s names (``adapter``, default ``"default"``,
+    put back into them), the config as the plain value ``adapter_config``.
+
+    ``key_prefix`` (into arrayckpt): stores every key of the source under this prefix, ``"model"`` making
+    ``model.layers.0...`` of a Hugging Face directory ``model.model.layers.0...``, as ``arrayckpt.save({"model":
+    model})`` names them, so that ``arrayckpt.load({"model": model}, dst)`` finds them.
+
     ``to_format="deepspeed"`` writes the directory ``dst`` as a DeepSpeed Universal Checkpoint (``latest_universal``
     and one tag directory) that ``engine.load_checkpoint(dst)`` resumes with ``"checkpoint": {"load_universal": true}``
     at any data-parallel degree and ZeRO stage: the module under ``model``, with one optimizer's state. An optimizer
@@ -112,20 +131,24 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     Args:
         src: the checkpoint to convert: a file or a directory.
         dst: where to write it.
-        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"`` or ``"megatron"``
-            (default: detected).
+        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"``, ``"megatron"`` or
+            ``"peft"`` (default: detected).
         to_format: one of those, or ``"hf"`` (default: what ``dst``'s suffix says, else arrayckpt).
         overwrite: replace what is at ``dst``.
         allow_pickle: read and write values that need pickle (only from sources you trust).
         max_shard_bytes: splits safetensors output into shards with a ``model.safetensors.index.json``.
-        select: for ``to_format="hf"``: the key prefix of the model's tensors, stripped from the names.
+        select: for ``to_format="hf"`` and ``"peft"``: the key prefix of the model's tensors, stripped from the names.
         tie: for ``to_format="hf"``: alias -> target, ties to leave out besides those ``config`` describes.
-        config: for ``to_format="hf"``: the model's ``config.json``, copied beside the weights.
+        config: for ``to_format="hf"``: the model's ``config.json``, copied beside the weights; for
+            ``to_format="peft"``: the adapter's config (a ``LoraConfig``, a mapping, or an ``adapter_config.json``).
         progress: called as ``progress(bytes done, bytes in all)``.
         base_roots: where an arrayckpt delta source's bases may be besides the directory holding it (as for
             :func:`arrayckpt.open`).
         param_names: for ``to_format="deepspeed"``: the names of the optimizer's parameters, in the order its param
             groups list them.
+        key_prefix: into arrayckpt: the key prefix to store the source's keys under (``"model"``).
+        adapter: for peft: the adapter's name (exported: the one of several in the checkpoint; imported: the name
+            put into the keys, default ``"default"``).
 
     Returns:
         What was written, and what the target format could not hold.
@@ -152,11 +175,17 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         >>> done.selected, sorted(os.listdir(os.path.join(d, "hf"))), done.skipped
         ('model.', ['model.safetensors'], ('step',))
     """
-    hf = HfOptions(select, dict(tie or {}), config)
-    if (select is not None or tie or config is not None) and to_format != "hf":
-        raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf)")
-    if config is not None:  # read whole when the export is written: refuse /dev/zero, a FIFO or a huge file now
-        check_user_file(Path(config) / "config.json" if Path(config).is_dir() else config, "a config.json")
+    if (select is not None or config is not None) and to_format not in ("hf", "peft") or tie and to_format != "hf":
+        raise FormatError("select, tie and config are for a Hugging Face export: to_format='hf' (--to hf); select "
+                          "and config for a PEFT adapter too: to_format='peft' (--to peft)")
+    path = config if isinstance(config, (str, os.PathLike)) else None
+    if config is not None and path is None and to_format == "hf":
+        raise FormatError(f"config: for a Hugging Face export, the path of a config.json, not {type(config).__name__}")
+    hf = HfOptions(select, dict(tie or {}), path)
+    peft = PeftOptions(select, adapter, config)
+    if path is not None:  # read whole when the export is written: refuse /dev/zero, a FIFO or a huge file now
+        name = ADAPTER_CONFIG if to_format == "peft" else "config.json"
+        check_user_file(Path(path) / name if Path(path).is_dir() else path, f"a {name}")
     if param_names is not None and to_format != "deepspeed":
         raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
     source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
@@ -174,28 +203,38 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
     _check_target(dst, target, max_shard_bytes)
+    if adapter is not None and "peft" not in (source, target):
+        raise FormatError("adapter is for a PEFT adapter: to_format='peft' or from_format='peft' (--to/--from peft)")
+    if key_prefix and target != "arrayckpt":
+        raise FormatError("key_prefix is for a conversion into arrayckpt (to change the names of an export: select)")
     if source == "arrayckpt" and target == "arrayckpt":
         raise FormatError(f"{src} is already an arrayckpt checkpoint (to change its chunking or codec: "
                           "`arrayckpt compact`)")
     if target == "arrayckpt":
         into = _converter(_INTO[source], f"converting {source} to arrayckpt")
-        return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress)
+        extra = {"adapter": adapter} if source == "peft" else {}
+        return into(src, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, key_prefix=key_prefix,
+                    **extra)
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                       max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, base_roots=base_roots,
-                       param_names=param_names)
+                       max_shard_bytes=max_shard_bytes, hf=hf, peft=peft, progress=progress,
+                       base_roots=base_roots, param_names=param_names)
     into = _converter(_INTO[source], f"converting {source} to {target}")
     if target == "hf":  # refused before the (long) first half
         refuse_earlier_export(Path(dst), overwrite)
+    elif target == "peft":
+        refuse_earlier_adapter(Path(dst), overwrite)
     elif os.path.exists(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
     place = Path(dst).absolute()
     # parents made; after a kill gc removes it; not named as the export's own, which removes its own leftovers
     with held_temporary(place.parent, f"{place.name}.source") as temp:
-        first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress)
+        first = into(src, os.path.join(temp, "ckpt"), overwrite=False, allow_pickle=allow_pickle, progress=progress,
+                     **({"adapter": adapter} if source == "peft" else {}))
         try:
             result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
-                             max_shard_bytes=max_shard_bytes, hf=hf, progress=progress, param_names=param_names)
+                             max_shard_bytes=max_shard_bytes, hf=hf, peft=peft, progress=progress,
+                             param_names=param_names)
         except ArrayckptError as e:
             raise _naming_source(e, os.path.join(temp, "ckpt"), src) from e
     return dataclasses.replace(result, source_format=first.source_format,
@@ -209,7 +248,7 @@ def _naming_source(error: ArrayckptError, temporary: str, src: str | os.PathLike
 
 
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
-            allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions,
+            allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions, peft: PeftOptions,
             progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None,
             param_names: Sequence[str] | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
@@ -217,6 +256,10 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint, \
                 _no_new_empty_directory(Path(dst)):
             return to_hf(checkpoint, dst, hf, overwrite=overwrite, max_shard_bytes=max_shard_bytes, progress=progress)
+    if target == "peft":
+        with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint, \
+                _no_new_empty_directory(Path(dst)):
+            return to_peft(checkpoint, dst, peft, overwrite=overwrite, progress=progress)
     if target == "safetensors":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
@@ -243,7 +286,7 @@ def _no_new_empty_directory(target: Path) -> Iterator[None]:
 
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
-         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron"}
+         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron", "peft": "peft:from_peft"}
 _OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal",
            "megatron": "megatron:to_megatron"}
 

@@ -69,7 +69,8 @@ from .safetensors import (
 )
 from .switch import held_temporary, switch_files
 
-__all__ = ["HF_MAX_SHARD_BYTES", "HfOptions", "Selection", "refuse_earlier_export", "select_model", "to_hf"]
+__all__ = ["HF_MAX_SHARD_BYTES", "HfOptions", "Selection", "is_tensor", "refuse_earlier_export", "select_model",
+           "to_hf", "top_level_keys"]
 
 HF_MAX_SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size, "50GB"
 CONFIG = "config.json"
@@ -106,10 +107,10 @@ def select_model(checkpoint: Checkpoint, select: str | None) -> Selection:
     entries = checkpoint.manifest.entries
     prefix = _find_prefix(checkpoint) if select is None else (select.rstrip(".") + "." if select.strip(".") else "")
     chosen = {key: entry for key, entry in entries.items() if key.startswith(prefix)}
-    tensors = {key[len(prefix):]: key for key, entry in chosen.items() if _is_tensor(checkpoint, entry)}
+    tensors = {key[len(prefix):]: key for key, entry in chosen.items() if is_tensor(checkpoint, entry)}
     if not tensors:
         raise StateError(f"{checkpoint.location}: no tensors under {prefix!r}; the top-level keys are "
-                         f"{_tops(entries)}; choose the model's with --select PREFIX (select=...)")
+                         f"{top_level_keys(entries)}; choose the model's with --select PREFIX (select=...)")
     optimizer = _optimizer_at(chosen.values(), len(prefix.split(".")) - 1 if prefix else 0)
     if optimizer is not None:
         raise StateError(f"{checkpoint.location}: the selection {prefix or '(the whole state)'!r} holds optimizer "
@@ -119,7 +120,7 @@ def select_model(checkpoint: Checkpoint, select: str | None) -> Selection:
     return Selection(prefix, tensors, tuple(key for key in entries if key not in kept))
 
 
-def _is_tensor(checkpoint: Checkpoint, entry: Entry) -> bool:
+def is_tensor(checkpoint: Checkpoint, entry: Entry) -> bool:
     """A tensor entry, or an alias of one (a tied weight stored once, spec §4.3): both are the model's weights."""
     found = checkpoint.manifest.array_entry(entry.key) if isinstance(entry, AliasEntry) else entry
     return isinstance(found, ArrayEntry) and found.kind == "tensor"
@@ -135,7 +136,7 @@ def manifest_ties(checkpoint: Checkpoint, selection: Selection) -> list[Tie]:
             if key in names and target in names]
 
 
-def _tops(entries: Mapping[str, Entry]) -> str:
+def top_level_keys(entries: Mapping[str, Entry]) -> str:
     return ", ".join(dict.fromkeys(str(e.parts[0]) for e in entries.values())) or "(none)"
 
 
@@ -147,13 +148,13 @@ def _find_prefix(checkpoint: Checkpoint) -> str:
     for entry in checkpoint.manifest.entries.values():
         groups.setdefault(str(entry.parts[0]), []).append(entry)
     modules = [top for top, group in groups.items() if _optimizer_at(group, 0) is None
-               and all(_is_tensor(checkpoint, e) and len(e.parts) > 1 for e in group)]
-    if all(_is_tensor(checkpoint, e) for group in groups.values() for e in group):
+               and all(is_tensor(checkpoint, e) and len(e.parts) > 1 for e in group)]
+    if all(is_tensor(checkpoint, e) for group in groups.values() for e in group):
         return f"{modules[0]}." if len(groups) == 1 and modules else ""
     if len(modules) == 1:
         return f"{modules[0]}."
     found = f"several modules ({', '.join(f'{m}.' for m in modules)})" if modules else \
-        f"no module (top-level keys holding only tensors) among {_tops(checkpoint.manifest.entries)}"
+        f"no module (top-level keys holding only tensors) among {top_level_keys(checkpoint.manifest.entries)}"
     raise StateError(f"{checkpoint.location}: cannot tell which tensors are the model's: {found}; choose with "
                      "--select PREFIX (select='model.'; '' for the whole state)")
 

@@ -141,7 +141,7 @@ def _common(directory: Path, allow_pickle: bool) -> dict[str, Any]:
 
 def from_megatron(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
                   allow_pickle: bool = False, progress: Progress | None = None,
-                  chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+                  chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "") -> ConvertResult:
     """A Megatron-Core ``torch_dist`` checkpoint into arrayckpt (the mapping is this module's docstring)."""
     directory = checkpoint_directory(Path(src))
     config = _config(directory)
@@ -152,7 +152,7 @@ def from_megatron(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, o
     record = {"format": "megatron", "metadata": config, "common": sorted(str(k) for k in common)}
     return from_dcp(directory, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress,
                     chunking=chunking, extra=extra, label="megatron", trusted_values=allow_pickle,
-                    created={"source": record})
+                    created={"source": record}, key_prefix=key_prefix)
 
 
 def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from safetensors import safe_open
 
 __all__ = ["DEFAULT_FILE_METADATA", "SAFETENSORS_INDEX", "ST_DTYPES", "ST_NAMES", "WEIGHTS", "check_storable",
-           "cut_shards", "earlier_weights", "from_safetensors", "shard_files", "source_record", "to_safetensors",
-           "write_file"]
+           "cut_shards", "earlier_weights", "from_safetensors", "safetensors_names", "shard_files", "source_record",
+           "to_safetensors", "write_file"]
 
 SAFETENSORS_HEADER_LIMIT = 100 << 20  # the safetensors library's own limit on the JSON header
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -251,12 +251,16 @@ def source_record(index_metadata: Mapping[str, object] | None, file_metadata: li
 
 def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
                      allow_pickle: bool = False, progress: Progress | None = None,
-                     chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+                     chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "",
+                     names: Mapping[str, str] | None = None, values: Mapping[str, object] | None = None,
+                     label: str = "safetensors") -> ConvertResult:
     """One safetensors file, or a sharded set with its index JSON, into arrayckpt (keys are the tensor names).
 
     Every file is opened (and so checked) by the safetensors library before anything is written. Tensors are
     views of its memory map, written one batch at a time, their pages dropped once written, so resident memory
-    stays near one tensor. Needs torch.
+    stays near one tensor. Needs torch. For formats built on safetensors (a PEFT adapter, ``peft.py``): ``names``
+    gives tensors other keys (name in the file -> key), ``values`` adds plain values beside them, ``label`` names
+    the source format.
     """
     import torch  # the skeleton is meta tensors (dispatch.py checks that torch is there)
 
@@ -270,21 +274,28 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
     with contextlib.ExitStack() as stack:
         handles = {file: _open(file, stack) for file in source.files}
         tensors = _all_tensors(Path(src), handles)
+        stored = {(names or {}).get(name, name): name for name in tensors}  # key -> name in the file
         held: dict[str, torch.Tensor] = {}
 
         def fetch(key: str) -> torch.Tensor:
-            held[key] = handles[tensors[key].file].get_tensor(key)
+            held[key] = handles[tensors[stored[key]].file].get_tensor(stored[key])
             return held[key]
 
-        skeleton = {name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta")
-                    for name, t in tensors.items()}
+        skeleton: dict[str, object] = {key: torch.empty(tensors[name].shape, dtype=torch_dtype(tensors[name].dtype),
+                                                        device="meta") for key, name in stored.items()}
+        skeleton.update(values or {})
         write_streaming(skeleton, fetch, dst, SaveOptions(overwrite=overwrite), chunking=chunking,
-                        source=f"safetensors: {Path(src).name}", progress=progress,
+                        source=f"{label}: {Path(src).name}", progress=progress, key_prefix=key_prefix,
                         release=lambda key: _release_pages(held.pop(key)) if key in held else None,
                         created={"source": source_record(source.index_metadata,
                                                          [dict(h.metadata() or {}) for h in handles.values()])})
-    return ConvertResult("safetensors", "arrayckpt", len(tensors), sum(t.nbytes for t in tensors.values()),
-                         (str(dst),))
+    return ConvertResult(label, "arrayckpt", len(tensors), sum(t.nbytes for t in tensors.values()), (str(dst),))
+
+
+def safetensors_names(file: Path) -> list[str]:
+    """The names of the tensors of one safetensors file (opened, and so checked, by the library)."""
+    with contextlib.ExitStack() as stack:
+        return list(_open(file, stack).keys())
 
 
 def _all_tensors(src: Path, handles: Mapping[Path, safe_open]) -> dict[str, _StTensor]:

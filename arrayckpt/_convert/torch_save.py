@@ -38,7 +38,7 @@ LEGACY_STORAGES: dict[str, torch.dtype] = {name: dtype for dtype, name in LEGACY
 
 def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
                allow_pickle: bool = False, progress: Progress | None = None,
-               chunking: ChunkPolicy = DEFAULT_CHUNKING) -> ConvertResult:
+               chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "") -> ConvertResult:
     """A ``torch.save`` file (a dict, nested) into arrayckpt, loaded with ``weights_only=True``.
 
     The file is memory-mapped; each tensor is written straight from the mapping and its pages released
@@ -60,7 +60,8 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
 
     options = SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle)
     write_streaming(skeleton, fetch, dst, options, chunking=chunking,
-                    source=f"torch.save: {Path(src).name}", progress=progress, release=release)
+                    source=f"torch.save: {Path(src).name}", progress=progress, release=release,
+                    key_prefix=key_prefix)
     tensors = [leaf.value for leaf in leaves.values() if isinstance(leaf.value, torch.Tensor)]
     return ConvertResult("torch", "arrayckpt", len(tensors), sum(_nbytes(t) for t in tensors), (str(dst),))
 

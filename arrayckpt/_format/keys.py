@@ -14,7 +14,7 @@ import re
 
 from .._errors import FormatError
 
-__all__ = ["Key", "array_path", "dotted", "parse_array_path", "parse_key_parts", "valid_segment"]
+__all__ = ["Key", "array_path", "dotted", "parse_array_path", "parse_key_parts", "prefix_parts", "valid_segment"]
 
 Key = tuple[str | int, ...]
 
@@ -26,6 +26,22 @@ EMPTY_SEGMENT = "%"  # an empty segment ("a..b"); a lone "%" can never come from
 def dotted(parts: Key) -> str:
     """The flattened, user-facing name of a key path."""
     return ".".join(str(p) for p in parts)
+
+
+def prefix_parts(key_prefix: str) -> tuple[str, ...]:
+    """The parts of a key prefix as ``convert`` and ``load`` take one (``key_prefix``): ``"model"`` and ``"model."``
+    are both ``("model",)``; ``""`` is no prefix. An empty part (``"a..b"``) is refused: no key has one there.
+
+    >>> prefix_parts("model."), prefix_parts("base.model"), prefix_parts("")
+    (('model',), ('base', 'model'), ())
+    """
+    if not isinstance(key_prefix, str):
+        raise TypeError(f"key_prefix must be a string (such as 'model'), not {type(key_prefix).__name__}")
+    trimmed = key_prefix[:-1] if key_prefix.endswith(".") else key_prefix
+    parts = tuple(trimmed.split(".")) if trimmed else ()
+    if any(not part for part in parts):
+        raise ValueError(f"key_prefix {key_prefix!r} has an empty part; write it as dotted names, such as 'model'")
+    return parts
 
 
 def _escape_segment(segment: str) -> str:

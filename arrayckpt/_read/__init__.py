@@ -4,6 +4,7 @@
 read path every read goes through (``reader.py``), reads through a chain of delta checkpoints (``chain.py``), and
 ``load`` into a training state (``load.py``; its device targets are filled through pooled host buffers, a batch
 copied while the next is read: ``deviceload.py``; the only modules here that need torch at import, with
-``together.py``: an atomic load on several ranks that restores all of them or none). The modules below
+``together.py``: an atomic load on several ranks that restores all of them or none; ``keyhint.py``: the key prefix a
+mismatch names). The modules below
 ``stored.py`` see an opened checkpoint through the protocol in ``source.py``.
 """

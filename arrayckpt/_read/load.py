@@ -21,7 +21,7 @@ import torch
 from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, StateError
 from .._format.dtypes import dtype_of_numpy
 from .._format.jsontypes import JSON
-from .._format.keys import dotted
+from .._format.keys import Key, dotted, prefix_parts
 from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
@@ -41,6 +41,7 @@ from .._torch.state import Leaf, StatefulNode, Walk, walk
 from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
+from .keyhint import prefix_hint
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -89,6 +90,7 @@ def load(
     atomic: bool = False,
     share_root: bool = True,
     base_roots: Sequence[str | os.PathLike[str]] | None = None,
+    key_prefix: str = "",
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -122,6 +124,9 @@ def load(
             ``load``, as for any collective).
         base_roots: where a delta checkpoint's bases may be read besides the directory (prefix) holding it (as for
             :func:`arrayckpt.open`).
+        key_prefix: the prefix the state's keys have in front of the checkpoint's: ``"model"`` loads a checkpoint
+            converted from a Hugging Face directory (``model.layers.0...``) into ``{"model": model}``
+            (``model.model.layers.0...``); ``unexpected_keys`` still names the checkpoint's keys as it does.
 
     Returns:
         The keys that did not match, either way.
@@ -129,7 +134,8 @@ def load(
     Raises:
         CheckpointNotFoundError: nothing is at ``path``.
         IncompleteCheckpointError: a save at ``path`` never committed.
-        KeyMismatchError: ``strict`` and keys of ``state`` are missing from the checkpoint.
+        KeyMismatchError: ``strict`` and keys of ``state`` are missing from the checkpoint (where a key prefix is
+            all that separates them, the message names it and the fix: ``key_prefix``, or the state's nesting).
         StateError: a target's shape or dtype differs from the checkpoint's.
         PickleNotAllowedError: a value needs unpickling and ``allow_pickle`` was not given.
         BaseNotAllowedError: a delta's base is outside the delta's directory and ``base_roots``.
@@ -152,7 +158,8 @@ def load(
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
     with open_location(location, allow_pickle=allow_pickle, opened=opened,
                        base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
-        return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=atomic)
+        return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=atomic,
+                     key_prefix=key_prefix)
 
 
 def _shared_root(location: Location, group: Group) -> Opened:
@@ -171,38 +178,43 @@ def _shared_root(location: Location, group: Group) -> Opened:
 
 
 def _load(state: Mapping[str, Any], checkpoint: StoredCheckpoint, group: Group, *, strict: bool, read_once: bool,
-          atomic: bool, agreement: Settles | None = None) -> LoadResult:
+          atomic: bool, agreement: Settles | None = None, key_prefix: str = "") -> LoadResult:
     """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises); with an
-    ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state."""
+    ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state. The
+    entries are looked up by the state's keys (``key_prefix`` in front of the checkpoint's) and read by their own."""
     where = str(checkpoint.location)
     walked = walk(state)
-    entries = checkpoint.manifest.entries
-    created = _create_missing(walked, entries)
+    prefix = prefix_parts(key_prefix)
+    front = dotted(prefix) + "." if prefix else ""
+    held = checkpoint.manifest.entries
+    entries = {front + key: entry for key, entry in held.items()} if front else held
+    created = _create_missing(walked, entries, prefix, held)
     missing = [key for key in walked.leaves if key not in entries]
-    unexpected = [key for key in entries if key not in walked.leaves]
+    unexpected = [key[len(front):] for key in entries if key not in walked.leaves]
     if strict and missing:
         raise KeyMismatchError(
             f"{where}: {len(missing)} key(s) of the state are not in the checkpoint: {_few(missing)}"
             + (f"; the checkpoint has {len(unexpected)} other key(s): {_few(unexpected)}" if unexpected else "")
-            + ". Pass strict=False to load the rest"
+            + prefix_hint(missing, held, key_prefix) + ". Pass strict=False to load the rest"
         )
     with collector_paused():
         plan = _LoadPlan(checkpoint, group.rank, group.size, atomic, agreement)
         for key, leaf in walked.leaves.items():
-            if key in entries and not _filled_by_target(entries[key], leaf, walked.leaves):
+            if key in entries and not _filled_by_target(entries[key], leaf, walked.leaves, front):
                 plan.add(entries[key], leaf)
         plan.unpickle_values()
         plan.run(group if read_once and group.size > 1 else None)
-    _hand_back(walked.statefuls, checkpoint.manifest.containers, created)
+    containers = checkpoint.manifest.containers
+    _hand_back(walked.statefuls, {front + k: v for k, v in containers.items()} if front else containers, created)
     return LoadResult(missing, unexpected)
 
 
-def _filled_by_target(entry: Entry, leaf: Leaf, leaves: Mapping[str, Leaf]) -> bool:
-    """Whether ``entry`` is an alias whose target's leaf in the state is the same tensor as ``leaf`` (a tied model):
-    reading the target fills it."""
+def _filled_by_target(entry: Entry, leaf: Leaf, leaves: Mapping[str, Leaf], front: str = "") -> bool:
+    """Whether ``entry`` is an alias whose target's leaf in the state (its key with ``front`` before it) is the same
+    tensor as ``leaf`` (a tied model): reading the target fills it."""
     if not isinstance(entry, AliasEntry):
         return False
-    target = leaves.get(entry.target)
+    target = leaves.get(front + entry.target)
     return target is not None and same_tensor(leaf.value, target.value)
 
 
@@ -430,13 +442,15 @@ def _empty_like_entry(entry: ArrayEntry) -> torch.Tensor | np.ndarray:
     return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
 
 
-def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> set[int]:
+def _create_missing(walked: Walk, entries: Mapping[str, Entry], prefix: tuple[str, ...] = (),
+                    held: Mapping[str, Entry] | None = None) -> set[int]:
     """Create, inside non-module stateful objects' state dicts, entries the checkpoint has and they lack.
 
     A fresh optimizer has an empty ``state`` until its first step; its ``load_state_dict`` accepts the
     full state, so the checkpoint's tensors are materialised into its state dict. Modules have a fixed
     set of keys, so for them extra checkpoint keys stay unexpected. Returns the ids of the dicts created on the
     way (:func:`_hand_back` turns those standing for the checkpoint's lists and tuples back into them).
+    ``entries`` are by the state's keys: the checkpoint's (``held``) with the parts ``prefix`` in front.
     """
     created: set[int] = set()
     for node in walked.statefuls:
@@ -444,9 +458,10 @@ def _create_missing(walked: Walk, entries: Mapping[str, Entry]) -> set[int]:
             continue
         depth = len(node.parts)
         for key, entry in entries.items():
-            if key in walked.leaves or entry.parts[:depth] != node.parts or len(entry.parts) == depth:
+            parts = (*prefix, *entry.parts)
+            if key in walked.leaves or parts[:depth] != node.parts or len(parts) == depth:
                 continue
-            _insert(walked, node, entry, created, _array_of(entry, entries))
+            _insert(walked, node, key, parts, created, _array_of(entry, entries if held is None else held))
     return created
 
 
@@ -456,10 +471,12 @@ def _array_of(entry: Entry, entries: Mapping[str, Entry]) -> ArrayEntry | None:
     return found if isinstance(found, ArrayEntry) else None
 
 
-def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int], array: ArrayEntry | None) -> None:
+def _insert(walked: Walk, node: StatefulNode, key: str, parts: Key, created: set[int],
+            array: ArrayEntry | None) -> None:
+    """Create the leaf ``parts`` (the state's key ``key``) in ``node``'s state dict, with the dicts on its way."""
     container: Any = node.state_dict
-    for i in range(len(node.parts), len(entry.parts) - 1):
-        part = entry.parts[i]
+    for i in range(len(node.parts), len(parts) - 1):
+        part = parts[i]
         if not isinstance(container, dict):
             return
         child = container.get(part)
@@ -467,13 +484,13 @@ def _insert(walked: Walk, node: StatefulNode, entry: Entry, created: set[int], a
             child = container[part] = {}
             created.add(id(child))
         elif isinstance(child, dict) and not child:
-            walked.leaves.pop(dotted(entry.parts[: i + 1]), None)  # now a container
+            walked.leaves.pop(dotted(parts[: i + 1]), None)  # now a container
         container = child
-    slot = entry.parts[-1]
+    slot = parts[-1]
     if not isinstance(container, dict) or slot in container:
         return
     container[slot] = _empty_like_entry(array) if array is not None else None
-    walked.leaves[entry.key] = Leaf(entry.parts, container[slot], container, slot)
+    walked.leaves[key] = Leaf(parts, container[slot], container, slot)
 
 
 def _hand_back(statefuls: list[StatefulNode], containers: Mapping[str, str] | None = None,

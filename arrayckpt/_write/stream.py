@@ -20,6 +20,7 @@ import torch
 
 from .._errors import StateError
 from .._format.dtypes import DType, dtype_of_numpy
+from .._format.keys import dotted, prefix_parts
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
@@ -51,6 +52,7 @@ def write_streaming(
     progress: Callable[[int, int], None] | None = None,
     release: Callable[[str], None] | None = None,
     created: Mapping[str, Any] | None = None,
+    key_prefix: str = "",
 ) -> None:
     """Save ``skeleton`` as a checkpoint, fetching each meta-tensor leaf's data with ``fetch(key)`` when written.
 
@@ -60,7 +62,13 @@ def write_streaming(
     refused). ``release(key)``, if given, is called once a fetched tensor has been written (e.g. to drop the
     pages of a memory-mapped source). ``source`` is recorded in the manifest's ``created`` provenance
     (``converted_from``), with ``created``'s members (e.g. the source's own metadata, kept for a later export).
+    ``key_prefix`` (``"model"``) nests the whole skeleton under it, so that every key starts with ``model.``;
+    ``fetch`` and ``release`` are still called with the skeleton's own keys.
     """
+    parts = prefix_parts(key_prefix)
+    if parts:
+        skeleton, fetch, release = _nested(skeleton, fetch, release, parts)
+
     def host(key: str, array_path: str, value: torch.Tensor | np.ndarray, dt: DType) -> np.ndarray:
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             return _LATER
@@ -80,6 +88,17 @@ def write_streaming(
         created = created_info(1) | ({"converted_from": source} if source is not None else {}) | dict(created or {})
         manifest = build_manifest(plan, request.record, 1, None, [({}, checksums)], str(request.location), created)
         transaction.commit(manifest, plan.consolidated_json)
+
+
+def _nested(skeleton: Mapping[str, Any], fetch: Fetch, release: Callable[[str], None] | None,
+            parts: tuple[str, ...]) -> tuple[Mapping[str, Any], Fetch, Callable[[str], None] | None]:
+    """``skeleton`` under the key prefix ``parts``, with ``fetch`` and ``release`` taking the prefixed keys."""
+    for part in reversed(parts):
+        skeleton = {part: skeleton}
+    cut = len(dotted(parts)) + 1
+    inner_release = release
+    return (skeleton, lambda key: fetch(key[cut:]),
+            None if inner_release is None else lambda key: inner_release(key[cut:]))
 
 
 def _write_arrays(plan: SavePlan, data: dict[str, tuple[Box, np.ndarray]], fetch: Fetch, transaction: WriteTransaction,
