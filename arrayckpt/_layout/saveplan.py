@@ -17,11 +17,10 @@ looking at a single piece, and :func:`assemble` adds that save's plain and per-r
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,8 +38,7 @@ from .tasks import Task
 MAX_SEGMENT_BYTES = 255  # the usual limit of one directory entry
 
 __all__ = ["ArrayDescription", "ArrayTable", "Fresh", "Layout", "LocalDescription", "SavePlan", "TaskTable",
-           "assemble", "check_paths", "check_shared_values", "documents_of", "fingerprint", "plan_layout", "plan_save",
-           "shared_digest", "with_key_encoding"]
+           "assemble", "check_paths", "documents_of", "fingerprint", "plan_layout", "plan_save", "with_key_encoding"]
 
 Fresh = tuple[Sequence[ValueEntry], Sequence["ValueEntry | ArrayEntry"]]  # one rank's values and per-rank values
 
@@ -82,8 +80,6 @@ class Layout:
     documents: dict[str, bytes]
     consolidated_json: str
     owned: tuple[tuple[str, ...], ...] = field(default=())  # by rank: the value keys it owns
-    # by rank: the value keys it holds but another (lower) rank owns; it sends their digest (``shared_digest``)
-    shared: tuple[tuple[str, ...], ...] = field(default=())
 
     @property
     def world(self) -> int:
@@ -109,9 +105,7 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
     containers: dict[str, str] = {}
     for rank, description in enumerate(descriptions):
         for j, value in enumerate(description.values):
-            first = values.setdefault(value.key, (rank, value))
-            if first[0] != rank and _canonical(first[1]) != _canonical(value):
-                raise StateError(_differs(value.key, first, (rank, value)))
+            values.setdefault(value.key, (rank, value))
             position.setdefault(value.key, (rank, 1, j))
         for j, item in enumerate(description.per_rank):
             per_rank.setdefault(item.key, item.parts)
@@ -124,14 +118,13 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
     owned: list[list[str]] = [[] for _ in descriptions]
     for key, (rank, _) in values.items():
         owned[rank].append(key)
-    shared = tuple(tuple(v.key for v in d.values if values[v.key][0] != rank) for rank, d in enumerate(descriptions))
     return Layout(plan_id=uuid.uuid4().hex, fingerprints=fingerprints, names=names,
                   codecs=tuple(resolve_codec(codec, name) for name in names), chunking=chunking,
                   entries=arrays.entries, arrays=arrays.arrays, tasks=arrays.tasks, loads=arrays.loads,
                   boxes=arrays.boxes, order=tuple(sorted(position, key=position.__getitem__)),
                   value_owners={key: rank for key, (rank, _) in values.items()}, per_rank_parts=per_rank,
                   containers=containers, documents=documents, consolidated_json=consolidated,
-                  owned=tuple(tuple(o) for o in owned), shared=shared)
+                  owned=tuple(tuple(o) for o in owned))
 
 
 def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
@@ -161,48 +154,6 @@ def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
     return SavePlan(entries=entries, arrays=layout.arrays, tasks=layout.tasks,
                     containers=layout.containers, bytes_by_rank=layout.loads, documents=layout.documents,
                     consolidated_json=layout.consolidated_json, layout=layout)
-
-
-def _canonical(value: ValueEntry) -> str:
-    return json.dumps(value.value, sort_keys=True)
-
-
-def shared_digest(values: Sequence[ValueEntry], keys: Collection[str]) -> bytes:
-    """A digest of the plain values under ``keys`` (those a rank holds but a lower rank owns and sends): what a rank
-    sends instead of them when it reuses a layout, so that the coordinator still sees a value that differs."""
-    h = hashlib.blake2b(digest_size=16)
-    for value in sorted((v for v in values if v.key in keys), key=lambda v: v.key):
-        h.update(json.dumps([value.key, value.value], sort_keys=True).encode("utf-8", "surrogatepass"))
-    return h.digest()
-
-
-def check_shared_values(layout: Layout, plan: SavePlan, digests: Sequence[bytes | None]) -> None:
-    """Refuse a save in which a rank holds a plain value that differs from the one its owner (the lowest rank
-    holding it) sent: only the owner's is stored, so another rank's would be lost silently (spec §5.3).
-    ``digests[r]``: rank ``r``'s :func:`shared_digest` of its :attr:`Layout.shared` keys (``None``: it sent every
-    value, checked when the layout was planned)."""
-    for rank, digest in enumerate(digests):
-        keys = layout.shared[rank] if layout.shared else ()
-        if digest is None or not keys:
-            continue
-        expected = [entry for key in keys if isinstance(entry := plan.entries[key], ValueEntry)]
-        if shared_digest(expected, keys) != digest:
-            raise StateError(f"rank {rank} holds a plain value that differs from the one the lowest rank holding it "
-                             f"saves (one of {_few(keys)}); a value every rank saves must be equal on all of them: "
-                             "wrap a value each rank has its own of in arrayckpt.PerRank (e.g. a data loader's "
-                             "position), which saves every rank's")
-
-
-def _differs(key: str, first: tuple[int, ValueEntry], other: tuple[int, ValueEntry]) -> str:
-    shown = [json.dumps(v.value, sort_keys=True) for _, v in (first, other)]
-    shown = [text if len(text) <= 60 else text[:57] + "..." for text in shown]
-    return (f"plain value {key!r} differs between ranks (rank {first[0]}: {shown[0]}, rank {other[0]}: {shown[1]}); "
-            "only one is stored, so a value every rank saves must be equal on all of them: wrap a value each rank has "
-            "its own of in arrayckpt.PerRank (e.g. a data loader's position), which saves every rank's")
-
-
-def _few(keys: Sequence[str]) -> str:
-    return ", ".join(repr(k) for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def documents_of(arrays: dict[str, ArrayPlan]) -> tuple[dict[str, bytes], str]:

@@ -36,7 +36,7 @@ from .._format.manifest import ArrayEntry, ValueEntry
 from .._layout.delta import PieceChange
 from .._layout.plancache import Held, PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, expand
-from .._layout.saveplan import LocalDescription, fingerprint, shared_digest
+from .._layout.saveplan import LocalDescription, fingerprint
 from .._torch.dist import Group
 
 if TYPE_CHECKING:
@@ -61,9 +61,6 @@ class Report:
     per_rank: tuple[ValueEntry | ArrayEntry, ...]
     changes: list[PieceChange]  # a delta save's findings
     agreement: Agreement | None  # a delta save's (every rank must agree; None: a full save)
-    # with a claim: the digest of the plain values it holds but does not own (``saveplan.shared_digest``), which the
-    # coordinator compares with what their owners sent (None: it sent all of its values)
-    shared_digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +103,7 @@ def _report(description: LocalDescription | None, error: BaseException | None, p
     if held is not None:
         owned = set(held.rank_layout.owned)
         values = tuple(v for v in description.values if v.key in owned)
-        shared = shared_digest(description.values, {v.key for v in description.values} - owned)
-        return Report(error, print_, held.plan_id, None, values, description.per_rank, changes, agreement, shared)
+        return Report(error, print_, held.plan_id, None, values, description.per_rank, changes, agreement)
     return Report(error, print_, None, description, description.values, description.per_rank, changes, agreement)
 
 

@@ -40,7 +40,7 @@ from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
 from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, explicit_part
-from .._layout.saveplan import SavePlan, assemble, check_shared_values, plan_layout
+from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._layout.tasks import RowsTask
 from .._read.checkpoint import Checkpoint, open_checkpoint
 from .._storage import Location, parse_location
@@ -325,7 +325,6 @@ def _coordinate(reports: list[Report], request: SaveRequest,
             layout = plan_layout(descriptions, fingerprints, options.codec, chunking)  # type: ignore[arg-type]
             plan_cache.keep(layout)
         plan = assemble(layout, [(r.values, r.per_rank) for r in reports])
-        check_shared_values(layout, plan, [r.shared_digest for r in reports])
         if request.delta is not None:
             plan = plan_delta(plan, None, [r.changes for r in reports], request.delta, chunking)
         request.check_guard()
