@@ -14,8 +14,10 @@ table, by what it would mean for an arrayckpt checkpoint:
 ``thread_count``,           aligned with the shards, every rank's written concurrently from its tensors' memory,
 ``per_thread_copy_ahead``   through TensorStore)
 ``sync_files``              accepted, no effect: a save is always made durable before its commit
-``_extensions``             none accepted: DCP's stream transforms do not apply to Zarr chunks; compression is
-                            ``codec=`` (``ZStandard()`` is ``codec="zstd"``)
+``_extensions``             ``[ZStandard()]`` is ``codec="zstd"`` (Zarr's zstd codec, which zarr-python and
+                            TensorStore decode; an explicit ``codec=`` wins); any other stream transform is refused:
+                            its bytes would be readable only through DCP with that extension registered, and a
+                            transform silently left out (encryption) would store in the clear what was meant not to
 ``serialization_format``    ``TORCH_SAVE`` (DCP's default) only: arrayckpt writes Zarr v3 arrays whatever it is
                             asked; ``SAFETENSORS`` is refused
 ``_extension_registry``     (reader) accepted, no effect: the codecs are recorded in the checkpoint
@@ -43,23 +45,40 @@ READER_NO_EFFECT: Mapping[str, str] = {
     "_extension_registry": "an arrayckpt checkpoint records its codecs, which the reader decodes",
 }
 WRITER_REFUSED = ("_extensions", "serialization_format")
+ZSTD_EXTENSION = "stream.zstd"  # DCP's ``ZStandard().registry_name()``
 
 
-def check_writer_options(options: Mapping[str, Any]) -> None:
-    """Accept or refuse ``FileSystemWriter``'s arguments given to ``ArrayckptWriter`` (see the module docstring)."""
+def check_writer_options(options: Mapping[str, Any]) -> str | None:
+    """Accept or refuse ``FileSystemWriter``'s arguments given to ``ArrayckptWriter`` (see the module docstring);
+    returns the codec they ask for (``"zstd"`` for DCP's ``ZStandard`` extension), else None."""
+    codec = None
     for name, value in options.items():
         if name in WRITER_NO_EFFECT:
             continue
         if name == "_extensions":
-            if value:
-                raise ValueError(f"ArrayckptWriter(_extensions={value!r}): DCP's stream extensions do not apply to "
-                                 "arrayckpt's Zarr chunks; compress with codec='zstd' (or 'blosc', or per key)")
+            others = [e for e in value or () if _registry_name(e) != ZSTD_EXTENSION]
+            if others:
+                names = [type(e).__name__ for e in others]
+                raise ValueError(f"ArrayckptWriter(_extensions=...): {names}: DCP's stream transforms other than "
+                                 "ZStandard do not apply to arrayckpt's Zarr chunks (zarr-python and TensorStore could "
+                                 "not read them); leave them out, and compress with codec='zstd' (or 'blosc')")
+            codec = "zstd" if value else None
         elif name == "serialization_format":
             if value is not None and getattr(value, "value", value) != "torch_save":
                 raise ValueError(f"ArrayckptWriter(serialization_format={value!r}): arrayckpt writes Zarr v3 arrays "
                                  "(readable by zarr-python and TensorStore), not DCP's files; leave it out")
         else:
             raise _unexpected("ArrayckptWriter", name, [*WRITER_NO_EFFECT, *WRITER_REFUSED])
+    return codec
+
+
+def _registry_name(extension: object) -> object:
+    """An extension's ``registry_name()`` (DCP's ``Extension`` interface), or None for anything else."""
+    method = getattr(extension, "registry_name", None)
+    try:
+        return method() if callable(method) else None
+    except Exception:  # noqa: BLE001 - not one of DCP's extensions
+        return None
 
 
 def check_reader_options(options: Mapping[str, Any]) -> None:

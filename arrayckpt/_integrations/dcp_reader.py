@@ -20,8 +20,9 @@ ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``)
   ``arrayckpt.load`` does); anything else through a staging buffer and ``copy_`` as DCP's own reader does.
 - Plain values are offered under the keys DCP's flattening gives them (``dcp_keys.py``: ``optim.param_groups``
   is asked for as ``optim.param_groups.0.lr``, …) as ``BYTE_IO`` items, ``torch.save``d into the ``BytesIO``
-  handed to ``planner.load_bytes``. numpy arrays are ``BYTE_IO`` items too (read whole). Pickled values load only
-  with ``allow_pickle=True``; asking for one without it fails before any data is read, naming the key.
+  handed to ``planner.load_bytes``; bytes as an ``io.BytesIO`` where the state loaded into holds one. numpy
+  arrays are ``BYTE_IO`` items too (read whole). Pickled values load only with ``allow_pickle=True``; asking for
+  one without it fails before any data is read, naming the key.
 - An alias (a tensor saved under two keys, stored once: tied weights) is offered under its own key as its target's
   tensor, so a state holding both keys gets both filled.
 - Per-rank entries (``arrayckpt.PerRank``) have no DCP equivalent and are left out of the metadata (load them with
@@ -211,7 +212,9 @@ class ArrayckptReader(StorageReader):
                     offer((*path, *below), _Source("value", key, sub), BytesStorageMetadata())
             # PerRankEntry: no DCP equivalent (see the module docstring)
         self._sources, self._ambiguous = sources, ambiguous
-        storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+        save_id = manifest.created.get("dcp_save_id")  # recorded by ArrayckptWriter (informational, spec §4.2)
+        storage_meta = StorageMeta(checkpoint_id=self.path, save_id=save_id if isinstance(save_id, str) else None,
+                                   load_id=self.load_id)
         return Metadata(described, planner_data=paths, storage_meta=storage_meta)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -249,7 +252,7 @@ class ArrayckptReader(StorageReader):
                 staged = 0
                 for item in plan.items:
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, self._bytes(checkpoint, item, decoded))
+                        planner.load_bytes(item, self._bytes(checkpoint, item, decoded, planner))
                         continue
                     target, buffer, request = self._tensor_read(checkpoint, item, planner)
                     if request.box.size == 0 and request.box.shape:  # nothing to read (a rank holding no rows)
@@ -316,8 +319,10 @@ class ArrayckptReader(StorageReader):
         buffer = torch.empty(box.shape, dtype=dtype)
         return target, buffer, ChainRead(source.key, box, writable_numpy(buffer, entry.dtype, source.key))
 
-    def _bytes(self, checkpoint: Checkpoint, item: ReadItem, decoded: dict[str, Any]) -> io.BytesIO:
-        """A BYTE_IO item's value, ``torch.save``d, as DCP's planners expect it."""
+    def _bytes(self, checkpoint: Checkpoint, item: ReadItem, decoded: dict[str, Any],
+               planner: LoadPlanner) -> io.BytesIO:
+        """A BYTE_IO item's value, ``torch.save``d, as DCP's planners expect it; bytes as an ``io.BytesIO`` where the
+        state loaded into holds one (``ArrayckptWriter`` stores an ``io.BytesIO`` as its bytes)."""
         source = self._source(item)
         if source.kind == "value":
             if source.key not in decoded:
@@ -329,10 +334,19 @@ class ArrayckptReader(StorageReader):
             value = np.asarray(checkpoint[source.key].numpy())
         else:  # a pickle, allowed (prepare_local_plan refused it otherwise)
             value = checkpoint.plain_values[source.key]
+        if isinstance(value, bytes) and isinstance(_target(planner, item), io.BytesIO):
+            value = io.BytesIO(value)
         out = io.BytesIO()
         torch.save(value, out)
         out.seek(0)
         return out
+
+
+def _target(planner: LoadPlanner, item: ReadItem) -> object:
+    """What the state loaded into holds for a BYTE_IO item (``DefaultLoadPlanner.state_dict``, by DCP's key), or
+    None with a planner that does not say."""
+    state = getattr(planner, "state_dict", None)
+    return state.get(item.dest_index.fqn) if isinstance(state, Mapping) else None
 
 
 def _run(checkpoint: Checkpoint, batch: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, ChainRead]],

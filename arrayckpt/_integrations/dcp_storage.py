@@ -83,7 +83,7 @@ from .._write.transaction import WriteTransaction, begin_write
 from .dcp_keys import key_parts, object_path
 from .dcp_options import accelerator_available, check_writer_options
 from .dcp_ties import TiesOnRank, agreed_ties, claim_ties, may_tie, tensor_items, with_ties
-from .dcp_values import ValueWritten, encode_bytes, value_entries, write_pickles
+from .dcp_values import ValueWritten, encode_item, value_entries, write_pickles
 
 __all__ = ["ArrayckptWriter"]
 
@@ -201,11 +201,11 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                  overwrite: bool = True, allow_pickle: bool = False,
                  storage_options: Mapping[str, Any] | None = None, cache_staged_state_dict: bool = False,
                  **filesystem_writer_options: Any) -> None:
-        check_writer_options(filesystem_writer_options)
+        implied = check_writer_options(filesystem_writer_options)  # ZStandard(): "zstd"
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = None if path is None else os.fspath(path)
-        self.codec = codec
+        self.codec = codec if codec is not None else implied
         self.overwrite = overwrite
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
@@ -301,7 +301,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         results: list[WriteResult] = []
         for item in plan.items:  # values first: a refused one fails the save before any chunk is written
             if item.type == WriteItemType.BYTE_IO:
-                written = encode_bytes(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
+                written = encode_item(item, planner, self.allow_pickle)
                 size = len(written.pickled) if written.pickled is not None else len(repr(written.encoded))
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=written))
         skipped: frozenset[str] = frozenset()
@@ -381,7 +381,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                                    documents=documents, consolidated_json=consolidated)
         if not pending.documents_written:
             transaction.write_documents(documents)
-        created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter"}
+        created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter",
+                   "dcp_save_id": self.save_id}  # DCP's StorageMeta.save_id, which ArrayckptReader gives back
         manifest = build_manifest(full, Record(), len(results), None, [({}, sums) for sums in by_rank], where, created)
         transaction.commit(manifest, consolidated)
 

@@ -2,7 +2,9 @@
 
 DCP's ``BYTE_IO`` items (its default planner ``torch.save``s every non-tensor leaf) are decoded on the rank that
 holds them with ``torch.load(weights_only=True)``; what arrayckpt can store as a plain value (``_format/values.py``:
-numbers, strings, lists, tuples, dicts, None…) travels to the coordinator as typed JSON, so an optimizer's
+numbers, strings, lists, tuples, dicts, None…; an ``io.BytesIO``, DCP's documented way to store raw bytes, is
+stored as its ``bytes``, which ``ArrayckptReader`` gives back as an ``io.BytesIO`` where the state loaded into holds
+one) travels to the coordinator as typed JSON, so an optimizer's
 ``param_groups`` need no pickle. Anything else is refused with :class:`arrayckpt.PickleNotAllowedError` unless
 ``allow_pickle=True``, which stores it as ``arrayckpt.save(..., allow_pickle=True)`` does (``pickle.dumps`` of the
 object ``torch.load`` returns, as a uint8 array the coordinator writes before the commit). The leaves DCP walked
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from .._errors import PickleNotAllowedError, StateError
 from .._format.codecs import Codec
@@ -34,7 +37,8 @@ from .._layout.saveplan import check_paths
 from .._write.transaction import WriteTransaction
 from .dcp_keys import key_parts, list_containers, object_path, regroup
 
-__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "encode_bytes", "value_entries", "write_pickles"]
+__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "encode_bytes", "encode_item", "value_entries",
+           "write_pickles"]
 
 PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
 
@@ -45,6 +49,18 @@ class ValueWritten:
 
     encoded: Any = None
     pickled: bytes | None = None
+
+
+def encode_item(item: WriteItem, planner: SavePlanner, allow_pickle: bool) -> ValueWritten:
+    """A BYTE_IO item's value. An ``io.BytesIO`` in the state (DCP's documented way to store raw bytes) is stored as
+    its bytes, taken from the planner's state (``DefaultSavePlanner.lookup_object``) rather than unpickled from
+    what ``torch.save`` made of it, which ``weights_only`` refuses."""
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        found = lookup(item.index)
+        if isinstance(found, io.BytesIO):
+            return ValueWritten(encoded=encode_value(found.getvalue()))
+    return encode_bytes(item.index.fqn, planner.resolve_data(item), allow_pickle)
 
 
 def encode_bytes(fqn: str, data: Any, allow_pickle: bool) -> ValueWritten:

@@ -193,7 +193,7 @@ def test_every_argument_of_dcps_storage_classes_is_accepted_or_refused(tmp_path:
     from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.testing._internal.distributed.checkpoint_utils import Rot13Example
 
-    with pytest.raises(ValueError, match="codec='zstd'"):  # DCP's stream transforms (its ZStandard among them)
+    with pytest.raises(ValueError, match="other than ZStandard.*codec='zstd'"):  # DCP's other stream transforms
         ArrayckptWriter(path, _extensions=[Rot13Example()])
     with pytest.raises(ValueError, match="Zarr v3"):
         ArrayckptWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
@@ -202,6 +202,51 @@ def test_every_argument_of_dcps_storage_classes_is_accepted_or_refused(tmp_path:
     with pytest.raises(TypeError, match="'thread_count'"):
         ArrayckptReader(path, thread_count=2)
     _assert_step(_loaded(path), 2)
+
+
+def test_dcps_zstandard_extension_is_the_zstd_codec(tmp_path: Path) -> None:
+    # PyTorch's TestDistributedStateDictSaveLoadZStandard: FileSystemWriter(_extensions=[ZStandard()])
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.testing._internal.distributed.checkpoint_utils import Rot13Example
+
+    zstd = object.__new__(ZStandard)  # its constructor needs the zstandard module, which arrayckpt does not
+    assert ArrayckptWriter(tmp_path / "c", _extensions=[zstd]).codec == "zstd"
+    assert ArrayckptWriter(tmp_path / "c", _extensions=[zstd], codec="blosc").codec == "blosc"  # codec= wins
+    assert ArrayckptWriter(tmp_path / "c", _extensions=[]).codec is None
+    dcp.save(_state(1), storage_writer=ArrayckptWriter(tmp_path / "c", _extensions=[zstd]), no_dist=True)
+    assert '"zstd"' in (tmp_path / "c" / "w" / "zarr.json").read_text()
+    _assert_step(_loaded(tmp_path / "c"), 1)
+    with pytest.raises(ValueError, match=r"\['Rot13Example'\].*leave them out"):  # named, even beside ZStandard
+        ArrayckptWriter(tmp_path / "c", _extensions=[zstd, Rot13Example()])
+
+
+def test_read_metadata_gives_back_the_writers_save_id(tmp_path: Path) -> None:
+    # PyTorch's test_compatibility.py::test_storage_meta
+    writer = ArrayckptWriter(tmp_path / "c")
+    dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    reader = ArrayckptReader(tmp_path / "c")
+    meta = reader.read_metadata().storage_meta
+    assert meta is not None and (meta.checkpoint_id, meta.save_id, meta.load_id) == (
+        str(tmp_path / "c"), writer.save_id, reader.load_id)
+    arrayckpt.save(_state(2), tmp_path / "plain")  # not saved through DCP: no save_id
+    meta = ArrayckptReader(tmp_path / "plain").read_metadata().storage_meta
+    assert meta is not None and meta.save_id is None
+
+
+def test_bytesio_values_are_stored_as_bytes_without_pickle(tmp_path: Path) -> None:
+    # DCP's documented way to store raw bytes (PyTorch's test_list_stored_state_dict.py, e2e's TestTrainState)
+    import io
+
+    state = {"w": torch.ones(2), "blob": io.BytesIO(b"TrainingEpoch:4"), "raw": b"raw"}
+    dcp.save(state, storage_writer=ArrayckptWriter(tmp_path / "c"), no_dist=True)  # no allow_pickle
+    opened = arrayckpt.open(tmp_path / "c")
+    assert opened.plain_values["blob"] == b"TrainingEpoch:4" and opened.plain_values["raw"] == b"raw"  # not pickled
+    target: dict[str, Any] = {"w": torch.zeros(2), "blob": io.BytesIO(), "raw": b""}
+    dcp.load(target, storage_reader=ArrayckptReader(tmp_path / "c"), no_dist=True)
+    assert isinstance(target["blob"], io.BytesIO) and target["blob"].getvalue() == b"TrainingEpoch:4"
+    assert target["raw"] == b"raw" and torch.equal(target["w"], torch.ones(2))
+    described = ArrayckptReader(tmp_path / "c").read_metadata().state_dict_metadata
+    assert type(described["blob"]).__name__ == "BytesStorageMetadata"
 
 
 def test_a_reader_follows_its_path_between_loads(tmp_path: Path) -> None:
