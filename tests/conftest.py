@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import crafted
 import pytest
 from policies import SHARDED, WHOLE, Chunking
 
@@ -64,3 +65,23 @@ def small_disk(tmp_path: Path):
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
+
+@pytest.fixture
+def claims_32_gib(tmp_path: Path) -> Path:
+    """A 1.7 KB checkpoint whose (resealed) root document says ``w`` is float32[2**33]: 32 GiB in 512 chunks,
+    of which ``c.0`` is the 16 bytes saved for a float32[4] (and ``missing``: not there at all)."""
+    import torch
+
+    import arrayckpt
+
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.ones(4)}, path)
+    n = 1 << 33
+
+    def claim(document):
+        crafted.entries(document)["w"]["shape"] = [n]
+        document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
+        array = document["consolidated_metadata"]["metadata"]["w"]
+        array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
+    crafted.edit_root(path, claim)
+    return path

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from crafted import assert_one_line_error, cli_error, edit_root, entries
+from crafted import assert_one_line_error, cli_error
 
 import arrayckpt
 from arrayckpt.cli import main
@@ -68,23 +68,6 @@ def test_lying_safetensors_headers_are_format_errors(tmp_path, capsys, header, m
 
 
 # --- issue 5, item 2: a tensor claiming gigabytes its files do not hold ---------------------------------------------
-
-
-@pytest.fixture
-def claims_32_gib(tmp_path: Path) -> Path:
-    """A 1.7 KB checkpoint whose (resealed) root document says ``w`` is float32[2**33]: 32 GiB in 512 chunks,
-    of which ``c.0`` is the 16 bytes saved for a float32[4] (and ``missing``: not there at all)."""
-    path = tmp_path / "ckpt"
-    arrayckpt.save({"w": torch.ones(4)}, path)
-    n = 1 << 33
-
-    def claim(document):
-        entries(document)["w"]["shape"] = [n]
-        document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
-        array = document["consolidated_metadata"]["metadata"]["w"]
-        array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
-    edit_root(path, claim)
-    return path
 
 
 @pytest.mark.parametrize("missing", [False, True], ids=["short chunk", "missing chunk"])

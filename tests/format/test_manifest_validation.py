@@ -209,23 +209,6 @@ def test_a_root_document_claiming_a_gigabyte_is_refused_unread(ckpt: Path, capsy
 # --- issue 5, item 2: a tensor claiming gigabytes its files do not hold ---------------------------------------------
 
 
-@pytest.fixture
-def claims_32_gib(tmp_path: Path) -> Path:
-    """A 1.7 KB checkpoint whose (resealed) root document says ``w`` is float32[2**33]: 32 GiB in 512 chunks,
-    of which ``c.0`` is the 16 bytes saved for a float32[4] (and ``missing``: not there at all)."""
-    path = tmp_path / "ckpt"
-    arrayckpt.save({"w": torch.ones(4)}, path)
-    n = 1 << 33
-
-    def claim(document):
-        entries(document)["w"]["shape"] = [n]
-        document["attributes"]["arrayckpt"]["stored_bytes"] = 4 * n
-        array = document["consolidated_metadata"]["metadata"]["w"]
-        array["shape"], array["chunk_grid"]["configuration"]["chunk_shape"] = [n], [1 << 24]
-    edit_root(path, claim)
-    return path
-
-
 def test_a_tensor_too_big_to_allocate_is_an_error_naming_it(claims_32_gib, monkeypatch, capsys, tuned):
 
     tuned(probe_bytes=1 << 62)  # no probe: straight to the allocation
