@@ -197,8 +197,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         raise FormatError(f"{src}: cannot tell its format; say it with --from ({', '.join(FORMATS)})")
     target = to_format or _target_format(dst) or ("arrayckpt" if source != "arrayckpt" else None)
     if target is None:
-        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to (dcp, deepspeed, hf, megatron, "
-                          "safetensors, torch)")
+        raise FormatError(f"{dst}: cannot tell which format to write; say it with --to "
+                          f"({', '.join(f for f in FORMATS if f != 'arrayckpt')})")
     for name in (source, target):
         if name not in FORMATS:
             raise FormatError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
