@@ -49,6 +49,9 @@ class Settings:
     verify_batch_bytes: int = 256 << 20  # chunks ``verify`` reads at once
     compact_batch_bytes: int = 256 << 20  # array bytes a compaction reads through the chain and writes per batch
     fetch_batch_bytes: int = 128 << 20  # tensor bytes a streaming conversion fetches before writing them together
+    packed_from_ranks: int = 2  # saves of at least this many ranks are packed (one file per rank), unless asked
+    pack_batch_bytes: int = 256 << 20  # array bytes a rank encodes into memory before appending them to its pack
+    refs_max_chunks: int = 100_000  # a packed save writes refs.json (kerchunk) up to this many chunks (~10 MB)
     device_issue_bytes: int = 64 << 20  # device-to-host copies are issued once this many bytes of them wait
     compare_block_bytes: int = 16 << 20  # rows a delta save compares at once, per thread
     dcp_staged_batch_bytes: int = 512 << 20  # reads the DCP reader stages outside their targets, per batch

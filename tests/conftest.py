@@ -26,6 +26,19 @@ def chunking(request: pytest.FixtureRequest) -> Chunking:
     return {"whole": WHOLE, "sharded": SHARDED}[request.param]
 
 
+@pytest.fixture(params=["files", "packed"])
+def storage_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Every save of the test in one layout: one file per chunk (format version 3) or packed (one pack per rank,
+    version 4, spec §16), whatever its number of ranks; ranks the test spawns inherit it through the environment.
+    A module whose tests hold for both says ``pytestmark = pytest.mark.usefixtures("storage_layout")``."""
+    from arrayckpt._settings import override
+
+    from_ranks = 1 if request.param == "packed" else 1 << 30
+    monkeypatch.setenv("ARRAYCKPT_PACKED_FROM_RANKS", str(from_ranks))
+    with override(packed_from_ranks=from_ranks):
+        yield request.param
+
+
 # The S3 fixtures (a moto server subprocess on 127.0.0.1, a fault-injecting proxy, a fresh bucket) and the GCS ones
 # (fake-gcs-server, a fresh bucket), shared by every test module; a server starts only when a test asks for it.
 from gcs_server import gcs_bucket, gcs_server  # noqa: E402, F401

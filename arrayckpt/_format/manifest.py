@@ -21,10 +21,13 @@ from .dtypes import DType, dtype_by_name
 from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
 from .jsontypes import JSON
 from .keys import Key, array_path, parse_array_path, parse_key_parts
+from .packs import PACKS_MEMBER, PackLayout, packs_member, parse_packs_member
 from .paths import BaseRef, check_node_paths
 
 __all__ = [
+    "FILES_VERSION",
     "FORMAT_VERSION",
+    "PACKED_VERSION",
     "MANIFEST_ATTRIBUTE",
     "AliasEntry",
     "ArrayEntry",
@@ -43,7 +46,10 @@ __all__ = [
     "per_rank_path",
 ]
 
-FORMAT_VERSION = 3  # the version this code writes, and the newest it reads (it reads 1 and 2 too)
+FORMAT_VERSION = 4  # the newest version this code reads (it reads 1 to 3 too)
+FILES_VERSION = 3  # what a checkpoint of one file per chunk is written as (readers of version 3 read it)
+PACKED_VERSION = 4  # from this version on, a checkpoint may be packed (spec §16); it is written only for those
+NODES_MEMBER = "nodes"  # a packed root keeps the node metadata here, inside the manifest attribute (spec §16.1)
 INTEGRITY_VERSION = 3  # from this version on, the root checksum and the chunk digests are required
 MANIFEST_ATTRIBUTE = "arrayckpt"
 MAX_NDIM = 32  # TensorStore's limit
@@ -207,6 +213,8 @@ class Manifest:
     # The root document's checksum as read (``None``: an older checkpoint without one). Never written from here:
     # :func:`encode_root_document` computes it over the serialised document.
     integrity: str | None = None
+    # Where each stored chunk lies in a packed checkpoint (spec §16; ``None``: one file or object per chunk).
+    packs: PackLayout | None = None
 
     def to_dict(self) -> JSON:
         out: JSON = {
@@ -226,6 +234,10 @@ class Manifest:
             out["stored_bytes"] = self.stored_bytes
         if self.format_version >= INTEGRITY_VERSION or self.chunk_digests:
             out["chunk_digests"] = dict(self.chunk_digests)
+        if self.packs is not None:
+            layout = self.packs
+            out[PACKS_MEMBER] = packs_member(layout.packs, layout.index_name, layout.index_size, layout.index_crc,
+                                             layout.sections)
         return out
 
     @property
@@ -233,6 +245,13 @@ class Manifest:
         """Every alias key and the key of the tensor it names (spec §4.3): a tensor the state held under both keys
         (tied weights), stored once under the target. ``{}`` when the checkpoint has none."""
         return {key: entry.target for key, entry in self.entries.items() if isinstance(entry, AliasEntry)}
+
+    @property
+    def delta_chunks(self) -> dict[str, tuple[int, ...]]:
+        """By array path, the flat indices of the chunks each chunks delta stores (spec §10.3, ascending); an array
+        not named stores every chunk of its grid."""
+        return {entry.path: entry.delta.present for entry in self.entries.values()
+                if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks"}
 
     def array_entry(self, key: str) -> ArrayEntry | None:
         """The tensor or ndarray entry of ``key``, through an alias to its target; ``None`` for other keys."""
@@ -282,8 +301,14 @@ class Manifest:
         integrity = data.get(INTEGRITY_MEMBER)
         if integrity is not None and not valid_digest(integrity):
             raise FormatError(f"manifest '{INTEGRITY_MEMBER}' must be 'sha256:<64 hex digits>', got {integrity!r}")
+        packs = data.get(PACKS_MEMBER)
+        if (packs is not None) != (version >= PACKED_VERSION):
+            raise FormatError(f"manifest of format version {version} {'has' if packs is not None else 'lacks'} the "
+                              f"'{PACKS_MEMBER}' member, which versions from {PACKED_VERSION} on require and earlier "
+                              "ones do not have")
+        layout = parse_packs_member(packs, "manifest") if packs is not None else None
         return cls(parsed, step, containers, created, version, parse_metrics(data.get("metrics", {})), identity,
-                   base, stored, parse_chunk_digests(digests if digests is not None else {}), integrity)
+                   base, stored, parse_chunk_digests(digests if digests is not None else {}), integrity, layout)
 
 
 def parse_metrics(metrics: object) -> dict[str, float]:
@@ -431,8 +456,16 @@ def is_arrayckpt_root(document: object) -> TypeGuard[JSON]:
 
 def encode_root_document(manifest: Manifest, consolidated_json: str) -> bytes:
     """The root ``zarr.json``, reusing the JSON text of the consolidated node metadata (which a repeated save
-    with the same layout does not need to encode again), sealed with its checksum (spec §11)."""
+    with the same layout does not need to encode again), sealed with its checksum (spec §11). A packed
+    checkpoint's root keeps the node metadata inside its manifest attribute instead of ``consolidated_metadata``
+    (spec §16.1): a Zarr reader opening the directory itself then finds no arrays, rather than arrays whose chunk
+    files are missing and would read as fill values."""
     fields = {**manifest.to_dict(), INTEGRITY_MEMBER: PLACEHOLDER}
+    if manifest.packs is not None:
+        return seal((
+            '{"zarr_format": 3, "node_type": "group", "attributes": {"' + MANIFEST_ATTRIBUTE + '": '
+            + json.dumps(fields)[:-1] + ', "' + NODES_MEMBER + '": ' + consolidated_json + "}}}"
+        ).encode())
     return seal((
         '{"zarr_format": 3, "node_type": "group", "attributes": {"' + MANIFEST_ATTRIBUTE + '": '
         + json.dumps(fields)
@@ -452,12 +485,22 @@ def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[st
         manifest = Manifest.from_dict(attributes[MANIFEST_ATTRIBUTE])
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
-    consolidated = document.get("consolidated_metadata")
-    metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
+    if manifest.packs is not None:
+        if "consolidated_metadata" in document:
+            raise FormatError(f"{where}: root zarr.json of a packed checkpoint has consolidated metadata, which a "
+                              "Zarr reader would read chunks through (spec §16.1); it was damaged or crafted")
+        metadata = attributes[MANIFEST_ATTRIBUTE].get(NODES_MEMBER)
+    else:
+        consolidated = document.get("consolidated_metadata")
+        metadata = consolidated.get("metadata") if isinstance(consolidated, dict) else None
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: root zarr.json has no consolidated metadata")
     check_node_paths(metadata, array_nodes(manifest.entries), where)
     _check_digested(manifest, metadata, where)
+    if manifest.packs is not None:
+        arrays = [path for path, node in metadata.items()
+                  if isinstance(node, dict) and node.get("node_type") == "array"]
+        parse_packs_member(attributes[MANIFEST_ATTRIBUTE][PACKS_MEMBER], where, arrays)
     return manifest, metadata
 
 

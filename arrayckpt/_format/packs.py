@@ -49,13 +49,14 @@ from .jsontypes import JSON
 from .paths import MAX_NAME_BYTES, is_node_path, shown
 from .zarr import ROOT_METADATA, chunk_keys, grid_counts, unravel
 
-__all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "ROW_SIZE", "ChunkTable", "PackFile", "PackLayout", "Section",
-           "StoredChunks", "check_index", "decode_section", "encode_index", "pack_name", "packs_member",
-           "parse_packs_member", "reference_document", "row_of", "stored_chunk_keys"]
+__all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile", "PackLayout",
+           "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "is_pack_key", "pack_name",
+           "packs_member", "parse_packs_member", "reference_document", "row_of", "stored_chunk_keys"]
 
 PACKS_MEMBER = "packs"  # the manifest member that describes a packed checkpoint
 PACK_PREFIX = "packs/"  # every pack file and the index file lie right below this folder of the checkpoint
 INDEX_NAME = f"{PACK_PREFIX}index.bin"
+REFS_NAME = "refs.json"  # kerchunk v1 references of a packed checkpoint, for readers without arrayckpt (spec §16.4)
 ROW_SIZE = 24  # bytes of one stored chunk in the index: pack index, offset, length as little-endian u64
 MIN_CHUNK_SIZE = 4  # bytes: every chunk file ends with its crc32c (spec §7.4)
 MAX_RANK = 999_999  # pack names hold six digits of rank and three of segment, so that they sort by both
@@ -63,6 +64,11 @@ MAX_SEGMENT = 999
 MAX_SIZE = 2**63 - 1  # sizes and offsets stay within int64 and uint64 arithmetic alike
 _CRC = struct.Struct("<I")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # one file name: not hidden, no '.', '..', '/', '\\'
+
+
+def is_pack_key(key: str) -> bool:
+    """Whether ``key`` (relative to a checkpoint) is where a packed checkpoint keeps its packs, index or references."""
+    return key == REFS_NAME or _file_name(key)
 
 
 def pack_name(rank: int, segment: int) -> str:

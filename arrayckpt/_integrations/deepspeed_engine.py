@@ -38,12 +38,13 @@ import torch
 from .._convert.common import nested_state
 from .._errors import FormatError, KeyMismatchError, StateError
 from .._format.dtypes import DType
+from .._io.pools import batches
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint, stored_of
 from .._read.reader import ChainRead, read
 from .._settings import settings
 from .._torch.tensors import writable_numpy
-from .._torch.transfer import Batch, aligned, batches
+from .._torch.transfer import Batch, aligned
 
 if TYPE_CHECKING:  # deepspeed ships no type information: these name the classes, the checker sees Any
     from deepspeed import DeepSpeedEngine

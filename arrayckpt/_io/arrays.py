@@ -10,6 +10,7 @@ missing chunk can never read back as zeros.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -32,6 +33,8 @@ from .._io.priority import worker_initializer
 from .._io.smallfiles import user_paths
 from .._layout.box import Box, grid_cells
 from .._settings import settings
+from .pools import batches
+from .staged import source_of, staged, staged_bytes
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -305,8 +308,22 @@ def _write_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
 
 
 def read_into(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
-    """Read every array concurrently straight into the given (writable) memory (fast path as for writes)."""
-    _both_paths(jobs, context, where, "read", read_rows, _read_store)
+    """Read every array concurrently straight into the given (writable) memory (fast path as for writes); packed
+    arrays' chunk files staged in memory first (``staged.py``), a batch of ``pack_batch_bytes`` at a time."""
+    plain = [job for job in jobs if source_of(job.spec) is None]
+    if plain:
+        _both_paths(plain, context, where, "read", read_rows, _read_store)
+    if len(plain) == len(jobs):
+        return
+    packed = [job for job in jobs if source_of(job.spec) is not None]
+    size = lambda job: staged_bytes((job.spec, job.index), job.data.itemsize)  # noqa: E731
+    for batch in batches(packed, size, settings().pack_batch_bytes):
+        staging = staged([(job.spec, job.index) for job in batch], resolve_context(context))
+        try:
+            moved = [dataclasses.replace(job, spec=spec) for job, spec in zip(batch, staging.specs, strict=True)]
+            _both_paths(moved, context, where, "read", read_rows, _read_store)
+        finally:
+            staging.release()
 
 
 def _both_paths(jobs: Sequence[ArrayIO], context: StoreContext, where: str, action: str,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-__all__ = ["kept_pool", "map_kept"]
+__all__ = ["batches", "kept_pool", "map_kept"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,3 +82,17 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def batches(items: Sequence[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
+    """Consecutive groups of ``items`` of at most ``budget`` bytes each (an item bigger than that alone)."""
+    out: list[list[T]] = []
+    taken = budget
+    for item in items:
+        nbytes = size(item)
+        if not out or taken + nbytes > budget:
+            out.append([])
+            taken = 0
+        out[-1].append(item)
+        taken += nbytes
+    return out

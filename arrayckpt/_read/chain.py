@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from .._errors import CorruptCheckpointError
-from .._format.dtypes import as_typed
+from .._format.dtypes import as_typed, dtype_by_name
 from .._format.jsontypes import JSON, json_object
 from .._format.manifest import ArrayEntry
 from .._format.quant import QuantizedRows, dequantize_rows
 from .._format.zarr import array_shape, outer_chunk_shape, read_chunk_shape, unravel
-from .._io.arrays import ArrayIO, open_array, read_failure, read_into
+from .._io.arrays import ArrayIO, read_into
 from .._layout.box import Box, grid_cells
 
 if TYPE_CHECKING:
@@ -205,13 +205,16 @@ def _overlay_rows(checkpoint: ChainSource, entry: ArrayEntry, box: Box, out: np.
 
 
 def _read_rows_of(checkpoint: ChainSource, entry: ArrayEntry, name: str, positions: np.ndarray) -> np.ndarray:
+    """Rows ``positions`` (ascending) of array ``name`` of a rows delta: the span they cover read (one read path
+    for every layout: a packed array's chunk files are staged for it), then those rows taken from it."""
     spec = checkpoint.rows_delta_spec(entry, name)
-    where = str(checkpoint.location)
-    store = open_array(spec, checkpoint.read_context, entry.key, where)
-    try:
-        return np.asarray(store[positions].read().result())
-    except Exception as e:  # damaged, or unreachable storage (then a StorageError), named with the user's path
-        raise read_failure(f"{where}: tensor {entry.key!r}: reading its changed rows ({name}) failed: {e}", e) from e
+    metadata = json_object(spec.get("metadata"))
+    shape = tuple(array_shape(metadata))
+    lo, hi = int(positions[0]), int(positions[-1]) + 1
+    span = np.empty((hi - lo, *shape[1:]), dtype_by_name(str(metadata["data_type"])).numpy)
+    index = (slice(lo, hi), *(slice(0, n) for n in shape[1:]))
+    read_into([ArrayIO(entry.key, spec, span, index)], checkpoint.read_context, str(checkpoint.location))
+    return as_typed(span, dtype_by_name(str(metadata["data_type"])))[positions - lo]
 
 
 def _row_values(checkpoint: ChainSource, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .._format.dtypes import DType
+from .._io.pools import batches
 from .._layout.box import Box, row_pieces
 from .._torch.tensors import writable_numpy
-from .._torch.transfer import ALIGN, Batch, aligned, batches, settings
+from .._torch.transfer import ALIGN, Batch, aligned, settings
 from .reader import Request
 
 __all__ = ["DeviceLoads"]

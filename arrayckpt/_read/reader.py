@@ -30,6 +30,7 @@ import numpy as np
 from .._errors import ArrayckptError
 from .._format.jsontypes import JSON
 from .._io.arrays import ArrayIO, open_array, read_failure, read_into, typed_data
+from .._io.staged import source_of
 from .._layout.box import Box
 from .._read.chain import Overlay, plan_box
 from .._settings import settings
@@ -96,6 +97,9 @@ class ArraySlices:
         self._store: ts.TensorStore | None = None
 
     def __call__(self, jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
+        if source_of(self.spec) is not None:  # a packed array: its chunk files are staged for each read
+            read_into(jobs, context, where)
+            return
         for job in jobs:
             assert job.spec is self.spec, "ArraySlices reads slices of its own array only"
             if self._store is None:

@@ -49,6 +49,8 @@ from .._io.smallfiles import check_no_links
 from .._read.reader import ArraySlices, read
 from .._storage import Location, follow_base, kvstore_at
 from .._storage.base import Opened
+from .._storage.packs import read_file_ranges
+from .packed import PackedChunks, ReadRanges
 
 if TYPE_CHECKING:
     from .._io.arrays import StoreContext
@@ -98,6 +100,13 @@ class StoredCheckpoint:
                     if entry.delta is not None and entry.delta.present:  # ascending (checked by the parser)
                         self._check_present(key, entry.delta.present[-1], metadata)
                     self.metadata[key] = metadata
+            #: Where the chunk files are, for a packed checkpoint (spec §16); ``None``: one file or object each.
+            self.packed: PackedChunks | None = None
+            if self.manifest.packs is not None:
+                arrays = {path: node for path, node in nodes.items()
+                          if isinstance(node, dict) and node.get("node_type") == "array"}
+                self.packed = PackedChunks(self.manifest.packs, arrays, self.manifest.delta_chunks, self._pack_reader(),
+                                           where)
         except BaseException:
             release()
             raise
@@ -229,10 +238,29 @@ class StoredCheckpoint:
             execute = self._slices[key] = ArraySlices(self.read_spec(key))
         return execute
 
+    def _pack_reader(self) -> ReadRanges:
+        """How this checkpoint's packs and index are read: from the pinned directory locally (refusing links), with
+        ranged reads on object storage."""
+        where = str(self.location)
+        if self._kvstore.get("driver") == "file":
+            root = str(self._kvstore["path"])
+
+            def read_local(name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+                self.check_open()
+                return read_file_ranges(root, name, ranges, where)
+            return read_local
+
+        def read_remote(name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+            self.check_open()
+            return self.location.read_pack(name, ranges)
+        return read_remote
+
     def node_kvstore(self, path: str) -> JSON:
         """The kvstore spec of node ``path`` of this checkpoint (of the pinned directory on local storage, whose
-        node directories must not be symbolic links: spec §12)."""
+        node directories must not be symbolic links: spec §12; of its chunk source when packed)."""
         self.check_open()
+        if self.packed is not None:
+            return self.packed.kvstore(path)
         if self._kvstore.get("driver") == "file":
             check_no_links(str(self._kvstore["path"]), path, str(self.location))
         return kvstore_at(self._kvstore, path)

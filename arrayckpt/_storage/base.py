@@ -45,6 +45,7 @@ from .._errors import ArrayckptError, BaseNotAllowedError, CorruptCheckpointErro
 from .._format.integrity import check_root_integrity
 from .._format.jsontypes import JSON, member
 from .._format.manifest import INTEGRITY_VERSION, MANIFEST_ATTRIBUTE, is_arrayckpt_root
+from .._format.packs import is_pack_key
 from .._format.paths import is_location_reference, parse_relative_reference, resolve_relative, shown
 from .._format.zarr import ROOT_METADATA
 
@@ -274,6 +275,11 @@ class Writer(abc.ABC):
         waits for them and raises ``StorageError`` naming the first failure. (A storage may defer them until
         the commit, where describing the new arrays earlier would mislead readers of the old checkpoint.)"""
 
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write the file ``name`` (relative to the checkpoint: a packed checkpoint's index and references) into
+        :attr:`target`, before the commit. ``NotImplementedError`` where the storage holds no packs."""
+        raise NotImplementedError(f"{self.location}: this storage holds no packed checkpoints")
+
     @abc.abstractmethod
     def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
         """Right before the commit: the files or objects of this save (``chunks``: node path -> the chunk key names
@@ -430,7 +436,7 @@ def arrayckpt_keys(keys: list[str]) -> list[str]:
     writing or deleting ``run/x/../../victim/zarr.json`` reaches ``victim/zarr.json``, outside the prefix), so such
     a key is never arrayckpt's to touch."""
     return [k for k in keys if _plain_key(k) and (k == LEASE_NAME or k.rpartition("/")[2] == ROOT_METADATA
-                                                 or _CHUNK_NAME.fullmatch(k.rpartition("/")[2]))]
+                                                 or _CHUNK_NAME.fullmatch(k.rpartition("/")[2]) or is_pack_key(k))]
 
 
 def _plain_key(key: str) -> bool:

@@ -408,6 +408,14 @@ class LocalWriter(Writer):
 
         return wait
 
+    def write_file(self, name: str, data: bytes) -> None:
+        path = f"{self.temp}/{name}"
+        try:
+            _write_file(path, data)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _write_file(path, data)
+
     def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
         """The chunk files (and node documents) of this save not in its temporary directory now: one listing of
         each node's directory, and a ``stat`` of each name not listed (a shared filesystem's client may list a

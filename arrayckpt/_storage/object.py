@@ -34,7 +34,8 @@ from .._errors import (
     StorageError,
 )
 from .._format.jsontypes import JSON, json_object, member
-from .._format.manifest import is_arrayckpt_root
+from .._format.manifest import MANIFEST_ATTRIBUTE, NODES_MEMBER, is_arrayckpt_root
+from .._format.packs import PACKS_MEMBER, REFS_NAME, is_pack_key
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .._settings import settings
 from .base import (
@@ -64,7 +65,7 @@ from .packs import ObjectPackWriter, read_object_ranges
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["OBJECT_SCHEMES", "ObjectLocation", "ObjectWriter", "object_context", "parse_object_url",
+__all__ = ["OBJECT_SCHEMES", "Kept", "ObjectLocation", "ObjectWriter", "kept_of", "object_context", "parse_object_url",
            "stale_keys"]
 
 OBJECT_SCHEMES = ("s3", "gs", "memory")
@@ -298,17 +299,42 @@ for _scheme in OBJECT_SCHEMES:
     register_scheme(_scheme, parse_object_url)
 
 
-def stale_keys(keys: list[str], nodes: Mapping[str, JSON]) -> list[str]:
-    """The keys among ``keys`` that are arrayckpt-shaped but not part of the checkpoint whose consolidated
-    node metadata is ``nodes``: chunks of another generation or of arrays it does not have, documents of
-    nodes it does not have."""
+@dataclass(frozen=True)
+class Kept:
+    """What a committed checkpoint's root document says is its own below its prefix: its node metadata and, packed
+    (spec §16), its packs, index and references (then no node document or chunk object is its own)."""
+
+    nodes: Mapping[str, JSON]
+    files: frozenset[str] = frozenset()
+    packed: bool = False
+
+
+def kept_of(document: object) -> Kept:
+    """The :class:`Kept` of a root document (an arrayckpt root, parsed leniently: this decides what a save deletes,
+    and a damaged root keeps nothing of its own)."""
+    attributes = member(document, "attributes", MANIFEST_ATTRIBUTE)
+    packs = member(attributes, PACKS_MEMBER)
+    if isinstance(packs, dict):
+        files = {str(item[0]) for item in packs.get("files", []) if isinstance(item, list) and item}
+        index = member(packs, "index", "name")
+        files.update([str(index), REFS_NAME] if isinstance(index, str) else [REFS_NAME])
+        nodes = member(attributes, NODES_MEMBER)
+        return Kept(nodes if isinstance(nodes, dict) else {}, frozenset(files), True)
+    metadata = member(document, "consolidated_metadata", "metadata")
+    return Kept(metadata if isinstance(metadata, dict) else {})
+
+
+def stale_keys(keys: list[str], kept: Kept) -> list[str]:
+    """The keys among ``keys`` that are arrayckpt-shaped but not part of the committed checkpoint that keeps
+    ``kept``: chunks of another generation or of arrays it does not have, documents of nodes it does not have, packs
+    and indexes of other saves (and, when it is packed, every node document and chunk object)."""
     stale = []
     for key in arrayckpt_keys(keys):
         node, _, name = key.rpartition("/")
-        if key == ROOT_METADATA:
+        if key == ROOT_METADATA or key in kept.files:
             continue
-        metadata = nodes.get(node)
-        if not isinstance(metadata, dict):
+        metadata = kept.nodes.get(node)
+        if kept.packed or is_pack_key(key) or not isinstance(metadata, dict):
             stale.append(key)
         elif name == ROOT_METADATA:
             continue
@@ -334,6 +360,8 @@ class ObjectWriter(Writer):
         self.store = location.open_store()
         self.target = location  # where the ranks write
         self._old_nodes: dict[str, JSON] | None = None  # the committed checkpoint being replaced
+        self._old = Kept({})  # what it keeps (its nodes, or its packs)
+        self._deferred_files: dict[str, bytes] = {}  # written after the commit (references: read by others)
         self._deferred: Mapping[str, bytes] = {}
         self._sweep = True  # list and delete stale objects after the commit (not needed on an empty prefix)
         self._outcome_unknown = False  # the commit PUT failed and the root could not be read back: delete nothing
@@ -358,8 +386,8 @@ class ObjectWriter(Writer):
                 raise CheckpointExistsError(
                     f"{location}: a committed checkpoint is already here; pass overwrite=True to replace it "
                     "(the old one stays readable until the new one commits)")
-            metadata = member(document, "consolidated_metadata", "metadata")
-            self._old_nodes = metadata if isinstance(metadata, dict) else {}
+            self._old = kept_of(document)
+            self._old_nodes = dict(self._old.nodes)
             self._refuse_nested(_list(self.store, location))
         else:
             keys = _list(self.store, location)
@@ -416,6 +444,14 @@ class ObjectWriter(Writer):
 
         return wait
 
+    def write_file(self, name: str, data: bytes) -> None:
+        """(References of a checkpoint being replaced wait for the commit, as its node documents do: readers of the
+        old one read them.)"""
+        if self._old_nodes is not None and name in self._old.files:
+            self._deferred_files[name] = data
+            return
+        _wait([(name, _write(self.store, name, data, self.location))], self.location, "writing the pack index")
+
     def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
         """The chunk objects (and node documents written before the commit) of this save not under the prefix now:
         one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it)."""
@@ -438,11 +474,13 @@ class ObjectWriter(Writer):
                 self._lease.release()
             pending = [(path, _write(self.store, f"{path}/{ROOT_METADATA}" if path else ROOT_METADATA, doc,
                                      self.location)) for path, doc in self._deferred.items()]
+            pending += [(name, _write(self.store, name, data, self.location))
+                        for name, data in self._deferred_files.items()]
             _wait(pending, self.location, "writing metadata")
             if self._sweep:  # (what the listing before the commit missed is this save's own: never stale)
-                nodes = json.loads(root_document)["consolidated_metadata"]["metadata"]
+                kept = kept_of(json.loads(root_document))
                 listed = self._listed if self._listed is not None else _list(self.store, self.location)
-                _delete(self.store, stale_keys(listed, nodes), self.location)
+                _delete(self.store, stale_keys(listed, kept), self.location)
         except Exception as e:  # noqa: BLE001 - committed; leftovers are only untidy
             warnings.warn(f"{self.location}: committed, but tidying up after the commit failed ({e}); a later save "
                           "with overwrite=True removes what is left", RuntimeWarning, stacklevel=2)
@@ -469,7 +507,7 @@ class ObjectWriter(Writer):
             return
         try:
             keys = _list(self.store, self.location)
-            ours = stale_keys(keys, self._old_nodes) if self._old_nodes is not None else arrayckpt_keys(keys)
+            ours = stale_keys(keys, self._old) if self._old_nodes is not None else arrayckpt_keys(keys)
             _delete(self.store, ours, self.location)
         except StorageError as e:
             warnings.warn(f"{e} (while removing an aborted save's objects)", RuntimeWarning, stacklevel=2)

@@ -136,6 +136,13 @@ class PackWriter(abc.ABC):
         if done:
             self._complete(segment)
 
+    def append(self, data: PackData) -> tuple[int, int]:
+        """Reserve and write ``data`` at the end of the pack: its ``(offset, length)``."""
+        views = _byte_views(data)
+        slot = self.reserve(sum(view.nbytes for view in views))
+        self.write(slot.segment, slot.offset, views)
+        return slot.offset, sum(view.nbytes for view in views)
+
     def close(self) -> list[PackFile]:
         """Finish the pack once every reserved range is written: locally fsync its files (unless the save is not
         durable), on object storage PUT the last segment and wait for every PUT. What it wrote, in segment order."""

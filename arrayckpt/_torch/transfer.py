@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 import torch
 
 __all__ = [
-    "ALIGN", "Batch", "Copier", "HostPool", "SyncCopier", "Ticket", "TransferSettings", "aligned", "batches",
+    "ALIGN", "Batch", "Copier", "HostPool", "SyncCopier", "Ticket", "TransferSettings", "aligned",
     "copier_for", "copy_grouped", "host_pool", "is_staged", "settings", "transfer_settings",
 ]
 
@@ -226,20 +226,6 @@ class Batch:
         finally:
             buffers, self.buffers = self.buffers, []
             _pool.give(buffers)
-
-
-def batches(items: Sequence[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
-    """Consecutive groups of ``items`` of at most ``budget`` bytes each (an item bigger than that alone)."""
-    out: list[list[T]] = []
-    taken = budget
-    for item in items:
-        nbytes = size(item)
-        if not out or taken + nbytes > budget:
-            out.append([])
-            taken = 0
-        out[-1].append(item)
-        taken += nbytes
-    return out
 
 
 class HostPool:

@@ -19,7 +19,7 @@ import numpy as np
 from .._format.codecs import Codec, CodecChoice, codec_of_metadata, resolve_codec
 from .._format.dtypes import dtype_by_name
 from .._format.jsontypes import JSON, json_object
-from .._format.manifest import FORMAT_VERSION, ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, per_rank_path
+from .._format.manifest import FILES_VERSION, ArrayEntry, Entry, Manifest, PerRankEntry, PickleEntry, per_rank_path
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box
 from .._layout.chunking import ArrayPlan, plan_array
@@ -125,7 +125,7 @@ def _compact(checkpoint: Checkpoint, dst: str | os.PathLike[str], overwrite: boo
         written, checksums = _copy(stored_of(checkpoint), arrays, sources, transaction.target, progress)
         created = dict(checkpoint.manifest.created) | {"compacted_from": str(checkpoint.location)}
         manifest = Manifest(entries=entries, step=checkpoint.manifest.step, containers=checkpoint.manifest.containers,
-                            created=created, format_version=FORMAT_VERSION, metrics=checkpoint.manifest.metrics,
+                            created=created, format_version=FILES_VERSION, metrics=checkpoint.manifest.metrics,
                             id=uuid.uuid4().hex, base=None, stored_bytes=written,
                             chunk_digests=chunk_digests(arrays, entries, checksums, str(transaction.location)))
         transaction.commit(manifest, consolidated)

@@ -10,10 +10,10 @@ that must read its data before writing (a delta's comparison with its base) view
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,10 +21,14 @@ import torch
 from .._format.dtypes import DType
 from .._format.jsontypes import JSON
 from .._io.arrays import ArrayIO, Checksums, write_all
+from .._io.pools import batches
 from .._layout.box import Box, row_pieces
 from .._torch.dtypes import numpy_view
-from .._torch.transfer import ALIGN, Batch, aligned, batches, is_staged, settings
+from .._torch.transfer import ALIGN, Batch, aligned, is_staged, settings
 from .describe import host_view
+
+if TYPE_CHECKING:
+    from .._io.arrays import StoreContext
 
 __all__ = ["DeviceData", "DevicePart", "device_parts", "device_view", "write_batched"]
 
@@ -93,7 +97,8 @@ def _stage(parts: Sequence[DevicePart]) -> tuple[Batch, list[ArrayIO]]:
     return batch, jobs
 
 
-def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: Any, where: str) -> Checksums:
+def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: StoreContext, where: str,
+                  write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums] = write_all) -> Checksums:
     """Write ``jobs`` (host data) and ``parts`` (device data), the device data a batch at a time: batch ``k + 1``
     copies while batch ``k`` is written (the host jobs are written while the first batch copies)."""
     out: Checksums = {}
@@ -103,14 +108,14 @@ def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: Any, wh
         if staged:
             pending.callback(staged[0][0].settle)
         if jobs:
-            _merge(out, write_all(jobs, context, where))
+            _merge(out, write(jobs, context, where))
         for index in range(len(groups)):
             if index + 1 < len(groups):
                 staged.append(_stage(groups[index + 1]))
                 pending.callback(staged[-1][0].settle)
             batch, written = staged.pop(0)
             batch.wait()
-            _merge(out, write_all(written, context, where))
+            _merge(out, write(written, context, where))
             batch.settle()
     return out
 

@@ -55,6 +55,7 @@ class SaveOptions:
     changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None  # incremental: key -> rows
     quantize: Mapping[str, int] | None = None  # incremental: key pattern -> 4 or 8 bits
     durable: bool = True  # False: no fsync before the commit (``arrayckpt.save``'s docstring)
+    packed: bool | None = None  # one pack file per rank (spec §16); None: from ``packed_from_ranks`` ranks up
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import pickle
 import socket
@@ -34,7 +35,9 @@ import torch
 
 from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedCheckpointError, StateError
 from .._format.codecs import CodecChoice
-from .._format.manifest import FORMAT_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
+from .._format.jsontypes import JSON
+from .._format.manifest import FILES_VERSION, PACKED_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
+from .._format.zarr import GROUP_METADATA
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
@@ -43,6 +46,7 @@ from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._layout.tasks import RowsTask
 from .._read.checkpoint import Checkpoint, open_checkpoint
+from .._settings import settings
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
 from .._version import __version__
@@ -51,10 +55,13 @@ from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
 from .options import NO_SETUP, SaveOptions, SaveSetup
+from .packed import PackReport, RankPack, chunk_table, index_files, memory_kvstore
 from .transaction import WriteTransaction, begin_write
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from .._io.arrays import StoreContext
 
 __all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "save", "save_with"]
 
@@ -187,6 +194,13 @@ class SaveRequest:
             return begin_write(self.location, self.options.overwrite)
         return WriteTransaction(destination.open_writer(self.options.overwrite))
 
+    def packed(self, ranks: int) -> bool:
+        """Whether a save of ``ranks`` ranks is packed (spec §16): as the options say, else from
+        ``packed_from_ranks`` ranks up; never where the caller brings its own destination (peer memory)."""
+        if self.setup.destination is not None:
+            return False
+        return self.options.packed if self.options.packed is not None else ranks >= settings().packed_from_ranks
+
     def check_guard(self) -> None:
         """Raise (on the coordinator; the save then fails on every rank) unless the caller's guard allows the save
         to go on."""
@@ -231,6 +245,7 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
 
     def coordinate(reports: list[Report]) -> list[Reply | BaseException] | Resend:
         replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, plan_cache)
+        coordinator.packed = request.packed(len(reports))
         return replies
 
     try:
@@ -245,12 +260,13 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         target = reply.target if destination is None else destination.chunks
         part = reply.part
         assert isinstance(part, RankPlan)  # exchange expands this rank's part
-        written, error = _attempt(lambda: _write_tasks(part, group.rank, local, target, where, changes, delta))
-        results = group.gather((error, written or ({}, {})))
+        written, error = _attempt(lambda: _write_tasks(part, group.rank, local, target, where, changes, delta,
+                                                       reply.packed))
+        results = group.gather((error, written or ({}, {}, None)))
         outcome: BaseException | str | None = None
         if transaction is not None:
             assert results is not None and plan is not None  # the coordinator's, set with its transaction
-            outcome = _commit_or_abort(transaction, plan, results, request, group.size)
+            outcome = _commit_or_abort(transaction, plan, results, request, group.size, coordinator.packed)
         try:
             outcome = group.broadcast(outcome)
         except CollectiveError as e:
@@ -297,6 +313,7 @@ class _Coordinated:
 
     plan: SavePlan | None = None
     transaction: WriteTransaction | None = None
+    packed: bool = False
 
 
 def _coordinate(reports: list[Report], request: SaveRequest,
@@ -331,28 +348,51 @@ def _coordinate(reports: list[Report], request: SaveRequest,
         transaction = request.begin_write()
     except ArrayckptError as e:
         return [e] * size, None, None
+    packed = request.packed(size)
     try:
         plan = plan_cache.with_key_encoding(plan, transaction.key_encoding)
-        transaction.write_documents(plan.documents)
+        if not packed:  # a packed checkpoint has its node metadata in its root only (spec §16.1)
+            transaction.write_documents(plan.documents)
         if request.delta is not None:
             parts: list[RankLayout | RankPlan | None] = [explicit_part(plan, rank) for rank in range(size)]
         else:
             every = plan_cache.rank_layouts(layout)
             parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
         replies: list[Reply | BaseException] = [Reply(layout.plan_id, part, transaction.target,
-                                                      transaction.key_encoding) for part in parts]
+                                                      transaction.key_encoding, packed) for part in parts]
     except BaseException:
         transaction.abort()
         raise
     return replies, plan, transaction
 
 
+Written = tuple[dict[str, float], Checksums, PackReport | None]  # what a rank reports (``_write_tasks``)
+
+
 def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location, where: str,
-                 changes: Changes,
-                 delta: DeltaRequest | None) -> tuple[dict[str, float], Checksums]:
+                 changes: Changes, delta: DeltaRequest | None, packed: bool) -> Written:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
-    delta, only its changed chunks, or its changed rows). Returns the quantization error by key and the
-    checksums of the chunks written."""
+    delta, only its changed chunks, or its changed rows). Returns the quantization error by key, the
+    checksums of the chunks written and, for a packed save, where they lie in this rank's pack."""
+    if not packed:
+        errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, target.kvstore,
+                                        target.write_context(), write_all)
+        return errors, checksums, None
+    pack = RankPack(target, rank, where)
+    try:
+        errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, memory_kvstore,
+                                        pack.context, pack.write)
+        return errors, checksums, pack.close()
+    except BaseException:
+        pack.abort()
+        raise
+
+
+def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, where: str, changes: Changes,
+                delta: DeltaRequest | None, kvstore: Callable[[str], JSON], context: StoreContext,
+                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]) -> tuple[dict[str, float],
+                                                                                           Checksums]:
+    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write``."""
     jobs, device = [], []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes.pieces}
@@ -363,10 +403,10 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
         if isinstance(task, RowsTask):
             assert delta is not None
             more, errors[task.key] = rows_jobs(task, part, data, held, changes.rows[task.key],  # type: ignore[arg-type]
-                                               delta.bits(task.key), target.kvstore)
+                                               delta.bits(task.key), kvstore)
             jobs.extend(more)
             continue
-        spec = array_spec(target.kvstore(task.path), part.arrays[task.path].metadata)
+        spec = array_spec(kvstore(task.path), part.arrays[task.path].metadata)
         if mode == "chunks":
             jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
             continue
@@ -375,22 +415,23 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
             device.extend(device_parts(task.key, spec, task.path, data, held, task.box, outer[0] if outer else 0))
             continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
-    context = target.write_context()
-    checksums = write_batched(jobs, device, context, where) if device else write_all(jobs, context, where)
-    if rank != 0 and (jobs or device):  # on a shared filesystem each host fsyncs its writes before reporting success
-        target.finish_rank_writes()
+    checksums = write_batched(jobs, device, context, where, write) if device else write(jobs, context, where)
+    if rank != 0 and (jobs or device) and write is write_all:  # on a shared filesystem each host fsyncs its writes
+        target.finish_rank_writes()  # before reporting success (a pack is synced when it is closed)
     return errors, checksums
 
 
-def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan,
-                     results: list[tuple[BaseException | None, tuple[dict[str, float], Checksums]]],
-                     request: SaveRequest, world_size: int) -> BaseException | str:
+def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: list[tuple[BaseException | None, Written]],
+                     request: SaveRequest, world_size: int, packed: bool) -> BaseException | str:
     """Commit (returning the new checkpoint's id) or abort (returning the error every rank raises)."""
     error = _first_error([e for e, _ in results])
     if error is None:
         try:
-            manifest = build_manifest(plan, request.record, world_size, request.delta, [w for _, w in results],
-                                      str(request.location))
+            manifest = build_manifest(plan, request.record, world_size, request.delta,
+                                      [(errors, sums) for _, (errors, sums, _) in results], str(request.location))
+            if packed:
+                manifest = _packed_manifest(manifest, plan, [report for _, (_, _, report) in results], transaction,
+                                            str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
             request.check_guard()
@@ -400,6 +441,18 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan,
             error = e
     transaction.abort()
     return error
+
+
+def _packed_manifest(manifest: Manifest, plan: SavePlan, reports: list[PackReport | None],
+                     transaction: WriteTransaction, where: str) -> Manifest:
+    """``manifest`` with the packs the ranks reported and the chunk table (written now, before the commit)."""
+    nodes = {path: array.metadata for path, array in plan.arrays.items()}
+    present = manifest.delta_chunks
+    packs, table = chunk_table(nodes, present, [r or PackReport(None) for r in reports], where)
+    documents = {"zarr.json": json.dumps(GROUP_METADATA).encode()}
+    documents.update((f"{path}/zarr.json", data) for path, data in plan.documents.items() if path)
+    layout = index_files(nodes, documents, present, packs, table, transaction.write_file)
+    return dataclasses.replace(manifest, packs=layout, format_version=PACKED_VERSION)
 
 
 def check_bases_unchanged(delta: DeltaRequest, location: Location) -> None:
@@ -487,7 +540,7 @@ def build_manifest(plan: SavePlan, record: Record, world_size: int, delta: Delta
     if len(written) > 1:  # who wrote what, for pictures (one writer: all of it)
         created["writers"] = chunk_writers(plan.arrays, entries, reports)
     return Manifest(entries=entries, step=record.step, containers=plan.containers, created=created,
-                    format_version=FORMAT_VERSION, metrics=record.metrics, id=uuid.uuid4().hex,
+                    format_version=FILES_VERSION, metrics=record.metrics, id=uuid.uuid4().hex,
                     base=delta.ref if delta is not None else None, stored_bytes=stored_bytes(plan),
                     chunk_digests=digests)
 

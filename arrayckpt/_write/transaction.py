@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import ArrayckptError, StorageError
 from .._format.jsontypes import JSON
-from .._format.manifest import ArrayEntry, Manifest, encode_root_document
+from .._format.manifest import Manifest, encode_root_document
 from .._format.zarr import chunk_keys, grid_counts, unravel
 
 if TYPE_CHECKING:
@@ -87,13 +87,18 @@ class WriteTransaction:
             raise RuntimeError("the documents of a save are written once")
         self._wait = self._writer.write_documents(documents)
 
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write the file ``name`` of a packed checkpoint (its index, its references) before the commit."""
+        self._check_open("write a file in")
+        self._writer.write_file(name, data)
+
     def commit(self, manifest: Manifest, consolidated_json: str) -> None:
         """Wait for the documents, then write the root document (``manifest`` and the consolidated metadata):
         the commit. Raises ``StorageError`` (or the storage's ``ArrayckptError``) when the documents or the
         commit failed; the transaction is then still open, to be aborted."""
         self._check_open("commit")
         self._wait_for_documents()
-        gone = self._writer.missing(stored_chunk_keys(manifest, json.loads(consolidated_json)))
+        gone = self._writer.missing(stored_files(manifest, consolidated_json))
         if gone:
             raise StorageError(f"{self.location}: not committed: {len(gone)} file(s) this save wrote are gone from "
                                f"{self.target} (e.g. {', '.join(gone[:3])}): removed after they were written, by "
@@ -141,11 +146,22 @@ class WriteTransaction:
             raise RuntimeError(f"{self.location}: cannot {what} a save that was {self._state}")
 
 
+def stored_files(manifest: Manifest, consolidated_json: str) -> dict[str, list[str]]:
+    """The files (objects) the commit of ``manifest`` needs, by directory: a packed checkpoint's packs and index
+    (spec §16); else every stored chunk (:func:`stored_chunk_keys`)."""
+    if manifest.packs is None:
+        return stored_chunk_keys(manifest, json.loads(consolidated_json))
+    out: dict[str, list[str]] = {}
+    for name in [pack.name for pack in manifest.packs.packs] + [manifest.packs.index_name]:
+        folder, _, file = name.rpartition("/")
+        out.setdefault(folder, []).append(file)
+    return out
+
+
 def stored_chunk_keys(manifest: Manifest, nodes: Mapping[str, JSON]) -> dict[str, list[str]]:
     """The chunk key names every array of a checkpoint stores, by array path (``nodes``: its consolidated node
     metadata): every chunk of its grid, or for a chunks delta those in ``present``."""
-    present = {entry.path: entry.delta.present for entry in manifest.entries.values()
-               if isinstance(entry, ArrayEntry) and entry.delta is not None and entry.delta.mode == "chunks"}
+    present = manifest.delta_chunks
     out = {}
     for path, metadata in nodes.items():
         if not isinstance(metadata, dict) or metadata.get("node_type") != "array":

@@ -210,14 +210,14 @@ def test_digests_match_the_stored_content(tmp_path):
         chunk_crc(w[i:i + rows]) for i in range(0, 16, rows))
 
 
-def test_a_chunk_no_rank_reported_is_never_committed(tmp_path, monkeypatch):
+def test_a_chunk_no_rank_reported_is_never_committed(tmp_path, monkeypatch, storage_layout):
     """The coordinator commits only when every stored chunk was reported written."""
     write_tasks = save_module._write_tasks
 
     def lose_one(*args, **kwargs):
-        errors, checksums = write_tasks(*args, **kwargs)
+        errors, checksums, packed = write_tasks(*args, **kwargs)
         checksums["w"].pop(1)
-        return errors, checksums
+        return errors, checksums, packed
 
     monkeypatch.setattr(save_module, "_write_tasks", lose_one)
     with pytest.raises(arrayckpt.ArrayckptError, match=r"'w': chunk 1 of array 'w' was not reported written"):

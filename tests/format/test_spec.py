@@ -34,7 +34,15 @@ from arrayckpt._errors import FormatError
 from arrayckpt._format.codecs import BLOSC_COMPRESSORS, Codec, check_checksummed, codec_pipeline
 from arrayckpt._format.dtypes import DTYPES
 from arrayckpt._format.keys import array_path, parse_array_path
-from arrayckpt._format.manifest import FORMAT_VERSION, INTEGRITY_VERSION, MAX_NDIM, Manifest, per_rank_path
+from arrayckpt._format.manifest import (
+    FILES_VERSION,
+    FORMAT_VERSION,
+    INTEGRITY_VERSION,
+    MAX_NDIM,
+    PACKED_VERSION,
+    Manifest,
+    per_rank_path,
+)
 from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
 from arrayckpt._format.values import decode_value, encode_value
 from arrayckpt._format.zarr import (
@@ -466,9 +474,11 @@ def test_reading_without_arrayckpt_examples(tmp_path):
 
 
 def test_format_versions():
-    assert (FORMAT_VERSION, INTEGRITY_VERSION) == (3, 3)
-    assert SPEC.startswith("# arrayckpt on-disk format, version 3\n")
-    assert "`format_version` **3**" in SPEC and "(arrayckpt: `N = 3`)" in SPEC
+    assert (FORMAT_VERSION, FILES_VERSION, PACKED_VERSION, INTEGRITY_VERSION) == (4, 3, 4, 3)
+    assert SPEC.startswith("# arrayckpt on-disk format, version 4\n")
+    assert "`format_version` **4**" in SPEC and "(arrayckpt: `N = 4`)" in SPEC
+    with pytest.raises(FormatError, match="lacks the 'packs' member"):  # version 4 is the packed layout only
+        Manifest.from_dict({"format_version": 4, "entries": {}, "chunk_digests": {}})
     entry = {"kind": "tensor", "keys": ["t"], "path": "t", "dtype": "float32", "shape": [2]}
     for version in (1, 2):
         assert Manifest.from_dict({"format_version": version, "entries": {"t": entry}}).format_version == version

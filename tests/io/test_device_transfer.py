@@ -14,6 +14,7 @@ from dist_helpers import run_ranks
 from policies import small_chunks
 
 import arrayckpt
+from arrayckpt._io import pools
 from arrayckpt._read import load as load_module
 from arrayckpt._torch import transfer
 from arrayckpt._write import devicewrite
@@ -234,9 +235,9 @@ def test_async_save_waits_for_its_staging_copies(tmp_path, deferred):
 
 def test_batches_split_by_bytes_in_order():
     sizes = [10, 50, 30, 100, 5, 5]
-    groups = transfer.batches(sizes, lambda n: n, 60)
+    groups = pools.batches(sizes, lambda n: n, 60)
     assert groups == [[10, 50], [30], [100], [5, 5]]
-    assert transfer.batches([], lambda n: n, 60) == []
+    assert pools.batches([], lambda n: n, 60) == []
 
 
 def test_pool_size_classes_waste_at_most_an_eighth():
@@ -311,7 +312,7 @@ def test_pinned_size_classes_are_what_torch_pins_and_batches_fit_them():
         [64 << 10, 128 << 10, 256 << 20, 512 << 20]
     sizes = [1000, 3000, 60_000, 100]  # aligned: 1024, 3008, 60032, 128
     assert all(sum(transfer.aligned(n) for n in group) <= 64 << 10
-               for group in transfer.batches(sizes, transfer.aligned, 64 << 10))
+               for group in pools.batches(sizes, transfer.aligned, 64 << 10))
 
 
 def test_row_pieces_fit_the_budget_at_whole_multiples():

@@ -13,7 +13,7 @@ import torch
 
 import arrayckpt
 from arrayckpt._storage import object as _objstore
-from arrayckpt._storage.object import ObjectWriter, parse_object_url, stale_keys
+from arrayckpt._storage.object import Kept, ObjectWriter, parse_object_url, stale_keys
 
 
 def _url() -> str:
@@ -163,7 +163,7 @@ def test_stale_keys_keep_only_the_checkpoints_objects() -> None:
     nodes = {"": {"node_type": "group"}, "a": {"node_type": "group"}, "a/w": metadata}
     keys = ["zarr.json", "a/zarr.json", "a/w/zarr.json", "a/w/1.1", "a/w/c.1.1", "a/w/2.0", "gone/zarr.json",
             "gone/c.0", "a/w/readme.txt"]
-    assert stale_keys(keys, nodes) == ["a/w/c.1.1", "a/w/2.0", "gone/zarr.json", "gone/c.0"]
+    assert stale_keys(keys, Kept(nodes)) == ["a/w/c.1.1", "a/w/2.0", "gone/zarr.json", "gone/c.0"]
 
 
 @pytest.mark.parametrize("url, error", [

@@ -31,7 +31,7 @@ from policies import small_chunks
 from s3_server import FaultProxy, S3Server
 
 import arrayckpt
-from arrayckpt._storage.object import stale_keys
+from arrayckpt._storage.object import kept_of, stale_keys
 
 pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
 
@@ -92,7 +92,7 @@ def _nothing_stale(server: S3Server, bucket: str, prefix: str) -> None:
     """Under ``prefix``: exactly the committed checkpoint's objects (its root lists every node; no other chunk)."""
     keys = [k.removeprefix(f"{prefix}/") for k in server.list_keys(bucket, f"{prefix}/")]
     root = json.loads(server.client.get_object(Bucket=bucket, Key=f"{prefix}/zarr.json")["Body"].read())
-    assert stale_keys(keys, root["consolidated_metadata"]["metadata"]) == []
+    assert stale_keys(keys, kept_of(root)) == []
 
 
 def _is_root(bucket: str, prefix: str, method: str):

@@ -34,7 +34,7 @@ from arrayckpt._format.integrity import chunk_crc
 from arrayckpt._format.stored import stored_content_crc
 from arrayckpt._format.zarr import chunk_key, grid_counts
 from arrayckpt._io.decode import ChunkDecoder
-from arrayckpt._storage.object import stale_keys
+from arrayckpt._storage.object import kept_of, stale_keys
 from arrayckpt._tools.copy import copy
 from arrayckpt._tools.copy_files import FileCopier
 
@@ -249,7 +249,7 @@ def test_local_to_s3_and_back_replacing_a_committed_checkpoint(s3_server: S3Serv
         assert ckpt["model.w"].metadata["chunk_key_encoding"]["name"] == "v2"
     keys = [k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/")]
     root = json.loads(s3_server.client.get_object(Bucket=s3_bucket, Key="run/ckpt/zarr.json")["Body"].read())
-    assert stale_keys(keys, root["consolidated_metadata"]["metadata"]) == []  # the old generation is gone
+    assert stale_keys(keys, kept_of(root)) == []  # the old generation is gone
     back = copy(url, tmp_path / "back", src_options=options)  # to a directory: the encoding the local writer uses
     assert back.objects == len(_chunk_files(tmp_path / "two"))
     _same_checkpoint(url, tmp_path / "back", src_options=options)

@@ -12,7 +12,7 @@ from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._errors import StorageError
-from arrayckpt._format.manifest import FORMAT_VERSION, Manifest
+from arrayckpt._format.manifest import FILES_VERSION, Manifest
 from arrayckpt._layout.box import Box
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from arrayckpt._layout.plancache import PlanCache
@@ -120,7 +120,7 @@ def test_every_new_checkpoint_records_the_version_that_requires_its_checksums(tm
     arrayckpt.save({"w": torch.ones(3)}, url, overwrite=True)  # the v2 chunk key encoding
     for where in (tmp_path / "a", tmp_path / "b", url):
         manifest = arrayckpt.open(where).manifest
-        assert manifest.format_version == FORMAT_VERSION == 3 and manifest.integrity is not None
+        assert manifest.format_version == FILES_VERSION == 3 and manifest.integrity is not None
         assert set(manifest.chunk_digests) == {"w"}
 
 

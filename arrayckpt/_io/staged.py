@@ -1,0 +1,167 @@
+"""Reads of packed arrays (spec §16): the chunk files a read needs, fetched from their packs and staged in
+TensorStore's ``memory`` kvstore under their Zarr keys, where TensorStore decodes them with the array's own spec.
+
+A packed checkpoint's arrays have no kvstore TensorStore can open: their chunk files are byte ranges of pack files.
+The read layer gives each such array a ``memory`` kvstore spec whose path starts with the token of a registered
+:class:`ChunkSource` (``_read/packed.py``), which knows where each chunk lies. Before a read, :func:`staged` finds
+the jobs on such specs, fetches the chunk files they touch (one ranged read per chunk, concurrent), writes them into
+the read context's ``memory`` kvstore under a prefix of that read's own, and hands back the jobs re-pointed there;
+the prefix is emptied when the read ends. Everything TensorStore checks on a read — codecs, crc32c, shapes,
+missing chunks as errors — is unchanged; a chunk the table does not hold is an error naming it, never fill values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .._format.jsontypes import JSON, json_object
+from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, outer_chunk_shape
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+#: What a read wants of an array: its spec, and the part of it (``None``: all of it).
+Want = tuple[JSON, "tuple[slice, ...] | None"]
+
+__all__ = ["ChunkSource", "register", "source_of", "staged"]
+
+TOKEN_PREFIX = "arrayckpt-packed-"  # the first path segment of a packed array's memory kvstore spec
+
+
+class ChunkSource(Protocol):
+    """Where a packed checkpoint's chunk files are: ``fetch(path, flats)`` returns the bytes of the chunk files of
+    array ``path`` at those flat C-order grid indices (raising a ``CorruptCheckpointError`` naming the checkpoint,
+    the array and the chunk for one it does not store, or whose bytes cannot be read whole)."""
+
+    token: str
+
+    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
+
+
+_SOURCES: weakref.WeakValueDictionary[str, ChunkSource] = weakref.WeakValueDictionary()
+_READS = itertools.count()
+_LOCK = threading.Lock()
+
+
+def register(source: ChunkSource) -> None:
+    """Make ``source``'s arrays readable (held weakly: a closed, collected checkpoint's reads fail)."""
+    with _LOCK:
+        _SOURCES[source.token] = source
+
+
+def source_of(spec: JSON) -> tuple[ChunkSource, str] | None:
+    """The chunk source and array path of a packed array's spec, or ``None`` for any other array."""
+    kvstore = json_object(spec.get("kvstore"))
+    path = kvstore.get("path")
+    if kvstore.get("driver") != "memory" or not isinstance(path, str) or not path.startswith(TOKEN_PREFIX):
+        return None
+    token, _, node = path.rstrip("/").partition("/")
+    with _LOCK:
+        source = _SOURCES.get(token)
+    if source is None:
+        raise RuntimeError(f"the packed checkpoint of array {node!r} was closed; open it again")
+    return source, node
+
+
+def _chunks_of(index: tuple[slice, ...] | None, metadata: JSON) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """The (flat index, grid index) of every outer chunk a read of ``index`` touches."""
+    shape, chunks = array_shape(metadata), outer_chunk_shape(metadata)
+    counts = grid_counts(metadata)
+    index = index or ()
+    ranges = []
+    for d, (n, c) in enumerate(zip(shape, chunks, strict=True)):
+        part = index[d] if d < len(index) else slice(None)
+        start, stop = slice(part.start, part.stop).indices(n)[:2]
+        if stop <= start:
+            return
+        ranges.append(range(start // c, -(-stop // c)))
+    for grid_index in grid_indices(ranges):
+        flat = 0
+        for i, count in zip(grid_index, counts, strict=True):
+            flat = flat * count + i
+        yield flat, grid_index
+
+
+class Staged:
+    """The specs of one read's arrays, re-pointed at chunk files staged in memory (in the order of the wants);
+    :meth:`release` empties the staging."""
+
+    def __init__(self, specs: list[JSON], prefixes: list[str], context: ts.Context) -> None:
+        self.specs = specs
+        self._prefixes, self._context = prefixes, context
+
+    def release(self) -> None:
+        """Remove this read's staged chunk files (after the read, failed or not)."""
+        if not self._prefixes:
+            return
+        import tensorstore as ts
+
+        store = ts.KvStore.open({"driver": "memory"}, context=self._context).result()
+        for prefix in self._prefixes:
+            store.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()  # '0' follows '/'
+        self._prefixes = []
+
+
+def staged(wants: Sequence[Want], context: ts.Context) -> Staged:
+    """The specs of ``wants`` with the chunk files of packed arrays fetched and staged in ``context``'s memory
+    kvstore (the others unchanged). The caller must :meth:`Staged.release` it once the read is over."""
+    wanted: dict[tuple[int, str], _Wanted] = {}
+    keys: list[tuple[int, str] | None] = []
+    for spec, index in wants:
+        hit = source_of(spec)
+        if hit is None:
+            keys.append(None)
+            continue
+        key = (id(hit[0]), hit[1])
+        keys.append(key)
+        entry = wanted.setdefault(key, _Wanted(hit[0], hit[1], spec, {}))
+        entry.chunks.update(_chunks_of(index, json_object(spec.get("metadata"))))
+    if not wanted:
+        return Staged([spec for spec, _ in wants], [], context)
+    import tensorstore as ts
+
+    read = next(_READS)
+    store = ts.KvStore.open({"driver": "memory"}, context=context).result()
+    prefixes = sorted({f"{entry.source.token}/{read}/" for entry in wanted.values()})
+    specs: dict[tuple[int, str], JSON] = {}
+    try:
+        pending = []
+        for key, entry in wanted.items():
+            prefix = f"{entry.source.token}/{read}/{entry.path}/"
+            flats = sorted(entry.chunks)
+            names = chunk_keys(json_object(entry.spec.get("metadata")), (entry.chunks[flat] for flat in flats))
+            for name, data in zip(names, entry.source.fetch(entry.path, flats), strict=True):
+                pending.append(store.write(prefix + name, data))
+            specs[key] = {**entry.spec, "kvstore": {"driver": "memory", "path": prefix}}
+        for future in pending:
+            future.result()
+    except BaseException:
+        Staged([], prefixes, context).release()
+        raise
+    out = [spec if key is None else specs[key] for (spec, _), key in zip(wants, keys, strict=True)]
+    return Staged(out, prefixes, context)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """The chunks one read needs of one packed array (flat index -> grid index)."""
+
+    source: ChunkSource
+    path: str
+    spec: JSON
+    chunks: dict[int, tuple[int, ...]]
+
+
+def staged_bytes(want: Want, itemsize: int) -> int:
+    """About how many bytes staging ``want`` holds in memory (its chunks' decoded size: an upper bound uncompressed),
+    to read packed arrays in batches of bounded memory."""
+    spec, index = want
+    metadata = json_object(spec.get("metadata"))
+    chunk = math.prod(outer_chunk_shape(metadata)) if metadata.get("shape") else 1
+    return sum(1 for _ in _chunks_of(index, metadata)) * chunk * max(1, itemsize)

@@ -1,0 +1,93 @@
+"""Where a packed checkpoint's chunk files are (spec §16): the chunk table, read a section at a time, and the byte
+ranges of the packs that hold the chunks a read needs.
+
+A :class:`PackedChunks` is the :class:`~arrayckpt._io.staged.ChunkSource` of one opened packed checkpoint: the read
+layer gives its arrays specs on a ``memory`` kvstore named by its token (:meth:`PackedChunks.kvstore`), and the IO
+layer asks it for the chunk files a read touches. An array's section of the index file is read the first time one
+of its chunks is (one ranged read for the sections of every array a call needs), checked as untrusted input
+(``_format/packs.py::decode_section``) and kept while the checkpoint is open.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import CorruptCheckpointError
+from .._format.jsontypes import JSON
+from .._format.packs import PackLayout, StoredChunks, decode_section, row_of
+from .._format.stored import max_chunk_file_bytes
+from .._format.zarr import grid_counts, unravel
+from .._io.staged import TOKEN_PREFIX, register
+
+__all__ = ["PackedChunks", "ReadRanges"]
+
+#: Reads ``(offset, length)`` ranges of one file of the checkpoint (a pack, the index): ``(name, ranges) -> bytes``.
+ReadRanges = Callable[[str, Sequence[tuple[int, int]]], list[bytes]]
+
+
+class PackedChunks:
+    """The chunk files of one opened packed checkpoint, by array path and flat grid index (module docstring)."""
+
+    def __init__(self, layout: PackLayout, nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]],
+                 read_ranges: ReadRanges, where: str) -> None:
+        self.layout, self.where = layout, where
+        self.token = f"{TOKEN_PREFIX}{uuid.uuid4().hex}"
+        self._nodes, self._present, self._read = nodes, present, read_ranges
+        self._rows: dict[str, NDArray[np.uint64]] = {}
+        self._lock = threading.Lock()
+        register(self)
+
+    def kvstore(self, path: str) -> JSON:
+        """The spec through which array ``path`` is read (``_io/staged.py`` stages its chunk files there)."""
+        return {"driver": "memory", "path": f"{self.token}/{path}/"}
+
+    def stored(self, path: str) -> StoredChunks:
+        """Which chunks array ``path`` stores, in table order."""
+        return StoredChunks(tuple(grid_counts(self._nodes[path])), self._present.get(path))
+
+    def rows(self, paths: Sequence[str]) -> dict[str, NDArray[np.uint64]]:
+        """The checked rows (pack index, offset, length) of each array of ``paths``, read once: the sections not
+        read yet in one call."""
+        with self._lock:
+            missing = [path for path in dict.fromkeys(paths) if path not in self._rows]
+        if missing:
+            sections = [self.layout.sections[path] for path in missing]
+            data = self._read(self.layout.index_name, [(s.offset, s.length) for s in sections])
+            for path, section, raw in zip(missing, sections, data, strict=True):
+                stored = self.stored(path)
+                rows = decode_section(raw, path, len(stored.order), self.layout.packs, self.where,
+                                      max_chunk_file_bytes(self._nodes[path]), crc=section.crc, stored=stored)
+                with self._lock:
+                    self._rows[path] = rows
+        with self._lock:
+            return {path: self._rows[path] for path in paths}
+
+    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
+        """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per
+        chunk, the ranges of one pack in one call)."""
+        if path not in self.layout.sections:
+            raise CorruptCheckpointError(f"{self.where}: array {path!r} has no section in the pack index")
+        table = self.rows([path])[path]
+        stored = self.stored(path)
+        order = stored.order
+        by_pack: dict[int, list[tuple[int, int, int]]] = {}  # pack -> (position in flats, offset, length)
+        for position, flat in enumerate(flats):
+            row = row_of(order, flat)
+            if row is None:
+                counts = stored.counts
+                raise CorruptCheckpointError(
+                    f"{self.where}: tensor array {path!r}: chunk {unravel(flat, counts)} is not "
+                    "stored in this checkpoint (the read asked for a chunk its table does not hold)")
+            pack, offset, length = (int(v) for v in table[row])
+            by_pack.setdefault(pack, []).append((position, offset, length))
+        out: list[bytes] = [b""] * len(flats)
+        for pack, wanted in by_pack.items():
+            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, offset, length in wanted])
+            for (position, _, _), chunk in zip(wanted, data, strict=True):
+                out[position] = chunk
+        return out

@@ -1,0 +1,186 @@
+"""Writing a packed checkpoint (spec §16): each rank appends the chunk files it writes to its one pack, and the
+coordinator turns what the ranks report into the chunk table that the commit records.
+
+A rank encodes its chunks with TensorStore exactly as for the files layout (same specs, same codecs, same
+checksums), but into a ``memory`` kvstore, a batch of bounded bytes at a time (``pack_batch_bytes``); after each
+batch it moves every chunk file TensorStore made there to the end of its pack and empties the store. What it
+reports with its chunk checksums is, per array, each chunk's ``(offset, length)`` in its pack, and the pack
+itself (name, size). The coordinator concatenates the ranks' packs (rank order), builds one row per stored chunk
+(spec §11.2's order) and refuses a chunk nobody reported, as the chunk digests already do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import crc32c
+import numpy as np
+
+from .._errors import StorageError
+from .._format.jsontypes import JSON, json_object
+from .._format.packs import (
+    INDEX_NAME,
+    REFS_NAME,
+    ChunkTable,
+    PackFile,
+    PackLayout,
+    StoredChunks,
+    encode_index,
+    reference_document,
+    stored_chunk_keys,
+)
+from .._format.zarr import grid_counts, parse_chunk_key
+from .._io.arrays import ArrayIO, Checksums, LazyContext, resolve_context, write_all
+from .._settings import settings
+
+if TYPE_CHECKING:
+    from .._io.arrays import StoreContext
+    from .._storage.base import Location
+    from .._storage.packs import PackWriter
+
+__all__ = ["PackReport", "RankPack", "chunk_table", "index_files"]
+
+
+@dataclass(frozen=True)
+class PackReport:
+    """What one rank wrote into its pack: the pack (``None``: the rank wrote nothing) and, per array path, each
+    chunk's ``flat index -> (offset, length)`` in it."""
+
+    pack: PackFile | None
+    chunks: Mapping[str, Mapping[int, tuple[int, int]]] = field(default_factory=dict)
+
+
+def memory_kvstore(path: str) -> JSON:
+    """Where a rank's TensorStore writes the chunk files of node ``path`` before they go to its pack."""
+    return {"driver": "memory", "path": f"{path}/"}
+
+
+class RankPack:
+    """One rank's pack being written: :meth:`write` is a ``write_all`` that ends with the chunk files in the pack;
+    :meth:`close` finishes it (its :class:`PackReport`), :meth:`abort` removes it."""
+
+    def __init__(self, target: Location, rank: int, where: str) -> None:
+        self.where = where
+        self.context = LazyContext({})  # its own memory kvstore, emptied after every batch
+        self._target, self._rank = target, rank
+        self._writer: PackWriter | None = None
+        self._chunks: dict[str, dict[int, tuple[int, int]]] = {}
+
+    def write(self, jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> Checksums:
+        """Write ``jobs`` (their specs on :func:`memory_kvstore`; ``context`` is :attr:`context`) a batch at a time,
+        each batch's chunk files moved to the pack before the next is encoded. The jobs of one array go into one
+        batch, so that no chunk is ever encoded in two parts."""
+        out: Checksums = {}
+        for batch in _batches(jobs, settings().pack_batch_bytes):
+            for path, found in write_all(batch, context, where).items():
+                out.setdefault(path, {}).update(found)
+            self._drain(batch, context)
+        return out
+
+    def _drain(self, batch: Sequence[ArrayIO], context: StoreContext) -> None:
+        """Move every chunk file of ``batch``'s arrays from the memory kvstore to the end of the pack."""
+        import tensorstore as ts  # only where a save is packed
+
+        store = ts.KvStore.open({"driver": "memory"}, context=resolve_context(context)).result()
+        metadata = {job.node or "": json_object(job.spec.get("metadata")) for job in batch}
+        for node, meta in metadata.items():
+            keys = store.list(ts.KvStore.KeyRange(f"{node}/", f"{node}0")).result()  # '0' follows '/'
+            names = [key.decode()[len(node) + 1:] for key in keys]
+            values = [store.read(f"{node}/{name}") for name in names]
+            counts = grid_counts(meta)
+            found = self._chunks.setdefault(node, {})
+            for name, pending in zip(names, values, strict=True):
+                grid_index = parse_chunk_key(meta, name)
+                if grid_index is None:
+                    raise StorageError(f"{self.where}: array {node!r}: TensorStore wrote {name!r}, which is not a "
+                                       "chunk key of the array (a bug in arrayckpt: please report it)")
+                flat = int(np.ravel_multi_index(grid_index, counts)) if counts else 0
+                if flat in found:
+                    raise StorageError(f"{self.where}: array {node!r}: chunk {grid_index} was written twice by rank "
+                                       f"{self._rank} (a bug in arrayckpt: please report it)")
+                found[flat] = self._append(pending.result().value)
+        store.delete_range(ts.KvStore.KeyRange()).result()
+
+    def _append(self, data: bytes) -> tuple[int, int]:
+        if self._writer is None:
+            self._writer = self._target.open_pack(self._rank)
+        return self._writer.append(data)
+
+    def close(self) -> PackReport:
+        """Finish the pack (synced to disk unless the save is not durable): what this rank reports."""
+        if self._writer is None:
+            return PackReport(None)
+        files = self._writer.close()
+        return PackReport(files[0], self._chunks)
+
+    def abort(self) -> None:
+        """Remove the pack (the save failed)."""
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def _batches(jobs: Sequence[ArrayIO], budget: int) -> list[list[ArrayIO]]:
+    """``jobs`` grouped by array, arrays gathered into batches of about ``budget`` bytes (an array larger than that
+    is a batch of its own)."""
+    by_node: dict[str, list[ArrayIO]] = {}
+    for job in jobs:
+        by_node.setdefault(job.node or job.key, []).append(job)
+    out: list[list[ArrayIO]] = []
+    size = budget
+    for group in by_node.values():
+        nbytes = sum(job.data.nbytes for job in group)
+        if size + nbytes > budget:
+            out.append([])
+            size = 0
+        out[-1].extend(group)
+        size += nbytes
+    return out
+
+
+def chunk_table(nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]], reports: Sequence[PackReport],
+                where: str) -> tuple[list[PackFile], ChunkTable]:
+    """The packs of a save (every rank's, in rank order) and its chunk table: per array path of ``nodes``, one row
+    per stored chunk (every chunk of its grid; a chunks delta's ``present``). Raises :class:`StorageError` for a
+    stored chunk no rank reported (the save is not committed)."""
+    packs: list[PackFile] = []
+    owner: dict[str, list[tuple[int, Mapping[int, tuple[int, int]]]]] = {}
+    for report in reports:
+        if report.pack is None:
+            continue
+        for path, chunks in report.chunks.items():
+            owner.setdefault(path, []).append((len(packs), chunks))
+        packs.append(report.pack)
+    rows: dict[str, np.ndarray] = {}
+    for path, metadata in nodes.items():
+        stored = StoredChunks(tuple(grid_counts(metadata)), present.get(path))
+        order = stored.order
+        table = np.zeros((len(order), 3), np.uint64)
+        where_is: dict[int, tuple[int, int, int]] = {}
+        for index, chunks in owner.get(path, ()):
+            for flat, (offset, length) in chunks.items():
+                where_is[flat] = (index, offset, length)
+        for row, flat in enumerate(order):
+            found = where_is.get(flat)
+            if found is None:
+                raise StorageError(f"{where}: not committed: {stored.describe(row)} of array {path!r} was written by "
+                                   "no rank (a bug in arrayckpt: please report it)")
+            table[row] = found
+        rows[path] = table
+    return packs, ChunkTable(rows)
+
+
+def index_files(nodes: Mapping[str, JSON], documents: Mapping[str, bytes], present: Mapping[str, tuple[int, ...]],
+                packs: Sequence[PackFile], table: ChunkTable,
+                write: Callable[[str, bytes], None]) -> PackLayout:
+    """Write the index file and, up to ``refs_max_chunks`` chunks, the kerchunk references (``write(name,
+    bytes)``); the layout the manifest records."""
+    data, sections = encode_index(packs, table)
+    write(INDEX_NAME, data)
+    if sum(len(rows) for rows in table.rows.values()) <= settings().refs_max_chunks:
+        keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in table.rows}
+        refs = reference_document(documents, keys, table, packs)
+        write(REFS_NAME, json.dumps(refs, separators=(",", ":")).encode())
+    return PackLayout(tuple(packs), INDEX_NAME, len(data), crc32c.crc32c(data), sections)
