@@ -17,6 +17,7 @@ from ..._errors import ArrayckptError
 from ..._format.dtypes import dtype_by_name
 from ..._format.jsontypes import json_object
 from ..._format.manifest import ArrayEntry, ValueEntry
+from ..._format.values import step_value
 from ..._format.writers import ranks_at
 from ..._format.zarr import array_shape, grid_counts
 from ..._io.arrays import ArrayIO
@@ -34,11 +35,11 @@ ROWS_BLOCK = 1 << 20  # row indices of a rows delta read at once
 
 
 def step_of(checkpoint: Checkpoint) -> int | None:
-    """The step saved with the checkpoint, or else its plain value ``step`` when that is an integer."""
-    value = checkpoint.manifest.entries.get("step")
-    if checkpoint.step is None and isinstance(value, ValueEntry) and type(value.value) is int:
-        return value.value
-    return checkpoint.step
+    """The step saved with the checkpoint, or else the plain value that names it (``_format.values.step_value``)."""
+    if checkpoint.step is not None:
+        return checkpoint.step
+    found = step_value({key: e.value for key, e in checkpoint.manifest.entries.items() if isinstance(e, ValueEntry)})
+    return found.step if found is not None else None
 
 
 def stored_text(array: LazyArray) -> str:
