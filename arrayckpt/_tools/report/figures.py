@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
+from .data import Change, Histogram, ReportData, SizeNode, change_groups, human_bytes, printable, size_tree, squarify
 from .grids import draw_delta, draw_grid, draw_rank_legend, top_rank
 from .style import DPI, FONT, colormap, lighten, short_key
 
@@ -117,7 +117,8 @@ def figures(data: ReportData) -> dict[str, str]:
         key = (lambda fig, edge: draw_rank_legend(fig, data.grids, edge)) if recorded else None
         out["grids"] = _panels(len(data.grids), 3, lambda ax, i: draw_grid(ax, data.grids[i], highest), legend=key)
     if data.changes:
-        figure = _figure(10, max(2.0, 0.2 * min(len(data.changes), MAX_BARS) + 0.9))
+        rows = sum(len(g.changes) + 1 for g in change_groups(data.changes, MAX_BARS))  # bars and headings
+        figure = _figure(10, max(2.0, 0.2 * rows + 0.9))
         draw_changes(figure.subplots(), data.changes)
         out["changes"] = _png(figure)
         heat = _heat(data.changes)
@@ -159,7 +160,7 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
     heat = _heat(data.changes)
     if data.changes:
         places = [grid[0, 2], grid[1, 2]] if heat is not None else [grid[0, 2], grid[0, 3], grid[1, 2], grid[1, 3]]
-        draw_changes(figure.add_subplot(grid[2:4, 2] if heat is not None else grid[2:4, 2:4]), data.changes[:20])
+        draw_changes(figure.add_subplot(grid[2:4, 2] if heat is not None else grid[2:4, 2:4]), data.changes, limit=20)
         if heat is not None:
             draw_layers(figure.add_subplot(grid[0:4, 3]), heat, compact=True)
     else:
@@ -264,22 +265,38 @@ def draw_histogram(ax: Axes, histogram: Histogram) -> None:
     ax.tick_params(labelsize=FONT - 1)
 
 
-def draw_changes(ax: Axes, changes: list[Change]) -> None:
-    """The tensors that changed most, by ``||a - b|| / ||b||``, largest at the top; NaN and inf in red."""
-    shown = changes[:MAX_BARS][::-1]
-    finite = [c.relative for c in shown if math.isfinite(c.relative)]
+def draw_changes(ax: Axes, changes: list[Change], limit: int = MAX_BARS) -> None:
+    """The tensors that changed most, by ``||a - b|| / ||b||``: the model's, then the optimizer state's
+    (:func:`change_groups`: the moments would otherwise fill the chart), each largest at the top, under a heading
+    when there are both; NaN and inf in red."""
+    groups = change_groups(changes, limit)
+    rows: list[Change | str] = []  # top to bottom: a heading, then its bars
+    for group in groups:
+        if len(groups) > 1:
+            more = f", largest {len(group.changes)} of {group.total}" if len(group.changes) < group.total else ""
+            rows.append(f"{group.name}{more}")
+        rows += group.changes
+    shown = [(len(rows) - 1 - i, row) for i, row in enumerate(rows) if isinstance(row, Change)]  # (y, change)
+    finite = [c.relative for _, c in shown if math.isfinite(c.relative)]
     top = max(finite, default=1.0) or 1.0
-    values = [c.relative if math.isfinite(c.relative) else top for c in shown]
-    colours = ["C0" if math.isfinite(c.relative) else "red" for c in shown]
+    values = [c.relative if math.isfinite(c.relative) else top for _, c in shown]
     log = bool(finite) and min(finite) > 0 and top / min(finite) > 100
-    ax.barh([short_key(c.key, 60) for c in shown], values, color=colours)
-    for i, change in enumerate(shown):
+    ax.barh([y for y, _ in shown], values, color=["C0" if math.isfinite(c.relative) else "red" for _, c in shown])
+    for (y, change), value in zip(shown, values, strict=True):
         if not math.isfinite(change.relative):
-            ax.text(values[i], i, " NaN/inf changed", va="center", color="red", fontsize=FONT)
+            ax.text(value, y, " NaN/inf changed", va="center", color="red", fontsize=FONT)
+    ax.set_yticks(range(len(rows)), [row if isinstance(row, str) else short_key(row.key, 60) for row in rows[::-1]])
+    for label, row in zip(ax.get_yticklabels(), rows[::-1], strict=True):
+        if isinstance(row, str):
+            label.set_fontweight("bold")
+    for y, row in enumerate(rows[::-1]):
+        if isinstance(row, str) and y < len(rows) - 1:  # a line above every heading but the top one
+            ax.axhline(y + 0.5, color="#999999", linewidth=0.6)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     if log:
         ax.set_xscale("log")
     ax.set_xlabel("relative change ||a - b|| / ||b||", fontsize=FONT + 1)
-    more = f" (largest {MAX_BARS} of {len(changes)})" if len(changes) > MAX_BARS else ""
+    more = f" (largest {len(shown)} of {len(changes)})" if len(shown) < len(changes) and len(groups) == 1 else ""
     ax.set_title(f"which tensors moved{more}", fontsize=9)
     ax.tick_params(labelsize=FONT)
 
