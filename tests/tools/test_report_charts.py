@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from policies import small_chunks  # noqa: E402
+from thread_ranks import run_thread_ranks  # noqa: E402
 
+import arrayckpt
 from arrayckpt._read.checkpoint import open_checkpoint
 from arrayckpt._tools.report import figures as report_figures
 from arrayckpt._tools.report.build import collect
@@ -91,3 +93,50 @@ def test_change_groups_share_the_bars():
     groups = change_groups(moments + model[:3], 40)
     assert [(g.name, len(g.changes)) for g in groups] == [(MODEL, 3), (OPTIMIZER, 30)]
     assert [g.name for g in change_groups(model, 40)] == [MODEL]
+
+
+def _long_keys() -> list[str]:
+    keys = [f"language_model.encoder.transformer_block_stack.layers.{i}.{part}" for i in range(4)
+            for part in ("self_attention.linear_query_key_value.weight", "mlp.dense_h_to_4h_gated_activation.weight",
+                         "self_attention.linear_projection_output.weight", "mlp.dense_4h_to_h_projection_back.weight")]
+    return keys + [f"a_very_long_top_level_component_name_{j}.with.a.deeply_nested_parameter_block.weight"
+                   for j in range(6)]
+
+
+def _save_on_ranks(path: Path, world: int, scale: float) -> None:
+    """Every long-named tensor and its moment split by rows over ``world`` ranks; layer 2 scaled by ``scale``."""
+    g = torch.Generator().manual_seed(0)
+    full = {key: torch.randn(4 * world, 8, generator=g) for key in _long_keys()}
+
+    def rank(r: int, group) -> None:
+        state = {}
+        for key, value in full.items():
+            value = value * scale if ".layers.2." in key else value
+            rows = slice(4 * r, 4 * (r + 1))
+            state[f"model.{key}"] = arrayckpt.Shard(value[rows].clone(), tuple(value.shape), (4 * r, 0))
+            state[f"optimizer_states.0.state.{key}.exp_avg"] = arrayckpt.Shard(
+                (value[rows] * 0.1 * scale).clone(), tuple(value.shape), (4 * r, 0))
+        CHUNKS.save(state, path, process_group=group)
+
+    run_thread_ranks(world, rank)
+
+
+def test_the_overview_s_labels_never_overlap(tmp_path):
+    """Many tensors with long keys saved by 12 ranks: the bar chart's keys, the rank keys under the chunk grids, the
+    treemap's labels and the heat map's rows each get a place of their own (measured as matplotlib draws them)."""
+    _save_on_ranks(tmp_path / "a", 12, 1.0)
+    _save_on_ranks(tmp_path / "b", 12, 1.01)
+    with open_checkpoint(tmp_path / "b") as b, open_checkpoint(tmp_path / "a") as a:
+        data = collect(b, a, histograms=2, grids=2)
+    figure = report_figures.overview_figure(data)
+    renderer = figure.canvas.get_renderer()
+    texts = report_figures.shown_texts(figure)
+    boxes = [text.get_window_extent(renderer) for text in texts]
+    overlapping = [(texts[i].get_text(), texts[j].get_text()) for i in range(len(boxes))
+                   for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+    assert not overlapping
+    (changes,) = [ax for ax in figure.axes if ax.get_title() == "which tensors moved"]
+    labels = changes.get_yticklabels()
+    assert all(label.get_visible() for label in labels) and len(labels) == 22  # 2 headings, 20 keys: all shown
+    assert any(text.get_text() == "rank 11" for text in texts)  # the rank keys are there
+    figure.savefig(tmp_path / "overview.png")
