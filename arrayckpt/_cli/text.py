@@ -153,11 +153,14 @@ def _table(info: Mapping[str, Any], width: int) -> list[str]:
 
 
 def info_header(info: Mapping[str, Any]) -> str:
-    """``checkpoint PATH  (format v1, step 3)``; the step recorded at save, else a plain value ``step``, labelled."""
+    """``checkpoint PATH  (format v1, step 3)``; the step recorded at save, else the plain value that names it
+    (``step``, or a single ``train_state.step``: ``_format.values.step_value``), labelled as not recorded."""
+    from .._format.values import step_value
+
     step = info["step"]
     if step is None:
-        value = info["values"].get("step")
-        step = "none recorded" if not isinstance(value, int) else f"none recorded; the value `step` is {value}"
+        found = step_value(info["values"])
+        step = "none recorded" if found is None else f"none recorded; the value `{found.key}` is {found.step}"
     return f"checkpoint {info['path']}  (format v{info['format_version']}, step {step})"
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from .._errors import FormatError
 
-__all__ = ["NotJSONable", "decode_value", "encode_value"]
+__all__ = ["NotJSONable", "StepValue", "decode_value", "encode_value", "step_value"]
 
 _MARKERS = ("$tuple", "$float", "$bytes", "$dict")
 # Nesting deeper than this is refused both ways (a value nested 500 deep would otherwise exhaust Python's
@@ -22,6 +24,36 @@ MAX_DEPTH = 200
 
 class NotJSONable(TypeError):
     """Raised by :func:`encode_value` for a value that only pickle can store."""
+
+
+class StepValue(NamedTuple):
+    """The plain value of a state that holds the trainer's step (:func:`step_value`)."""
+
+    key: str
+    step: int
+
+
+def step_value(values: Mapping[str, object]) -> StepValue | None:
+    """The trainer's step among a state's plain values (dotted key -> value, encoded or decoded: an int is the same
+    in both), when exactly one value can be it: a top-level ``step`` holding an integer, or else the only integer
+    value whose last key part is ``step`` (``train_state.step``). ``None`` when there is none, or when several
+    nested ones could be it (``a.step`` and ``b.step``: which is the trainer's is not for arrayckpt to guess).
+    Tensors (the optimizer's ``state.0.step``) and booleans never count.
+
+    DCP's ``ArrayckptWriter``, which is given no step, records this one in the manifest (so that
+    :attr:`Checkpoint.step` sees it); ``arrayckpt info`` and ``report`` point at it where no step is recorded
+    (``arrayckpt.save`` records only the ``step=`` it is given).
+
+    >>> step_value({"step": 7, "optim.state.0.step": 3}), step_value({"train_state.step": 5, "lr": 0.1})
+    (StepValue(key='step', step=7), StepValue(key='train_state.step', step=5))
+    >>> step_value({"a.step": 1, "b.step": 2}), step_value({"step": True}), step_value({"step": "7"})
+    (None, None, None)
+    """
+    found = {key: value for key, value in values.items()
+             if (key == "step" or key.endswith(".step")) and type(value) is int}
+    if "step" in found:
+        return StepValue("step", found["step"])
+    return StepValue(*next(iter(found.items()))) if len(found) == 1 else None
 
 
 def encode_value(value: object) -> object:

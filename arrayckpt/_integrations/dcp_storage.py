@@ -24,8 +24,10 @@ is stored once, the second key an alias (spec §4.3), as ``arrayckpt.save`` stor
 so the ranks find ties in ``write_data`` and the coordinator decides at the commit: ``dcp_ties.py``.
 
 DCP's ``BYTE_IO`` items are stored as plain values where they are plain (an optimizer's ``param_groups`` need no
-pickle), else only with ``allow_pickle=True``: see ``dcp_values.py``. Keys: see ``dcp_keys.py`` (the dotted key of
-every tensor is DCP's fqn).
+pickle), else only with ``allow_pickle=True``: see ``dcp_values.py``. DCP has no way to pass a step, so the manifest
+records the state's own when one plain integer value names it (``step``, or a single ``train_state.step``:
+``_format.values.step_value``), and :attr:`arrayckpt.Checkpoint.step`, ``arrayckpt info`` and ``report`` show it.
+Keys: see ``dcp_keys.py`` (the dotted key of every tensor is DCP's fqn).
 
 Saving to a path that holds a checkpoint (arrayckpt's, or one DCP's ``FileSystemWriter`` wrote there: a save
 switched to this writer at a fixed path; anything else is refused, ``_storage/local.py``) replaces it
@@ -67,7 +69,8 @@ from torch.futures import Future
 from .._errors import ArrayckptError, CheckpointExistsError, StateError
 from .._format.codecs import CodecChoice
 from .._format.keys import array_path, dotted
-from .._format.manifest import MAX_NDIM
+from .._format.manifest import MAX_NDIM, ValueEntry
+from .._format.values import step_value
 from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.box import Box, grid_cells
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
@@ -383,7 +386,9 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             transaction.write_documents(documents)
         created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter",
                    "dcp_save_id": self.save_id}  # DCP's StorageMeta.save_id, which ArrayckptReader gives back
-        manifest = build_manifest(full, Record(), len(results), None, [({}, sums) for sums in by_rank], where, created)
+        found = step_value({key: e.value for key, e in entries.items() if isinstance(e, ValueEntry)})
+        record = Record(step=found.step if found is not None else None)  # DCP passes no step: the state's, if any
+        manifest = build_manifest(full, record, len(results), None, [({}, sums) for sums in by_rank], where, created)
         transaction.commit(manifest, consolidated)
 
     def _location(self) -> Location:

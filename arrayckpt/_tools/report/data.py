@@ -16,8 +16,9 @@ import numpy as np
 
 from ..estimate import human_bytes
 
-__all__ = ["MAX_CELLS", "Change", "ChunkGrid", "DeltaPart", "Histogram", "Layer", "ReportData", "SizeNode",
-           "TensorStats", "human_bytes", "printable", "size_tree", "squarify"]
+__all__ = ["MAX_CELLS", "MODEL", "OPTIMIZER", "Change", "ChangeGroup", "ChunkGrid", "DeltaPart", "Histogram", "Layer",
+           "ReportData", "SizeNode", "TensorStats", "change_groups", "human_bytes", "optimizer_state", "printable",
+           "size_tree", "squarify"]
 
 
 def printable(text: str) -> str:
@@ -79,6 +80,55 @@ class Change:
     key: str
     relative: float
     layer: tuple[str, int] | None
+
+
+# The last key part of an optimizer's per-parameter state under a ``state`` part, in torch's optimizers (a key with a
+# part named ``optim…`` is optimizer state whatever its last part: ``optimizer_states.0.state.3.exp_avg``)
+MOMENTS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                     "grad_avg", "sum", "step", "mu", "eta", "ax", "prev", "step_size", "exp_inf"})
+MODEL, OPTIMIZER = "model", "optimizer state"  # the groups of the change chart, in this order
+
+
+def optimizer_state(key: str) -> bool:
+    """Whether ``key`` holds optimizer state rather than the model: a part before the last names an optimizer
+    (``optim``, ``optimizer``, ``optimizer_states``: DCP's, DeepSpeed's, Lightning's, Megatron's keys), or the
+    key is a moment under a ``state`` part (``opt.state.0.exp_avg``).
+
+    >>> [optimizer_state(k) for k in ("optim.state.fc.weight.exp_avg", "optimizer.state.exp_avg.decoder.w",
+    ...                                "opt.state.0.momentum_buffer", "model.fc.weight", "model.state.weight")]
+    [True, True, True, False, False]
+    """
+    parts = key.split(".")
+    return any(p.lower().startswith("optim") for p in parts[:-1]) or ("state" in parts[:-1] and parts[-1] in MOMENTS)
+
+
+@dataclass(frozen=True)
+class ChangeGroup:
+    """The tensors of one group of the change chart (``model`` or ``optimizer state``) that it shows, largest change
+    first, of ``total`` compared."""
+
+    name: str
+    changes: list[Change]
+    total: int
+
+
+def change_groups(changes: list[Change], limit: int) -> list[ChangeGroup]:
+    """What the "which tensors moved" chart shows of ``changes`` (largest first): the model's tensors, then the
+    optimizer state's, each largest first, at most ``limit`` in all, each group at least half of them when it has
+    that many (the model's weights move by about the learning rate, its optimizer's moments by far more: ranked
+    together, the moments would fill the chart). Groups with nothing compared are left out.
+
+    >>> [(g.name, [c.key for c in g.changes], g.total) for g in change_groups(
+    ...     [Change("optim.state.w.exp_avg", 1.0, None), Change("optim.state.w.exp_avg_sq", 0.9, None),
+    ...      Change("model.w", 1e-3, None), Change("model.b", 1e-4, None)], 3)]
+    [('model', ['model.w', 'model.b'], 2), ('optimizer state', ['optim.state.w.exp_avg'], 2)]
+    """
+    model = [c for c in changes if not optimizer_state(c.key)]
+    optimizer = [c for c in changes if optimizer_state(c.key)]
+    kept = min(len(model), max(limit - len(optimizer), (limit + 1) // 2))
+    groups = [ChangeGroup(MODEL, model[:kept], len(model)), ChangeGroup(OPTIMIZER, optimizer[:limit - kept],
+                                                                         len(optimizer))]
+    return [group for group in groups if group.total]
 
 
 @dataclass

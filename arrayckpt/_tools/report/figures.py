@@ -18,18 +18,22 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .data import Change, Histogram, ReportData, SizeNode, human_bytes, printable, size_tree, squarify
+from .data import Change, Histogram, ReportData, SizeNode, change_groups, human_bytes, printable, size_tree, squarify
 from .grids import draw_delta, draw_grid, draw_rank_legend, top_rank
 from .style import DPI, FONT, colormap, lighten, short_key
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
 
-__all__ = ["MATPLOTLIB_EXTRA", "figures", "overview", "require_matplotlib"]
+__all__ = ["MATPLOTLIB_EXTRA", "figures", "overview", "overview_figure", "require_matplotlib", "separate_labels",
+           "shown_texts"]
 
 MATPLOTLIB_EXTRA = "pip install 'arrayckpt[report]'"
 MAX_BARS = 40  # tensors in the relative-change bar chart
+OVERVIEW_KEY = 34  # characters of a key in the overview's bar chart (its column is a quarter of the picture)
 MAX_HEAT_ROWS = 60  # parameter names in the layer heat map
 LOG_SPAN = 10.0  # the heat map's colour scale is logarithmic when the changes span this factor or more
 MAX_CHAIN = 30  # checkpoints of a chain drawn (the newest; the table lists them all)
@@ -117,7 +121,8 @@ def figures(data: ReportData) -> dict[str, str]:
         key = (lambda fig, edge: draw_rank_legend(fig, data.grids, edge)) if recorded else None
         out["grids"] = _panels(len(data.grids), 3, lambda ax, i: draw_grid(ax, data.grids[i], highest), legend=key)
     if data.changes:
-        figure = _figure(10, max(2.0, 0.2 * min(len(data.changes), MAX_BARS) + 0.9))
+        rows = sum(len(g.changes) + 1 for g in change_groups(data.changes, MAX_BARS))  # bars and headings
+        figure = _figure(10, max(2.0, 0.2 * rows + 0.9))
         draw_changes(figure.subplots(), data.changes)
         out["changes"] = _png(figure)
         heat = _heat(data.changes)
@@ -139,6 +144,11 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
     """The main pictures of a report in one PNG of about 1300 x 850 pixels (a README-sized picture): sizes and a
     histogram at the left; at the right what changed (with ``against``: the bar chart and the layer heat map),
     the delta chain and chunk grids."""
+    overview_figure(data).savefig(path, format="png", dpi=DPI)
+
+
+def overview_figure(data: ReportData) -> Figure:
+    """:func:`overview`'s figure, laid out, its labels apart (:func:`separate_labels`)."""
     figure = _figure(14.4, 9.4)
     grid = figure.add_gridspec(4, 4)
     against = f"  against {_tail(data.against)}" if data.against else ""
@@ -159,7 +169,8 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
     heat = _heat(data.changes)
     if data.changes:
         places = [grid[0, 2], grid[1, 2]] if heat is not None else [grid[0, 2], grid[0, 3], grid[1, 2], grid[1, 3]]
-        draw_changes(figure.add_subplot(grid[2:4, 2] if heat is not None else grid[2:4, 2:4]), data.changes[:20])
+        draw_changes(figure.add_subplot(grid[2:4, 2] if heat is not None else grid[2:4, 2:4]), data.changes, limit=20,
+                     width=OVERVIEW_KEY)
         if heat is not None:
             draw_layers(figure.add_subplot(grid[0:4, 3]), heat, compact=True)
     else:
@@ -168,7 +179,71 @@ def overview(data: ReportData, path: str | os.PathLike[str]) -> None:
         ax = figure.add_subplot(place)
         draw(ax)
         _few_ticks(ax)
-    figure.savefig(path, format="png", dpi=DPI)
+    separate_labels(figure)
+    return figure
+
+
+def separate_labels(figure: Figure) -> list[Text]:
+    """Lay ``figure`` out, then fix where everything is and hide each text that would overlap a more telling one
+    (titles, then legends, axis labels, tick labels, labels inside the pictures), so that no two texts of it
+    overlap however many and long the keys; returns the texts hidden. The pictures make room for their texts
+    (keys shortened to what fits); this is for what still does not fit, such as a treemap label beside another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)  # (as savefig's PNG is drawn)
+    canvas.draw()  # constrained layout places everything
+    figure.set_layout_engine("none")  # what is hidden now must not move the rest
+    renderer = canvas.get_renderer()
+    kept: list[Bbox] = []
+    hidden = []
+    for text in sorted(shown_texts(figure), key=partial(_importance, figure)):
+        box = text.get_window_extent(renderer).expanded(1.0, 1.0).shrunk(0.98, 0.9)  # glyph boxes' own padding
+        if any(box.overlaps(other) for other in kept):
+            text.set_visible(False)
+            hidden.append(text)
+        else:
+            kept.append(box)
+    return hidden
+
+
+def shown_texts(figure: Figure) -> list[Text]:
+    """Every text of ``figure`` that is drawn: visible and not empty, in a visible axes whose axes are shown (a
+    treemap's are not), and, for a tick label, at a tick within the axis's view (matplotlib keeps the others)."""
+    from matplotlib.text import Text
+
+    undrawn: set[int] = set()
+    for ax in figure.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if not ax.axison or not axis.get_visible():
+                undrawn.update(id(t) for t in (axis.label, *axis.get_ticklabels(), *axis.get_ticklabels(minor=True)))
+                continue
+            low, high = sorted(axis.get_view_interval())
+            span = (high - low) * 1e-9
+            for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks()):
+                if not low - span <= tick.get_loc() <= high + span:
+                    undrawn.update((id(tick.label1), id(tick.label2)))
+    out = []
+    for text in figure.findobj(Text):
+        axes = text.axes
+        if text.get_visible() and text.get_text().strip() and id(text) not in undrawn and \
+                (axes is None or axes.get_visible()):
+            out.append(text)
+    return out
+
+
+def _importance(figure: Figure, text: Text) -> int:
+    """0 for the most telling texts (titles) to 4 for labels inside the pictures."""
+    for ax in figure.axes:
+        legend = ax.get_legend()
+        if text is ax.title or (legend is not None and text is legend.get_title()):
+            return 0
+        if legend is not None and text in legend.get_texts():
+            return 1
+        if text is ax.xaxis.label or text is ax.yaxis.label:
+            return 2
+        if text in ax.get_xticklabels() or text in ax.get_yticklabels():
+            return 3
+    return 0 if text is getattr(figure, "_suptitle", None) else 4
 
 
 def _tail(location: str) -> str:
@@ -264,22 +339,38 @@ def draw_histogram(ax: Axes, histogram: Histogram) -> None:
     ax.tick_params(labelsize=FONT - 1)
 
 
-def draw_changes(ax: Axes, changes: list[Change]) -> None:
-    """The tensors that changed most, by ``||a - b|| / ||b||``, largest at the top; NaN and inf in red."""
-    shown = changes[:MAX_BARS][::-1]
-    finite = [c.relative for c in shown if math.isfinite(c.relative)]
+def draw_changes(ax: Axes, changes: list[Change], limit: int = MAX_BARS, width: int = 60) -> None:
+    """The tensors that changed most, by ``||a - b|| / ||b||``: the model's, then the optimizer state's
+    (:func:`change_groups`: the moments would otherwise fill the chart), each largest at the top, under a heading
+    when there are both; NaN and inf in red. Keys are shortened to ``width`` characters."""
+    groups = change_groups(changes, limit)
+    rows: list[Change | str] = []  # top to bottom: a heading, then its bars
+    for group in groups:
+        if len(groups) > 1:
+            more = f", largest {len(group.changes)} of {group.total}" if len(group.changes) < group.total else ""
+            rows.append(f"{group.name}{more}")
+        rows += group.changes
+    shown = [(len(rows) - 1 - i, row) for i, row in enumerate(rows) if isinstance(row, Change)]  # (y, change)
+    finite = [c.relative for _, c in shown if math.isfinite(c.relative)]
     top = max(finite, default=1.0) or 1.0
-    values = [c.relative if math.isfinite(c.relative) else top for c in shown]
-    colours = ["C0" if math.isfinite(c.relative) else "red" for c in shown]
+    values = [c.relative if math.isfinite(c.relative) else top for _, c in shown]
     log = bool(finite) and min(finite) > 0 and top / min(finite) > 100
-    ax.barh([short_key(c.key, 60) for c in shown], values, color=colours)
-    for i, change in enumerate(shown):
+    ax.barh([y for y, _ in shown], values, color=["C0" if math.isfinite(c.relative) else "red" for _, c in shown])
+    for (y, change), value in zip(shown, values, strict=True):
         if not math.isfinite(change.relative):
-            ax.text(values[i], i, " NaN/inf changed", va="center", color="red", fontsize=FONT)
+            ax.text(value, y, " NaN/inf changed", va="center", color="red", fontsize=FONT)
+    ax.set_yticks(range(len(rows)), [row if isinstance(row, str) else short_key(row.key, width) for row in rows[::-1]])
+    for label, row in zip(ax.get_yticklabels(), rows[::-1], strict=True):
+        if isinstance(row, str):
+            label.set_fontweight("bold")
+    for y, row in enumerate(rows[::-1]):
+        if isinstance(row, str) and y < len(rows) - 1:  # a line above every heading but the top one
+            ax.axhline(y + 0.5, color="#999999", linewidth=0.6)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     if log:
         ax.set_xscale("log")
     ax.set_xlabel("relative change ||a - b|| / ||b||", fontsize=FONT + 1)
-    more = f" (largest {MAX_BARS} of {len(changes)})" if len(changes) > MAX_BARS else ""
+    more = f" (largest {len(shown)} of {len(changes)})" if len(shown) < len(changes) and len(groups) == 1 else ""
     ax.set_title(f"which tensors moved{more}", fontsize=9)
     ax.tick_params(labelsize=FONT)
 

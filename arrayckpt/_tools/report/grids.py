@@ -22,6 +22,7 @@ __all__ = ["draw_delta", "draw_grid", "draw_rank_legend", "grid_view", "top_rank
 
 LISTED_RANKS = 20  # ranks a legend names one by one (more: a colour bar)
 UNKNOWN = "#dddddd"  # a chunk whose writer is not recorded
+LEGEND_DROP = 0.4  # inches from a picture's lower edge to its legend: room for tick labels and the axis label
 BASE_TINT = 0.6  # how much lighter a chunk a base checkpoint stores is drawn (towards white)
 
 
@@ -139,9 +140,12 @@ def draw_grid(ax: Axes, grid: ChunkGrid, top: int, legend: bool = False) -> None
                                                          f"{shown[0]}–{shown[-1]}") if shown else "not recorded"
         if grid.in_base and len(grid.in_base) == len(grid.writers):
             by += " (all in a base)"
-        if legend and len(shown) <= LISTED_RANKS:
+        if legend and len(shown) <= LISTED_RANKS:  # below the axis label, whatever the picture's height
+            from matplotlib.transforms import ScaledTranslation
+
+            below = ax.transAxes + ScaledTranslation(0, -LEGEND_DROP, ax.figure.dpi_scale_trans)
             ax.legend(handles=_rank_handles(shown, top, bool(grid.in_base), -1 in grid.writers), loc="upper center",
-                      bbox_to_anchor=(0.5, -0.2), ncols=4, fontsize=FONT, frameon=False)
+                      bbox_to_anchor=(0.5, 0), bbox_transform=below, ncols=4, fontsize=FONT, frameon=False)
     else:
         index = np.arange(math.prod(cells)).reshape(cells)
         colours = (index % cells[-1] + 7 * (index // cells[-1])) % 10 if len(cells) == 2 else index % 10

@@ -17,6 +17,7 @@ from ..._errors import ArrayckptError
 from ..._format.dtypes import dtype_by_name
 from ..._format.jsontypes import json_object
 from ..._format.manifest import ArrayEntry, ValueEntry
+from ..._format.values import step_value
 from ..._format.writers import ranks_at
 from ..._format.zarr import array_shape, grid_counts
 from ..._io.arrays import ArrayIO
@@ -25,7 +26,7 @@ from ..._read.checkpoint import Checkpoint, LazyArray, stored_of
 from ..._read.reader import read
 from ..._read.source import ChainSource
 from ..._read.stored import StoredCheckpoint
-from .data import ChunkGrid, DeltaPart, Layer
+from .data import ChunkGrid, DeltaPart, Layer, optimizer_state
 
 __all__ = ["chain_of", "deltas_of", "grid_of", "step_of", "stored_text"]
 
@@ -34,11 +35,11 @@ ROWS_BLOCK = 1 << 20  # row indices of a rows delta read at once
 
 
 def step_of(checkpoint: Checkpoint) -> int | None:
-    """The step saved with the checkpoint, or else its plain value ``step`` when that is an integer."""
-    value = checkpoint.manifest.entries.get("step")
-    if checkpoint.step is None and isinstance(value, ValueEntry) and type(value.value) is int:
-        return value.value
-    return checkpoint.step
+    """The step saved with the checkpoint, or else the plain value that names it (``_format.values.step_value``)."""
+    if checkpoint.step is not None:
+        return checkpoint.step
+    found = step_value({key: e.value for key, e in checkpoint.manifest.entries.items() if isinstance(e, ValueEntry)})
+    return found.step if found is not None else None
 
 
 def stored_text(array: LazyArray) -> str:
@@ -165,7 +166,9 @@ def chain_of(checkpoint: Checkpoint) -> list[Layer]:
 
 def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
     """What a delta checkpoint stores of each tensor, most stored bytes first; the first ``pictures`` chunks and
-    rows deltas that store anything carry what their picture needs (present chunks, or row density)."""
+    rows deltas that store anything, the model's before the optimizer state's (whose moments, as large as the
+    weights or larger, would otherwise take every picture), carry what their picture needs (present chunks, or row
+    density)."""
     out = []
     drawn = 0
     for key, array in checkpoint.items():
@@ -176,7 +179,8 @@ def deltas_of(checkpoint: Checkpoint, pictures: int) -> list[DeltaPart]:
         out.append(DeltaPart(entry.key, "whole" if entry.delta is None else entry.delta.mode, stored_text(array),
                              stored, array.nbytes))
     out.sort(key=lambda p: (-p.stored_bytes, -p.nbytes))
-    for i, part in enumerate(out):
+    for i in sorted(range(len(out)), key=lambda i: optimizer_state(out[i].key)):  # the model's first
+        part = out[i]
         if drawn >= pictures or not part.stored_bytes or part.mode == "whole":
             continue
         entry = checkpoint[part.key].entry

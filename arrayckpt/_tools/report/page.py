@@ -195,7 +195,8 @@ def _change(data: ReportData, images: dict[str, str]) -> str:
            f"<code>{escape(str(data.against))}</code>, summed over the whole tensor (NaN when either holds NaN or "
            "inf).</p>"]
     if "changes" in images:
-        out.append(_figure(images["changes"], "the tensors that changed most (relative change, largest at the top)"))
+        out.append(_figure(images["changes"], "the tensors that changed most (relative change): the model's, then the "
+                                             "optimizer state's, each largest at the top"))
     if "layers" in images:
         out.append(_figure(images["layers"], "relative change by layer: parameter names (layer number as *) by layer"))
     out.append(_change_table(data.changes))
