@@ -214,7 +214,8 @@ def _read_rows_of(checkpoint: ChainSource, entry: ArrayEntry, name: str, positio
     span = np.empty((hi - lo, *shape[1:]), dtype_by_name(str(metadata["data_type"])).numpy)
     index = (slice(lo, hi), *(slice(0, n) for n in shape[1:]))
     read_into([ArrayIO(entry.key, spec, span, index)], checkpoint.read_context, str(checkpoint.location))
-    return as_typed(span, dtype_by_name(str(metadata["data_type"])))[positions - lo]
+    rows: np.ndarray = as_typed(span, dtype_by_name(str(metadata["data_type"])))[positions - lo]
+    return rows
 
 
 def _row_values(checkpoint: ChainSource, entry: ArrayEntry, positions: np.ndarray) -> np.ndarray:

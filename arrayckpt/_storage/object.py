@@ -312,15 +312,18 @@ class Kept:
 def kept_of(document: object) -> Kept:
     """The :class:`Kept` of a root document (an arrayckpt root, parsed leniently: this decides what a save deletes,
     and a damaged root keeps nothing of its own)."""
-    attributes = member(document, "attributes", MANIFEST_ATTRIBUTE)
-    packs = member(attributes, PACKS_MEMBER)
+    root = json_object(document)
+    attributes = json_object(member(root, "attributes", MANIFEST_ATTRIBUTE))
+    packs = attributes.get(PACKS_MEMBER)
     if isinstance(packs, dict):
-        files = {str(item[0]) for item in packs.get("files", []) if isinstance(item, list) and item}
+        listed = packs.get("files")
+        files = {str(item[0]) for item in (listed if isinstance(listed, list) else [])
+                 if isinstance(item, list) and item}
         index = member(packs, "index", "name")
         files.update([str(index), REFS_NAME] if isinstance(index, str) else [REFS_NAME])
-        nodes = member(attributes, NODES_MEMBER)
+        nodes = attributes.get(NODES_MEMBER)
         return Kept(nodes if isinstance(nodes, dict) else {}, frozenset(files), True)
-    metadata = member(document, "consolidated_metadata", "metadata")
+    metadata = member(root, "consolidated_metadata", "metadata")
     return Kept(metadata if isinstance(metadata, dict) else {})
 
 
