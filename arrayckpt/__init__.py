@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from ._tools.report.build import report
     from ._tools.verify import Damage, VerifyReport, verify
     from ._torch.shards import PerRank, Shard
-    from ._write.asynchronous import SaveHandle, async_save
+    from ._write.asynchronous import SaveHandle, async_save, release_host_buffers
     from ._write.compact import CompactResult, compact
     from ._write.save import save
 
@@ -141,6 +141,7 @@ _LAZY: dict[str, str] = {
     "load": "._read.load",
     "open": "._read.checkpoint:open_checkpoint",
     "optimal_interval": "._manage.policy",
+    "release_host_buffers": "._write.asynchronous",
     "report": "._tools.report.build",
     "save": "._write.save",
     "show": "._tools.inspect",

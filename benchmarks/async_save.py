@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/async_save.py                          # 384 MiB state, 4 rounds, /dev/shm
     python benchmarks/async_save.py --ablate --process-bound --size-mib 256 --rounds 6 2>/dev/null
     python benchmarks/async_save.py --size-mib 256 --rounds 3 --dir /tmp
+    python benchmarks/async_save.py --reuse-only --size-mib 512    # only the buffer-reuse line (below)
 
 A small training loop (an MLP, forward/backward/Adam step, ``torch.set_num_threads(1)``: CPU-bound steps of a few
 ms) runs in the main thread. In each round, in an order rotated from round to round, it runs under each mode:
@@ -38,6 +39,11 @@ time one save cost. A GIL probe runs all along: a pure-Python thread that sleeps
 late it wakes; a thread holding the GIL without releasing it (a long C call that does not drop it) shows as a late
 wake of the probe (so does a busy machine: compare with the ``none`` row). Its p99 and max (median over rounds
 of each round's max) are printed.
+
+Then one line on the staging buffers ``arrayckpt.async_save`` keeps between saves (``keep_buffers``): for
+``keep_buffers=True`` (the default) and ``False``, the host bytes held once a save is over (what
+``arrayckpt.release_host_buffers()`` gives back) and the median blocking (staging) time of the save after the first,
+which stages into the kept buffers or allocates its own.
 """
 
 from __future__ import annotations
@@ -292,6 +298,33 @@ def _print_table(results: dict[str, Samples]) -> None:
           "thread woke (ms)")
 
 
+def _reuse_line(state: dict[str, torch.Tensor], root: Path, repeats: int = 5) -> None:
+    """What keeping the staging buffers buys the next save, and costs between saves."""
+    arrayckpt.release_host_buffers()
+    parts = []
+    for keep in (True, False):
+        staging, held = [], []
+        arrayckpt.async_save(state, root / "reuse", overwrite=True, keep_buffers=keep).wait()  # the first save
+        for _ in range(repeats):
+            handle = arrayckpt.async_save(state, root / "reuse", overwrite=True, keep_buffers=keep)
+            handle.wait()
+            staging.append(handle.blocking_seconds)
+            held.append(_held_bytes())
+        parts.append(f"keep_buffers={keep}: held {statistics.median(held) / 2**20:.0f} MiB, "
+                     f"next save staged in {statistics.median(staging) * 1e3:.1f} ms")
+        arrayckpt.release_host_buffers()
+    shutil.rmtree(root / "reuse", ignore_errors=True)
+    print(f"\nbuffer reuse ({repeats} saves after a first): " + "; ".join(parts))
+
+
+def _held_bytes() -> int:
+    """The host bytes async saves hold now (``release_host_buffers`` would give them back; the private count, so
+    that measuring does not release them)."""
+    from arrayckpt._write import asynchronous
+
+    return asynchronous._STAGER.held_bytes()
+
+
 @contextlib.contextmanager
 def _workdir(parent: str) -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="arrayckpt-asyncloop-", dir=parent))
@@ -313,9 +346,17 @@ def main() -> None:
                         help="also arrayckpt without niced IO workers, and without them nor the collector paused")
     parser.add_argument("--process-bound", action="store_true",
                         help="also the best a process writer could do (a daemon saving a shared-memory copy)")
+    parser.add_argument("--reuse-only", action="store_true",
+                        help="only the line on keeping the staging buffers between saves (no training loop)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    if args.reuse_only:
+        state = build_state(plan_state(args.size_mib << 20), 0)
+        print(f"state: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 2**20:.0f} MiB")
+        with _workdir(args.dir) as root:
+            _reuse_line(state, root)
+        return
     _init_single_rank_group()
     state = build_state(plan_state(args.size_mib << 20), 0)
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
@@ -337,6 +378,8 @@ def main() -> None:
             print(f"round {round_} done{' (warm-up)' if not round_ else ''}", flush=True)
     probe.stop()
     _print_table(results)
+    with _workdir(args.dir) as root:
+        _reuse_line(state, root)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ of every baseline. Each operation runs in this process, repeatedly, interleaved:
 ``async_save``   ``arrayckpt.async_save(state, path)`` then ``handle.wait()``: stages a host copy of the state first
                  (that is what lets training change the tensors at once), writes it in the background. The
                  staging buffers are allocated by the first async save of a process and kept for the next ones:
-                 ``async_save (first)`` is measured with a fresh stager (``_write.asynchronous._STAGER`` replaced,
-                 which frees the previous buffers), ``async_save (again)`` right after it, reusing its buffers.
+                 ``async_save (first)`` is measured after ``arrayckpt.release_host_buffers()`` (which frees the
+                 previous buffers), ``async_save (again)`` right after it, reusing its buffers.
 ``load``         ``arrayckpt.load(dst, path)`` into preallocated, zero-filled tensors (allocated and touched
                  outside the measurement, so they are part of the baseline).
 ``open+slice``   ``arrayckpt.open(path)`` and every tensor read in row blocks of at most ``--slice-mib``, each
@@ -64,7 +64,6 @@ from save_load import (  # noqa: E402  (the state and the measurement of save_lo
 )
 
 import arrayckpt  # noqa: E402
-import arrayckpt._write.asynchronous as arrayckpt_async  # noqa: E402
 from arrayckpt._settings import settings  # noqa: E402
 
 MiB = 1 << 20
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         assert_bit_exact(state, dst, "arrayckpt")
         arrayckpt.async_save(state, root / "warm-async").wait()
         shutil.rmtree(root / "warm-async")
-        arrayckpt_async._STAGER = arrayckpt_async._Stager()  # the warm-up's staging buffers freed
+        arrayckpt.release_host_buffers()  # the warm-up's staging buffers freed
 
         def save() -> None:
             arrayckpt.save(state, root / "sync", overwrite=True)
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "load":
                     zero_fill(dst)
                 if name == "async_save (first)":  # drop the buffers of the last async save (outside the measure)
-                    arrayckpt_async._STAGER = arrayckpt_async._Stager()
+                    arrayckpt.release_host_buffers()
                 samples[name].append(measure(fn))
         assert_bit_exact(state, dst, "arrayckpt")
 

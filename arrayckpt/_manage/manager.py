@@ -96,6 +96,9 @@ class CheckpointManager:
             other nodes, and restored from there first (``docs/PEER_MEMORY.md``).
         durable: ``False`` saves without the fsync before each commit (see :func:`arrayckpt.save`): for a
             local tier that a remote one makes durable.
+        keep_buffers: for an asynchronous manager, as for :func:`arrayckpt.async_save`: ``True`` keeps the staging
+            buffers (a host copy of the rank's state) between saves so that the next save stages faster; ``False``
+            frees them after each save.
 
     Raises:
         LocationError: ``root`` (or the remote's URL) or ``storage_options`` cannot name a location.
@@ -130,6 +133,7 @@ class CheckpointManager:
         remote: str | os.PathLike[str] | Remote | None = None,
         memory: PeerMemory | None = None,
         durable: bool = True,
+        keep_buffers: bool = True,
     ) -> None:
         self._local = LocalTier(parse_location(root, storage_options), storage_options)
         self.storage_options = storage_options
@@ -139,6 +143,7 @@ class CheckpointManager:
         self.interval = interval or Interval(every_steps=1)
         self.retention = retention or Retention()
         self.asynchronous = asynchronous
+        self.keep_buffers = keep_buffers
         self.process_group = process_group
         # The options every save starts from (each save sets its step, metrics and base on a copy), and what the
         # manager adds to each: the check that it still holds its root, its own plan cache.
@@ -388,7 +393,7 @@ class CheckpointManager:
         if self.asynchronous:
             keep = self.incremental is not None and self.incremental.keep_copy
             self._pending = async_save_with(state, self.path(step), options, keep_copy=keep,
-                                            setup=self._save_setup)
+                                            keep_buffers=self.keep_buffers, setup=self._save_setup)
             self._blocking_seconds = self._pending.blocking_seconds
             if self.remote is not None:
                 self.remote.add(step, self._pending)

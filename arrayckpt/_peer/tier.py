@@ -132,11 +132,13 @@ class MemoryTier:
                          [])
 
     def close(self) -> None:
-        """Wait for the memory save in flight (raising its failure), then let the node's directory go."""
+        """Wait for the memory save in flight (raising its failure), then let the node's directory go and the host
+        copies the memory saves staged into (pinned memory back to the driver)."""
         try:
             self.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown()
                 self._executor = None
+            self._copies.release()
             self.node.close()

@@ -27,7 +27,7 @@ import torch
 
 __all__ = [
     "ALIGN", "Batch", "Copier", "HostPool", "SyncCopier", "Ticket", "TransferSettings", "aligned",
-    "copier_for", "copy_grouped", "host_pool", "is_staged", "settings", "transfer_settings",
+    "copier_for", "copy_grouped", "host_pool", "is_staged", "release_pinned", "settings", "transfer_settings",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
@@ -277,16 +277,18 @@ class HostPool:
                 else:
                     dropped = dropped or buffer.is_pinned()
         if dropped:
-            _release_pinned()
+            release_pinned()
 
-    def clear(self) -> None:
-        """Drop the idle buffers (their memory goes back to the allocator, pinned memory to the driver)."""
+    def clear(self) -> int:
+        """Drop the idle buffers (their memory goes back to the allocator, pinned memory to the driver); returns
+        their bytes."""
         with self._lock:
             pinned = any(b.is_pinned() for free in self._free.values() for b in free)
             self._free.clear()
-            self._idle = 0
+            idle, self._idle = self._idle, 0
         if pinned:
-            _release_pinned()
+            release_pinned()
+        return idle
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -312,7 +314,7 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _release_pinned() -> None:
+def release_pinned() -> None:
     """Give the pinned blocks torch's allocator caches but nobody uses back to the driver (torch keeps them until
     told: a whole-state load's staging would otherwise stay pinned for the rest of the job)."""
     empty = getattr(torch._C, "_host_emptyCache", None)

@@ -4,7 +4,8 @@
 tensors, one non-blocking copy each and one synchronisation), then returns a :class:`SaveHandle`; a
 background thread does the rest of an ordinary save — collectives, writes, commit — from the staged
 copies, so the training loop may change its tensors right away. Buffers are allocated once per
-(array, shape, dtype) and reused by the next save. The background collectives run on a process group
+(array, shape, dtype) and reused by the next save (``keep_buffers``): a host copy of the rank's state held between
+saves, which :func:`release_host_buffers` gives back. The background collectives run on a process group
 of their own, so they never interleave with the training's collectives. So that the training loop does not feel
 the save, Python's cyclic garbage collector is paused until it ends (its full collections hold the GIL for 100 ms
 and more) and the IO worker threads it starts run at a lower CPU priority (``_io/priority.py``); measured in
@@ -32,9 +33,10 @@ from .._io.priority import background_priority
 from .._layout.box import Box
 from .._settings import settings
 from .._torch.dist import Group, resolve_group
+from .._torch.transfer import host_pool, release_pinned
 from .changes import Reference
 from .describe import LocalState, describe_local
-from .hostcopies import HostCopies
+from .hostcopies import HostCopies, nbytes, pinned
 from .options import NO_SETUP, SaveOptions, SaveSetup
 from .save import SaveRequest, _attempt, begin_save, check_record, finish_save
 
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 
     from .._read.checkpoint import Checkpoint
 
-__all__ = ["SaveHandle", "async_save", "async_save_with"]
+__all__ = ["SaveHandle", "async_save", "async_save_with", "release_host_buffers"]
 
 
 class SaveHandle:
@@ -128,9 +130,22 @@ class _Stager(HostCopies):
         """A new staging starts (the previous save is over, its copy kept or not)."""
         self._views = {}
 
-    def forget(self) -> None:
-        """Drop the kept copy (its memory too)."""
+    def forget(self) -> int:
+        """Drop the kept copy (its memory too, pinned memory back to the driver); returns its bytes."""
+        held, was_pinned = nbytes(self._kept.values()), pinned(self._kept.values())
         self._kept, self._kept_views, self.kept_id = {}, {}, None
+        if was_pinned:
+            release_pinned()
+        return held
+
+    def release(self) -> int:
+        """Drop the staging buffers (:meth:`HostCopies.release`; the kept copy stays); returns their bytes."""
+        self._views = {}
+        return super().release()
+
+    def held_bytes(self) -> int:
+        """The bytes held between saves: the staging buffers and the kept copy."""
+        return super().held_bytes() + nbytes(self._kept.values())
 
     def reference(self, base_id: str | None) -> Callable[[str, Box], np.ndarray | None] | None:
         """The kept bytes of checkpoint ``base_id`` by (array path, box), if that is the one kept."""
@@ -148,6 +163,22 @@ class _Stager(HostCopies):
         """The staging buffer of ``value`` (:meth:`HostCopies.host`), remembered as this staging's copy of ``path``."""
         self._views[path] = super().host(key, path, value, dt)
         return self._views[path]
+
+
+class _Handoff:
+    """What the background save takes from the staging: the staged state and the kept copy it compares with.
+
+    It takes them, rather than receiving them as arguments (which the executor holds until the call has returned),
+    so that once the save is over nothing but the stager holds the buffers, and ``keep_buffers=False`` frees them.
+    """
+
+    def __init__(self, local: LocalState | None, reference: Reference | None) -> None:
+        self._parts: tuple[LocalState | None, Reference | None] | None = (local, reference)
+
+    def take(self) -> tuple[LocalState | None, Reference | None]:
+        """The staged state and the kept copy's lookup (once: a second call gets nothing)."""
+        parts, self._parts = self._parts, None
+        return parts if parts is not None else (None, None)
 
 
 _EXECUTOR = ThreadPoolExecutor(1, thread_name_prefix="arrayckpt-save")
@@ -173,6 +204,7 @@ def async_save(
     changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None,
     quantize: Mapping[str, int] | None = None,
     keep_copy: bool = False,
+    keep_buffers: bool = True,
     durable: bool = True,
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
@@ -202,6 +234,10 @@ def async_save(
         quantize: as for :func:`arrayckpt.save`.
         keep_copy: keep this save's host copy once it has committed (a second host copy of the state), so that the
             next incremental save against it compares in memory instead of reading the checkpoint back.
+        keep_buffers: keep the staging buffers once the save is over, for the next async save to stage into
+            (``True``: it skips allocating, and pinning, a host copy of the state; the memory stays held between
+            saves until :func:`release_host_buffers`). ``False``: they are freed when the save is over; the kept
+            copy of ``keep_copy=True`` is not (it is a copy of the committed bytes, not a buffer for reuse).
         durable: ``False``: no fsync before the commit (see :func:`arrayckpt.save`).
 
     Returns:
@@ -223,11 +259,11 @@ def async_save(
     options = SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle, process_group=process_group,
                           step=step, metrics=metrics, storage_options=storage_options, base=base,
                           changed_rows=changed_rows, quantize=quantize, durable=durable)
-    return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy)
+    return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy, keep_buffers=keep_buffers)
 
 
 def async_save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions, *,
-                    if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False,
+                    if_busy: Literal["wait", "error"] = "wait", keep_copy: bool = False, keep_buffers: bool = True,
                     setup: SaveSetup = NO_SETUP) -> SaveHandle:
     """:func:`async_save` with the options of the save as one value, and what an internal caller adds (``setup``:
     the chunk policy, a guard, a plan cache)."""
@@ -238,9 +274,11 @@ def async_save_with(state: Mapping[str, Any], path: str | os.PathLike[str], opti
     request = begin_save(path, options, setup)
     try:
         with collector_paused():  # the caller waits for the staging, as for a save (and see _save_in_background)
-            future = _stage_and_start(state, options, group, request, keep_copy)
+            future = _stage_and_start(state, options, group, request, keep_copy, keep_buffers)
     except BaseException:
         request.close()  # the background save never started: release the base it opened
+        if not keep_buffers:
+            _STAGER.release()
         raise
     handle = SaveHandle(future, str(request.location), time.perf_counter() - started)
     with _LOCK:
@@ -249,7 +287,7 @@ def async_save_with(state: Mapping[str, Any], path: str | os.PathLike[str], opti
 
 
 def _stage_and_start(state: Mapping[str, Any], options: SaveOptions, group: Group, request: SaveRequest,
-                     keep_copy: bool) -> Future[None]:
+                     keep_copy: bool, keep_buffers: bool) -> Future[None]:
     """Copy the state to host staging buffers, then start the rest of the save in the background (which closes
     ``request`` when it finishes)."""
     delta = request.delta
@@ -266,32 +304,75 @@ def _stage_and_start(state: Mapping[str, Any], options: SaveOptions, group: Grou
         for piece in local.description.arrays:
             if delta.bits(piece.key):
                 boxes.pop(array_path(piece.key), None)
-    return _EXECUTOR.submit(_save_in_background, local, error, group, request, reference,
-                            boxes if keep_copy else None)
+    return _EXECUTOR.submit(_save_in_background, _Handoff(local, reference), error, group, request,
+                            boxes if keep_copy else None, keep_buffers)
 
 
-
-
-def _save_in_background(local: LocalState | None, error: BaseException | None, group: Group, request: SaveRequest,
-                        reference: Reference | None,
-                        keep: dict[str, Box] | None) -> None:
-    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale). The base
-    the save opened is closed when it is over, committed or failed. The training loop runs meanwhile: the
-    collector is paused (its full collections would hold the GIL for 100 ms; at most ``background_pause_s``,
-    so that a long upload does not hold back the loop's garbage) and the IO worker threads run niced (they would
-    take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
+def _save_in_background(handoff: _Handoff, error: BaseException | None, group: Group, request: SaveRequest,
+                        keep: dict[str, Box] | None, keep_buffers: bool) -> None:
+    """The rest of the save; then the staged copy is kept (or the kept one dropped, as it is stale), and the staging
+    buffers freed unless ``keep_buffers``. The base the save opened is closed when it is over, committed or failed.
+    The training loop runs meanwhile: the collector is paused (its full collections would hold the GIL for 100 ms;
+    at most ``background_pause_s``, so that a long upload does not hold back the loop's garbage) and the IO worker
+    threads run niced (they would take the loop's cores), see ``benchmarks/README.md`` (``async_save.py``)."""
+    local, reference = handoff.take()
     try:
         with collector_paused(limit_s=settings().background_pause_s), background_priority():
             committed = finish_save(local, error, group, request, reference)
     except BaseException:
+        local = reference = None
         _STAGER.forget()
+        if not keep_buffers:
+            _STAGER.release()
         raise
     finally:
         request.close()
+    local = reference = None  # (views of the buffers: with these gone, release() gives their memory back)
     if keep is not None:
         _STAGER.keep(committed, keep)
     else:
         _STAGER.forget()
+    if not keep_buffers:
+        _STAGER.release()
+
+
+def release_host_buffers(*, if_busy: Literal["wait", "error"] = "wait") -> int:
+    """Give back the host memory that saves keep between saves: :func:`async_save`'s staging buffers (a copy of
+    what the rank saves), the copy ``keep_copy=True`` kept, and the idle buffers of the pool that GPU saves and loads
+    copy through (1 GiB at most). Pinned memory goes back to the driver.
+
+    The next async save allocates (and pins) its buffers again, which costs it some staging time; an incremental
+    save against a checkpoint whose kept copy was released reads the checkpoint back instead. Call it where host
+    memory is needed between saves (an evaluation, a data-loading phase), from the thread that starts the async
+    saves. A peer-memory tier's copies are its manager's (``close()`` releases them).
+
+    Args:
+        if_busy: what to do while an async save is still running (its background writes read these buffers):
+            ``"wait"`` for it to end, then release (its error, if any, is not raised here: its handle's ``wait()``
+            or the next :func:`async_save` raises it), or ``"error"`` (refuse; nothing is released).
+
+    Returns:
+        The bytes released (0 when nothing was held).
+
+    Raises:
+        CheckpointBusyError: ``if_busy="error"`` and an async save is still running.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> arrayckpt.async_save({"w": torch.ones(1024)}, os.path.join(tempfile.mkdtemp(), "ckpt")).wait()
+        >>> arrayckpt.release_host_buffers() >= 4096  # at least the 4 KiB staging copy of w
+        True
+        >>> arrayckpt.release_host_buffers()
+        0
+    """
+    with _LOCK:
+        previous = _IN_FLIGHT[0] if _IN_FLIGHT else None
+    if previous is not None and not previous.done():
+        if if_busy == "error":
+            raise CheckpointBusyError(f"an async save to {previous.path} is still running and stages from the host "
+                                      "buffers: wait() for it first, or release_host_buffers(if_busy='wait')")
+        previous._future.exception()  # waits (the error stays for the handle's wait() or the next async_save)
+    return _STAGER.forget() + _STAGER.release() + host_pool().clear()
 
 
 def _wait_for_previous(if_busy: str) -> None:

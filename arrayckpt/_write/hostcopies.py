@@ -6,10 +6,15 @@ device's copier (``_torch/transfer.py``: non-blocking, on a side stream), issued
 (``_settings.py``) while the state is still being described, so that the copies overlap the walk of the rest of the
 state; host tensors in one batched ``torch._foreach_copy_``. :meth:`HostCopies.finish` returns once every copy is done,
 so the caller blocks for about the longer of the walk and the copies, not their sum.
+
+Kept buffers cost host memory between saves (one copy of what the rank saves): :meth:`HostCopies.release` gives
+them back, pinned ones to the driver (torch's pinned allocator would otherwise cache them for the next pinned
+allocation, which is the same as holding them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -18,11 +23,21 @@ import torch
 from .._format.dtypes import DType
 from .._settings import settings
 from .._torch.dtypes import numpy_view
-from .._torch.transfer import SyncCopier, Ticket, copy_grouped, is_staged
+from .._torch.transfer import SyncCopier, Ticket, copy_grouped, is_staged, release_pinned
 
-__all__ = ["HostCopies"]
+__all__ = ["HostCopies", "nbytes", "pinned"]
 
 Slot = tuple[str, tuple[int, ...], "np.dtype | torch.dtype"]  # (array path, shape, dtype)
+
+
+def nbytes(buffers: Iterable[np.ndarray | torch.Tensor]) -> int:
+    """The bytes of ``buffers``."""
+    return sum(int(buffer.nbytes) for buffer in buffers)
+
+
+def pinned(buffers: Iterable[np.ndarray | torch.Tensor]) -> bool:
+    """Whether one of ``buffers`` is pinned (its memory goes back to the driver only if told)."""
+    return any(isinstance(buffer, torch.Tensor) and buffer.is_pinned() for buffer in buffers)
 
 
 class HostCopies:
@@ -84,3 +99,18 @@ class HostCopies:
         for slot in set(self._buffers) - self._used:
             del self._buffers[slot]
         self._used.clear()
+
+    def held_bytes(self) -> int:
+        """The bytes of the buffers kept for the next save."""
+        return nbytes(self._buffers.values())
+
+    def release(self) -> int:
+        """Drop every buffer (the next save allocates its own); returns their bytes. Pinned memory goes back to the
+        driver once nothing else holds it (a copy's numpy view, a save in flight): call it between saves."""
+        held = self.held_bytes()
+        was_pinned = pinned(self._buffers.values())
+        self._buffers = {}
+        self._used.clear()
+        if was_pinned:
+            release_pinned()
+        return held

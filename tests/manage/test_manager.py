@@ -67,6 +67,20 @@ def test_asynchronous_manager_matches_synchronous(tmp_path):
     assert torch.equal(arrayckpt.open(manager.path(4))["w"].torch(), torch.full((1000,), 4.0))
 
 
+@pytest.mark.parametrize(("keep_buffers", "held"), [(True, 4000), (False, 0)])
+def test_asynchronous_manager_keeps_or_frees_the_staging_buffers(tmp_path, keep_buffers, held):
+    from arrayckpt._write.asynchronous import _STAGER
+
+    arrayckpt.release_host_buffers()  # (other tests' saves leave theirs)
+    with arrayckpt.CheckpointManager(tmp_path, asynchronous=True, keep_buffers=keep_buffers) as manager:
+        for step in (1, 2):
+            manager.save(step, {"w": torch.full((1000,), float(step))})
+        manager.wait()
+        assert _STAGER.held_bytes() == held  # the option reached the save
+    assert torch.equal(arrayckpt.open(manager.path(2))["w"].torch(), torch.full((1000,), 2.0))
+    arrayckpt.release_host_buffers()
+
+
 def test_steps_must_increase(tmp_path):
     manager = arrayckpt.CheckpointManager(tmp_path)
     manager.save(5, _state(5))
