@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     import tensorstore as ts
 
 __all__ = ["ArrayIO", "Checksums", "LazyContext", "array_spec", "check_chunk_files", "chunk_checksums",
-           "collector_paused", "open_array", "read_context", "read_into", "resolve_context", "typed_data", "write_all",
-           "write_context"]
+           "collector_paused", "open_array", "read_context", "read_into", "resolve_context", "split_rows", "typed_data",
+           "write_all", "write_context"]
 
 
 
@@ -315,7 +315,7 @@ def read_into(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> Non
         _both_paths(plain, context, where, "read", read_rows, _read_store)
     if len(plain) == len(jobs):
         return
-    packed = [job for job in jobs if source_of(job.spec) is not None]
+    packed = _read_packed_rows([job for job in jobs if source_of(job.spec) is not None], where)
     size = lambda job: staged_bytes((job.spec, job.index), job.data.itemsize)  # noqa: E731
     for batch in batches(packed, size, settings().pack_batch_bytes):
         staging = staged([(job.spec, job.index) for job in batch], resolve_context(context))
@@ -362,19 +362,46 @@ def typed_data(job: ArrayIO) -> np.ndarray:
     return job.data if name is None else as_typed(job.data, dtype_by_name(name))
 
 
-def _split_fast(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:
-    """Jobs the local fast path can take (with its arguments), and the rest."""
+def _read_packed_rows(jobs: list[ArrayIO], where: str) -> list[ArrayIO]:
+    """Read the jobs of packed arrays in local pack files that the fast path takes (uncompressed row layouts) straight
+    from the packs; the others are returned, to be staged for TensorStore."""
+    fast, rest = _split_fast(jobs, local=False)
+    taken = []
+    for job, args in fast:
+        hit = source_of(job.spec)
+        locate = hit[0].locate(hit[1]) if hit is not None else None
+        if locate is None:
+            rest.append(job)
+        else:
+            taken.append((job, (args[0], locate, *args[2:])))
+    if taken:
+        declined = read_rows([args for _, args in taken], where)
+        rest.extend(taken[i][0] for i in declined)
+    return rest
+
+
+def _split_fast(jobs: Sequence[ArrayIO], local: bool = True) -> tuple[list[tuple[ArrayIO, tuple]], list[ArrayIO]]:
+    """Jobs the fast path can take (with its arguments), and the rest: uncompressed row layouts, in a local
+    directory (``local``), or wherever their chunk files go (a pack's sink: see :func:`split_rows`)."""
     fast: list[tuple[ArrayIO, tuple]] = []
     slow: list[ArrayIO] = []
     for job in jobs:
         kvstore = json_object(job.spec.get("kvstore"))
-        layout = row_layout(json_object(job.spec.get("metadata"))) if kvstore.get("driver") == "file" else None
+        usable = not local or kvstore.get("driver") == "file"
+        layout = row_layout(json_object(job.spec.get("metadata"))) if usable else None
         first = _first_row(job, layout) if layout is not None else None
         if first is None:
             slow.append(job)
         else:
             fast.append((job, (job.key, kvstore["path"], layout, first, job.data, {})))
     return fast, slow
+
+
+def split_rows(jobs: Sequence[ArrayIO]) -> tuple[list[tuple[ArrayIO, RowLayout, int]], list[ArrayIO]]:
+    """Jobs of whole rows of uncompressed row layouts, wherever they are stored (with their layout and first row),
+    and the rest: what a packed save writes with ``fastio.write_rows`` into its pack."""
+    fast, slow = _split_fast(jobs, local=False)
+    return [(job, args[2], args[3]) for job, args in fast], slow
 
 
 def _first_row(job: ArrayIO, layout: RowLayout) -> int | None:

@@ -23,7 +23,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import crc32c
 import numpy as np
@@ -37,7 +38,7 @@ from .pools import map_kept
 from .priority import worker_initializer
 from .smallfiles import open_nonblocking, user_paths
 
-__all__ = ["STATS", "RowLayout", "read_rows", "row_layout", "write_rows"]
+__all__ = ["STATS", "ChunkSink", "Locate", "RowLayout", "read_rows", "row_layout", "write_rows"]
 
 MISSING = 2**64 - 1  # index entry of an inner chunk that is not stored
 # Bytes this process moved through the fast path (benchmarks and tests read them).
@@ -158,17 +159,27 @@ def _pieces(layout: RowLayout, start: int, stop: int) -> Iterator[tuple[int, int
 # --------------------------------------------------------------------------------------------- writing
 
 
-def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, dict[int, int]]], where: str) -> list[int]:
+class ChunkSink(Protocol):
+    """Where whole chunk files go instead of files of their own: a rank's pack (``_write/packed.py``). ``put`` is
+    called from several threads at once, with the array's node path, the chunk's flat index and its bytes in
+    pieces."""
+
+    def put(self, node: str, index: int, buffers: list[memoryview | bytes]) -> None: ...
+
+
+def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, dict[int, int]]], where: str,
+               sink: ChunkSink | None = None) -> list[int]:
     """Write rows of arrays: jobs of (key, array directory, layout, first row, data rows, checksums). Each job's
     ``checksums`` dict receives the crc32c of every outer chunk's content (its rows) by chunk index, computed
     on the way (spec §11.2: an outer chunk of a row layout is a row of the chunk grid, so its index is its flat
-    index).
+    index). With a ``sink``, each chunk file goes to it, and a job's "array directory" is its node path.
 
     Each job's rows must start on an outer chunk boundary and end on one or at the array's end (save
     plans guarantee it). Returns the indices of jobs it could not take (not C-contiguous), which the
     caller writes through TensorStore.
     """
     declined: list[int] = []
+    write = _write_chunk if sink is None else partial(_put_chunk, sink)
 
     def work() -> Iterator[tuple]:
         for n, (key, directory, layout, first, data, sums) in enumerate(jobs):
@@ -179,18 +190,33 @@ def write_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, dict[int, 
             stop = first + (data.shape[0] if layout.ndim else 1)
             for index, lo, hi in _pieces(layout, first, stop):
                 part = raw[(lo - first) * layout.row_bytes:(hi - first) * layout.row_bytes]
-                yield key, os.path.join(directory, layout.chunk_key(index)), layout, sums, index, part
+                name = directory if sink is not None else os.path.join(directory, layout.chunk_key(index))
+                yield key, name, layout, sums, index, part
 
-    _run_all(work(), _write_chunk, where, "write")
+    _run_all(work(), write, where, "write")
     return declined
 
 
-def _write_chunk(key: str, path: str, layout: RowLayout, sums: dict[int, int], index: int, part: memoryview) -> None:
-    """Write one outer chunk file and record its content's crc32c in ``sums`` (on the worker thread: in parallel)."""
+def _chunk_file(layout: RowLayout, sums: dict[int, int], index: int, part: memoryview) -> list[memoryview | bytes]:
+    """The pieces of one outer chunk file's bytes; its content's crc32c recorded in ``sums``."""
     if layout.sharded:
         buffers, sums[index] = _sharded_buffers(layout, part)
     else:
         buffers, sums[index] = _chunk_buffers(layout, part, layout.outer_rows)
+    return buffers
+
+
+def _put_chunk(sink: ChunkSink, key: str, node: str, layout: RowLayout, sums: dict[int, int], index: int,
+               part: memoryview) -> None:
+    """One outer chunk file into ``sink`` (on the worker thread: in parallel)."""
+    buffers = _chunk_file(layout, sums, index, part)
+    sink.put(node, index, buffers)
+    _count("bytes_written", sum(len(b) for b in buffers))
+
+
+def _write_chunk(key: str, path: str, layout: RowLayout, sums: dict[int, int], index: int, part: memoryview) -> None:
+    """Write one outer chunk file and record its content's crc32c in ``sums`` (on the worker thread: in parallel)."""
+    buffers = _chunk_file(layout, sums, index, part)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(path, flags, 0o644)
@@ -249,9 +275,14 @@ def _sharded_buffers(layout: RowLayout, part: memoryview) -> tuple[list[memoryvi
 
 # --------------------------------------------------------------------------------------------- reading
 
+#: Where chunk ``index`` of a packed array lies: (pack file path, offset, length) (``read_rows``'s "directory").
+Locate = Callable[[int], tuple[str, int, int]]
 
-def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], where: str) -> list[int]:
-    """Read rows of arrays into memory: jobs of (key, array directory, layout, first row, destination rows, unused).
+
+
+def read_rows(jobs: list[tuple[str, str | Locate, RowLayout, int, np.ndarray, Any]], where: str) -> list[int]:
+    """Read rows of arrays into memory: jobs of (key, array directory, layout, first row, destination rows, unused);
+    for a packed array, instead of its directory, where each of its chunk files lies (:data:`Locate`).
 
     Returns the indices of jobs it could not take (destination not C-contiguous), for TensorStore.
     """
@@ -267,14 +298,21 @@ def read_rows(jobs: list[tuple[str, str, RowLayout, int, np.ndarray, Any]], wher
             for index, lo, hi in _pieces(layout, first, stop):
                 a, b = max(lo, first), min(hi, stop)
                 target = raw[(a - first) * layout.row_bytes:(b - first) * layout.row_bytes]
-                yield key, os.path.join(directory, layout.chunk_key(index)), layout, (a - lo, b - lo), target
+                if isinstance(directory, str):
+                    path, base, size = os.path.join(directory, layout.chunk_key(index)), 0, None
+                else:  # a packed array: where its chunk file lies in a pack
+                    path, base, size = directory(index)
+                yield key, path, layout, (a - lo, b - lo), base, size, target
 
     _run_all(work(), _read_chunk, where, "read")
     return declined
 
 
-def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], target: memoryview) -> None:
-    """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c."""
+def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], base: int, size: int | None,
+                target: memoryview) -> None:
+    """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c; or of the
+    chunk file at bytes ``[base, base + size)`` of the pack file ``path``."""
+    name = path if size is None else f"{path} bytes [{base}, {base + size})"
     try:
         fd = open_nonblocking(path, False, f"chunk file {path}")  # no link; never blocks: a FIFO is refused below
     except FileNotFoundError:
@@ -284,27 +322,35 @@ def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], t
         if not stat.S_ISREG(info.st_mode):
             raise CorruptCheckpointError(f"chunk file {path} is not a regular file (a pipe or device in its place); "
                                          "the checkpoint is damaged: restore the file from a copy")
+        stored = info.st_size if size is None else size
+        if size is not None and base + size > info.st_size:
+            raise CorruptCheckpointError(f"{name}: the pack has only {info.st_size} bytes (cut off); restore the "
+                                         "checkpoint from a copy")
         if not layout.sharded:
             expected = layout.outer_rows * layout.row_bytes + 4
-            if info.st_size != expected:  # bytes appended after the checksum would pass it: Zarr readers refuse them
-                raise CorruptCheckpointError(f"chunk file {path} has {info.st_size} bytes where an uncompressed chunk "
+            if stored != expected:  # bytes appended after the checksum would pass it: Zarr readers refuse them
+                raise CorruptCheckpointError(f"chunk file {name} has {stored} bytes where an uncompressed chunk "
                                              f"of its array has {expected} (bytes appended or cut off); restore the "
                                              "file from a copy")
-            _read_piece(fd, 0, layout, layout.outer_rows, rows, target, path)
+            _read_piece(fd, base, layout, layout.outer_rows, rows, target, name)
             return
-        entries = _read_index(fd, layout, path)
+        entries = _read_index(fd, layout, name, base, stored)
         first, last = rows[0] // layout.inner_rows, math.ceil(rows[1] / layout.inner_rows)
         for j in range(first, last):
-            offset, size = (int(v) for v in entries[j])
+            offset, inner = (int(v) for v in entries[j])
             if offset == MISSING:
                 raise _missing(path, j)
-            if size != layout.inner_rows * layout.row_bytes + 4:
-                raise CorruptCheckpointError(f"{path}: inner chunk {j} has size {size}, expected "
+            if inner != layout.inner_rows * layout.row_bytes + 4:
+                raise CorruptCheckpointError(f"{name}: inner chunk {j} has size {inner}, expected "
                                              f"{layout.inner_rows * layout.row_bytes + 4}")
+            if offset + inner > stored - layout.inner_per_outer * 16 - 4:
+                raise CorruptCheckpointError(f"{name}: inner chunk {j} at [{offset}, {offset + inner}) lies outside "
+                                             "the shard's chunks (the shard index is damaged or crafted)")
             lo = j * layout.inner_rows
             a, b = max(rows[0], lo), min(rows[1], lo + layout.inner_rows)
             piece = target[(a - rows[0]) * layout.row_bytes:(b - rows[0]) * layout.row_bytes]
-            _read_piece(fd, offset, layout, layout.inner_rows, (a - lo, b - lo), piece, f"{path} inner chunk {j}")
+            _read_piece(fd, base + offset, layout, layout.inner_rows, (a - lo, b - lo), piece,
+                        f"{name} inner chunk {j}")
     finally:
         os.close(fd)
 
@@ -335,13 +381,13 @@ def _read_piece(fd: int, offset: int, layout: RowLayout, chunk_rows: int, rows: 
                                      f"{_CRC.unpack(stored)[0]:#010x})")
 
 
-def _read_index(fd: int, layout: RowLayout, path: str) -> np.ndarray:
+def _read_index(fd: int, layout: RowLayout, path: str, base: int, stored: int) -> np.ndarray:
+    """The shard index at the end of the chunk file at bytes ``[base, base + stored)`` of ``fd``, checked."""
     count = layout.inner_per_outer
     size = count * 16
-    end = os.fstat(fd).st_size
-    if end < size + 4:
-        raise CorruptCheckpointError(f"{path}: too short for its shard index ({end} bytes)")
-    raw = os.pread(fd, size + 4, end - size - 4)
+    if stored < size + 4:
+        raise CorruptCheckpointError(f"{path}: too short for its shard index ({stored} bytes)")
+    raw = os.pread(fd, size + 4, base + stored - size - 4)
     _count("bytes_read", len(raw))
     if crc32c.crc32c(raw[:size]) != _CRC.unpack(raw[size:])[0]:
         raise CorruptCheckpointError(f"{path}: shard index checksum mismatch")

@@ -26,6 +26,8 @@ from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, o
 if TYPE_CHECKING:
     import tensorstore as ts
 
+    from .fastio import Locate
+
 #: What a read wants of an array: its spec, and the part of it (``None``: all of it).
 Want = tuple[JSON, "tuple[slice, ...] | None"]
 
@@ -42,6 +44,11 @@ class ChunkSource(Protocol):
     token: str
 
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
+
+    def locate(self, path: str) -> Locate | None:
+        """Where each chunk file of array ``path`` lies in a local pack file (for ``fastio``), or ``None`` when
+        the packs are not local files."""
+        ...
 
 
 _SOURCES: weakref.WeakValueDictionary[str, ChunkSource] = weakref.WeakValueDictionary()

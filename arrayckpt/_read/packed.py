@@ -19,9 +19,11 @@ from numpy.typing import NDArray
 
 from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON
-from .._format.packs import PackLayout, StoredChunks, decode_section, row_of
+from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_section, row_of
 from .._format.stored import max_chunk_file_bytes
 from .._format.zarr import grid_counts, unravel
+from .._io.fastio import Locate
+from .._io.smallfiles import check_no_links
 from .._io.staged import TOKEN_PREFIX, register
 
 __all__ = ["PackedChunks", "ReadRanges"]
@@ -34,8 +36,9 @@ class PackedChunks:
     """The chunk files of one opened packed checkpoint, by array path and flat grid index (module docstring)."""
 
     def __init__(self, layout: PackLayout, nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]],
-                 read_ranges: ReadRanges, where: str) -> None:
+                 read_ranges: ReadRanges, where: str, root: str | None = None) -> None:
         self.layout, self.where = layout, where
+        self._root = root  # the pinned directory, when the packs are local files
         self.token = f"{TOKEN_PREFIX}{uuid.uuid4().hex}"
         self._nodes, self._present, self._read = nodes, present, read_ranges
         self._rows: dict[str, NDArray[np.uint64]] = {}
@@ -67,6 +70,28 @@ class PackedChunks:
         with self._lock:
             return {path: self._rows[path] for path in paths}
 
+    def locate(self, path: str) -> Locate | None:
+        """Where each chunk file of array ``path`` lies, as (pack file path, offset, length), when the packs are
+        local files below the pinned directory (whose ``packs`` folder must not be a link: spec §12)."""
+        if self._root is None:
+            return None
+        check_no_links(self._root, PACK_PREFIX.rstrip("/"), self.where)
+        table, stored = self.rows([path])[path], self.stored(path)
+        order, names = stored.order, [f"{self._root.rstrip('/')}/{pack.name}" for pack in self.layout.packs]
+
+        def where_is(flat: int) -> tuple[str, int, int]:
+            row = row_of(order, flat)
+            if row is None:
+                raise self._not_stored(path, stored, flat)
+            pack, offset, length = (int(v) for v in table[row])
+            return names[pack], offset, length
+        return where_is
+
+    def _not_stored(self, path: str, stored: StoredChunks, flat: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.where}: array {path!r}: chunk {unravel(flat, stored.counts)} is not stored in this checkpoint "
+            "(the read asked for a chunk its table does not hold)")
+
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
         """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per
         chunk, the ranges of one pack in one call)."""
@@ -79,10 +104,7 @@ class PackedChunks:
         for position, flat in enumerate(flats):
             row = row_of(order, flat)
             if row is None:
-                counts = stored.counts
-                raise CorruptCheckpointError(
-                    f"{self.where}: tensor array {path!r}: chunk {unravel(flat, counts)} is not "
-                    "stored in this checkpoint (the read asked for a chunk its table does not hold)")
+                raise self._not_stored(path, stored, flat)
             pack, offset, length = (int(v) for v in table[row])
             by_pack.setdefault(pack, []).append((position, offset, length))
         out: list[bytes] = [b""] * len(flats)

@@ -105,8 +105,9 @@ class StoredCheckpoint:
             if self.manifest.packs is not None:
                 arrays = {path: node for path, node in nodes.items()
                           if isinstance(node, dict) and node.get("node_type") == "array"}
+                root = str(self._kvstore["path"]) if self._kvstore.get("driver") == "file" else None
                 self.packed = PackedChunks(self.manifest.packs, arrays, self.manifest.delta_chunks, self._pack_reader(),
-                                           where)
+                                           where, root)
         except BaseException:
             release()
             raise

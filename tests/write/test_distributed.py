@@ -279,7 +279,7 @@ def _die_or_save(rank: int, port: int, path: str, victim: int, point: str, resul
         if point == "before-planning":
             os._exit(9)
         if point == "during-writes":
-            save_module.write_all = lambda *a, **k: os._exit(9)
+            save_module._write_jobs = lambda *a, **k: os._exit(9)
         if point == "after-writes":  # all its data written, before reporting it: the commit never comes
             write_tasks = save_module._write_tasks
             save_module._write_tasks = lambda *a, **k: (write_tasks(*a, **k), os._exit(9))
