@@ -111,3 +111,29 @@ def crash(writer: object) -> None:
         lease._thread.join()
         lease.store.write(lease.key, dataclasses.replace(lease.holder, expires=time.time() - 1).encode()).result()
         lease._generation = None  # nothing deletes it now
+
+
+def stored_chunks(path: str | os.PathLike[str], array: str) -> dict[str, int]:
+    """The chunk key -> stored size of every chunk file of array ``array`` of the local checkpoint at ``path``, in
+    either layout: the files below the array's directory, or the rows of its section of a packed checkpoint's
+    table (spec §16)."""
+    import arrayckpt
+    from arrayckpt._format.packs import stored_chunk_keys
+    from arrayckpt._read.checkpoint import stored_of
+
+    with arrayckpt.open(path) as checkpoint:
+        stored = stored_of(checkpoint)
+        if stored.packed is None:
+            return {p.name: p.stat().st_size for p in (Path(path) / array).iterdir() if p.name != "zarr.json"}
+        rows = stored.packed.rows([array])[array]
+        keys = stored_chunk_keys(stored.nodes[array], checkpoint.manifest.delta_chunks.get(array))
+        return {key: int(row[2]) for key, row in zip(keys, rows, strict=True)}
+
+
+def nodes_of(document: dict) -> dict:
+    """The node metadata (path -> ``zarr.json`` document) of a parsed root document, in either layout: its
+    consolidated metadata, or a packed root's ``attributes.arrayckpt.nodes`` (spec §16.1). The dict itself, so that
+    a test crafting a root edits it in place."""
+    if "consolidated_metadata" in document:
+        return document["consolidated_metadata"]["metadata"]
+    return document["attributes"]["arrayckpt"]["nodes"]

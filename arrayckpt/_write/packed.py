@@ -36,6 +36,7 @@ from .._format.packs import (
 from .._format.zarr import grid_counts, parse_chunk_key
 from .._io.arrays import ArrayIO, Checksums, LazyContext, resolve_context, split_rows, write_all
 from .._io.fastio import write_rows
+from .._io.pools import batches
 from .._settings import settings
 
 if TYPE_CHECKING:
@@ -156,16 +157,8 @@ def _batches(jobs: Sequence[ArrayIO], budget: int) -> list[list[ArrayIO]]:
     by_node: dict[str, list[ArrayIO]] = {}
     for job in jobs:
         by_node.setdefault(job.node or job.key, []).append(job)
-    out: list[list[ArrayIO]] = []
-    size = budget
-    for group in by_node.values():
-        nbytes = sum(job.data.nbytes for job in group)
-        if size + nbytes > budget:
-            out.append([])
-            size = 0
-        out[-1].extend(group)
-        size += nbytes
-    return out
+    groups = batches(list(by_node.values()), lambda group: sum(job.data.nbytes for job in group), budget)
+    return [[job for group in batch for job in group] for batch in groups]
 
 
 def chunk_table(nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]], reports: Sequence[PackReport],

@@ -18,6 +18,8 @@ from thread_ranks import run_thread_ranks
 import arrayckpt
 from arrayckpt._torch.dtypes import dtype_of_torch, torch_view
 
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
+
 
 @st.composite
 def partitions(draw, shape: tuple[int, ...], max_boxes: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

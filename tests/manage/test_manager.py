@@ -13,6 +13,8 @@ import torch
 
 import arrayckpt
 
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
+
 
 def _state(value: float) -> dict:
     return {"w": torch.full((4,), value), "step": int(value)}

@@ -11,6 +11,8 @@ import torch
 import arrayckpt
 from arrayckpt._read.keyhint import find_prefix_match
 
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
+
 transformers = pytest.importorskip("transformers")
 
 

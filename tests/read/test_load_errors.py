@@ -9,6 +9,8 @@ import torch
 
 import arrayckpt
 
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
+
 
 def test_shape_and_dtype_mismatch_are_errors_and_state_is_untouched(ckpt):
     arrayckpt.save({"a": torch.ones(3), "b": torch.ones(2, 2)}, ckpt)

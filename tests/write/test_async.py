@@ -13,6 +13,8 @@ from helpers import assert_bit_equal, random_tensor
 import arrayckpt
 import arrayckpt._write.save as save_module
 
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
+
 
 def _state() -> dict:
     model = torch.nn.Linear(6, 4)
@@ -42,7 +44,7 @@ def test_background_failure_surfaces_on_wait_and_nothing_is_committed(tmp_path, 
     def broken(*args, **kwargs):
         raise arrayckpt.StorageError("disk on fire")
 
-    monkeypatch.setattr(save_module, "write_all", broken)
+    monkeypatch.setattr(save_module, "_write_jobs", broken)
     handle = arrayckpt.async_save({"w": torch.ones(3)}, tmp_path / "ckpt")
     with pytest.raises(arrayckpt.StorageError, match="disk on fire"):
         handle.wait()
@@ -54,7 +56,7 @@ def test_background_failure_surfaces_on_wait_and_nothing_is_committed(tmp_path, 
 
 
 def test_unseen_background_failure_is_raised_by_the_next_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_module, "write_all", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
+    monkeypatch.setattr(save_module, "_write_jobs", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
     first = arrayckpt.async_save({"w": torch.ones(3)}, tmp_path / "a")
     while not first.done():  # let it fail without calling wait()
         time.sleep(0.01)

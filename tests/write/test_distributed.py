@@ -15,7 +15,8 @@ from arrayckpt._layout.box import Box
 from arrayckpt._layout.plancache import PlanCache
 from arrayckpt._layout.saveplan import ArrayDescription, LocalDescription, plan_save
 
-pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+pytestmark = [pytest.mark.slow,  # spawns processes, starts a server or runs a foreign stack
+              pytest.mark.usefixtures("storage_layout")]  # every test holds in both layouts (spec §2, §16)
 
 
 def _global() -> dict[str, torch.Tensor]:

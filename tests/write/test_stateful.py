@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import arrayckpt
 from arrayckpt._torch.state import is_stateful, walk
+
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
 
 
 class Counter:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from dist_helpers import run_ranks
-from helpers import assert_bit_equal, write_root
+from helpers import assert_bit_equal, nodes_of, write_root
 from thread_ranks import run_thread_ranks
 from torch import nn
 
@@ -33,7 +33,8 @@ TINY = {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 34, "n_positions":
         "eos_token_id": 0}
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-              pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")]
+              pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning"),
+              pytest.mark.usefixtures("storage_layout")]  # every test holds in both layouts (spec §2, §16)
 
 
 def _gpt2(tied: bool = True, seed: int = 0) -> nn.Module:
@@ -50,7 +51,7 @@ def _manifest(path: Path) -> dict[str, Any]:
 
 
 def _arrays(path: Path) -> list[str]:
-    nodes = json.loads((path / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
+    nodes = nodes_of(json.loads((path / "zarr.json").read_text()))
     return sorted(p for p, node in nodes.items() if node["node_type"] == "array")
 
 
