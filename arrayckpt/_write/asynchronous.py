@@ -206,6 +206,7 @@ def async_save(
     keep_copy: bool = False,
     keep_buffers: bool = True,
     durable: bool = True,
+    packed: bool | None = None,
 ) -> SaveHandle:
     """Start saving ``state`` like :func:`arrayckpt.save`; returns once the data is staged on the host.
 
@@ -239,6 +240,7 @@ def async_save(
             saves until :func:`release_host_buffers`). ``False``: they are freed when the save is over; the kept
             copy of ``keep_copy=True`` is not (it is a copy of the committed bytes, not a buffer for reuse).
         durable: ``False``: no fsync before the commit (see :func:`arrayckpt.save`).
+        packed: one pack file per rank, or one file per chunk (see :func:`arrayckpt.save`).
 
     Returns:
         The handle of the save running in the background.
@@ -258,7 +260,7 @@ def async_save(
     """
     options = SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle, process_group=process_group,
                           step=step, metrics=metrics, storage_options=storage_options, base=base,
-                          changed_rows=changed_rows, quantize=quantize, durable=durable)
+                          changed_rows=changed_rows, quantize=quantize, durable=durable, packed=packed)
     return async_save_with(state, path, options, if_busy=if_busy, keep_copy=keep_copy, keep_buffers=keep_buffers)
 
 

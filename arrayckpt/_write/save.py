@@ -83,6 +83,7 @@ def save(
     changed_rows: Mapping[str, torch.Tensor | np.ndarray | Sequence[int]] | None = None,
     quantize: Mapping[str, int] | None = None,
     durable: bool = True,
+    packed: bool | None = None,
 ) -> None:
     """Save ``state`` as a checkpoint at ``path``; with several ranks, every rank calls it.
 
@@ -118,6 +119,11 @@ def save(
             as ``torch.save`` does: the commit stays atomic and a crash of the process leaves the previous
             checkpoint, but a power loss soon after may leave the committed checkpoint without its data (a load
             then names the missing or damaged chunk). Object stores are durable either way.
+        packed: ``True`` writes each rank's chunk files into one pack file (object) per save, with an index (format
+            version 4, spec §16): a few files whatever the number of tensors; ``False`` one file (object) per chunk
+            (version 3), which every Zarr v3 reader opens directly; ``None`` (default): packed from
+            ``ARRAYCKPT_PACKED_FROM_RANKS`` ranks up (2). zarr-python reads a packed checkpoint through its
+            ``refs.json`` (``docs/guide/reading-without-arrayckpt.md``).
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``path`` and ``overwrite`` was not given.
@@ -140,7 +146,7 @@ def save(
     save_with(state, path, SaveOptions(codec=codec, overwrite=overwrite, allow_pickle=allow_pickle,
                                        process_group=process_group, step=step, metrics=metrics,
                                        storage_options=storage_options, base=base, changed_rows=changed_rows,
-                                       quantize=quantize, durable=durable))
+                                       quantize=quantize, durable=durable, packed=packed))
 
 
 def save_with(state: Mapping[str, Any], path: str | os.PathLike[str], options: SaveOptions,
