@@ -39,6 +39,7 @@ def _state() -> dict:
             "steps": torch.tensor([3, 1, 4], dtype=torch.int32)}
 
 
+@pytest.mark.slow  # a fresh interpreter, without torch
 @pytest.mark.parametrize("chunking", ["whole", "sharded"])
 def test_zarr_python_reads_a_packed_save_through_its_references_without_torch(tmp_path: Path, chunking: str):
     state, ck = _state(), tmp_path / "ck"
