@@ -425,7 +425,7 @@ def _begin(location: Location, overwrite: bool) -> WriteTransaction:
     """Begin the save; refused without ``overwrite`` where a checkpoint is committed, in the words of DCP's
     ``FileSystemWriter`` (which code written for it may look for) and arrayckpt's."""
     try:
-        return begin_write(location, overwrite)
+        return begin_write(location, overwrite, keep_others=True)  # DCP adds its files to a directory's
     except CheckpointExistsError as e:
         if overwrite or not location.is_committed():
             raise

@@ -204,9 +204,11 @@ class Location(abc.ABC):
     # --- writing ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def open_writer(self, overwrite: bool) -> Writer:
+    def open_writer(self, overwrite: bool, keep_others: bool = False) -> Writer:
         """Start one save to this location. Raises ``CheckpointExistsError`` when a committed checkpoint is
-        here and ``overwrite`` is false, or when something that is not arrayckpt's is in the way."""
+        here and ``overwrite`` is false, or when something that is not arrayckpt's is in the way — unless
+        ``keep_others``, where the storage can keep it: the checkpoint is then committed beside it (locally,
+        ``beside.py``; DCP's semantics, for ``arrayckpt.dcp.ArrayckptWriter``)."""
 
     def make_directory(self) -> None:
         """Create this location as a place below which checkpoints can be saved and listed, where the storage

@@ -52,6 +52,7 @@ from .base import (
     register_scheme,
     relative_parts,
 )
+from .beside import checkpoint_nodes, commit_beside
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .packs import FilePackWriter, read_file_ranges
@@ -216,8 +217,8 @@ class LocalLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool) -> Writer:  # (a memory step's is a PeerWriter)
-        return LocalWriter(self, overwrite)
+    def open_writer(self, overwrite: bool, keep_others: bool = False) -> Writer:  # (a memory step's: PeerWriter)
+        return LocalWriter(self, overwrite, keep_others)
 
     def make_directory(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -355,12 +356,14 @@ class LocalWriter(Writer):
 
     location: LocalLocation
 
-    def __init__(self, location: LocalLocation, overwrite: bool) -> None:
+    def __init__(self, location: LocalLocation, overwrite: bool, keep_others: bool = False) -> None:
         if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
             location = replace(location, path=Path(os.path.realpath(location.path)))
         self.location = location
         self.overwrite = overwrite
-        _check_replaceable(location, overwrite)
+        self.beside = keep_others and _holds_others(location, overwrite)  # committed into it (beside.py)
+        if not self.beside:
+            _check_replaceable(location, overwrite)
         location.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(_OPEN_ATTEMPTS):  # a gc may remove a new T between its mkdir and its lock: take another
             self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
@@ -439,6 +442,10 @@ class LocalWriter(Writer):
             raise StorageError(f"{self.location}: the save's temporary directory {self.temp} was removed or replaced "
                                "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
+        if self.beside and target.is_dir():
+            commit_beside(self.temp, target, str(self.location), self.location.fsync)
+            self._fsync_parent()
+            return
         if rename_noreplace(self.temp, target):
             self._fsync_parent()
             return
@@ -497,6 +504,20 @@ def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
         f"{location}: the directory exists and is not an arrayckpt checkpoint, nor a DCP one (only .metadata and "
         f"__<rank>_<n>.distcp files); it holds {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}; "
         "refusing to replace it: remove it yourself, or choose another path")
+
+
+def _holds_others(location: LocalLocation, overwrite: bool) -> bool:
+    """Whether the directory holds files of the user's besides a checkpoint (arrayckpt's, or DCP's only), which a
+    save that keeps them commits beside (``beside.py``); a committed checkpoint there still needs ``overwrite``."""
+    path = location.path
+    if not path.is_dir() or _is_empty_dir(path) or _dcp_files_only(path):
+        return False
+    if not location.is_committed():
+        return True
+    others = set(os.listdir(path)) - checkpoint_nodes(path) - {ROOT_METADATA}
+    if others and not overwrite:
+        _check_replaceable(location, overwrite)  # refused as any committed checkpoint is
+    return bool(others)
 
 
 _DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")  # FileSystemWriter's names, and no other

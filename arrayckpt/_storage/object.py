@@ -254,8 +254,8 @@ class ObjectLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool) -> ObjectWriter:
-        return ObjectWriter(self, overwrite)
+    def open_writer(self, overwrite: bool, keep_others: bool = False) -> ObjectWriter:
+        return ObjectWriter(self, overwrite)  # other objects under the prefix stay refused (keep_others or not)
 
     def open_pack(self, rank: int, segment_bytes: int | None = None) -> ObjectPackWriter:
         size = settings().object_segment_bytes if segment_bytes is None else segment_bytes

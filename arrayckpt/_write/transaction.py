@@ -50,10 +50,11 @@ if TYPE_CHECKING:
 __all__ = ["WriteTransaction", "begin_write", "stored_chunk_keys"]
 
 
-def begin_write(location: Location, overwrite: bool) -> WriteTransaction:
+def begin_write(location: Location, overwrite: bool, keep_others: bool = False) -> WriteTransaction:
     """Begin one save to ``location``. Raises ``CheckpointExistsError`` when a committed
-    checkpoint is there and ``overwrite`` is false, or when something that is not arrayckpt's is in the way."""
-    return WriteTransaction(location.open_writer(overwrite))
+    checkpoint is there and ``overwrite`` is false, or when something that is not arrayckpt's is in the way (unless
+    ``keep_others``: see ``Location.open_writer``)."""
+    return WriteTransaction(location.open_writer(overwrite, keep_others))
 
 
 class WriteTransaction:

@@ -99,7 +99,7 @@ def test_saving_again_to_one_path_replaces_the_checkpoint(tmp_path: Path) -> Non
     _assert_step(_loaded(tmp_path / "new"), 7)
 
 
-def test_a_dcp_checkpoint_at_the_path_is_replaced_anything_else_refused(tmp_path: Path) -> None:
+def test_a_dcp_checkpoint_at_the_path_is_replaced_other_files_kept(tmp_path: Path) -> None:
     # switching from FileSystemWriter at a fixed path: DCP's checkpoint there is replaced (overwrite=True, DCP's
     # default), atomically; before, it was refused as "not an arrayckpt checkpoint"
     latest = tmp_path / "latest"
@@ -119,15 +119,12 @@ def test_a_dcp_checkpoint_at_the_path_is_replaced_anything_else_refused(tmp_path
     assert arrayckpt.verify(latest).ok and _leftovers(tmp_path) == []
 
     for extra, kind in (("notes.txt", "file"), ("sub", "directory"), ("__0_0.distcp.bak", "file")):
-        other = tmp_path / f"other-{kind}-{extra}"
+        other = tmp_path / f"other-{kind}-{extra}"  # DCP's files and one of the user's: committed beside them
         dcp.save(_state(3), storage_writer=dcp.FileSystemWriter(other), no_dist=True)
         (other / extra).mkdir() if kind == "directory" else (other / extra).write_text("keep me")
-        with pytest.raises(CheckpointException) as info:
-            dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
-        message = str(_failure(info.value))
-        assert str(other) in message and repr(extra) in message and "not an arrayckpt checkpoint, nor a DCP one" \
-            in message and "remove it yourself, or choose another path" in message
-        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra])
+        dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
+        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra, "w", "zarr.json"])
+        _assert_step(_loaded(other), 4)
         _assert_step(_loaded(other, storage_reader=dcp.FileSystemReader(other)), 3)
     dcp.save(_state(6), storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
     arrayckpt.save(_state(6), tmp_path / "plain", overwrite=True)  # arrayckpt.save's overwrite=True: the same
@@ -142,6 +139,35 @@ class _LoadsBeforeCommit(ArrayckptWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         self.seen = _loaded(self.path)
         super().finish(metadata, results)
+
+
+def test_a_directory_holding_other_files_gets_the_checkpoint_beside_them(tmp_path: Path) -> None:
+    # DCP's semantics (PyTorch's test_format_utils.py::test_torch_save_to_dcp): FileSystemWriter adds its files to a
+    # directory's; arrayckpt commits into it (root zarr.json last), never deleting what is not its old checkpoint's
+    d = tmp_path / "d"
+    d.mkdir()
+    torch.save({"x": 1}, d / "model.pt")
+    arrayckpt.save({"q": torch.ones(1)}, d / "nested")  # another checkpoint inside: never touched
+    for step in (1, 2):  # the second save replaces the first, keeping the user's files
+        dcp.save(_state(step), storage_writer=ArrayckptWriter(d), no_dist=True)
+        assert sorted(os.listdir(d)) == ["model.pt", "nested", "w", "zarr.json"] and _leftovers(tmp_path) == []
+        _assert_step(_loaded(d), step)
+        assert arrayckpt.verify(d).ok
+    dcp.save({"v": torch.ones(2)}, storage_writer=ArrayckptWriter(d), no_dist=True)  # the old nodes go
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "v", "zarr.json"]
+    assert torch.load(d / "model.pt") == {"x": 1} and arrayckpt.open(d / "nested")["q"].numpy().tolist() == [1.0]
+    with pytest.raises(CheckpointException) as info:  # a name the checkpoint needs holds the user's: refused
+        dcp.save({"nested": {"w": torch.ones(2)}}, storage_writer=ArrayckptWriter(d), no_dist=True)
+    assert "['nested']" in str(_failure(info.value)) and "move them away" in str(_failure(info.value))
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "v", "zarr.json"] and _leftovers(tmp_path) == []
+    assert arrayckpt.open(d)["v"].numpy().tolist() == [1.0, 1.0]
+    with pytest.raises(CheckpointException) as info:  # overwrite=False: the committed one is kept
+        dcp.save({"v": torch.zeros(2)}, storage_writer=ArrayckptWriter(d, overwrite=False), no_dist=True)
+    assert isinstance(_failure(info.value), arrayckpt.CheckpointExistsError)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("keep me")
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):  # arrayckpt.save refuses
+        arrayckpt.save({"v": 1}, tmp_path / "plain")
 
 
 def test_the_old_checkpoint_loads_until_the_new_one_commits(tmp_path: Path) -> None:
