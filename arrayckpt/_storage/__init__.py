@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .base import (
     ROOT_METADATA,
+    Beside,
     CleanedUp,
     Leftover,
     Leftovers,
@@ -35,6 +36,7 @@ from .object import OBJECT_SCHEMES, ObjectLocation, ObjectWriter, parse_object_u
 __all__ = [
     "OBJECT_SCHEMES",
     "ROOT_METADATA",
+    "Beside",
     "CleanedUp",
     "Leftover",
     "Leftovers",

@@ -1,20 +1,23 @@
 """A local save committed into a directory that holds files of the user's, keeping them: DCP's semantics, where
 ``FileSystemWriter`` adds its files to whatever a directory holds (``torch.save(sd, d + "/model.pt")`` then
 ``dcp.save(..., checkpoint_id=d)``). Used only when the save asks for it (``LocalLocation.open_writer(...,
-keep_others=True)``: ``arrayckpt.dcp.ArrayckptWriter``); ``arrayckpt.save`` refuses such a directory.
+beside=...)``: ``arrayckpt.dcp.ArrayckptWriter``); ``arrayckpt.save`` refuses such a directory.
 
 The checkpoint is written into the save's temporary sibling as always and made durable; then, at the commit
 (:func:`commit_beside`), its top-level entries are moved into the directory one by one, the root ``zarr.json`` last
-(so a loader finds the new checkpoint whole or none). What the directory already holds is never deleted, with one
-exception: the arrayckpt checkpoint committed there before — its root ``zarr.json`` first, then the arrayckpt files
-(``remove_arrayckpt_files``) of its top-level nodes, as its root document names them, where they hold nothing else;
-another checkpoint in a subdirectory is never one of them. A name the new checkpoint needs
-that holds anything else is refused before anything is moved or removed.
+(so a loader finds the new checkpoint whole or none). What the directory already holds is never deleted. A name the
+new checkpoint needs that holds anything else is refused before anything is moved or removed.
 
-What this costs against a save to a directory of its own (``local.py``): between the removal of the old root
-document and the new one's rename the directory loads as no checkpoint, so a kill there leaves neither (the new
-one's files are in place; ``arrayckpt.gc`` does not touch the directory); and a reader of the old checkpoint that
-is reading meanwhile reads from the same directory, so its chunks' checksums fail rather than mix.
+A committed arrayckpt checkpoint there is kept: the save is refused (:func:`refuse_shared_checkpoint`, at the
+writer's opening and again at the commit) unless it asked to replace it (``Beside.REPLACE_CHECKPOINT`` with
+``overwrite``: ``ArrayckptWriter(..., overwrite=True)`` given explicitly). Then it goes first — its root
+``zarr.json``, then the arrayckpt files (``remove_arrayckpt_files``) of its top-level nodes, as its root document
+names them, where they hold nothing else; another checkpoint in a subdirectory is never one of them. What that
+replacement costs against one in a directory of its own (``local.py``), and why it is never a default: between the
+removal of the old root document and the new one's rename the directory loads as no checkpoint, so a kill there
+leaves neither (and the next save there is refused, naming the new nodes left in the way, until they are removed;
+``arrayckpt.gc`` does not touch the directory); and a reader of the old checkpoint that is reading meanwhile reads
+from the same directory, so its chunks' checksums fail rather than mix.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 from .._errors import CheckpointExistsError, CorruptCheckpointError
 from .._format.manifest import is_arrayckpt_root
@@ -31,7 +35,7 @@ from .base import ROOT_METADATA, arrayckpt_keys
 from .files import directory_files, remove_arrayckpt_files
 from .renames import fsync_dir, rename_noreplace
 
-__all__ = ["checkpoint_nodes", "commit_beside"]
+__all__ = ["checkpoint_nodes", "commit_beside", "refuse_shared_checkpoint"]
 
 
 def checkpoint_nodes(target: Path) -> set[str]:
@@ -47,6 +51,17 @@ def checkpoint_nodes(target: Path) -> set[str]:
         else set()
 
 
+def refuse_shared_checkpoint(where: str, others: list[str], nodes: set[str]) -> NoReturn:
+    """Refuse to replace the committed checkpoint in a directory that holds the user's files ``others`` (one line):
+    its replacement there is not atomic, so it is replaced only where the save asked for that explicitly."""
+    shown = ", ".join(map(repr, [ROOT_METADATA, *sorted(nodes)][:4]))
+    held = f"{', '.join(map(repr, others[:3]))}{' ...' if len(others) > 3 else ''}"
+    raise CheckpointExistsError(
+        f"{where}: the directory holds a committed arrayckpt checkpoint beside other files ({held}), kept because "
+        f"replacing it in a shared directory is not atomic; save to another directory, or remove the old checkpoint "
+        f"({shown}) first, or pass overwrite=True explicitly (ArrayckptWriter) to replace it in place")
+
+
 def _holds_only_arrayckpt_files(path: Path) -> bool:
     """Whether ``path`` is a directory (not a link) whose every file is shaped like arrayckpt's, and nothing else
     (no link, FIFO, ...)."""
@@ -56,12 +71,16 @@ def _holds_only_arrayckpt_files(path: Path) -> bool:
     return odd is None and len(arrayckpt_keys(keys)) == len(keys)
 
 
-def commit_beside(temporary: Path, target: Path, where: str, fsync: bool) -> None:
+def commit_beside(temporary: Path, target: Path, where: str, fsync: bool, replace: bool) -> None:
     """Move the checkpoint written (and made durable) in ``temporary`` into the directory ``target``, keeping what
     else ``target`` holds (see the module docstring); ``temporary`` is removed. Raises ``CheckpointExistsError``,
-    with nothing moved or removed, when one of its names is taken by something that is not the old checkpoint's."""
+    with nothing moved or removed, when one of its names is taken by something that is not the old checkpoint's, or
+    when a checkpoint is committed there (one committed since the save began) and not ``replace``."""
     new = sorted(name for name in os.listdir(temporary) if name != ROOT_METADATA)
-    old = {name for name in checkpoint_nodes(target) if _holds_only_arrayckpt_files(target / name)}
+    nodes = checkpoint_nodes(target)
+    if not replace and os.path.lexists(target / ROOT_METADATA):
+        refuse_shared_checkpoint(where, sorted(set(os.listdir(target)) - nodes - {ROOT_METADATA}), nodes)
+    old = {name for name in nodes if _holds_only_arrayckpt_files(target / name)}
     taken = [name for name in new if os.path.lexists(target / name) and name not in old]
     if taken:
         raise CheckpointExistsError(

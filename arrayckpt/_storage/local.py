@@ -40,6 +40,7 @@ from .._settings import settings
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
+    Beside,
     Leftover,
     Leftovers,
     Location,
@@ -52,7 +53,7 @@ from .base import (
     register_scheme,
     relative_parts,
 )
-from .beside import checkpoint_nodes, commit_beside
+from .beside import checkpoint_nodes, commit_beside, refuse_shared_checkpoint
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .packs import FilePackWriter, read_file_ranges
@@ -217,8 +218,8 @@ class LocalLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool, keep_others: bool = False) -> Writer:  # (a memory step's: PeerWriter)
-        return LocalWriter(self, overwrite, keep_others)
+    def open_writer(self, overwrite: bool, beside: Beside | None = None) -> Writer:  # (a memory step's: PeerWriter)
+        return LocalWriter(self, overwrite, beside)
 
     def make_directory(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -356,12 +357,13 @@ class LocalWriter(Writer):
 
     location: LocalLocation
 
-    def __init__(self, location: LocalLocation, overwrite: bool, keep_others: bool = False) -> None:
+    def __init__(self, location: LocalLocation, overwrite: bool, beside: Beside | None = None) -> None:
         if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
             location = replace(location, path=Path(os.path.realpath(location.path)))
         self.location = location
         self.overwrite = overwrite
-        self.beside = keep_others and _holds_others(location, overwrite)  # committed into it (beside.py)
+        self.replaces_beside = overwrite and beside is Beside.REPLACE_CHECKPOINT  # a committed one there, in place
+        self.beside = beside is not None and _holds_others(location, self.replaces_beside)  # committed into it
         if not self.beside:
             _check_replaceable(location, overwrite)
         location.path.parent.mkdir(parents=True, exist_ok=True)
@@ -443,7 +445,7 @@ class LocalWriter(Writer):
                                "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
         if self.beside and target.is_dir():
-            commit_beside(self.temp, target, str(self.location), self.location.fsync)
+            commit_beside(self.temp, target, str(self.location), self.location.fsync, self.replaces_beside)
             self._fsync_parent()
             return
         if rename_noreplace(self.temp, target):
@@ -506,17 +508,19 @@ def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
         "refusing to replace it: remove it yourself, or choose another path")
 
 
-def _holds_others(location: LocalLocation, overwrite: bool) -> bool:
+def _holds_others(location: LocalLocation, replace: bool) -> bool:
     """Whether the directory holds files of the user's besides a checkpoint (arrayckpt's, or DCP's only), which a
-    save that keeps them commits beside (``beside.py``); a committed checkpoint there still needs ``overwrite``."""
+    save that keeps them commits beside (``beside.py``). A committed checkpoint there is refused unless ``replace``
+    (``overwrite`` and ``Beside.REPLACE_CHECKPOINT``): its replacement in a shared directory is not atomic."""
     path = location.path
     if not path.is_dir() or _is_empty_dir(path) or _dcp_files_only(path):
         return False
     if not location.is_committed():
         return True
-    others = set(os.listdir(path)) - checkpoint_nodes(path) - {ROOT_METADATA}
-    if others and not overwrite:
-        _check_replaceable(location, overwrite)  # refused as any committed checkpoint is
+    nodes = checkpoint_nodes(path)
+    others = sorted(set(os.listdir(path)) - nodes - {ROOT_METADATA})
+    if others and not replace:
+        refuse_shared_checkpoint(str(location), others, nodes)
     return bool(others)
 
 
