@@ -511,7 +511,9 @@ def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
 def _holds_others(location: LocalLocation, replace: bool) -> bool:
     """Whether the directory holds files of the user's besides a checkpoint (arrayckpt's, or DCP's only), which a
     save that keeps them commits beside (``beside.py``). A committed checkpoint there is refused unless ``replace``
-    (``overwrite`` and ``Beside.REPLACE_CHECKPOINT``): its replacement in a shared directory is not atomic."""
+    (``overwrite`` and ``Beside.REPLACE_CHECKPOINT``): its replacement in a shared directory is not atomic. Beside
+    a committed one, DCP's files (``FileSystemWriter`` saved there too) are a checkpoint, not the user's: the directory
+    is replaced as a whole with ``overwrite``, atomically, as one holding DCP's files only is."""
     path = location.path
     if not path.is_dir() or _is_empty_dir(path) or _dcp_files_only(path):
         return False
@@ -519,9 +521,11 @@ def _holds_others(location: LocalLocation, replace: bool) -> bool:
         return True
     nodes = checkpoint_nodes(path)
     others = sorted(set(os.listdir(path)) - nodes - {ROOT_METADATA})
-    if others and not replace:
+    if all(_DCP_FILE.fullmatch(name) and (path / name).is_file() and not (path / name).is_symlink() for name in others):
+        return False  # arrayckpt's checkpoint and DCP's only (none: a directory of its own)
+    if not replace:
         refuse_shared_checkpoint(str(location), others, nodes)
-    return bool(others)
+    return True
 
 
 _DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")  # FileSystemWriter's names, and no other

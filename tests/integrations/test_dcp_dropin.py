@@ -222,6 +222,15 @@ def test_a_committed_checkpoint_beside_other_files_is_kept_unless_overwrite_is_g
     _assert_step(_loaded(d), 3)
     _assert_users_files(d)
 
+    both = tmp_path / "both"  # beside a committed one, DCP's files are a checkpoint (FileSystemWriter saved there
+    dcp.save(_state(1), storage_writer=ArrayckptWriter(both), no_dist=True)  # too), not the user's: the directory
+    dcp.save(_state(2), storage_writer=dcp.FileSystemWriter(both), no_dist=True)  # is replaced whole, atomically
+    with pytest.raises(CheckpointException, match="Checkpoint already exists and overwrite=False"):
+        dcp.save(_state(3), storage_writer=ArrayckptWriter(both, overwrite=False), no_dist=True)
+    dcp.save(_state(3), storage_writer=ArrayckptWriter(both), no_dist=True)
+    assert sorted(os.listdir(both)) == ["w", "zarr.json"]
+    _assert_step(_loaded(both), 3)
+
 
 class _OneCommitsFirst(ArrayckptWriter):
     """Lets another save commit into its directory just before its own commit."""
