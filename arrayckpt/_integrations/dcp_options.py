@@ -7,7 +7,8 @@ table, by what it would mean for an arrayckpt checkpoint:
 
 ==========================  ================================================================================
 ``overwrite``               ``True`` by default, as DCP's: saving to a path that holds a checkpoint replaces it,
-                            atomically (the writer's own argument, ``dcp_storage.py``)
+                            atomically; in a directory that also holds other files only where ``overwrite=True``
+                            is given (the writer's own argument, ``dcp_storage.py``)
 ``cache_staged_state_dict`` ``dcp.async_save`` stages through the writer, as through ``FileSystemWriter``
                             (the writer's own argument, ``dcp_storage.py``)
 ``single_file_per_rank``,   accepted, no effect: the layout is arrayckpt's (a Zarr array per tensor, chunks

@@ -30,16 +30,18 @@ records the state's own when one plain integer value names it (``step``, or a si
 Keys: see ``dcp_keys.py`` (the dotted key of every tensor is DCP's fqn).
 
 Saving to a path that holds a checkpoint (arrayckpt's, or one DCP's ``FileSystemWriter`` wrote there: a save
-switched to this writer at a fixed path; anything else is refused, ``_storage/local.py``) replaces it
-(``overwrite=True``, DCP's default; ``overwrite=False`` refuses with ``CheckpointExistsError``), atomically: the old
-checkpoint stays whole until the new one commits. A failed save — an exception on any rank, after which DCP raises
-``CheckpointException`` everywhere and never calls ``finish`` — commits nothing, and a committed checkpoint at the
-path stays whole (the data went to a temporary directory, or under other chunk keys on object storage). What it
-wrote is removed when the coordinator's writer is next used from the same thread (``reset``, or the next save's
-set-up) or from any thread once the failed save's thread has ended (a failed ``dcp.async_save``), when the writer is
-garbage-collected, or at interpreter exit; a process killed meanwhile leaves it for ``arrayckpt.gc``. A save in
-flight in another thread (a writer reused by overlapping ``dcp.async_save`` calls) is never touched: each thread's
-save is its own.
+switched to this writer at a fixed path) replaces it (``overwrite=True``, DCP's default; ``overwrite=False`` refuses
+with ``CheckpointExistsError``), atomically: the old checkpoint stays whole until the new one commits. A local
+directory that holds the user's files gets the checkpoint beside them, as with DCP's writer
+(``_storage/beside.py``); a committed checkpoint there is replaced (in place, not atomically) only with
+``overwrite=True`` given explicitly, and refused by default. A failed save — an exception on any rank, after which
+DCP raises ``CheckpointException`` everywhere and never calls ``finish`` — commits nothing, and a committed
+checkpoint at the path stays whole (the data went to a temporary directory, or under other chunk keys on object
+storage). What it wrote is removed when the coordinator's writer is next used from the same thread (``reset``, or
+the next save's set-up) or from any thread once the failed save's thread has ended (a failed ``dcp.async_save``),
+when the writer is garbage-collected, or at interpreter exit; a process killed meanwhile leaves it for
+``arrayckpt.gc``. A save in flight in another thread (a writer reused by overlapping ``dcp.async_save`` calls) is
+never touched: each thread's save is its own.
 
 ``dcp.async_save`` stages through the writer unless given ``async_stager=`` (the writer is a
 ``BlockingAsyncStager``, as DCP's ``FileSystemWriter`` is: a CPU copy of the state, kept for the next save with
@@ -78,7 +80,7 @@ from .._layout.plancache import PlanCache
 from .._layout.saveplan import ArrayDescription, LocalDescription, documents_of
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._layout.tasks import WriteTask
-from .._storage import Location, parse_location
+from .._storage import Beside, Location, parse_location
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .._write.save import Record, build_manifest, created_info
@@ -169,8 +171,10 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         path: a local directory or an object-storage URL (``s3://bucket/prefix``); it may instead come from DCP's
             ``checkpoint_id``.
         codec: as for :func:`arrayckpt.save` (None, "zstd", "blosc", an :class:`arrayckpt.Codec` or a per-key choice).
-        overwrite: ``True`` by default, as for DCP's ``FileSystemWriter``: a checkpoint at the path is replaced when
-            the new one commits, and stays whole until then; ``False`` refuses.
+        overwrite: by default (None) ``True``, as for DCP's ``FileSystemWriter``: a checkpoint at the path is
+            replaced when the new one commits, and stays whole until then — but in a directory that also holds other
+            files, where that replacement is not atomic, a committed checkpoint is refused (kept); ``True`` given
+            explicitly replaces it there too, in place; ``False`` refuses everywhere.
         allow_pickle: as for :func:`arrayckpt.save`.
         storage_options: for object storage, as for :func:`arrayckpt.save`.
         cache_staged_state_dict: ``FileSystemWriter``'s: with ``dcp.async_save`` (no ``async_stager=``) keep the CPU
@@ -179,7 +183,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             says.
 
     Raises:
-        CheckpointExistsError: (at ``dcp.save``) a checkpoint is at the path and ``overwrite=False``.
+        CheckpointExistsError: (at ``dcp.save``) a checkpoint is at the path and ``overwrite=False``, or a
+            committed checkpoint is in a directory that holds other files and ``overwrite=True`` was not given.
         ValueError: a ``FileSystemWriter`` argument arrayckpt cannot honour.
         TypeError: an argument ``FileSystemWriter`` does not take either.
 
@@ -201,7 +206,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
     chunking: ChunkPolicy = DEFAULT_CHUNKING
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: CodecChoice = None,
-                 overwrite: bool = True, allow_pickle: bool = False,
+                 overwrite: bool | None = None, allow_pickle: bool = False,
                  storage_options: Mapping[str, Any] | None = None, cache_staged_state_dict: bool = False,
                  **filesystem_writer_options: Any) -> None:
         implied = check_writer_options(filesystem_writer_options)  # ZStandard(): "zstd"
@@ -426,13 +431,15 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self._finalizer = weakref.finalize(self, self._saves.abort_all)
 
 
-def _begin(location: Location, overwrite: bool) -> WriteTransaction:
-    """Begin the save; refused without ``overwrite`` where a checkpoint is committed, in the words of DCP's
-    ``FileSystemWriter`` (which code written for it may look for) and arrayckpt's."""
+def _begin(location: Location, overwrite: bool | None) -> WriteTransaction:
+    """Begin the save; refused with ``overwrite=False`` where a checkpoint is committed, in the words of DCP's
+    ``FileSystemWriter`` (which code written for it may look for) and arrayckpt's. DCP adds its files to a directory's:
+    so does this save (``Beside``), replacing a committed checkpoint there only with ``overwrite=True`` given."""
+    beside = Beside.REPLACE_CHECKPOINT if overwrite is True else Beside.KEEP_CHECKPOINT
     try:
-        return begin_write(location, overwrite)
+        return begin_write(location, overwrite is not False, beside)
     except CheckpointExistsError as e:
-        if overwrite or not location.is_committed():
+        if overwrite is not False or not location.is_committed():
             raise
         raise CheckpointExistsError(f"Checkpoint already exists and overwrite=False: {e}") from None
 

@@ -6,7 +6,8 @@ callers hold a ``Location`` from :func:`parse_location` and never ask which one 
 registers the URL schemes it serves when imported (this package imports them all). Garbage collection
 (``gc.py``) is written once, through the interface. Beside them: object-storage clients and contexts
 (``clients.py``) and requests (``kvio.py``); local durability and atomic renames (``renames.py``) and arrayckpt's
-own files in a directory (``files.py``); the locks and leases of live saves and managers (``liveness.py``); one
+own files in a directory (``files.py``); a local commit into a directory holding the user's files, for DCP's
+writer (``beside.py``); the locks and leases of live saves and managers (``liveness.py``); one
 root document read for many ranks (``shared.py``); a rank's pack of chunk files, the packed layout's IO
 (``packs.py``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from .base import (
     ROOT_METADATA,
+    Beside,
     CleanedUp,
     Leftover,
     Leftovers,
@@ -34,6 +36,7 @@ from .object import OBJECT_SCHEMES, ObjectLocation, ObjectWriter, parse_object_u
 __all__ = [
     "OBJECT_SCHEMES",
     "ROOT_METADATA",
+    "Beside",
     "CleanedUp",
     "Leftover",
     "Leftovers",

@@ -34,6 +34,7 @@ Call order of a read::
 from __future__ import annotations
 
 import abc
+import enum
 import json
 import os
 import re
@@ -53,10 +54,10 @@ if TYPE_CHECKING:
     from .._io.arrays import StoreContext
     from .packs import PackWriter
 
-__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Claim", "CleanedUp", "Leftover", "Leftovers", "Location",
-           "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes", "follow_base",
-           "kvstore_at", "open_pack", "open_writer", "parse_location", "parse_root_bytes", "parse_roots", "read_into",
-           "read_ranges", "register_scheme", "relative_parts"]
+__all__ = ["LEASE_NAME", "ROOT_METADATA", "TEMP_MARKER", "Beside", "Claim", "CleanedUp", "Leftover", "Leftovers",
+           "Location", "Opened", "Tree", "Writer", "arrayckpt_keys", "check_child_name", "finish_rank_writes",
+           "follow_base", "kvstore_at", "open_pack", "open_writer", "parse_location", "parse_root_bytes", "parse_roots",
+           "read_into", "read_ranges", "register_scheme", "relative_parts"]
 
 TEMP_MARKER = ".arrayckpt-tmp-"  # local saves write into ``.<name>.arrayckpt-tmp-<hex>`` beside the path
 LEASE_NAME = ".arrayckpt-lease"  # object storage: the lease of a save in progress in its prefix (``liveness.py``)
@@ -77,6 +78,17 @@ class Tree(NamedTuple):
     @property
     def parent(self) -> Tree:
         return Tree(self.storage, self.parts[:-1])
+
+
+class Beside(enum.Enum):
+    """What a save does where its local directory holds the user's files besides a checkpoint (DCP's semantics, for
+    ``arrayckpt.dcp.ArrayckptWriter``; ``beside.py``); without it (``arrayckpt.save``) such a directory is refused.
+    Either way the checkpoint is committed beside the files, keeping them. A committed checkpoint there is another
+    matter: replacing it in a shared directory is not atomic (the directory loads as no checkpoint for a moment, and
+    a kill then leaves neither), so that is never a default: the save must ask for it, and also pass ``overwrite``."""
+
+    KEEP_CHECKPOINT = "keep-checkpoint"  # a committed checkpoint there is refused, whatever ``overwrite`` says
+    REPLACE_CHECKPOINT = "replace-checkpoint"  # ... replaced in place where ``overwrite`` is true
 
 
 class Location(abc.ABC):
@@ -205,9 +217,11 @@ class Location(abc.ABC):
     # --- writing ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def open_writer(self, overwrite: bool) -> Writer:
+    def open_writer(self, overwrite: bool, beside: Beside | None = None) -> Writer:
         """Start one save to this location. Raises ``CheckpointExistsError`` when a committed checkpoint is
-        here and ``overwrite`` is false, or when something that is not arrayckpt's is in the way."""
+        here and ``overwrite`` is false, or when something that is not arrayckpt's is in the way — unless
+        ``beside`` says to keep it where the storage can: the checkpoint is then committed beside it (locally,
+        ``beside.py``; DCP's semantics, for ``arrayckpt.dcp.ArrayckptWriter``)."""
 
     def make_directory(self) -> None:
         """Create this location as a place below which checkpoints can be saved and listed, where the storage

@@ -40,6 +40,7 @@ from .._settings import settings
 from .base import (
     ROOT_METADATA,
     TEMP_MARKER,
+    Beside,
     Leftover,
     Leftovers,
     Location,
@@ -52,6 +53,7 @@ from .base import (
     register_scheme,
     relative_parts,
 )
+from .beside import checkpoint_nodes, commit_beside, refuse_shared_checkpoint
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .packs import FilePackWriter, read_file_ranges
@@ -216,8 +218,8 @@ class LocalLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool) -> Writer:  # (a memory step's is a PeerWriter)
-        return LocalWriter(self, overwrite)
+    def open_writer(self, overwrite: bool, beside: Beside | None = None) -> Writer:  # (a memory step's: PeerWriter)
+        return LocalWriter(self, overwrite, beside)
 
     def make_directory(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -355,12 +357,15 @@ class LocalWriter(Writer):
 
     location: LocalLocation
 
-    def __init__(self, location: LocalLocation, overwrite: bool) -> None:
+    def __init__(self, location: LocalLocation, overwrite: bool, beside: Beside | None = None) -> None:
         if location.path.is_symlink():  # save to where it points (the exchange would swap the link itself away)
             location = replace(location, path=Path(os.path.realpath(location.path)))
         self.location = location
         self.overwrite = overwrite
-        _check_replaceable(location, overwrite)
+        self.replaces_beside = overwrite and beside is Beside.REPLACE_CHECKPOINT  # a committed one there, in place
+        self.beside = beside is not None and _holds_others(location, self.replaces_beside)  # committed into it
+        if not self.beside:
+            _check_replaceable(location, overwrite)
         location.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(_OPEN_ATTEMPTS):  # a gc may remove a new T between its mkdir and its lock: take another
             self.temp = location.path.parent / f".{location.path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}"
@@ -447,6 +452,10 @@ class LocalWriter(Writer):
             raise StorageError(f"{self.location}: the save's temporary directory {self.temp} was removed or replaced "
                                "before its commit (by something that ignored its lock, spec §9.4); nothing committed")
         target = self.location.path
+        if self.beside and target.is_dir():
+            commit_beside(self.temp, target, str(self.location), self.location.fsync, self.replaces_beside)
+            self._fsync_parent()
+            return
         if rename_noreplace(self.temp, target):
             self._fsync_parent()
             return
@@ -505,6 +514,26 @@ def _check_replaceable(location: LocalLocation, overwrite: bool) -> None:
         f"{location}: the directory exists and is not an arrayckpt checkpoint, nor a DCP one (only .metadata and "
         f"__<rank>_<n>.distcp files); it holds {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}; "
         "refusing to replace it: remove it yourself, or choose another path")
+
+
+def _holds_others(location: LocalLocation, replace: bool) -> bool:
+    """Whether the directory holds files of the user's besides a checkpoint (arrayckpt's, or DCP's only), which a
+    save that keeps them commits beside (``beside.py``). A committed checkpoint there is refused unless ``replace``
+    (``overwrite`` and ``Beside.REPLACE_CHECKPOINT``): its replacement in a shared directory is not atomic. Beside
+    a committed one, DCP's files (``FileSystemWriter`` saved there too) are a checkpoint, not the user's: the directory
+    is replaced as a whole with ``overwrite``, atomically, as one holding DCP's files only is."""
+    path = location.path
+    if not path.is_dir() or _is_empty_dir(path) or _dcp_files_only(path):
+        return False
+    if not location.is_committed():
+        return True
+    nodes = checkpoint_nodes(path)
+    others = sorted(set(os.listdir(path)) - nodes - {ROOT_METADATA})
+    if all(_DCP_FILE.fullmatch(name) and (path / name).is_file() and not (path / name).is_symlink() for name in others):
+        return False  # arrayckpt's checkpoint and DCP's only (none: a directory of its own)
+    if not replace:
+        refuse_shared_checkpoint(str(location), others, nodes)
+    return True
 
 
 _DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")  # FileSystemWriter's names, and no other

@@ -41,6 +41,7 @@ from .._settings import settings
 from .base import (
     LEASE_NAME,
     ROOT_METADATA,
+    Beside,
     Leftovers,
     Location,
     Opened,
@@ -255,8 +256,8 @@ class ObjectLocation(Location):
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def open_writer(self, overwrite: bool) -> ObjectWriter:
-        return ObjectWriter(self, overwrite)
+    def open_writer(self, overwrite: bool, beside: Beside | None = None) -> ObjectWriter:
+        return ObjectWriter(self, overwrite)  # other objects under the prefix stay refused (beside or not)
 
     def open_pack(self, rank: int, segment_bytes: int | None = None) -> ObjectPackWriter:
         size = settings().object_segment_bytes if segment_bytes is None else segment_bytes

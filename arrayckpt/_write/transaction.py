@@ -45,15 +45,16 @@ from .._format.manifest import Manifest, encode_root_document
 from .._format.zarr import chunk_keys, grid_counts, unravel
 
 if TYPE_CHECKING:
-    from .._storage.base import Location, Writer
+    from .._storage.base import Beside, Location, Writer
 
 __all__ = ["WriteTransaction", "begin_write", "stored_chunk_keys"]
 
 
-def begin_write(location: Location, overwrite: bool) -> WriteTransaction:
+def begin_write(location: Location, overwrite: bool, beside: Beside | None = None) -> WriteTransaction:
     """Begin one save to ``location``. Raises ``CheckpointExistsError`` when a committed
-    checkpoint is there and ``overwrite`` is false, or when something that is not arrayckpt's is in the way."""
-    return WriteTransaction(location.open_writer(overwrite))
+    checkpoint is there and ``overwrite`` is false, or when something that is not arrayckpt's is in the way (unless
+    ``beside`` says to keep it: see ``Location.open_writer``)."""
+    return WriteTransaction(location.open_writer(overwrite, beside))
 
 
 class WriteTransaction:

@@ -99,7 +99,7 @@ def test_saving_again_to_one_path_replaces_the_checkpoint(tmp_path: Path) -> Non
     _assert_step(_loaded(tmp_path / "new"), 7)
 
 
-def test_a_dcp_checkpoint_at_the_path_is_replaced_anything_else_refused(tmp_path: Path) -> None:
+def test_a_dcp_checkpoint_at_the_path_is_replaced_other_files_kept(tmp_path: Path) -> None:
     # switching from FileSystemWriter at a fixed path: DCP's checkpoint there is replaced (overwrite=True, DCP's
     # default), atomically; before, it was refused as "not an arrayckpt checkpoint"
     latest = tmp_path / "latest"
@@ -119,15 +119,12 @@ def test_a_dcp_checkpoint_at_the_path_is_replaced_anything_else_refused(tmp_path
     assert arrayckpt.verify(latest).ok and _leftovers(tmp_path) == []
 
     for extra, kind in (("notes.txt", "file"), ("sub", "directory"), ("__0_0.distcp.bak", "file")):
-        other = tmp_path / f"other-{kind}-{extra}"
+        other = tmp_path / f"other-{kind}-{extra}"  # DCP's files and one of the user's: committed beside them
         dcp.save(_state(3), storage_writer=dcp.FileSystemWriter(other), no_dist=True)
         (other / extra).mkdir() if kind == "directory" else (other / extra).write_text("keep me")
-        with pytest.raises(CheckpointException) as info:
-            dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
-        message = str(_failure(info.value))
-        assert str(other) in message and repr(extra) in message and "not an arrayckpt checkpoint, nor a DCP one" \
-            in message and "remove it yourself, or choose another path" in message
-        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra])
+        dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
+        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra, "w", "zarr.json"])
+        _assert_step(_loaded(other), 4)
         _assert_step(_loaded(other, storage_reader=dcp.FileSystemReader(other)), 3)
     dcp.save(_state(6), storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
     arrayckpt.save(_state(6), tmp_path / "plain", overwrite=True)  # arrayckpt.save's overwrite=True: the same
@@ -142,6 +139,114 @@ class _LoadsBeforeCommit(ArrayckptWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         self.seen = _loaded(self.path)
         super().finish(metadata, results)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file below ``directory``, with its bytes: what a refused or failed save must leave as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _shared(tmp_path: Path) -> Path:
+    """A directory holding the user's files: a ``torch.save`` file and another checkpoint in a subdirectory."""
+    d = tmp_path / "d"
+    d.mkdir()
+    torch.save({"x": 1}, d / "model.pt")
+    arrayckpt.save({"q": torch.ones(1)}, d / "nested")
+    return d
+
+
+def _assert_users_files(d: Path) -> None:
+    assert torch.load(d / "model.pt") == {"x": 1} and arrayckpt.open(d / "nested")["q"].numpy().tolist() == [1.0]
+
+
+def test_a_directory_holding_other_files_gets_the_checkpoint_beside_them(tmp_path: Path) -> None:
+    # DCP's semantics (PyTorch's test_format_utils.py::test_torch_save_to_dcp): FileSystemWriter adds its files to a
+    # directory's; arrayckpt commits into it (root zarr.json last), never deleting the user's files
+    d = _shared(tmp_path)
+    before = _files(d)
+    with pytest.raises(CheckpointException, match="injected failure while writing"):  # a failed save: nothing touched
+        dcp.save(_state(1), storage_writer=ArrayckptWriter(d), planner=_FailingPlanner(), no_dist=True)
+    assert _files(d) == before
+    dcp.save(_state(1), storage_writer=ArrayckptWriter(d), no_dist=True)
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "w", "zarr.json"]
+    _assert_step(_loaded(d), 1)
+    assert arrayckpt.verify(d).ok
+    _assert_users_files(d)
+    with pytest.raises(CheckpointException) as info:  # a name the checkpoint needs holds the user's: refused
+        dcp.save({"nested": {"w": torch.ones(2)}}, storage_writer=ArrayckptWriter(d, overwrite=True), no_dist=True)
+    assert "['nested']" in str(_failure(info.value)) and "move them away" in str(_failure(info.value))
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "w", "zarr.json"]
+    _assert_step(_loaded(d), 1)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("keep me")
+    with pytest.raises(arrayckpt.CheckpointExistsError, match="not an arrayckpt checkpoint"):  # arrayckpt.save refuses
+        arrayckpt.save({"v": 1}, tmp_path / "plain")
+
+
+def test_a_committed_checkpoint_beside_other_files_is_kept_unless_overwrite_is_given(tmp_path: Path) -> None:
+    # replacing it there is not atomic (the directory loads as no checkpoint for a moment), so DCP's default
+    # (overwrite=True, left implicit) refuses it, as overwrite=False does; overwrite=True given replaces it in place
+    d = _shared(tmp_path)
+    dcp.save(_state(1), storage_writer=ArrayckptWriter(d), no_dist=True)
+    before = _files(d)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(_state(2), storage_writer=ArrayckptWriter(d), no_dist=True)
+    error = _failure(info.value)
+    message = str(error)
+    assert isinstance(error, arrayckpt.CheckpointExistsError) and "\n" not in message and str(d) in message
+    assert "committed arrayckpt checkpoint beside other files ('model.pt', 'nested')" in message
+    assert "save to another directory, or remove the old checkpoint ('zarr.json', 'w') first" in message
+    assert "pass overwrite=True explicitly" in message
+    with pytest.raises(CheckpointException, match="Checkpoint already exists and overwrite=False: .*remove the old"):
+        dcp.save(_state(2), storage_writer=ArrayckptWriter(d, overwrite=False), no_dist=True)
+    with pytest.raises(CheckpointException, match="injected failure while writing"):  # a failed replacement
+        dcp.save(_state(2), storage_writer=ArrayckptWriter(d, overwrite=True), planner=_FailingPlanner(), no_dist=True)
+    assert _files(d) == before
+    _assert_step(_loaded(d), 1)
+
+    dcp.save(_state(2), storage_writer=ArrayckptWriter(d, overwrite=True), no_dist=True)  # asked for: replaced
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "w", "zarr.json"]
+    _assert_step(_loaded(d), 2)
+    assert arrayckpt.verify(d).ok
+    _assert_users_files(d)
+    dcp.save({"v": torch.ones(2)}, storage_writer=ArrayckptWriter(d, overwrite=True), no_dist=True)  # old nodes go
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "v", "zarr.json"]
+    assert arrayckpt.open(d)["v"].numpy().tolist() == [1.0, 1.0]
+    _assert_users_files(d)
+
+    (d / "zarr.json").unlink()  # the refusal's other way: remove the old checkpoint, then DCP's default saves
+    for name in os.listdir(d / "v"):
+        (d / "v" / name).unlink()
+    (d / "v").rmdir()
+    dcp.save(_state(3), storage_writer=ArrayckptWriter(d), no_dist=True)
+    _assert_step(_loaded(d), 3)
+    _assert_users_files(d)
+
+    both = tmp_path / "both"  # beside a committed one, DCP's files are a checkpoint (FileSystemWriter saved there
+    dcp.save(_state(1), storage_writer=ArrayckptWriter(both), no_dist=True)  # too), not the user's: the directory
+    dcp.save(_state(2), storage_writer=dcp.FileSystemWriter(both), no_dist=True)  # is replaced whole, atomically
+    with pytest.raises(CheckpointException, match="Checkpoint already exists and overwrite=False"):
+        dcp.save(_state(3), storage_writer=ArrayckptWriter(both, overwrite=False), no_dist=True)
+    dcp.save(_state(3), storage_writer=ArrayckptWriter(both), no_dist=True)
+    assert sorted(os.listdir(both)) == ["w", "zarr.json"]
+    _assert_step(_loaded(both), 3)
+
+
+class _OneCommitsFirst(ArrayckptWriter):
+    """Lets another save commit into its directory just before its own commit."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        dcp.save(_state(5), storage_writer=ArrayckptWriter(self.path), no_dist=True)
+        super().finish(metadata, results)
+
+
+def test_a_checkpoint_committed_beside_other_files_during_a_save_is_kept(tmp_path: Path) -> None:
+    d = _shared(tmp_path)  # no checkpoint when the save begins, one (step 5) when it commits: refused at the commit
+    with pytest.raises(CheckpointException, match="committed arrayckpt checkpoint beside other files"):
+        dcp.save(_state(4), storage_writer=_OneCommitsFirst(d), no_dist=True)
+    _assert_step(_loaded(d), 5)
+    assert sorted(os.listdir(d)) == ["model.pt", "nested", "w", "zarr.json"]
+    _assert_users_files(d)
 
 
 def test_the_old_checkpoint_loads_until_the_new_one_commits(tmp_path: Path) -> None:
@@ -180,7 +285,7 @@ def test_every_argument_of_dcps_storage_classes_is_accepted_or_refused(tmp_path:
     for cls in (dcp.FileSystemWriter, FsspecWriter):
         options = _defaults(cls)
         assert {"overwrite", "thread_count", "sync_files"} <= set(options)
-        assert options["overwrite"] is True  # DCP's default, and so ArrayckptWriter's
+        assert options["overwrite"] is True  # DCP's default, and so ArrayckptWriter's (bar a shared directory)
         dcp.save(_state(1), storage_writer=ArrayckptWriter(path, **options), no_dist=True)
         _assert_step(_loaded(path), 1)
     for cls in (dcp.FileSystemReader, FsspecReader):
@@ -368,7 +473,7 @@ def test_the_writer_pickles_as_its_configuration(tmp_path: Path) -> None:
     assert writer.state_dict_cache is not None
     copy = pickle.loads(pickle.dumps(writer))
     assert (copy.path, copy.codec, copy.overwrite, copy.allow_pickle, copy.cache_staged_state_dict) == (
-        os.fspath(tmp_path / "c"), "zstd", True, True, True)
+        os.fspath(tmp_path / "c"), "zstd", None, True, True)  # overwrite: DCP's default, not given
     assert copy.state_dict_cache is None  # the staged copy stays behind
     dcp.save(_state(2), storage_writer=copy, no_dist=True)
     _assert_step(_loaded(tmp_path / "c"), 2)
