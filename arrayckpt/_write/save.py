@@ -63,7 +63,8 @@ if TYPE_CHECKING:
 
     from .._io.arrays import StoreContext
 
-__all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "save", "save_with"]
+__all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "packed_manifest", "save",
+           "save_with"]
 
 T = TypeVar("T")  # what a rank-local stage returns (``_attempt``)
 
@@ -436,7 +437,7 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
             manifest = build_manifest(plan, request.record, world_size, request.delta,
                                       [(errors, sums) for _, (errors, sums, _) in results], str(request.location))
             if packed:
-                manifest = _packed_manifest(manifest, plan, [report for _, (_, _, report) in results], transaction,
+                manifest = packed_manifest(manifest, plan, [report for _, (_, _, report) in results], transaction,
                                             str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
@@ -449,7 +450,7 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
     return error
 
 
-def _packed_manifest(manifest: Manifest, plan: SavePlan, reports: list[PackReport | None],
+def packed_manifest(manifest: Manifest, plan: SavePlan, reports: list[PackReport | None],
                      transaction: WriteTransaction, where: str) -> Manifest:
     """``manifest`` with the packs the ranks reported and the chunk table (written now, before the commit)."""
     nodes = {path: array.metadata for path, array in plan.arrays.items()}
