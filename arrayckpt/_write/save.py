@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 
     from .._io.arrays import StoreContext
 
-__all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "packed_manifest", "save",
-           "save_with"]
+__all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "packed_manifest",
+           "save", "save_with"]
 
 T = TypeVar("T")  # what a rank-local stage returns (``_attempt``)
 
