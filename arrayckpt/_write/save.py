@@ -383,7 +383,7 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
     checksums of the chunks written and, for a packed save, where they lie in this rank's pack."""
     if not packed:
         errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, target.kvstore,
-                                        target.write_context(), write_all)
+                                        target.write_context(), None)
         return errors, checksums, None
     pack = RankPack(target, rank, where)
     try:
@@ -397,9 +397,10 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
 
 def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, where: str, changes: Changes,
                 delta: DeltaRequest | None, kvstore: Callable[[str], JSON], context: StoreContext,
-                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]) -> tuple[dict[str, float],
-                                                                                           Checksums]:
-    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write``."""
+                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums] | None) -> tuple[
+                    dict[str, float], Checksums]:
+    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write`` (``None``:
+    ``write_all``, into files or objects of their own)."""
     jobs, device = [], []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes.pieces}
@@ -422,8 +423,9 @@ def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, 
             device.extend(device_parts(task.key, spec, task.path, data, held, task.box, outer[0] if outer else 0))
             continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
-    checksums = write_batched(jobs, device, context, where, write) if device else write(jobs, context, where)
-    if rank != 0 and (jobs or device) and write is write_all:  # on a shared filesystem each host fsyncs its writes
+    checksums = write_batched(jobs, device, context, where, write) if device else \
+        (write or write_all)(jobs, context, where)
+    if rank != 0 and (jobs or device) and write is None:  # on a shared filesystem each host fsyncs its writes
         target.finish_rank_writes()  # before reporting success (a pack is synced when it is closed)
     return errors, checksums
 
