@@ -81,6 +81,8 @@ class Upload(Protocol):
     resumable upload started once a part is written to it). ``close`` completes it; ``discard`` abandons it (S3's
     ``AbortMultipartUpload``, GCS's cancelled session)."""
 
+    closed: bool
+
     def write(self, data: memoryview, /) -> int: ...
 
     def close(self) -> None: ...
@@ -433,6 +435,7 @@ class ObjectPackWriter(PackWriter):
         try:
             if upload is not None:  # not completed: S3's AbortMultipartUpload, or GCS's cancelled session
                 upload.discard()
+                upload.closed = True  # (s3fs's discard leaves it open: its finaliser would try to complete it)
         except Exception as e:
             raise StorageError(f"{self.where}: abandoning the upload of rank {self.rank}'s pack failed: {e}") from e
         finally:

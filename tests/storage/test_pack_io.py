@@ -273,7 +273,7 @@ class _Recorder:
         self.parts: list[bytes] = []
         self.fail_at, self.delay_s = fail_at, delay_s
         self.opened: list[tuple[str, int]] = []
-        self.closed = self.discarded = False
+        self.closed = self.completed = self.discarded = False
 
     def open(self, name: str, part_bytes: int) -> _Recorder:
         self.opened.append((name, part_bytes))
@@ -287,7 +287,7 @@ class _Recorder:
         return len(data)
 
     def close(self) -> None:
-        self.closed = True
+        self.completed = self.closed = True
 
     def discard(self) -> None:
         self.discarded = True
@@ -304,7 +304,7 @@ def test_parts_go_out_in_order_whatever_the_order_of_the_writes() -> None:
     chunks = _chunks(60, seed=3, sizes=(1, 100_000, 700_000))
     _write_all(pack, chunks)
     files = pack.close()
-    assert recorder.opened == [("packs/r000000-000.pack", MIN_PART_BYTES)] and recorder.closed
+    assert recorder.opened == [("packs/r000000-000.pack", MIN_PART_BYTES)] and recorder.completed
     assert [len(p) for p in recorder.parts[:-1]] == [MIN_PART_BYTES] * (len(recorder.parts) - 1)
     assert len(recorder.parts) == math.ceil(files[0].size / MIN_PART_BYTES) > 2
     assert b"".join(recorder.parts) == b"".join(chunks)
@@ -361,7 +361,7 @@ def test_a_failed_part_fails_the_pack_and_abort_abandons_the_upload() -> None:
                                            "refused the part"):
         pack.close()
     pack.abort()
-    assert recorder.discarded and not recorder.closed
+    assert recorder.discarded and not recorder.completed
 
 
 def test_part_sizes_and_the_part_limit_are_checked(target: Location, tuned: Callable[..., object]) -> None:
@@ -454,7 +454,7 @@ def test_s3_a_refused_part_fails_the_pack_and_abort_cleans_up(s3_target: ObjectL
     s3_proxy.permanent_error = "AccessDenied"
     s3_proxy.fail_puts_always = True  # UploadPart is a PUT; CreateMultipartUpload a POST
     pack = open_pack(s3_target, 0)
-    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000-000.pack: .*AccessDenied"):
+    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000-000.pack: Access Denied"):
         for _ in range(4):
             pack.append(b"x" * (4 * MIB))
         pack.close()
