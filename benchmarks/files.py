@@ -17,9 +17,10 @@ default chunk policy (``plan``: seconds, one process). Then, from the plan:
 - ``files``: what today's layout writes: one file per stored chunk (each a shard file, ``sharding_indexed``, or a
   plain chunk), one ``zarr.json`` per array and intermediate group, and the root;
 - ``packed``: what the packed layout (``docs/PACKED_LAYOUT.md``) writes for the same plan: per rank that writes
-  anything, its bytes over the segment size (``local_segment_bytes`` on a filesystem, ``object_segment_bytes`` on
-  object storage, ``_settings.py``), plus the index, the root and ``refs.json``; ``packed_multipart``: the same
-  with one pack per rank, uploaded to object storage as one multipart object;
+  anything, its bytes over the segment size of the first pack writer (``SEGMENT_BYTES``: 1 GiB files on a
+  filesystem, 64 MiB objects on object storage; segments are gone, kept here as the comparison), plus the index, the
+  root and ``refs.json``; ``packed_multipart``: what the packed layout writes now, one pack per rank (one file, or
+  one object uploaded in parts);
 - ``dcp``: DCP's ``FileSystemWriter`` with its defaults (one ``.distcp`` file per rank, ``thread_count=1``, and
   ``.metadata``);
 - ``root_mib``: today's root document (manifest, chunk digests, ``created.writers``, consolidated metadata), and
@@ -53,9 +54,10 @@ from arrayckpt._format.manifest import encode_root_document  # noqa: E402
 from arrayckpt._format.packs import ROW_SIZE  # noqa: E402
 from arrayckpt._layout import saveplan  # noqa: E402
 from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
-from arrayckpt._settings import settings  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
+
+SEGMENT_BYTES = (1 << 30, 64 << 20)  # the first pack writer's segments (local, object storage), measured against
 
 HIDDEN, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
 DEFAULT_RANKS = (8, 64, 256, 1024)
@@ -109,7 +111,7 @@ def measure(ranks: int) -> dict[str, Any]:
     root = encode_root_document(build_manifest(plan, Record(1000), ranks, None, written, "files"),
                                 plan.consolidated_json)
     loads = np.asarray(plan.bytes_by_rank, np.int64)
-    local, remote = settings().local_segment_bytes, settings().object_segment_bytes
+    local, remote = SEGMENT_BYTES
     packed_local = int(np.ceil(loads / local).sum()) + 3  # + index, root, refs.json
     packed_object = int(np.ceil(loads / remote).sum()) + 3
     one_per_rank = int((loads > 0).sum()) + 3  # a pack file per rank, uploaded as one multipart object
