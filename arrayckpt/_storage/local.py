@@ -230,8 +230,8 @@ class LocalLocation(Location):
         if self.fsync:
             make_durable(self.path)
 
-    def open_pack(self, rank: int) -> FilePackWriter:
-        return FilePackWriter(str(self.path), self.fsync, rank, self)
+    def open_pack(self, rank: int, tag: str = "") -> FilePackWriter:
+        return FilePackWriter(str(self.path), self.fsync, rank, self, tag)
 
     def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """(A committed checkpoint is read through its pinned directory: the location ``open_committed`` gave.)"""

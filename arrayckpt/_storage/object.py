@@ -260,12 +260,12 @@ class ObjectLocation(Location):
     def open_writer(self, overwrite: bool, beside: Beside | None = None) -> ObjectWriter:
         return ObjectWriter(self, overwrite)  # other objects under the prefix stay refused (beside or not)
 
-    def open_pack(self, rank: int) -> ObjectPackWriter:
+    def open_pack(self, rank: int, tag: str = "") -> ObjectPackWriter:
         """One object; larger than one part (``object_part_bytes``): uploaded in parts through s3fs or gcsfs (a
         multipart upload on S3, a resumable one on GCS); on ``memory://`` written whole at close."""
         upload = None if self.scheme == "memory" else self._open_upload
         return ObjectPackWriter(self.open_store(), rank, self, settings().object_part_bytes, upload,
-                                MAX_PARTS if self.scheme == "s3" else None)
+                                MAX_PARTS if self.scheme == "s3" else None, tag)
 
     def _open_upload(self, name: str, part_bytes: int) -> Upload:
         """The upload of the object ``name`` below the prefix, in parts of ``part_bytes`` (an fsspec file)."""
@@ -473,10 +473,15 @@ class ObjectWriter(Writer):
 
     def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
         """The chunk objects (and node documents written before the commit) of this save not under the prefix now:
-        one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it)."""
+        one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it). A packed save
+        (only packs and its index expected) lists nothing: each rank's pack was whole when its upload completed,
+        and the index is read back (one GET), so the commit's cost does not grow with the number of ranks."""
+        expected = [f"{path}/{name}" if path else name for path, names in chunks.items() for name in names]
+        if expected and all(is_pack_key(key) for key in expected) and not self._written:
+            index = [key for key in expected if not key.endswith(".pack")]
+            return [key for key in index if _read(self.store, key, self.location) is None]
         self._listed = _list(self.store, self.location)
         there = set(self._listed)
-        expected = [f"{path}/{name}" if path else name for path, names in chunks.items() for name in names]
         expected += [f"{path}/{ROOT_METADATA}" for path in self._written if path]
         return [key for key in expected if key not in there]
 

@@ -92,14 +92,14 @@ class Upload(Protocol):
 
 class PackWriter(abc.ABC):
     """One rank's pack being written (the module docstring has the call order): the single file or object
-    ``pack_name(rank, 0)``. :meth:`reserve` places chunks one after the other; :meth:`write` may be called from many
+    ``pack_name(rank, tag)``. :meth:`reserve` places chunks one after the other; :meth:`write` may be called from many
     threads at once, each reserved range exactly once; :meth:`append` does both. Not to be closed or aborted while
     writes are running."""
 
-    def __init__(self, rank: int, where: object) -> None:
+    def __init__(self, rank: int, where: object, tag: str = "") -> None:
         if rank < 0:
             raise ValueError(f"{where}: a pack needs a rank of at least 0, not {rank}")
-        self.rank, self.where, self.name = rank, where, pack_name(rank, 0)
+        self.rank, self.where, self.name = rank, where, pack_name(rank, tag)
         self._lock = threading.Lock()
         self._size: int | None = None  # bytes reserved (None: nothing reserved, nothing created)
         self._reserved: dict[int, int] = {}  # ranges reserved and not being written yet: offset -> length
@@ -160,13 +160,6 @@ class PackWriter(abc.ABC):
         slot = self.reserve(sum(view.nbytes for view in views))
         self.write(slot.offset, views)
         return slot
-
-    def append(self, data: PackData) -> tuple[int, int]:
-        """Reserve and write ``data`` at the end of the pack: its ``(offset, length)``."""
-        views = _byte_views(data)
-        slot = self.reserve(sum(view.nbytes for view in views))
-        self.write(slot.segment, slot.offset, views)
-        return slot.offset, sum(view.nbytes for view in views)
 
     def close(self) -> list[PackFile]:
         """Finish the pack once every reserved range is written: locally fsync its file (unless the save is not
@@ -235,8 +228,8 @@ class FilePackWriter(PackWriter):
     (never through a link), written with ``pwrite``/``pwritev``, fsynced at :meth:`close` unless the save is not
     durable (``fsync=False``)."""
 
-    def __init__(self, root: str, fsync: bool, rank: int, where: object) -> None:
-        super().__init__(rank, where)
+    def __init__(self, root: str, fsync: bool, rank: int, where: object, tag: str = "") -> None:
+        super().__init__(rank, where, tag)
         self._root, self._fsync = root, fsync
         self._fd: int | None = None
 
@@ -305,8 +298,9 @@ class ObjectPackWriter(PackWriter):
     pack at close. ``max_parts``: the most parts the object may have (S3's 10,000; ``None``: no limit)."""
 
     def __init__(self, store: ts.KvStore, rank: int, where: object, part_bytes: int,
-                 open_upload: Callable[[str, int], Upload] | None, max_parts: int | None = MAX_PARTS) -> None:
-        super().__init__(rank, where)
+                 open_upload: Callable[[str, int], Upload] | None, max_parts: int | None = MAX_PARTS,
+                 tag: str = "") -> None:
+        super().__init__(rank, where, tag)
         if not MIN_PART_BYTES <= part_bytes <= MAX_PUT_BYTES or part_bytes % PART_GRAIN:
             raise ValueError(f"{where}: object_part_bytes={part_bytes:,} is not a part object storage takes: give a "
                              f"multiple of {PART_GRAIN:,} (GCS) from {MIN_PART_BYTES:,} to {MAX_PUT_BYTES:,} (S3)")

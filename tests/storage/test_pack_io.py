@@ -81,7 +81,7 @@ def _write_all(pack: PackWriter, chunks: list[bytes], threads: int = 4) -> list[
 def _check_round_trip(location: Location, files: list[PackFile], chunks: list[bytes], slots: list[PackSlot],
                       rank: int = 3) -> None:
     """The pack is one file holding every chunk, read back equal through ``read_ranges`` and ``read_into``."""
-    assert files == [PackFile(pack_name(rank, 0), sum(map(len, chunks)), rank)]
+    assert files == [PackFile(pack_name(rank), sum(map(len, chunks)), rank)]
     assert _stored(location) == [files[0].name]
     ranges = [(slot.offset, slot.length) for slot in slots]
     assert [n for _, n in ranges] == [len(c) for c in chunks]
@@ -123,11 +123,11 @@ def test_a_pack_is_one_file_however_large(tmp_path: Path, tuned: Callable[..., o
 def test_abort_removes_everything_it_wrote(target: Location) -> None:
     other = open_pack(target, 4)  # another rank's pack stays
     other.write(other.reserve(5).offset, b"other")
-    assert other.close() == [PackFile("packs/r000004-000.pack", 5, 4)]
+    assert other.close() == [PackFile("packs/r000004.pack", 5, 4)]
     pack = open_pack(target, 3)
     _write_all(pack, [b"x" * 80] * 5)
     pack.abort()
-    assert _stored(target) == ["packs/r000004-000.pack"]
+    assert _stored(target) == ["packs/r000004.pack"]
     other.abort()  # after close too: the save failed elsewhere
     assert _stored(target) == []
     with pytest.raises(ValueError, match="pack is aborted"):
@@ -140,7 +140,7 @@ def test_a_crash_like_abort_leaves_no_file(tmp_path: Path) -> None:
     pack = open_pack(target, 0)
     slots = [pack.reserve(1000) for _ in range(4)]
     pack.write(slots[2].offset, b"x" * 1000)
-    assert (tmp_path / "packs" / "r000000-000.pack").is_file()
+    assert (tmp_path / "packs" / "r000000.pack").is_file()
     pack.abort()
     assert not (tmp_path / "packs").exists()
     with pytest.raises(ValueError, match="pack is aborted"):
@@ -159,7 +159,7 @@ def test_writes_must_match_their_reservations(target: Location) -> None:
     pack.write(slot.offset, b"abcd")
     with pytest.raises(ValueError, match="written already"):
         pack.write(slot.offset, b"abcd")
-    assert pack.close() == [PackFile("packs/r000000-000.pack", 4, 0)]
+    assert pack.close() == [PackFile("packs/r000000.pack", 4, 0)]
     with pytest.raises(ValueError, match="pack is closed"):
         pack.write(slot.offset, b"abcd")
     pack.abort()
@@ -182,8 +182,8 @@ def test_a_truncated_or_missing_pack_is_a_damaged_checkpoint(target: Location) -
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{target}: pack {name} is shorter than its table says: "
                                                                "bytes [8, 12) are past its end")):
         read_ranges(target, name, [(0, 4), (8, 4)])
-    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{target}: pack packs/r000009-000.pack is missing")):
-        read_ranges(target, "packs/r000009-000.pack", [(0, 1)])
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{target}: pack packs/r000009.pack is missing")):
+        read_ranges(target, "packs/r000009.pack", [(0, 1)])
     with pytest.raises(FormatError, match="is not the name of a pack file inside the checkpoint"):
         read_ranges(target, "packs/../../etc/passwd", [(0, 1)])
 
@@ -215,9 +215,9 @@ def test_a_pack_is_created_exclusively(tmp_path: Path) -> None:
     (tmp_path / "save").mkdir()
     target = LocalLocation(tmp_path / "save")
     _one_pack(target)
-    with pytest.raises(StorageError, match=r"packs/r000000-000.pack exists already: two writers of rank 0"):
+    with pytest.raises(StorageError, match=r"packs/r000000.pack exists already: two writers of rank 0"):
         open_pack(target, 0).reserve(1)
-    assert read_ranges(target, "packs/r000000-000.pack", [(0, 10)]) == [b"0123456789"]
+    assert read_ranges(target, "packs/r000000.pack", [(0, 10)]) == [b"0123456789"]
 
 
 @pytest.fixture
@@ -304,7 +304,7 @@ def test_parts_go_out_in_order_whatever_the_order_of_the_writes() -> None:
     chunks = _chunks(60, seed=3, sizes=(1, 100_000, 700_000))
     _write_all(pack, chunks)
     files = pack.close()
-    assert recorder.opened == [("packs/r000000-000.pack", MIN_PART_BYTES)] and recorder.completed
+    assert recorder.opened == [("packs/r000000.pack", MIN_PART_BYTES)] and recorder.completed
     assert [len(p) for p in recorder.parts[:-1]] == [MIN_PART_BYTES] * (len(recorder.parts) - 1)
     assert len(recorder.parts) == math.ceil(files[0].size / MIN_PART_BYTES) > 2
     assert b"".join(recorder.parts) == b"".join(chunks)
@@ -348,7 +348,7 @@ def test_a_pack_of_one_part_is_one_put_and_opens_no_upload() -> None:
     pack = _multipart(recorder)
     pack.append(b"x" * (MIN_PART_BYTES - 1))
     pack.append(b"y")  # exactly one part: still one PUT
-    assert pack.close() == [PackFile("packs/r000000-000.pack", MIN_PART_BYTES, 0)]
+    assert pack.close() == [PackFile("packs/r000000.pack", MIN_PART_BYTES, 0)]
     assert recorder.opened == [] and recorder.parts == []
 
 
@@ -357,7 +357,7 @@ def test_a_failed_part_fails_the_pack_and_abort_abandons_the_upload() -> None:
     pack = _multipart(recorder)
     for _ in range(4):
         pack.append(b"z" * (2 * MIB))
-    with pytest.raises(StorageError, match=r"test: writing rank 0's pack failed: packs/r000000-000.pack: the store "
+    with pytest.raises(StorageError, match=r"test: writing rank 0's pack failed: packs/r000000.pack: the store "
                                            "refused the part"):
         pack.close()
     pack.abort()
@@ -441,8 +441,8 @@ def test_s3_abort_leaves_no_object_and_no_pending_upload(s3_target: ObjectLocati
     assert _pending_uploads(s3_server, s3_target.bucket) == [] and _stored(s3_target) == []
     pack = open_pack(s3_target, 1)  # after close too: the object is deleted
     pack.append(b"y" * (6 * MIB))
-    assert pack.close() == [PackFile("packs/r000001-000.pack", 6 * MIB, 1)]
-    assert _stored(s3_target) == ["packs/r000001-000.pack"]
+    assert pack.close() == [PackFile("packs/r000001.pack", 6 * MIB, 1)]
+    assert _stored(s3_target) == ["packs/r000001.pack"]
     pack.abort()
     assert _stored(s3_target) == []
 
@@ -454,7 +454,7 @@ def test_s3_a_refused_part_fails_the_pack_and_abort_cleans_up(s3_target: ObjectL
     s3_proxy.permanent_error = "AccessDenied"
     s3_proxy.fail_puts_always = True  # UploadPart is a PUT; CreateMultipartUpload a POST
     pack = open_pack(s3_target, 0)
-    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000-000.pack: Access Denied"):
+    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000.pack: Access Denied"):
         for _ in range(4):
             pack.append(b"x" * (4 * MIB))
         pack.close()
@@ -468,8 +468,8 @@ def test_s3_truncated_and_missing_packs(s3_target: ObjectLocation, s3_server: S3
     s3_server.client.put_object(Bucket=s3_target.bucket, Key=f"run/step/{name}", Body=b"01234")
     with pytest.raises(CorruptCheckpointError, match=rf"pack {name} is shorter than its table says: bytes \[4, 8\)"):
         read_ranges(s3_target, name, [(0, 2), (4, 4)])
-    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{s3_target}: pack packs/r000001-000.pack is missing")):
-        read_ranges(s3_target, "packs/r000001-000.pack", [(0, 1)])
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{s3_target}: pack packs/r000001.pack is missing")):
+        read_ranges(s3_target, "packs/r000001.pack", [(0, 1)])
     assert read_ranges(s3_target, name, [(1, 3)]) == [b"123"]
 
 
@@ -478,13 +478,13 @@ def test_s3_storage_failures_are_storage_errors(s3_proxy: FaultProxy, s3_bucket:
     s3_proxy.fail_puts_always = True
     pack = open_pack(target, 0)
     pack.append(b"abc")
-    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000-000.pack"):
+    with pytest.raises(StorageError, match=r"writing rank 0's pack failed: packs/r000000.pack"):
         pack.close()
     s3_proxy.clear_faults()
     pack.abort()
     s3_proxy.fail_get_fraction = 1.0
-    with pytest.raises(StorageError, match=r"reading bytes \[0, 1\) of packs/r000000-000.pack failed"):
-        read_ranges(target, "packs/r000000-000.pack", [(0, 1)])
+    with pytest.raises(StorageError, match=r"reading bytes \[0, 1\) of packs/r000000.pack failed"):
+        read_ranges(target, "packs/r000000.pack", [(0, 1)])
 
 
 def test_gcs_a_large_pack_is_one_resumable_upload(gcs_server: GCSServer, gcs_bucket: str,
