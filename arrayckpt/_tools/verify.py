@@ -104,7 +104,10 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     Checks: the commit (root ``zarr.json``) exists, parses and matches its checksum; every array's and group's
     own ``zarr.json`` is present and matches the consolidated copy (other Zarr readers need it); every chunk of
     every tensor, per-rank array and pickled value is present and passes its crc32c, and each array's chunks,
-    in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught).
+    in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught). A packed
+    checkpoint (spec §16) has no node files: instead every pack and the index must hold exactly the bytes the manifest
+    records, the index its crc32c, every array's section must be sound and no two chunks may share bytes; a damaged
+    chunk is named by its chunk file, its pack and its bytes there (``_tools/verify_packs.py``).
     Checkpoints older than format version 3 have neither checksum: the report lists them as ``unprotected``
     (``ok`` says nothing about what was not checked). What says something about the data is reported, not raised
     (each damaged chunk by file, up to 100 per array: then the array's other chunks are skipped, and a damage on the
