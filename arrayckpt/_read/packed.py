@@ -92,6 +92,11 @@ class PackedChunks:
             f"{self.where}: array {path!r}: chunk {unravel(flat, stored.counts)} is not stored in this checkpoint "
             "(the read asked for a chunk its table does not hold)")
 
+    def read_file(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The ``(offset, length)`` ranges of the file ``name`` of this checkpoint (a pack, the index), read as the
+        chunk reads are: for ``verify``, which checks whole files (their sizes, the index's crc32c)."""
+        return self._read(name, ranges)
+
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
         """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per
         chunk, the ranges of one pack in one call)."""
