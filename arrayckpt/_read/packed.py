@@ -21,7 +21,7 @@ from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON
 from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_section, row_of
 from .._format.stored import max_chunk_file_bytes
-from .._format.zarr import grid_counts, unravel
+from .._format.zarr import chunk_key, grid_counts, unravel
 from .._io.fastio import Locate
 from .._io.smallfiles import check_no_links
 from .._io.staged import TOKEN_PREFIX, register
@@ -79,12 +79,12 @@ class PackedChunks:
         table, stored = self.rows([path])[path], self.stored(path)
         order, names = stored.order, [f"{self._root.rstrip('/')}/{pack.name}" for pack in self.layout.packs]
 
-        def where_is(flat: int) -> tuple[str, int, int]:
+        def where_is(flat: int) -> tuple[str, int, int, str]:
             row = row_of(order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
             pack, offset, length = (int(v) for v in table[row])
-            return names[pack], offset, length
+            return names[pack], offset, length, f"{path}/{chunk_key(self._nodes[path], unravel(flat, stored.counts))}"
         return where_is
 
     def _not_stored(self, path: str, stored: StoredChunks, flat: int) -> CorruptCheckpointError:
