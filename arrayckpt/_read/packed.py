@@ -97,6 +97,34 @@ class PackedChunks:
         chunk reads are: for ``verify``, which checks whole files (their sizes, the index's crc32c)."""
         return self._read(name, ranges)
 
+    def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+        """For each ``(flat, ranges)``, those ``(offset, length)`` ranges of that chunk file of array ``path``
+        (``(0, -n)``: its last ``n`` bytes), read concurrently, the ranges of one pack in one call; a range outside
+        the chunk file is damage (its bytes would be another chunk's)."""
+        table, stored = self.rows([path])[path], self.stored(path)
+        order = stored.order
+        by_pack: dict[int, list[tuple[int, int, int, int]]] = {}  # pack -> (part, range, offset, length)
+        for i, (flat, ranges) in enumerate(parts):
+            row = row_of(order, flat)
+            if row is None:
+                raise self._not_stored(path, stored, flat)
+            pack, base, size = (int(v) for v in table[row])
+            for j, (offset, length) in enumerate(ranges):
+                if length < 0:
+                    offset, length = size + length, -length
+                if offset < 0 or offset + length > size:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: array {path!r}: chunk {unravel(flat, stored.counts)} has {size} bytes, but "
+                        f"its shard index points at bytes [{offset}, {offset + length}) of it: the checkpoint is "
+                        "damaged or crafted; restore it from a copy")
+                by_pack.setdefault(pack, []).append((i, j, base + offset, length))
+        out: list[list[bytes]] = [[b""] * len(ranges) for _, ranges in parts]
+        for pack, wanted in by_pack.items():
+            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, _, offset, length in wanted])
+            for (i, j, _, _), piece in zip(wanted, data, strict=True):
+                out[i][j] = piece
+        return out
+
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
         """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per
         chunk, the ranges of one pack in one call)."""
