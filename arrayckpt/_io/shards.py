@@ -11,8 +11,7 @@ index read is untrusted (its crc32c and every entry's bounds are checked) and so
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import crc32c
 import numpy as np
@@ -21,10 +20,11 @@ from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import grid_indices, outer_chunk_shape
 
-if TYPE_CHECKING:
-    from .staged import ChunkSource
+#: Ranges of chunk files of one array: ``(path, [(flat, [(offset, length), ...]), ...]) -> bytes per range``
+#: (``ChunkSource.fetch_parts``; a negative length: the last bytes of the chunk file).
+FetchParts = Callable[[str, Sequence[tuple[int, Sequence[tuple[int, int]]]]], list[list[bytes]]]
 
-__all__ = ["PARTIAL", "inner_chunks", "inner_grid", "partial_shards"]
+__all__ = ["PARTIAL", "FetchParts", "inner_chunks", "inner_grid", "partial_shards"]
 
 PARTIAL = 0.5  # a shard of which a read needs at most this share of the inner chunks is read in part
 MISSING = 2**64 - 1  # a shard index entry of an inner chunk that is not stored
@@ -61,12 +61,12 @@ def inner_chunks(part: Sequence[tuple[int, int]], inner: Sequence[int], counts: 
     return out
 
 
-def partial_shards(source: ChunkSource, path: str, flats: Sequence[int], needed: Sequence[set[int]],
+def partial_shards(fetch_parts: FetchParts, path: str, flats: Sequence[int], needed: Sequence[set[int]],
                    count: int) -> list[bytes]:
     """For each shard ``flats[i]`` of array ``path``, a compact shard holding only its inner chunks ``needed[i]``
     (``count``: inner chunks per shard): two rounds of ranged reads (the indexes, then the inner chunks)."""
     index_bytes = count * 16
-    indexes = source.fetch_parts(path, [(flat, [(0, -(index_bytes + 4))]) for flat in flats])
+    indexes = fetch_parts(path, [(flat, [(0, -(index_bytes + 4))]) for flat in flats])
     wanted: list[tuple[int, list[tuple[int, int]]]] = []
     entries_of: list[np.ndarray] = []
     for flat, (raw,), need in zip(flats, indexes, needed, strict=True):
@@ -81,7 +81,7 @@ def partial_shards(source: ChunkSource, path: str, flats: Sequence[int], needed:
             if offset != MISSING:
                 ranges.append((offset, size))
         wanted.append((flat, ranges))
-    bodies = source.fetch_parts(path, wanted)
+    bodies = fetch_parts(path, wanted)
     out = []
     for pieces, entries, need in zip(bodies, entries_of, needed, strict=True):
         index = np.full((count, 2), MISSING, "<u8")

@@ -194,8 +194,9 @@ def _fetch(entry: _Wanted, metadata: JSON, flats: list[int]) -> list[bytes]:
     whole = [flat for flat in flats if flat not in set(partial)]
     out = dict(zip(whole, entry.source.fetch(entry.path, whole), strict=True)) if whole else {}
     if partial:
-        out.update(zip(partial, partial_shards(entry.source, entry.path, partial, [entry.inner[f] for f in partial],
-                                               count), strict=True))
+        needed = [entry.inner[flat] for flat in partial]
+        out.update(zip(partial, partial_shards(entry.source.fetch_parts, entry.path, partial, needed, count),
+                       strict=True))
     return [out[flat] for flat in flats]
 
 
