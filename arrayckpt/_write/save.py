@@ -41,6 +41,7 @@ from .._format.zarr import GROUP_METADATA
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
+from .._layout.plainvalues import unsent_agree
 from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
@@ -336,6 +337,10 @@ def _coordinate(reports: list[Report], request: SaveRequest,
         layout = plan_cache.reusable(fingerprints, options.codec, chunking)
         claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
         if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
+            return Resend(), None, None
+        if claims and layout is not None and not unsent_agree(layout.values, [r.values for r in reports],
+                                                              [r.unsent for r in reports]):
+            plan_cache.forget_layout()  # a value now differs between ranks: plan afresh, from every rank's values
             return Resend(), None, None
         if layout is None:
             descriptions = [r.description for r in reports]
