@@ -93,7 +93,9 @@ def save(
     Args:
         state: a dict of tensors (plain, DTensor, or :class:`arrayckpt.Shard`), numpy arrays, plain values (int,
             float, str, bool, None, bytes and lists/tuples/dicts of them), :class:`arrayckpt.PerRank` values and
-            objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and lists.
+            objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and lists. A plain
+            value the ranks hold alike is stored once; one that differs between them (a data loader's position) is
+            stored per rank, as a ``PerRank`` value is (a load at another world size then needs ``per_rank=``).
         path: a directory, or an object-storage URL (``s3://bucket/prefix``, ``gs://``, ``memory://``).
         codec: ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`, or a per-key
             choice (``{"optim.*": "zstd"}``).
