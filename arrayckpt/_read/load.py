@@ -42,7 +42,7 @@ from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
 from .keyhint import prefix_hint
-from .perrank import PerRankPolicy, check_policy, choice_for, refusal
+from .perrank import PerRankPolicy, check_policy, choose
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -392,12 +392,8 @@ class _LoadPlan:
             )
         saved = len(entry.items)
         source = target.rank if explicit else None
-        if source is None and saved == self.world_size and entry.items[self.rank] is not None:
-            source = self.rank
         if source is None:
-            choice = choice_for(self.per_rank, key)
-            if choice is None:
-                raise refusal(self.where, key, saved, self.world_size, self.rank, explicit)
+            choice = choose(self.per_rank, self.where, key, entry.items, self.rank, self.world_size, explicit)
             if choice == "keep":
                 return
             if callable(choice):
@@ -409,7 +405,7 @@ class _LoadPlan:
                 chosen = choice(key, values, self.rank, self.world_size)
                 self._replace(leaf, PerRank(chosen, None) if explicit else chosen)
                 return
-            source = 0
+            source = choice
         if not 0 <= source < saved or entry.items[source] is None:
             raise StateError(f"{self.where}: per-rank value {key!r} has no value saved by rank {source}")
         item = entry.items[source]

@@ -17,14 +17,16 @@ policy alone applies to every per-rank key.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 from .._errors import StateError
 
-__all__ = ["PerRankChoice", "PerRankPolicy", "choice_for", "check_policy", "refusal"]
+__all__ = ["PerRankChoice", "PerRankFunction", "PerRankPolicy", "check_policy", "choice_for", "choose", "refusal"]
 
-PerRankChoice: TypeAlias = Literal["rank0", "keep"] | Callable[[str, list[Any], int, int], Any]
+PerRankFunction: TypeAlias = Callable[[str, list[Any], int, int], Any]
+"""``(key, values_by_saved_rank, rank, world_size) -> value``: the value rank ``rank`` of ``world_size`` takes."""
+PerRankChoice: TypeAlias = Literal["rank0", "keep"] | PerRankFunction
 """What a rank takes of a value saved per rank at another world size (see the module docstring)."""
 PerRankPolicy: TypeAlias = PerRankChoice | Mapping[str, PerRankChoice]
 """One choice for every per-rank key, or choices by ``fnmatch`` pattern of the key (the first that matches)."""
@@ -60,3 +62,18 @@ def refusal(where: str, key: str, saved: int, world: int, rank: int, explicit: b
         f"per_rank={{{key!r}: 'rank0'}}) takes saved rank 0's ('keep' leaves the state's value; a function "
         f"(key, values_by_saved_rank, rank, world_size) returns it){also}; every saved rank's value: "
         f"arrayckpt.open(path).per_rank({key!r})")
+
+
+def choose(policy: PerRankPolicy | None, where: str, key: str, items: Sequence[object | None], rank: int, world: int,
+           explicit: bool = False) -> int | Literal["keep"] | PerRankFunction:
+    """What rank ``rank`` of ``world`` takes of a per-rank entry whose items are ``items`` (by saved rank; ``None``:
+    that rank saved none): the saved rank whose item it takes (its own at the saved world size), or the policy's
+    ``"keep"`` or function, which the caller applies. Raises :func:`refusal` where nothing says."""
+    if len(items) == world and items[rank] is not None:
+        return rank
+    choice = choice_for(policy, key)
+    if choice is None:
+        raise refusal(where, key, len(items), world, rank, explicit)
+    if choice == "rank0":
+        return 0
+    return choice
