@@ -244,7 +244,7 @@ def run_arrayckpt(ranks: int, layout: tuple[int, int, int], all_specs: list[Spec
     cache = PlanCache()  # what the coordinator keeps between saves
     cache.keep(save_plan.layout)
     claims = [pickle.dumps(Report(None, r.fingerprint, layout_id, None,
-                                  tuple(v for v in r.description.values if v.key in parts[i].owned),
+                                  tuple(v for v in r.description.values if v.key in parts[i].sent),
                                   r.description.per_rank, [], None), pickle.HIGHEST_PROTOCOL)
               for i, r in enumerate(reports)]
     reports.clear()

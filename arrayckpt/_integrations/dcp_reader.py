@@ -25,9 +25,12 @@ ranks and any sharding. Call order (DCP's): ``reset`` (with a ``checkpoint_id``)
   one without it fails before any data is read, naming the key.
 - An alias (a tensor saved under two keys, stored once: tied weights) is offered under its own key as its target's
   tensor, so a state holding both keys gets both filled.
-- Per-rank entries (``arrayckpt.PerRank``) have no DCP equivalent and are left out of the metadata (load them with
-  ``arrayckpt.load`` or ``arrayckpt.open(path).per_rank(key)``); so are entries inside a tuple, which DCP would
-  ask for as one value.
+- A per-rank entry of plain values (a value that differed between the saving ranks, or an ``arrayckpt.PerRank`` of
+  one) is offered like a plain value: each rank of the default process group gets its own saved value at the world
+  size of the save; at another, the reader's ``per_rank`` policy says which (``_read/perrank.py``), and without one
+  the load is refused before any data is read, naming the key. Per-rank tensors have no DCP equivalent and are
+  left out of the metadata (load them with ``arrayckpt.load`` or ``arrayckpt.open(path).per_rank(key)``); so are
+  entries inside a tuple, which DCP would ask for as one value.
 """
 
 from __future__ import annotations
@@ -57,15 +60,17 @@ from torch.futures import Future
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, StateError
 from .._format.dtypes import DType
 from .._format.keys import dotted
-from .._format.manifest import PickleEntry, ValueEntry
+from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import collector_paused
 from .._layout.box import Box
 from .._read.checkpoint import Checkpoint, open_checkpoint, stored_of
 from .._read.deviceload import DeviceLoads
+from .._read.perrank import PerRankFunction, PerRankPolicy, check_policy, choose
 from .._read.reader import ChainRead, read
 from .._settings import settings
 from .._storage import parse_location
+from .._torch.dist import resolve_group
 from .._torch.dtypes import torch_dtype
 from .._torch.tensors import overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
@@ -89,7 +94,7 @@ class _DeviceRead:
 class _Source:
     """Where a DCP key's data is in the checkpoint."""
 
-    kind: str  # "tensor", "value", "pickle" or "ndarray"
+    kind: str  # "tensor", "value", "per_rank" (a per-rank entry of values), "pickle" or "ndarray"
     key: str  # the entry
     sub: tuple[Any, ...] = ()  # for a value: the keys and indices of the leaf inside it
 
@@ -109,6 +114,8 @@ class ArrayckptReader(StorageReader):
         storage_options: for object storage, as for :func:`arrayckpt.open`.
         base_roots: where a delta checkpoint's bases may be besides the directory holding it (as for
             :func:`arrayckpt.open`).
+        per_rank: how a value saved per rank resumes at another world size than the save's, as for
+            :func:`arrayckpt.load` (the world: the default process group's).
         filesystem_reader_options: ``FileSystemReader``'s ``_extension_registry`` is accepted and has no effect
             (``dcp_options.py``).
 
@@ -131,9 +138,13 @@ class ArrayckptReader(StorageReader):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, allow_pickle: bool = False,
                  storage_options: Mapping[str, Any] | None = None,
-                 base_roots: Sequence[str | os.PathLike[str]] | None = None, **filesystem_reader_options: Any) -> None:
+                 base_roots: Sequence[str | os.PathLike[str]] | None = None, per_rank: PerRankPolicy | None = None,
+                 **filesystem_reader_options: Any) -> None:
         check_reader_options(filesystem_reader_options)
+        check_policy(per_rank)
         super().__init__()
+        self.per_rank = per_rank
+        self._chosen: dict[str, int | PerRankFunction | str] = {}  # per-rank key -> what this rank takes (a load's)
         self.base_roots = base_roots
         self.path = None if path is None else os.fspath(path)
         self.allow_pickle = allow_pickle
@@ -210,8 +221,16 @@ class ArrayckptReader(StorageReader):
             elif isinstance(entry, ValueEntry):
                 for below, sub in dcp_terminals(decode_value(entry.value, key)):
                     offer((*path, *below), _Source("value", key, sub), BytesStorageMetadata())
-            # PerRankEntry: no DCP equivalent (see the module docstring)
-        self._sources, self._ambiguous = sources, ambiguous
+            elif isinstance(entry, PerRankEntry) and not any(isinstance(i, ArrayEntry) for i in entry.items):
+                leaves: dict[tuple[str | int, ...], tuple[Any, ...]] = {}  # what any rank's value has
+                for item in entry.items:
+                    if isinstance(item, ValueEntry):
+                        for below, sub in dcp_terminals(decode_value(item.value, key)):
+                            leaves.setdefault(below, sub)
+                for below, sub in leaves.items():
+                    offer((*path, *below), _Source("per_rank", key, sub), BytesStorageMetadata())
+            # a PerRankEntry of tensors: no DCP equivalent (see the module docstring)
+        self._sources, self._ambiguous, self._chosen = sources, ambiguous, {}
         save_id = manifest.created.get("dcp_save_id")  # recorded by ArrayckptWriter (informational, spec §4.2)
         storage_meta = StorageMeta(checkpoint_id=self.path, save_id=save_id if isinstance(save_id, str) else None,
                                    load_id=self.load_id)
@@ -222,8 +241,10 @@ class ArrayckptReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Refuse, before any data is read, what this rank's plan asks for and cannot have: a pickled value
-        without ``allow_pickle=True``, a key two entries of the checkpoint would give."""
+        without ``allow_pickle=True``, a key two entries of the checkpoint would give, a value saved per rank at
+        another world size that ``per_rank`` says nothing of."""
         where = str(self._checkpoint().location)
+        group = resolve_group(None)
         for item in plan.items:
             fqn = item.storage_index.fqn
             if fqn in self._ambiguous:
@@ -235,6 +256,11 @@ class ArrayckptReader(StorageReader):
                     f"{where}: value {source.key!r} is pickled; unpickling can run arbitrary code, so loading it needs "
                     "ArrayckptReader(..., allow_pickle=True) (only for checkpoints you trust), or leave it out of "
                     "the state (DefaultLoadPlanner(allow_partial_load=True))")
+            if source is not None and source.kind == "per_rank" and source.key not in self._chosen:
+                entry = self._checkpoint().manifest.entries[source.key]
+                assert isinstance(entry, PerRankEntry)  # read_metadata offered it as one
+                self._chosen[source.key] = choose(self.per_rank, where, source.key, entry.items, group.rank,
+                                                  group.size)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -252,7 +278,9 @@ class ArrayckptReader(StorageReader):
                 staged = 0
                 for item in plan.items:
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, self._bytes(checkpoint, item, decoded, planner))
+                        data = self._bytes(checkpoint, item, decoded, planner)
+                        if data is not None:  # None: a per-rank value the policy keeps as the state has it
+                            planner.load_bytes(item, data)
                         continue
                     target, buffer, request = self._tensor_read(checkpoint, item, planner)
                     if request.box.size == 0 and request.box.shape:  # nothing to read (a rank holding no rows)
@@ -320,11 +348,24 @@ class ArrayckptReader(StorageReader):
         return target, buffer, ChainRead(source.key, box, writable_numpy(buffer, entry.dtype, source.key))
 
     def _bytes(self, checkpoint: Checkpoint, item: ReadItem, decoded: dict[str, Any],
-               planner: LoadPlanner) -> io.BytesIO:
+               planner: LoadPlanner) -> io.BytesIO | None:
         """A BYTE_IO item's value, ``torch.save``d, as DCP's planners expect it; bytes as an ``io.BytesIO`` where the
-        state loaded into holds one (``ArrayckptWriter`` stores an ``io.BytesIO`` as its bytes)."""
+        state loaded into holds one (``ArrayckptWriter`` stores an ``io.BytesIO`` as its bytes). ``None``: a per-rank
+        value the ``per_rank`` policy keeps as the state holds it."""
         source = self._source(item)
-        if source.kind == "value":
+        if source.kind == "per_rank":
+            if source.key not in decoded:
+                decoded[source.key] = self._per_rank_value(checkpoint, source.key)
+            value = decoded[source.key]
+            if value is _KEEP:
+                return None
+            try:
+                for part in source.sub:
+                    value = value[part]
+            except (KeyError, IndexError, TypeError):
+                raise StateError(f"{checkpoint.location}: DCP asked for {item.storage_index.fqn!r}, which the value of "
+                                 f"{source.key!r} this rank takes (saved per rank) does not hold") from None
+        elif source.kind == "value":
             if source.key not in decoded:
                 decoded[source.key] = checkpoint.plain_values[source.key]
             value = decoded[source.key]
@@ -340,6 +381,28 @@ class ArrayckptReader(StorageReader):
         torch.save(value, out)
         out.seek(0)
         return out
+
+    def _per_rank_value(self, checkpoint: Checkpoint, key: str) -> Any:
+        """This rank's value of a per-rank entry of values: its own, or what the policy chose (``_KEEP``: none)."""
+        entry = checkpoint.manifest.entries[key]
+        assert isinstance(entry, PerRankEntry)  # read_metadata offered it as one
+        group = resolve_group(None)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            chosen = choose(self.per_rank, str(checkpoint.location), key, entry.items, group.rank, group.size)
+        if chosen == "keep":
+            return _KEEP
+        if isinstance(chosen, int):
+            item = entry.items[chosen] if 0 <= chosen < len(entry.items) else None
+            if not isinstance(item, ValueEntry):
+                raise StateError(f"{checkpoint.location}: per-rank value {key!r} has no value saved by rank {chosen}")
+            return decode_value(item.value, key)
+        assert callable(chosen)
+        values = [decode_value(i.value, key) if isinstance(i, ValueEntry) else None for i in entry.items]
+        return chosen(key, values, group.rank, group.size)
+
+
+_KEEP = object()  # a per-rank value the policy keeps as the state holds it
 
 
 def _target(planner: LoadPlanner, item: ReadItem) -> object:

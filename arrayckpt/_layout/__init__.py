@@ -56,6 +56,8 @@ PlanCache         what a caller keeps between saves:    its caller: one per     
 - ``planner.py``: a Layout's arrays from every rank's pieces (tiling checked, chunk grids, one writer per chunk),
   and ``TaskTable``;
 - ``saveplan.py``: ``Layout`` and ``SavePlan`` (``plan_layout``, ``assemble``, ``plan_save``), documents;
+- ``plainvalues.py``: ``ValueLayout``: which plain values each rank sends, and one that differs between ranks
+  stored per rank;
 - ``tasks.py``: ``WriteTask``, ``RowsTask`` (``Task``);
 - ``rankplan.py``: ``RankLayout``, ``RankPlan``;
 - ``plancache.py``: ``PlanCache``;

@@ -46,7 +46,7 @@ class RankLayout:
     inner: np.ndarray
     codec: np.ndarray  # per task: index into ``codecs``
     codecs: tuple[Codec, ...]
-    owned: tuple[str, ...] = ()  # the plain values this rank sends when the layout is reused (it holds them first)
+    sent: tuple[str, ...] = ()  # the plain values this rank sends when the layout is reused (``ValueLayout.sent``)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def rank_layouts(layout: Layout) -> list[RankLayout]:
     for rank in range(len(table)):
         rows = slice(starts[rank], starts[rank + 1])
         parts.append(RankLayout(table.source[rows], table.offset[rows], table.shape[rows], outers[rows], inners[rows],
-                                task_codecs[rows], by_codec, layout.owned[rank] if layout.owned else ()))
+                                task_codecs[rows], by_codec, layout.values.sent[rank]))
     return parts
 
 

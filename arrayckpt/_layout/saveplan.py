@@ -21,7 +21,7 @@ import json
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from .._format.manifest import ArrayEntry, Entry, PerRankEntry, ValueEntry
 from .._format.zarr import node_documents
 from .chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .pieces import ArrayDescription, ArrayTable, LocalDescription, fingerprint
+from .plainvalues import ValueLayout, merge_value, plan_values
 from .planner import TaskTable, _lay_out_arrays
 from .tasks import Task
 
@@ -74,12 +75,11 @@ class Layout:
     loads: tuple[int, ...]  # by rank: the bytes it writes
     boxes: dict[str, tuple[np.ndarray, np.ndarray]]  # array key -> distinct non-empty (offsets, shapes), for deltas
     order: tuple[str, ...]  # every key of the manifest, in order
-    value_owners: dict[str, int]  # plain value key -> the lowest rank holding it (whose value is stored)
     per_rank_parts: dict[str, Key]  # per-rank key -> its key path
     containers: dict[str, str]
     documents: dict[str, bytes]
     consolidated_json: str
-    owned: tuple[tuple[str, ...], ...] = field(default=())  # by rank: the value keys it owns
+    values: ValueLayout  # who sends which plain values when it is reused (``plainvalues.py``)
 
     @property
     def world(self) -> int:
@@ -99,52 +99,50 @@ def plan_layout(descriptions: Sequence[LocalDescription], fingerprints: tuple[by
                 chunking: ChunkPolicy) -> Layout:
     """Validate and lay out the arrays of every rank's description (``fingerprints``: theirs)."""
     arrays = _lay_out_arrays(descriptions, codec, chunking)
-    values: dict[str, tuple[int, ValueEntry]] = {}
+    values: set[str] = set()
     per_rank: dict[str, Key] = {}
     position: dict[str, tuple[int, int, int]] = dict(arrays.first_seen)
     containers: dict[str, str] = {}
     for rank, description in enumerate(descriptions):
         for j, value in enumerate(description.values):
-            values.setdefault(value.key, (rank, value))
+            values.add(value.key)
             position.setdefault(value.key, (rank, 1, j))
         for j, item in enumerate(description.per_rank):
             per_rank.setdefault(item.key, item.parts)
             position.setdefault(item.key, (rank, 2, j))
         containers.update(description.containers)
-    _check_kinds(descriptions, set(arrays.entries), set(values), set(per_rank))
+    _check_kinds(descriptions, set(arrays.entries), values, set(per_rank))
     check_paths(arrays.arrays)
     documents, consolidated = documents_of(arrays.arrays)
     names = tuple(sorted({*arrays.entries, *per_rank}))
-    owned: list[list[str]] = [[] for _ in descriptions]
-    for key, (rank, _) in values.items():
-        owned[rank].append(key)
     return Layout(plan_id=uuid.uuid4().hex, fingerprints=fingerprints, names=names,
                   codecs=tuple(resolve_codec(codec, name) for name in names), chunking=chunking,
                   entries=arrays.entries, arrays=arrays.arrays, tasks=arrays.tasks, loads=arrays.loads,
                   boxes=arrays.boxes, order=tuple(sorted(position, key=position.__getitem__)),
-                  value_owners={key: rank for key, (rank, _) in values.items()}, per_rank_parts=per_rank,
-                  containers=containers, documents=documents, consolidated_json=consolidated,
-                  owned=tuple(tuple(o) for o in owned))
+                  values=plan_values([d.values for d in descriptions]), per_rank_parts=per_rank,
+                  containers=containers, documents=documents, consolidated_json=consolidated)
 
 
 def assemble(layout: Layout, fresh: Sequence[Fresh]) -> SavePlan:
     """The plan of one save: ``layout`` with the values every rank sent this time (by rank; a rank may send only
-    the values it owns, ``layout.owned``)."""
-    values: dict[str, ValueEntry] = {}
+    the values it owns and those that varied, ``layout.values.sent``). A plain value that differs between the ranks
+    that sent it is stored per rank (``plainvalues.py``)."""
+    values: dict[str, dict[int, ValueEntry]] = defaultdict(dict)
     per_rank: dict[str, dict[int, ValueEntry | ArrayEntry]] = defaultdict(dict)
     for rank, (rank_values, rank_per_rank) in enumerate(fresh):
         for value in rank_values:
-            if layout.value_owners.get(value.key) == rank:
-                values[value.key] = value
+            if value.key in layout.values.owners:
+                values[value.key][rank] = value
         for item in rank_per_rank:
             per_rank[item.key][rank] = item
     entries: dict[str, Entry] = {}
     for key in layout.order:
-        if key in layout.value_owners:
-            if key not in values:
-                raise ArrayckptError(f"the value {key!r} was not sent by rank {layout.value_owners[key]}, which holds "
-                                     "it (a bug in arrayckpt: please report it)")
-            entries[key] = values[key]
+        if key in layout.values.owners:
+            owner = layout.values.owners[key]
+            if owner not in values.get(key, {}):
+                raise ArrayckptError(f"the value {key!r} was not sent by rank {owner}, which holds it (a bug in "
+                                     "arrayckpt: please report it)")
+            entries[key] = merge_value(layout.values, key, values[key])
         elif key in layout.per_rank_parts:
             items = per_rank.get(key, {})
             entries[key] = PerRankEntry(key, layout.per_rank_parts[key], tuple(items.get(r) for r in

@@ -6,6 +6,6 @@ where a packed checkpoint's chunk files lie (``packed.py``), and
 ``load`` into a training state (``load.py``; its device targets are filled through pooled host buffers, a batch
 copied while the next is read: ``deviceload.py``; the only modules here that need torch at import, with
 ``together.py``: an atomic load on several ranks that restores all of them or none; ``keyhint.py``: the key prefix a
-mismatch names). The modules below
-``stored.py`` see an opened checkpoint through the protocol in ``source.py``.
+mismatch names; ``perrank.py``: the ``per_rank`` policy of a load at another world size than the save's). The
+modules below ``stored.py`` see an opened checkpoint through the protocol in ``source.py``.
 """

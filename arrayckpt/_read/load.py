@@ -22,7 +22,7 @@ from .._errors import ArrayckptError, CorruptCheckpointError, KeyMismatchError, 
 from .._format.dtypes import dtype_of_numpy
 from .._format.jsontypes import JSON
 from .._format.keys import Key, dotted, prefix_parts
-from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry
+from .._format.manifest import AliasEntry, ArrayEntry, Entry, PerRankEntry, PickleEntry, ValueEntry
 from .._format.values import decode_value
 from .._io.arrays import ArrayIO, collector_paused, read_into
 from .._layout.box import Box
@@ -42,6 +42,7 @@ from .._torch.tensors import check_loadable, overlaps_itself, writable_numpy
 from .._torch.transfer import is_staged
 from .deviceload import DeviceLoads
 from .keyhint import prefix_hint
+from .perrank import PerRankPolicy, check_policy, choose
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -91,6 +92,7 @@ def load(
     share_root: bool = True,
     base_roots: Sequence[str | os.PathLike[str]] | None = None,
     key_prefix: str = "",
+    per_rank: PerRankPolicy | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place.
 
@@ -127,6 +129,12 @@ def load(
         key_prefix: the prefix the state's keys have in front of the checkpoint's: ``"model"`` loads a checkpoint
             converted from a Hugging Face directory (``model.layers.0...``) into ``{"model": model}``
             (``model.model.layers.0...``); ``unexpected_keys`` still names the checkpoint's keys as it does.
+        per_rank: how a value saved per rank (an :class:`arrayckpt.PerRank`, or a plain value that differed between
+            the ranks that saved it) is resumed at another world size, where no saved value is this rank's (without
+            one such a load raises): ``"rank0"`` (saved rank 0's on every rank), ``"keep"`` (the state's value
+            stays), or a function ``(key, values_by_saved_rank, rank, world_size) -> value``; one for every key, or
+            a dict of them by ``fnmatch`` pattern of the checkpoint's key (``{"loader.*": "rank0"}``). At the
+            world size it was saved at, each rank takes its own value whatever this says.
 
     Returns:
         The keys that did not match, either way.
@@ -136,7 +144,8 @@ def load(
         IncompleteCheckpointError: a save at ``path`` never committed.
         KeyMismatchError: ``strict`` and keys of ``state`` are missing from the checkpoint (where a key prefix is
             all that separates them, the message names it and the fix: ``key_prefix``, or the state's nesting).
-        StateError: a target's shape or dtype differs from the checkpoint's.
+        StateError: a target's shape or dtype differs from the checkpoint's; a value saved per rank is loaded at
+            another world size and ``per_rank`` names no policy for it.
         PickleNotAllowedError: a value needs unpickling and ``allow_pickle`` was not given.
         BaseNotAllowedError: a delta's base is outside the delta's directory and ``base_roots``.
         CorruptCheckpointError: stored bytes are damaged or missing (``error.overwritten_keys``: tensors already
@@ -153,13 +162,14 @@ def load(
         >>> state
         {'w': tensor([1., 1., 1.]), 'step': 5}
     """
+    check_policy(per_rank)
     group = resolve_group(process_group)
     location = parse_location(path, storage_options)
     opened = _shared_root(location, group) if share_root and group.size > 1 and shares_root(location) else None
     with open_location(location, allow_pickle=allow_pickle, opened=opened,
                        base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
         return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=atomic,
-                     key_prefix=key_prefix)
+                     key_prefix=key_prefix, per_rank=per_rank)
 
 
 def _shared_root(location: Location, group: Group) -> Opened:
@@ -178,7 +188,8 @@ def _shared_root(location: Location, group: Group) -> Opened:
 
 
 def _load(state: Mapping[str, Any], checkpoint: StoredCheckpoint, group: Group, *, strict: bool, read_once: bool,
-          atomic: bool, agreement: Settles | None = None, key_prefix: str = "") -> LoadResult:
+          atomic: bool, agreement: Settles | None = None, key_prefix: str = "",
+          per_rank: PerRankPolicy | None = None) -> LoadResult:
     """The body of :func:`load`, on the checkpoint it opened (closed when this returns or raises); with an
     ``agreement`` (atomic), the ranks settle it between their reads and the first change to the state. The
     entries are looked up by the state's keys (``key_prefix`` in front of the checkpoint's) and read by their own."""
@@ -198,7 +209,7 @@ def _load(state: Mapping[str, Any], checkpoint: StoredCheckpoint, group: Group, 
             + prefix_hint(missing, held, key_prefix) + ". Pass strict=False to load the rest"
         )
     with collector_paused():
-        plan = _LoadPlan(checkpoint, group.rank, group.size, atomic, agreement)
+        plan = _LoadPlan(checkpoint, group.rank, group.size, atomic, agreement, per_rank)
         for key, leaf in walked.leaves.items():
             if key in entries and not _filled_by_target(entries[key], leaf, walked.leaves, front):
                 plan.add(entries[key], leaf)
@@ -227,8 +238,9 @@ class _LoadPlan:
     """How every entry reaches its leaf; built (and validated) before any array data is read."""
 
     def __init__(self, checkpoint: StoredCheckpoint, rank: int, world_size: int, atomic: bool = False,
-                 agreement: Settles | None = None) -> None:
+                 agreement: Settles | None = None, per_rank: PerRankPolicy | None = None) -> None:
         self.checkpoint = checkpoint
+        self.per_rank = per_rank  # how values saved per rank resume at another world size (``perrank.py``)
         self.agreement = agreement  # settled after every read (atomic: one read call), before the state changes
         self.where = str(checkpoint.location)
         self.rank = rank
@@ -368,23 +380,33 @@ class _LoadPlan:
             )
 
     def _per_rank(self, entry: Entry, leaf: Leaf) -> None:
-        """A per-rank entry goes to a ``PerRank`` target, from this rank's saved value or the one it names."""
+        """A per-rank entry goes to its leaf (a ``PerRank`` target, or a plain value's) from this rank's saved value,
+        the one a ``PerRank`` target names, or what the ``per_rank`` policy chooses (``perrank.py``)."""
         key, target = entry.key, leaf.value
-        if not isinstance(entry, PerRankEntry) or not isinstance(target, PerRank):
+        explicit = isinstance(target, PerRank)
+        if not isinstance(entry, PerRankEntry) or not (explicit or _takes_values(entry, target)):
             raise StateError(
                 f"{self.where}: {key!r} is {'per-rank' if isinstance(entry, PerRankEntry) else 'not per-rank'} in "
-                f"the checkpoint but {'a PerRank' if isinstance(target, PerRank) else 'not a PerRank'} in the state; "
+                f"the checkpoint but {'a PerRank' if explicit else 'not a PerRank'} in the state; "
                 "wrap it in arrayckpt.PerRank on save and on load"
             )
-        source = self.rank if target.rank is None else target.rank
-        saved_ranks = len(entry.items)
-        if target.rank is None and saved_ranks != self.world_size:
-            raise StateError(
-                f"{self.where}: per-rank value {key!r} was saved by {saved_ranks} ranks and is loaded on "
-                f"{self.world_size}; choose the rank to take it from with PerRank(value, rank=r), or read all of "
-                "them with arrayckpt.open(path).per_rank(key)"
-            )
-        if not 0 <= source < saved_ranks or entry.items[source] is None:
+        saved = len(entry.items)
+        source = target.rank if explicit else None
+        if source is None:
+            choice = choose(self.per_rank, self.where, key, entry.items, self.rank, self.world_size, explicit)
+            if choice == "keep":
+                return
+            if callable(choice):
+                if any(isinstance(item, ArrayEntry) for item in entry.items):
+                    raise StateError(f"{self.where}: per-rank value {key!r} holds arrays; a per_rank function takes "
+                                     "plain values only: choose 'rank0', or PerRank(value, rank=r) in the state")
+                values = [decode_value(item.value, key) if isinstance(item, ValueEntry) else None
+                          for item in entry.items]
+                chosen = choice(key, values, self.rank, self.world_size)
+                self._replace(leaf, PerRank(chosen, None) if explicit else chosen)
+                return
+            source = choice
+        if not 0 <= source < saved or entry.items[source] is None:
             raise StateError(f"{self.where}: per-rank value {key!r} has no value saved by rank {source}")
         item = entry.items[source]
         assert item is not None  # checked above
@@ -395,7 +417,15 @@ class _LoadPlan:
             else:
                 self._replace(leaf, PerRank(self._fresh(item, spec), target.rank))
         else:
-            self._replace(leaf, PerRank(decode_value(item.value, key), target.rank))
+            value = decode_value(item.value, key)
+            self._replace(leaf, PerRank(value, target.rank) if explicit else value)
+
+
+def _takes_values(entry: PerRankEntry, target: object) -> bool:
+    """Whether a leaf that is not a ``PerRank`` takes a per-rank entry: a plain value's leaf, for an entry of plain
+    values (a value that differed between the ranks that saved it)."""
+    return (not isinstance(target, (torch.Tensor, Shard, np.ndarray))
+            and not any(isinstance(item, ArrayEntry) for item in entry.items))
 
 
 def _read_once(group: Group) -> Execute:

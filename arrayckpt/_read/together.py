@@ -18,6 +18,7 @@ from .._storage import parse_location, parse_roots
 from .._torch.dist import Group
 from .checkpoint import open_location, stored_of
 from .load import LoadResult, _load, load
+from .perrank import PerRankPolicy, check_policy
 
 __all__ = ["Agreement", "load_together"]
 
@@ -25,22 +26,25 @@ __all__ = ["Agreement", "load_together"]
 def load_together(state: Mapping[str, Any], path: str | os.PathLike[str], group: Group, *, strict: bool = True,
                   allow_pickle: bool = False, read_once: bool = False,
                   storage_options: Mapping[str, Any] | None = None, atomic: bool = True, share_root: bool = True,
-                  base_roots: Sequence[str | os.PathLike[str]] | None = None) -> LoadResult:
+                  base_roots: Sequence[str | os.PathLike[str]] | None = None,
+                  per_rank: PerRankPolicy | None = None) -> LoadResult:
     """:func:`load` (same options; ``atomic=True`` by default) whose ranks agree before any changes its state: every
     rank's reads and checks passed, or every rank raises (its own error, or the first failing rank's, named) with
     ``state`` untouched everywhere. A load of one step that must restore all ranks or none (a restore from peer
     memory, which falls back to another source when it fails). Collective: every rank calls it once. With
     ``atomic=False`` (reads in place: nothing to agree on before the state changes) it is :func:`load`."""
+    check_policy(per_rank)
     if not atomic or group.size == 1:
         return load(state, path, strict=strict, allow_pickle=allow_pickle, process_group=group, read_once=read_once,
-                    storage_options=storage_options, atomic=atomic, share_root=share_root, base_roots=base_roots)
+                    storage_options=storage_options, atomic=atomic, share_root=share_root, base_roots=base_roots,
+                    per_rank=per_rank)
     agreement = Agreement(group)
     try:
         location = parse_location(path, storage_options)
         with open_location(location, allow_pickle=allow_pickle,
                            base_roots=parse_roots(base_roots, storage_options)) as checkpoint:
             return _load(state, stored_of(checkpoint), group, strict=strict, read_once=read_once, atomic=True,
-                         agreement=agreement)
+                         agreement=agreement, per_rank=per_rank)
     except ArrayckptError as e:
         if not agreement.reached:  # failed before its reads (opening, matching the state): tell the others
             agreement.settle(e)

@@ -71,7 +71,9 @@ class Shard:
 class PerRank:
     """A value saved separately for every rank (RNG state, data-loader position) and restored to its rank.
 
-    Loading needs the same world size, unless the target names the rank to take the value from.
+    Loading at another world size than the save's needs the target to name the rank to take the value from, or a
+    ``per_rank=`` policy of :func:`arrayckpt.load` (a plain value that differs between ranks is saved per rank too,
+    without this wrapper).
 
     Args:
         value: this rank's value (on load: the target, filled in place when a tensor, else replaced).

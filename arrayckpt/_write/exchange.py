@@ -6,8 +6,9 @@
     each rank:    Report (its fingerprint; its LocalDescription unless it holds a RankLayout of a Layout
                   planned from that fingerprint; its values and per-rank values; its delta findings)   gather ->
     coordinator:  the Layout its PlanCache kept, when every rank's fingerprint is the one it was planned from
-                  and every key's codec and the chunk policy are unchanged; else plan_layout from the
-                  descriptions (if a rank sent none: Resend, and every rank sends its description once more)
+                  and every key's codec and the chunk policy are unchanged, and no plain value a rank did not send
+                  differs from its owner's (the digest it sent); else plan_layout from the descriptions (if a
+                  rank sent none: Resend, and every rank sends its description once more)
                   + this save's values -> SavePlan; the write transaction begins
                                                          <- scatter: each rank its Reply (or the error)
     each rank:    its part: the RankLayout its PlanCache holds (Reply.part is None), or the one sent (held for
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from .._errors import ArrayckptError
 from .._format.manifest import ArrayEntry, ValueEntry
 from .._layout.delta import PieceChange
+from .._layout.plainvalues import unsent_digest
 from .._layout.plancache import Held, PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, expand
 from .._layout.saveplan import LocalDescription, fingerprint
@@ -61,6 +63,9 @@ class Report:
     per_rank: tuple[ValueEntry | ArrayEntry, ...]
     changes: list[PieceChange]  # a delta save's findings
     agreement: Agreement | None  # a delta save's (every rank must agree; None: a full save)
+    # with a claim: the digest of the plain values it holds and does not send (``plainvalues.unsent_digest``), which
+    # the coordinator compares with their owners' (None: it sent all of its values)
+    unsent: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,10 @@ def _report(description: LocalDescription | None, error: BaseException | None, p
     if description is None:
         return Report(error, None, None, None, (), (), changes, agreement)
     if held is not None:
-        owned = set(held.rank_layout.owned)
-        values = tuple(v for v in description.values if v.key in owned)
-        return Report(error, print_, held.plan_id, None, values, description.per_rank, changes, agreement)
+        sent = set(held.rank_layout.sent)
+        values = tuple(v for v in description.values if v.key in sent)
+        return Report(error, print_, held.plan_id, None, values, description.per_rank, changes, agreement,
+                      unsent_digest(description.values, sent))
     return Report(error, print_, None, description, description.values, description.per_rank, changes, agreement)
 
 

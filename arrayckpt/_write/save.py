@@ -42,6 +42,7 @@ from .._format.zarr import GROUP_METADATA
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
+from .._layout.plainvalues import unsent_agree
 from .._layout.plancache import PlanCache
 from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
@@ -95,7 +96,9 @@ def save(
     Args:
         state: a dict of tensors (plain, DTensor, or :class:`arrayckpt.Shard`), numpy arrays, plain values (int,
             float, str, bool, None, bytes and lists/tuples/dicts of them), :class:`arrayckpt.PerRank` values and
-            objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and lists.
+            objects with ``state_dict()`` (modules, optimizers, schedulers), nested in dicts and lists. A plain
+            value the ranks hold alike is stored once; one that differs between them (a data loader's position) is
+            stored per rank, as a ``PerRank`` value is (a load at another world size then needs ``per_rank=``).
         path: a directory, or an object-storage URL (``s3://bucket/prefix``, ``gs://``, ``memory://``).
         codec: ``None`` (no compression), ``"zstd"``, ``"blosc"``, an :class:`arrayckpt.Codec`, or a per-key
             choice (``{"optim.*": "zstd"}``).
@@ -346,6 +349,10 @@ def _coordinate(reports: list[Report], request: SaveRequest, plan_cache: PlanCac
         layout = plan_cache.reusable(fingerprints, options.codec, chunking)
         claims = {r.plan_id for r in reports if r.description is None}  # ranks that sent no description
         if claims and (layout is None or claims != {layout.plan_id}):  # (and only the values they owned in theirs)
+            return Resend(), None, None
+        if claims and layout is not None and not unsent_agree(layout.values, [r.values for r in reports],
+                                                              [r.unsent for r in reports]):
+            plan_cache.forget_layout()  # a value now differs between ranks: plan afresh, from every rank's values
             return Resend(), None, None
         if layout is None:
             descriptions = [r.description for r in reports]

@@ -41,6 +41,8 @@ from arrayckpt._format.manifest import (
     MAX_NDIM,
     PACKED_VERSION,
     Manifest,
+    PerRankEntry,
+    ValueEntry,
     per_rank_path,
 )
 from arrayckpt._format.quant import dequantize_rows, max_abs_error, packed_columns, quantize_rows
@@ -402,10 +404,19 @@ def test_per_rank_entries_on_disk_and_read_back(tmp_path):
         arrayckpt.load({"rng": arrayckpt.PerRank(torch.zeros(2, dtype=torch.uint8), rank=3)}, path, strict=False)
 
 
-def test_plain_values_come_from_the_lowest_rank_holding_them():
-    states = [{"w": torch.ones(2)}, {"w": torch.ones(2), "v": "rank1"}, {"w": torch.ones(2), "v": "rank2"}]
-    planned = plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
-    assert planned.entries["v"].value == "rank1"
+def test_plain_values_are_stored_once_where_ranks_agree_and_per_rank_where_they_differ():
+    """§5.3 item 3: one value, the lowest holding rank's, where every holder has the same; else a per-rank entry
+    (``null`` for a rank that does not hold the key), so that no rank's value is lost."""
+    def plan(values):
+        states = [{"w": torch.ones(2)}, *({"w": torch.ones(2), "v": v} for v in values)]
+        return plan_save([describe_local(s, r, False, host_view).description for r, s in enumerate(states)], None)
+
+    same = plan(["a", "a"]).entries["v"]
+    assert isinstance(same, ValueEntry) and same.value == "a"
+    differ = plan(["rank1", "rank2"]).entries["v"]
+    assert differ.to_dict() == {"kind": "per_rank", "keys": ["v"],
+                                "ranks": [None, {"value": "rank1"}, {"value": "rank2"}]}
+    assert isinstance(plan([1, 1.0]).entries["v"], PerRankEntry)  # equal as typed JSON only: 1 is not 1.0
 
 
 def test_temporary_directory_name(tmp_path):

@@ -340,6 +340,34 @@ def test_single_process_round_trip_with_plain_values(tmp_path: Path) -> None:
     assert_bit_equal(rebuilt["optim"]["state"]["0"]["exp_avg"], saved["optim"]["state"][0]["exp_avg"])
 
 
+def test_the_reader_gives_values_saved_per_rank_by_a_policy_at_another_world_size(tmp_path: Path) -> None:
+    """A value that differed between 2 saving ranks (here ranks as threads) is offered to DCP; loading it on one
+    process is refused before any data is read unless the reader's ``per_rank`` says which value it takes."""
+    from thread_ranks import run_thread_ranks
+
+    def save(rank: int, group: Any) -> None:
+        arrayckpt.save({"w": torch.ones(2), "loader": {"pos": 10 + rank, "seen": [rank] * (rank + 1)}},
+                       tmp_path / "ckpt", process_group=group)
+
+    run_thread_ranks(2, save)
+
+    def target() -> dict[str, Any]:
+        return {"w": torch.zeros(2), "loader": {"pos": -1, "seen": [-1]}}
+
+    state = target()
+    with pytest.raises(CheckpointException, match="'loader.pos' was saved per rank at world size 2 and is loaded "
+                                                  "at world size 1"):
+        dcp.load(state, storage_reader=ArrayckptReader(tmp_path / "ckpt"), no_dist=True)
+    assert state["w"].tolist() == [0, 0]
+    dcp.load(state, storage_reader=ArrayckptReader(tmp_path / "ckpt", per_rank="rank0"), no_dist=True)
+    assert state["loader"] == {"pos": 10, "seen": [0]} and state["w"].tolist() == [1, 1]
+    state = target()
+    reader = ArrayckptReader(tmp_path / "ckpt", per_rank={"loader.pos": lambda key, values, rank, world: max(values),
+                                                          "loader.*": "keep"})
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert state["loader"] == {"pos": 11, "seen": [-1]}
+
+
 def test_stateful_objects_and_arrayckpt_load_into_a_fresh_optimizer(tmp_path: Path) -> None:
     model, optim = _trained(5)
     dcp.save({"model": model, "optim": optim}, storage_writer=ArrayckptWriter(tmp_path / "c"), no_dist=True)

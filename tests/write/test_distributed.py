@@ -78,7 +78,7 @@ def _load_2_ranks_other_sharding(rank: int, world: int, path: str) -> None:
     assert target["step"] == 11
     assert torch.equal(target["rng"].value, torch.full((3,), 2, dtype=torch.uint8))
     # without naming a rank, a per-rank value cannot follow a world-size change
-    with pytest.raises(arrayckpt.StateError, match="saved by 3 ranks and is loaded on 2"):
+    with pytest.raises(arrayckpt.StateError, match="saved per rank at world size 3 and is loaded at world size 2"):
         arrayckpt.load({"cursor": arrayckpt.PerRank(None)}, path, strict=False)
     _ = Replicate
 
