@@ -76,10 +76,11 @@ if TYPE_CHECKING:
     from ._read.load import LoadResult, load
     from ._storage.gc import collect_garbage as gc
     from ._tools.copy import CopyResult, copy
+    from ._tools.damage import Damage
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
     from ._tools.report.build import report
-    from ._tools.verify import Damage, VerifyReport, verify
+    from ._tools.verify import VerifyReport, verify
     from ._torch.shards import PerRank, Shard
     from ._write.asynchronous import SaveHandle, async_save, release_host_buffers
     from ._write.compact import CompactResult, compact
@@ -103,7 +104,7 @@ _LAZY: dict[str, str] = {
     "ConvertResult": "._convert.common",
     "CopyResult": "._tools.copy",
     "CorruptCheckpointError": "._errors",
-    "Damage": "._tools.verify",
+    "Damage": "._tools.damage",
     "DiffReport": "._tools.inspect",
     "FormatError": "._errors",
     "IncompleteCheckpointError": "._errors",

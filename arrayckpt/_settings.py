@@ -60,9 +60,9 @@ class Settings:
     copy_in_flight_bytes: int = 256 << 20  # chunk bytes a copy holds at once
     widen_block_bytes: int = 32 << 20  # bf16/fp16 bytes read at a time into a widened fp32 tensor (DeepSpeed export)
     tie_compare_bytes: int = 32 << 20  # bytes of each of two tensors compared at once (Hugging Face ties)
-    local_segment_bytes: int = 1 << 30  # a rank's pack file (packed layout) is followed by a new one past this size
-    object_segment_bytes: int = 64 << 20  # a rank's pack object on object storage: assembled in memory, one PUT
-    object_segment_puts: int = 1  # pack objects a rank PUTs at once (memory peaks at about 5 segments with 1)
+    object_part_bytes: int = 64 << 20  # a part of a rank's pack object (packed layout): its multipart upload's unit
+    object_pack_parts: int = 4  # parts of its pack object a rank holds in memory while writing it (then it waits)
+    pack_read_gap_bytes: int = 256 << 10  # ranges of a pack object this close are read by one GET
     # --- pauses and ages (seconds)
     lease_ttl_s: float = 60.0  # a lease not renewed for this long has expired (its holder is gone)
     lease_renew_s: float = 15.0  # how often a holder renews its lease

@@ -16,10 +16,10 @@ default chunk policy (``plan``: seconds, one process). Then, from the plan:
 
 - ``files``: what today's layout writes: one file per stored chunk (each a shard file, ``sharding_indexed``, or a
   plain chunk), one ``zarr.json`` per array and intermediate group, and the root;
-- ``packed``: what the packed layout (``docs/PACKED_LAYOUT.md``) writes for the same plan: per rank that writes
-  anything, its bytes over the segment size (``local_segment_bytes`` on a filesystem, ``object_segment_bytes`` on
-  object storage, ``_settings.py``), plus the index, the root and ``refs.json``; ``packed_multipart``: the same
-  with one pack per rank, uploaded to object storage as one multipart object;
+- ``packed_multipart``: what the packed layout (spec §16) writes for the same plan: one pack per rank that writes
+  anything (one file, or one object uploaded in parts), the index, the root, and ``refs.json`` up to
+  ``refs_max_chunks`` stored chunks; ``packed`` and ``packed_objects``: the first pack writer's bounded segments
+  (``SEGMENT_BYTES``: 1 GiB files, 64 MiB objects), kept to show why it was replaced;
 - ``dcp``: DCP's ``FileSystemWriter`` with its defaults (one ``.distcp`` file per rank, ``thread_count=1``, and
   ``.metadata``);
 - ``root_mib``: today's root document (manifest, chunk digests, ``created.writers``, consolidated metadata), and
@@ -56,6 +56,8 @@ from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
 from arrayckpt._settings import settings  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
+
+SEGMENT_BYTES = (1 << 30, 64 << 20)  # the first pack writer's segments (local, object storage), measured against
 
 HIDDEN, FFN, KV, VOCAB, LAYERS = 8192, 28672, 1024, 128256, 80
 DEFAULT_RANKS = (8, 64, 256, 1024)
@@ -109,10 +111,12 @@ def measure(ranks: int) -> dict[str, Any]:
     root = encode_root_document(build_manifest(plan, Record(1000), ranks, None, written, "files"),
                                 plan.consolidated_json)
     loads = np.asarray(plan.bytes_by_rank, np.int64)
-    local, remote = settings().local_segment_bytes, settings().object_segment_bytes
+    local, remote = SEGMENT_BYTES
     packed_local = int(np.ceil(loads / local).sum()) + 3  # + index, root, refs.json
     packed_object = int(np.ceil(loads / remote).sum()) + 3
-    one_per_rank = int((loads > 0).sum()) + 3  # a pack file per rank, uploaded as one multipart object
+    # the packed layout as written (spec §16): a pack per rank that writes anything (one file, or one multipart
+    # object), the index and the root, and refs.json up to refs_max_chunks stored chunks
+    one_per_rank = int((loads > 0).sum()) + 2 + (stored <= settings().refs_max_chunks)
     return {"ranks": ranks, "arrays": len(plan.arrays), "plan_s": round(plan_s, 2),
             "files": stored + len(plan.arrays) + _groups(list(plan.arrays)) + 1, "chunk_files": stored,
             "packed_files": packed_local, "packed_objects": packed_object, "packed_multipart": one_per_rank,

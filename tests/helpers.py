@@ -33,6 +33,11 @@ ALL_DTYPES = [
 ]
 
 
+#: Pins a test of a module marked ``usefixtures("storage_layout")`` to the files layout (format version 3): it crafts
+#: damage to chunk files or node documents, which a packed checkpoint does not have.
+FILES_LAYOUT_ONLY = pytest.mark.parametrize("storage_layout", ["files"], indirect=True)
+
+
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Random bits of any dtype (every bit pattern, NaNs included, for exact round-trip checks)."""
     g = torch.Generator().manual_seed(seed)

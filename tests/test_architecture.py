@@ -372,7 +372,7 @@ def test_the_readme_stays_a_five_minute_read():
 # accepts, sizes of things, other libraries' defaults). Every knob lives in ``_settings.py``.
 FACTS = {"MAX_LEASE_S", "MAX_SEGMENT_BYTES", "INDEX_BYTES", "FINGERPRINT_BYTES", "USER_FILE_LIMIT", "DOCUMENT_LIMIT",
          "LATEST_LIMIT", "SAFETENSORS_HEADER_LIMIT", "HF_MAX_SHARD_BYTES", "WEIGHT_BYTES", "OPTIMIZER_BYTES",
-         "MASTER_BYTES", "MAX_NAME_BYTES", "MAX_CHUNK_BYTES", "MAX_PUT_BYTES"}
+         "MASTER_BYTES", "MAX_NAME_BYTES", "MAX_CHUNK_BYTES", "MAX_PUT_BYTES", "MIN_PART_BYTES"}
 KNOB_NAME = ("_BYTES", "_THREADS", "_CONCURRENCY", "_RETRIES", "_S", "_LIMIT", "_SECONDS", "_NICE")
 
 

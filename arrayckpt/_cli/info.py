@@ -72,6 +72,9 @@ def info_dict(checkpoint: Checkpoint) -> JSON:
     return {
         "path": str(checkpoint.location),
         "format_version": checkpoint.manifest.format_version,
+        "packs": None if (packs := checkpoint.manifest.packs) is None else {
+            "files": len(packs.packs), "bytes": sum(pack.size for pack in packs.packs),
+            "index_bytes": packs.index_size},
         "step": checkpoint.step,
         "per_rank": per_rank_info(checkpoint),
         "created": dict(checkpoint.manifest.created),

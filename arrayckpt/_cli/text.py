@@ -161,7 +161,9 @@ def info_header(info: Mapping[str, Any]) -> str:
     if step is None:
         found = step_value(info["values"])
         step = "none recorded" if found is None else f"none recorded; the value `{found.key}` is {found.step}"
-    return f"checkpoint {info['path']}  (format v{info['format_version']}, step {step})"
+    packs = info.get("packs")
+    layout = "" if not packs else f", packed: {packs['files']} pack{'' if packs['files'] == 1 else 's'}"
+    return f"checkpoint {info['path']}  (format v{info['format_version']}{layout}, step {step})"
 
 
 def ranks_text(ranks: list[str]) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
+import secrets
 import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,20 +50,21 @@ from .jsontypes import JSON
 from .paths import MAX_NAME_BYTES, is_node_path, shown
 from .zarr import ROOT_METADATA, chunk_keys, grid_counts, unravel
 
-__all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile", "PackLayout",
-           "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "is_pack_key", "pack_name",
-           "packs_member", "parse_packs_member", "reference_document", "row_of", "stored_chunk_keys"]
+__all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile",
+           "PackLayout", "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "index_name",
+           "is_pack_key", "new_tag", "pack_name", "packs_member", "parse_packs_member", "reference_document", "row_of",
+           "stored_chunk_keys"]
 
 PACKS_MEMBER = "packs"  # the manifest member that describes a packed checkpoint
 PACK_PREFIX = "packs/"  # every pack file and the index file lie right below this folder of the checkpoint
-INDEX_NAME = f"{PACK_PREFIX}index.bin"
+INDEX_NAME = f"{PACK_PREFIX}index.bin"  # the index of an untagged save (tests); a save's is ``index_name(tag)``
 REFS_NAME = "refs.json"  # kerchunk v1 references of a packed checkpoint, for readers without arrayckpt (spec §16.4)
 ROW_SIZE = 24  # bytes of one stored chunk in the index: pack index, offset, length as little-endian u64
 MIN_CHUNK_SIZE = 4  # bytes: every chunk file ends with its crc32c (spec §7.4)
-MAX_RANK = 999_999  # pack names hold six digits of rank and three of segment, so that they sort by both
-MAX_SEGMENT = 999
+MAX_RANK = 999_999  # pack names hold six digits of rank, so that the packs of one save sort by rank
 MAX_SIZE = 2**63 - 1  # sizes and offsets stay within int64 and uint64 arithmetic alike
 _CRC = struct.Struct("<I")
+_TAG = re.compile(r"[0-9a-f]{1,16}")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # one file name: not hidden, no '.', '..', '/', '\\'
 
 
@@ -71,22 +73,43 @@ def is_pack_key(key: str) -> bool:
     return key == REFS_NAME or _file_name(key)
 
 
-def pack_name(rank: int, segment: int) -> str:
-    """The name of segment ``segment`` of rank ``rank``'s pack file, relative to the checkpoint. Names sort by rank,
-    then segment.
+def new_tag() -> str:
+    """A save's tag (spec §16.1): 8 hexadecimal digits, new for every save, in the names of its packs and index, so
+    that a save replacing a committed checkpoint on object storage never writes over the files of the one it
+    replaces."""
+    return secrets.token_hex(4)
 
-    >>> pack_name(3, 0)
-    'packs/r000003-000.pack'
+
+def pack_name(rank: int, tag: str = "") -> str:
+    """The name of rank ``rank``'s pack file of the save tagged ``tag``, relative to the checkpoint. Names of one save
+    sort by rank.
+
+    >>> pack_name(3, "1f0c9a2e"), pack_name(3)
+    ('packs/1f0c9a2e-r000003.pack', 'packs/r000003.pack')
     """
-    for what, value, top in (("rank", rank, MAX_RANK), ("segment", segment, MAX_SEGMENT)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
-            raise ValueError(f"pack {what} {value!r} must be an integer from 0 to {top}")
-    return f"{PACK_PREFIX}r{rank:06d}-{segment:03d}.pack"
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_RANK:
+        raise ValueError(f"pack rank {rank!r} must be an integer from 0 to {MAX_RANK}")
+    return f"{PACK_PREFIX}{_tagged(tag)}r{rank:06d}.pack"
+
+
+def index_name(tag: str = "") -> str:
+    """The name of the index file of the save tagged ``tag`` (spec §16.1).
+
+    >>> index_name("1f0c9a2e")
+    'packs/1f0c9a2e-index.bin'
+    """
+    return f"{PACK_PREFIX}{_tagged(tag)}index.bin"
+
+
+def _tagged(tag: str) -> str:
+    if tag and not _TAG.fullmatch(tag):
+        raise ValueError(f"pack tag {tag!r} must be 1 to 16 lowercase hexadecimal digits")
+    return f"{tag}-" if tag else ""
 
 
 @dataclass(frozen=True)
 class PackFile:
-    """One pack file: its name relative to the checkpoint (``packs/r000003-000.pack``), its size in bytes, and the
+    """One pack file: its name relative to the checkpoint (``packs/r000003.pack``), its size in bytes, and the
     rank that wrote it."""
 
     name: str
@@ -173,7 +196,7 @@ def encode_index(packs: Sequence[PackFile], table: ChunkTable) -> tuple[bytes, d
     it, for the manifest member. Refuses (``ValueError``: a writer's bug) a row outside ``packs``, shorter than a
     crc32c or overlapping another; the coordinator may call :func:`check_index` for all of them first.
 
-    >>> data, sections = encode_index([PackFile("packs/r000000-000.pack", 40, 0)],
+    >>> data, sections = encode_index([PackFile("packs/r000000.pack", 40, 0)],
     ...                               ChunkTable({"w": np.array([[0, 0, 12], [0, 12, 28]], np.uint64)}))
     >>> len(data), sections["w"].length
     (52, 52)
@@ -302,8 +325,8 @@ def packs_member(packs: Sequence[PackFile], index_name: str, index_size: int, in
     "crc32c"}, "sections": {array path: [offset, length, crc32c], ...}}`` (lists, not objects, for the files and
     sections: a checkpoint of 16,384 ranks lists as many files, in the root document every reader reads).
 
-    >>> packs_member([PackFile("packs/r000000-000.pack", 40, 0)], INDEX_NAME, 52, 7, {"w": Section(0, 52, 9)})
-    {'files': [['packs/r000000-000.pack', 40, 0]], 'index': {'name': 'packs/index.bin', 'size': 52, 'crc32c': 7}, \
+    >>> packs_member([PackFile("packs/r000000.pack", 40, 0)], INDEX_NAME, 52, 7, {"w": Section(0, 52, 9)})
+    {'files': [['packs/r000000.pack', 40, 0]], 'index': {'name': 'packs/index.bin', 'size': 52, 'crc32c': 7}, \
 'sections': {'w': [0, 52, 9]}}
     """
     return {"files": [[p.name, p.size, p.rank] for p in packs],
@@ -388,8 +411,8 @@ def reference_document(documents: Mapping[str, bytes], chunk_keys: Mapping[str, 
     filesystem rooted there, so the references survive moving the checkpoint.
 
     >>> reference_document({"zarr.json": b"{}"}, {"w": ["c.0"]}, ChunkTable({"w": np.array([[0, 8, 12]], np.uint64)}),
-    ...                    [PackFile("packs/r000000-000.pack", 20, 0)])
-    {'version': 1, 'refs': {'zarr.json': '{}', 'w/c.0': ['packs/r000000-000.pack', 8, 12]}}
+    ...                    [PackFile("packs/r000000.pack", 20, 0)])
+    {'version': 1, 'refs': {'zarr.json': '{}', 'w/c.0': ['packs/r000000.pack', 8, 12]}}
     """
     refs: JSON = {}
     for key, data in documents.items():

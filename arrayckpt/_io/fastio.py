@@ -275,8 +275,9 @@ def _sharded_buffers(layout: RowLayout, part: memoryview) -> tuple[list[memoryvi
 
 # --------------------------------------------------------------------------------------------- reading
 
-#: Where chunk ``index`` of a packed array lies: (pack file path, offset, length) (``read_rows``'s "directory").
-Locate = Callable[[int], tuple[str, int, int]]
+#: Where chunk ``index`` of a packed array lies: (pack file path, offset, length, the chunk file's name, e.g.
+#: ``model/w/c.1.0``) (``read_rows``'s "directory").
+Locate = Callable[[int], tuple[str, int, int, str]]
 
 
 
@@ -300,19 +301,20 @@ def read_rows(jobs: list[tuple[str, str | Locate, RowLayout, int, np.ndarray, An
                 target = raw[(a - first) * layout.row_bytes:(b - first) * layout.row_bytes]
                 if isinstance(directory, str):
                     path, base, size = os.path.join(directory, layout.chunk_key(index)), 0, None
+                    shown = path
                 else:  # a packed array: where its chunk file lies in a pack
-                    path, base, size = directory(index)
-                yield key, path, layout, (a - lo, b - lo), base, size, target
+                    path, base, size, chunk = directory(index)
+                    shown = f"chunk file {chunk} (bytes [{base:,}, {base + size:,}) of {_pack_name(path)})"
+                yield key, path, shown, layout, (a - lo, b - lo), base, size, target
 
     _run_all(work(), _read_chunk, where, "read")
     return declined
 
 
-def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], base: int, size: int | None,
-                target: memoryview) -> None:
+def _read_chunk(key: str, path: str, name: str, layout: RowLayout, rows: tuple[int, int], base: int,
+                size: int | None, target: memoryview) -> None:
     """Fill ``target`` with rows [rows) (relative to the outer chunk) of one chunk file, verifying crc32c; or of the
-    chunk file at bytes ``[base, base + size)`` of the pack file ``path``."""
-    name = path if size is None else f"{path} bytes [{base}, {base + size})"
+    chunk file at bytes ``[base, base + size)`` of the pack file ``path``. ``name``: how errors name it."""
     try:
         fd = open_nonblocking(path, False, f"chunk file {path}")  # no link; never blocks: a FIFO is refused below
     except FileNotFoundError:
@@ -353,6 +355,12 @@ def _read_chunk(key: str, path: str, layout: RowLayout, rows: tuple[int, int], b
                         f"{name} inner chunk {j}")
     finally:
         os.close(fd)
+
+
+def _pack_name(path: str) -> str:
+    """A pack file's name as the checkpoint records it (``packs/<file>``, spec §16.1), from its path."""
+    folder, _, file = path.rpartition("/")
+    return f"{folder.rpartition('/')[2]}/{file}"
 
 
 def _read_piece(fd: int, offset: int, layout: RowLayout, chunk_rows: int, rows: tuple[int, int],

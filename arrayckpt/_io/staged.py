@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, outer_chunk_shape
+from .shards import PARTIAL, inner_chunks, inner_grid, partial_shards
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -44,6 +45,11 @@ class ChunkSource(Protocol):
     token: str
 
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
+
+    def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+        """For each ``(flat, ranges)``, the ``(offset, length)`` ranges of that chunk file (offsets within it; a
+        range past its end is a ``CorruptCheckpointError``); ``(offset, -n)``: its last ``n`` bytes."""
+        ...
 
     def locate(self, path: str) -> Locate | None:
         """Where each chunk file of array ``path`` lies in a local pack file (for ``fastio``), or ``None`` when
@@ -76,23 +82,28 @@ def source_of(spec: JSON) -> tuple[ChunkSource, str] | None:
     return source, node
 
 
-def _chunks_of(index: tuple[slice, ...] | None, metadata: JSON) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """The (flat index, grid index) of every outer chunk a read of ``index`` touches."""
+def _chunks_of(index: tuple[slice, ...] | None, metadata: JSON
+               ) -> Iterator[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]]:
+    """The (flat index, grid index, part of it read: per dimension ``[start, stop)`` within the chunk) of every outer
+    chunk a read of ``index`` touches."""
     shape, chunks = array_shape(metadata), outer_chunk_shape(metadata)
     counts = grid_counts(metadata)
     index = index or ()
-    ranges = []
+    bounds, ranges = [], []
     for d, (n, c) in enumerate(zip(shape, chunks, strict=True)):
         part = index[d] if d < len(index) else slice(None)
         start, stop = slice(part.start, part.stop).indices(n)[:2]
         if stop <= start:
             return
+        bounds.append((start, stop))
         ranges.append(range(start // c, -(-stop // c)))
     for grid_index in grid_indices(ranges):
         flat = 0
         for i, count in zip(grid_index, counts, strict=True):
             flat = flat * count + i
-        yield flat, grid_index
+        within = tuple((max(lo - i * c, 0), min(hi - i * c, c))
+                       for (lo, hi), i, c in zip(bounds, grid_index, chunks, strict=True))
+        yield flat, grid_index, within
 
 
 class Staged:
@@ -127,8 +138,13 @@ def staged(wants: Sequence[Want], context: ts.Context) -> Staged:
             continue
         key = (id(hit[0]), hit[1])
         keys.append(key)
-        entry = wanted.setdefault(key, _Wanted(hit[0], hit[1], spec, {}))
-        entry.chunks.update(_chunks_of(index, json_object(spec.get("metadata"))))
+        entry = wanted.setdefault(key, _Wanted(hit[0], hit[1], spec, {}, {}))
+        metadata = json_object(spec.get("metadata"))
+        inner = inner_grid(metadata)
+        for flat, grid_index, part in _chunks_of(index, metadata):
+            entry.chunks[flat] = grid_index
+            if inner is not None:
+                entry.inner.setdefault(flat, set()).update(inner_chunks(part, *inner))
     if not wanted:
         return Staged([spec for spec, _ in wants], [], context)
     import tensorstore as ts
@@ -142,8 +158,9 @@ def staged(wants: Sequence[Want], context: ts.Context) -> Staged:
         for key, entry in wanted.items():
             prefix = f"{entry.source.token}/{read}/{entry.path}/"
             flats = sorted(entry.chunks)
-            names = chunk_keys(json_object(entry.spec.get("metadata")), (entry.chunks[flat] for flat in flats))
-            for name, data in zip(names, entry.source.fetch(entry.path, flats), strict=True):
+            metadata = json_object(entry.spec.get("metadata"))
+            names = chunk_keys(metadata, (entry.chunks[flat] for flat in flats))
+            for name, data in zip(names, _fetch(entry, metadata, flats), strict=True):
                 pending.append(store.write(prefix + name, data))
             specs[key] = {**entry.spec, "kvstore": {"driver": "memory", "path": prefix}}
         for future in pending:
@@ -162,7 +179,25 @@ class _Wanted:
     source: ChunkSource
     path: str
     spec: JSON
-    chunks: dict[int, tuple[int, ...]]
+    chunks: dict[int, tuple[int, ...]]  # flat index -> grid index
+    inner: dict[int, set[int]]  # of a sharded array: flat index -> the inner chunks read (flat within the shard)
+
+
+def _fetch(entry: _Wanted, metadata: JSON, flats: list[int]) -> list[bytes]:
+    """The chunk files of ``flats``: whole, or, for a shard of which a read needs at most ``PARTIAL`` of the inner
+    chunks, a shard holding only those (``partial_shards``)."""
+    inner = inner_grid(metadata)
+    if inner is None:
+        return entry.source.fetch(entry.path, flats)
+    count = math.prod(inner[1])
+    partial = [flat for flat in flats if len(entry.inner.get(flat, ())) <= PARTIAL * count]
+    whole = [flat for flat in flats if flat not in set(partial)]
+    out = dict(zip(whole, entry.source.fetch(entry.path, whole), strict=True)) if whole else {}
+    if partial:
+        needed = [entry.inner[flat] for flat in partial]
+        out.update(zip(partial, partial_shards(entry.source.fetch_parts, entry.path, partial, needed, count),
+                       strict=True))
+    return [out[flat] for flat in flats]
 
 
 def staged_bytes(want: Want, itemsize: int) -> int:

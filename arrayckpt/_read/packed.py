@@ -21,7 +21,7 @@ from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON
 from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_section, row_of
 from .._format.stored import max_chunk_file_bytes
-from .._format.zarr import grid_counts, unravel
+from .._format.zarr import chunk_key, grid_counts, unravel
 from .._io.fastio import Locate
 from .._io.smallfiles import check_no_links
 from .._io.staged import TOKEN_PREFIX, register
@@ -79,18 +79,51 @@ class PackedChunks:
         table, stored = self.rows([path])[path], self.stored(path)
         order, names = stored.order, [f"{self._root.rstrip('/')}/{pack.name}" for pack in self.layout.packs]
 
-        def where_is(flat: int) -> tuple[str, int, int]:
+        def where_is(flat: int) -> tuple[str, int, int, str]:
             row = row_of(order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
             pack, offset, length = (int(v) for v in table[row])
-            return names[pack], offset, length
+            return names[pack], offset, length, f"{path}/{chunk_key(self._nodes[path], unravel(flat, stored.counts))}"
         return where_is
 
     def _not_stored(self, path: str, stored: StoredChunks, flat: int) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{self.where}: array {path!r}: chunk {unravel(flat, stored.counts)} is not stored in this checkpoint "
             "(the read asked for a chunk its table does not hold)")
+
+    def read_file(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The ``(offset, length)`` ranges of the file ``name`` of this checkpoint (a pack, the index), read as the
+        chunk reads are: for ``verify``, which checks whole files (their sizes, the index's crc32c)."""
+        return self._read(name, ranges)
+
+    def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
+        """For each ``(flat, ranges)``, those ``(offset, length)`` ranges of that chunk file of array ``path``
+        (``(0, -n)``: its last ``n`` bytes), read concurrently, the ranges of one pack in one call; a range outside
+        the chunk file is damage (its bytes would be another chunk's)."""
+        table, stored = self.rows([path])[path], self.stored(path)
+        order = stored.order
+        by_pack: dict[int, list[tuple[int, int, int, int]]] = {}  # pack -> (part, range, offset, length)
+        for i, (flat, ranges) in enumerate(parts):
+            row = row_of(order, flat)
+            if row is None:
+                raise self._not_stored(path, stored, flat)
+            pack, base, size = (int(v) for v in table[row])
+            for j, (offset, length) in enumerate(ranges):
+                if length < 0:
+                    offset, length = size + length, -length
+                if offset < 0 or offset + length > size:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: array {path!r}: chunk {unravel(flat, stored.counts)} has {size} bytes, but "
+                        f"its shard index points at bytes [{offset}, {offset + length}) of it: the checkpoint is "
+                        "damaged or crafted; restore it from a copy")
+                by_pack.setdefault(pack, []).append((i, j, base + offset, length))
+        out: list[list[bytes]] = [[b""] * len(ranges) for _, ranges in parts]
+        for pack, wanted in by_pack.items():
+            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, _, offset, length in wanted])
+            for (i, j, _, _), piece in zip(wanted, data, strict=True):
+                out[i][j] = piece
+        return out
 
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
         """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per

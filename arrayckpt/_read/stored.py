@@ -49,7 +49,7 @@ from .._io.smallfiles import check_no_links
 from .._read.reader import ArraySlices, read
 from .._storage import Location, follow_base, kvstore_at
 from .._storage.base import Opened
-from .._storage.packs import read_file_ranges
+from .._storage.packread import read_file_ranges
 from .packed import PackedChunks, ReadRanges
 
 if TYPE_CHECKING:

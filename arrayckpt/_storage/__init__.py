@@ -9,7 +9,7 @@ registers the URL schemes it serves when imported (this package imports them all
 own files in a directory (``files.py``); a local commit into a directory holding the user's files, for DCP's
 writer (``beside.py``); the locks and leases of live saves and managers (``liveness.py``); one
 root document read for many ranks (``shared.py``); a rank's pack of chunk files, the packed layout's IO
-(``packs.py``).
+(``packs.py`` writes one, ``packread.py`` reads ranges of it).
 """
 
 from __future__ import annotations

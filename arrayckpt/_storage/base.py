@@ -240,12 +240,11 @@ class Location(abc.ABC):
         to fsync)."""
         return None
 
-    # --- packs (issue 35: a rank's chunk files appended into a few files or objects; ``packs.py``) --------------
+    # --- packs (issue 35: a rank's chunk files appended into one file or object; ``packs.py``) -----------------
 
-    def open_pack(self, rank: int, segment_bytes: int | None = None) -> PackWriter:
-        """Start rank ``rank``'s pack here (a writer's :attr:`Writer.target`), in segments of ``segment_bytes``
-        (``None``: this storage's knob, ``local_segment_bytes`` or ``object_segment_bytes``). ``NotImplementedError``
-        where the storage holds no packs."""
+    def open_pack(self, rank: int, tag: str = "") -> PackWriter:
+        """Start rank ``rank``'s pack of the save tagged ``tag`` here (a writer's :attr:`Writer.target`): the one file
+        or object ``pack_name(rank, tag)``. ``NotImplementedError`` where the storage holds no packs."""
         raise NotImplementedError(f"{self}: this storage holds no packs")
 
     def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -498,9 +497,9 @@ def finish_rank_writes(target: Location) -> None:
     target.finish_rank_writes()
 
 
-def open_pack(target: Location, rank: int, segment_bytes: int | None = None) -> PackWriter:
+def open_pack(target: Location, rank: int, tag: str = "") -> PackWriter:
     """Rank ``rank``'s pack in a writer's ``target`` (see :meth:`Location.open_pack` and ``packs.py``)."""
-    return target.open_pack(rank, segment_bytes)
+    return target.open_pack(rank, tag)
 
 
 def read_ranges(location: Location, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

@@ -56,7 +56,8 @@ from .base import (
 from .beside import checkpoint_nodes, commit_beside, refuse_shared_checkpoint
 from .files import pin_directory, remove_arrayckpt_files
 from .liveness import RootLock, create_held_directory, exclusive_directory
-from .packs import FilePackWriter, read_file_ranges
+from .packread import read_file_ranges
+from .packs import FilePackWriter
 from .renames import exchange, fsync_dir, make_durable, rename_noreplace
 
 __all__ = [
@@ -229,9 +230,8 @@ class LocalLocation(Location):
         if self.fsync:
             make_durable(self.path)
 
-    def open_pack(self, rank: int, segment_bytes: int | None = None) -> FilePackWriter:
-        size = settings().local_segment_bytes if segment_bytes is None else segment_bytes
-        return FilePackWriter(str(self.path), self.fsync, rank, size, self)
+    def open_pack(self, rank: int, tag: str = "") -> FilePackWriter:
+        return FilePackWriter(str(self.path), self.fsync, rank, self, tag)
 
     def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """(A committed checkpoint is read through its pinned directory: the location ``open_committed`` gave.)"""

@@ -61,7 +61,8 @@ from .kvio import read_key as _read
 from .kvio import wait_all as _wait
 from .kvio import write_key as _write
 from .liveness import MANAGER_LEASE, Lease
-from .packs import ObjectPackWriter, read_object_ranges
+from .packread import read_object_ranges
+from .packs import MAX_PARTS, ObjectPackWriter, Upload
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -259,9 +260,23 @@ class ObjectLocation(Location):
     def open_writer(self, overwrite: bool, beside: Beside | None = None) -> ObjectWriter:
         return ObjectWriter(self, overwrite)  # other objects under the prefix stay refused (beside or not)
 
-    def open_pack(self, rank: int, segment_bytes: int | None = None) -> ObjectPackWriter:
-        size = settings().object_segment_bytes if segment_bytes is None else segment_bytes
-        return ObjectPackWriter(self.open_store(), rank, size, self)
+    def open_pack(self, rank: int, tag: str = "") -> ObjectPackWriter:
+        """One object; larger than one part (``object_part_bytes``): uploaded in parts through s3fs or gcsfs (a
+        multipart upload on S3, a resumable one on GCS); on ``memory://`` written whole at close."""
+        upload = None if self.scheme == "memory" else self._open_upload
+        return ObjectPackWriter(self.open_store(), rank, self, settings().object_part_bytes, upload,
+                                MAX_PARTS if self.scheme == "s3" else None, tag)
+
+    def _open_upload(self, name: str, part_bytes: int) -> Upload:
+        """The upload of the object ``name`` below the prefix, in parts of ``part_bytes`` (an fsspec file)."""
+        fs = listing_fs(self.scheme, self.option)
+        if fs is None:
+            extra, library = ("s3", "s3fs") if self.scheme == "s3" else ("gcs", "gcsfs")
+            raise StorageError(f"{self}: a pack larger than one part (object_part_bytes) is uploaded in parts through "
+                               f"{library}, which is not installed: pip install 'arrayckpt[{extra}]'")
+        upload: Upload = fs.open("/".join(p for p in (self.bucket, self.prefix, name) if p), "wb",
+                                 block_size=part_bytes)
+        return upload
 
     def read_pack(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return read_object_ranges(self.open_store(), name, ranges, self)
@@ -458,10 +473,15 @@ class ObjectWriter(Writer):
 
     def missing(self, chunks: Mapping[str, Collection[str]]) -> list[str]:
         """The chunk objects (and node documents written before the commit) of this save not under the prefix now:
-        one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it)."""
+        one listing of the prefix (one LIST per 1,000 objects; the sweep after the commit reuses it). A packed save
+        (only packs and its index expected) lists nothing: each rank's pack was whole when its upload completed,
+        and the index is read back (one GET), so the commit's cost does not grow with the number of ranks."""
+        expected = [f"{path}/{name}" if path else name for path, names in chunks.items() for name in names]
+        if expected and all(is_pack_key(key) for key in expected) and not self._written:
+            index = [key for key in expected if not key.endswith(".pack")]
+            return [key for key in index if _read(self.store, key, self.location) is None]
         self._listed = _list(self.store, self.location)
         there = set(self._listed)
-        expected = [f"{path}/{name}" if path else name for path, names in chunks.items() for name in names]
         expected += [f"{path}/{ROOT_METADATA}" for path in self._written if path]
         return [key for key in expected if key not in there]
 

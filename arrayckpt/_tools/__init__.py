@@ -1,6 +1,7 @@
 """Tools on committed checkpoints, as a library (their command line is ``arrayckpt/_cli/``):
 
-- ``verify.py``: :func:`verify`, every stored byte read and checked, all the damage reported;
+- ``verify.py``: :func:`verify`, every stored byte read and checked, all the damage reported (``damage.py``: what
+  it reports; ``verify_packs.py``: what it checks of a packed checkpoint's packs and index);
 - ``inspect.py``: :func:`show` and :func:`diff`, values and comparisons without loading whole tensors;
 - ``chunkwise.py``: chunk-by-chunk access with bounded memory (what ``verify`` and ``diff`` walk);
 - ``copy.py``: :func:`copy`, a checkpoint and its chain of bases copied as stored between locations;

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -34,45 +35,22 @@ from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.jsontypes import JSON, json_object
 from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.zarr import array_shape, check_array_metadata
+from .._io.staged import TOKEN_PREFIX
 from .._read.checkpoint import open_location, stored_of
 from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import ROOT_METADATA, Location, parse_location, parse_roots
 from .._tools.chunkwise import ChunkRef, iter_chunks, read_chunks
+from .damage import Damage
+from .verify_packs import check_packs, stored_range
 
 __all__ = ["Damage", "VerifyReport", "verify"]
 
+_STAGED = re.compile(re.escape(TOKEN_PREFIX) + r"[0-9a-f]+/[0-9]+/")  # where a read staged a packed chunk file
 BATCH_CHUNKS = 4096  # and at most this many (tiny chunks: the batch's own bookkeeping stays small)
 MAX_ARRAY_DAMAGE = 100  # damaged chunks reported per array; verify leaves the array there (saying so)
 
 Progress = Callable[[int, int], None]  # (bytes checked so far, bytes to check)
-
-
-@dataclass(frozen=True)
-class Damage:
-    """One problem :func:`verify` found.
-
-    Attributes:
-        key: the entry it affects (``None``: the checkpoint as a whole).
-        file: the path inside the checkpoint, e.g. ``model/w/c.1.0`` or ``zarr.json``.
-        problem: what is wrong, in words.
-
-    Examples:
-        >>> import arrayckpt, torch, tempfile, os
-        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-        >>> arrayckpt.save({"w": torch.ones(4)}, path)
-        >>> os.remove(os.path.join(path, "w", "zarr.json"))
-        >>> damage = arrayckpt.verify(path).damage[0]
-        >>> damage.key, damage.file
-        ('w', 'w/zarr.json')
-    """
-
-    key: str | None
-    file: str
-    problem: str
-
-    def to_dict(self) -> JSON:
-        return {"key": self.key, "file": self.file, "problem": self.problem}
 
 
 @dataclass(frozen=True)
@@ -126,7 +104,10 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None,
     Checks: the commit (root ``zarr.json``) exists, parses and matches its checksum; every array's and group's
     own ``zarr.json`` is present and matches the consolidated copy (other Zarr readers need it); every chunk of
     every tensor, per-rank array and pickled value is present and passes its crc32c, and each array's chunks,
-    in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught).
+    in order, match the digest recorded at save (so swapped, misplaced or foreign chunk files are caught). A packed
+    checkpoint (spec §16) has no node files: instead every pack and the index must hold exactly the bytes the manifest
+    records, the index its crc32c, every array's section must be sound and no two chunks may share bytes; a damaged
+    chunk is named by its chunk file, its pack and its bytes there (``_tools/verify_packs.py``).
     Checkpoints older than format version 3 have neither checksum: the report lists them as ``unprotected``
     (``ok`` says nothing about what was not checked). What says something about the data is reported, not raised
     (each damaged chunk by file, up to 100 per array: then the array's other chunks are skipped, and a damage on the
@@ -218,14 +199,20 @@ def _verify_layer(checkpoint: StoredCheckpoint, damage: list[Damage], batch_byte
     """Check one checkpoint's own node files and chunks: (arrays, chunks, bytes checked)."""
     location, nodes = checkpoint.location, checkpoint.nodes
     stored: list[tuple[str, str, JSON]] = []  # one item per array (the manifest's size), never per chunk
+    packed = checkpoint.packed
     for key, array_path, spec in _arrays(checkpoint, nodes, damage):
         stored.append((key, array_path, spec))
-        damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
+        if packed is None:  # a packed checkpoint has no node documents (spec §16.1): its nodes are the manifest's
+            damage.extend(_check_node_file(location, key, array_path, nodes[array_path]))
     groups = sorted(p for p, doc in nodes.items() if isinstance(doc, dict) and doc.get("node_type") == "group")
-    for group_path in groups:
+    for group_path in groups if packed is None else ():
         damage.extend(_check_node_file(location, None, group_path, nodes[group_path]))
-    total = sum(_stored_bytes(checkpoint, *array) for array in stored)
     failed: dict[str, int] = {}  # damaged chunks by array path
+    if packed is not None:  # its packs and index: sizes, checksum, sections, no chunks of two arrays overlapping
+        found = check_packs(packed, [(key, path) for key, path, _ in stored], nodes, batch_bytes, MAX_ARRAY_DAMAGE)
+        damage.extend(found.damage)
+        failed.update(found.failed)
+    total = sum(_stored_bytes(checkpoint, *array) for array in stored if failed.get(array[1], 0) < MAX_ARRAY_DAMAGE)
     chunks = _walk(checkpoint, stored, failed)
     digests: dict[str, ChunkDigest] = {}
     count, checked = _read_all(checkpoint, chunks, total, batch_bytes, damage, progress, digests, failed)
@@ -398,7 +385,11 @@ def _read_alone(checkpoint: StoredCheckpoint, chunk: ChunkRef, where: str, damag
     except (StorageError, ReplacedCheckpointError, MemoryError):
         raise  # unreachable store, checkpoint replaced, no memory: nothing is known about the chunk
     except Exception as e:  # every other failure is reported, whatever raised it
-        damage.append(Damage(chunk.key, chunk.file, _short(str(e), where, chunk.key)))
+        problem = _short(str(e), where, chunk.key)
+        stored = stored_range(checkpoint.packed, chunk) if checkpoint.packed is not None else None
+        if stored is not None and "bytes [" not in problem:  # name the pack and the bytes (unless the error did)
+            problem = f"{problem} (its chunk file: {stored})"
+        damage.append(Damage(chunk.key, chunk.file, problem))
         failed[chunk.array_path] = failed.get(chunk.array_path, 0) + 1
         if failed[chunk.array_path] == MAX_ARRAY_DAMAGE:
             damage.append(Damage(chunk.key, chunk.array_path, f"{MAX_ARRAY_DAMAGE} damaged chunks found: verify "
@@ -423,8 +414,9 @@ def _read_batch(checkpoint: StoredCheckpoint, batch: list[ChunkRef], digests: di
 
 
 def _short(message: str, where: str, key: str | None = None) -> str:
-    """An error message without the location and key prefixes the report already shows."""
-    message = message.removeprefix(f"{where}: ")
+    """An error message without the location and key prefixes the report already shows (and, for a packed
+    checkpoint, without the staging prefix of TensorStore's own messages: the chunk file's key is what it names)."""
+    message = _STAGED.sub("", message.removeprefix(f"{where}: "))
     if key is not None:
         message = message.removeprefix(f"tensor {key!r}: ").removeprefix("read failed: ")
     return message.strip()

@@ -76,7 +76,7 @@ class Reply:
     part: RankLayout | RankPlan | None
     target: Location  # where to write
     key_encoding: str
-    packed: bool = False  # each rank writes its chunks into its one pack (spec §16)
+    pack_tag: str | None = None  # packed (spec §16): each rank writes its chunks into its one pack, of this tag
 
 
 _PLAN_CACHES: dict[ProcessGroup | None, PlanCache] = {}  # process group (None: one process, or ranks run as threads)
@@ -141,4 +141,4 @@ def exchange(group: Group, plan_cache: PlanCache, description: LocalDescription 
     if isinstance(part, RankLayout):
         plan_cache.hold(group.rank, group.size, Held(reply.plan_id, print_ or b"", part))
         part = expand(part, description, group.rank, reply.key_encoding)
-    return Reply(reply.plan_id, part, reply.target, reply.key_encoding, reply.packed)
+    return Reply(reply.plan_id, part, reply.target, reply.key_encoding, reply.pack_tag)

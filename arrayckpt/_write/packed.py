@@ -23,13 +23,13 @@ import numpy as np
 from .._errors import StorageError
 from .._format.jsontypes import JSON, json_object
 from .._format.packs import (
-    INDEX_NAME,
     REFS_NAME,
     ChunkTable,
     PackFile,
     PackLayout,
     StoredChunks,
     encode_index,
+    index_name,
     reference_document,
     stored_chunk_keys,
 )
@@ -65,10 +65,10 @@ class RankPack:
     """One rank's pack being written: :meth:`write` is a ``write_all`` that ends with the chunk files in the pack;
     :meth:`close` finishes it (its :class:`PackReport`), :meth:`abort` removes it."""
 
-    def __init__(self, target: Location, rank: int, where: str) -> None:
+    def __init__(self, target: Location, rank: int, where: str, tag: str) -> None:
         self.where = where
         self.context = LazyContext({})  # its own memory kvstore, emptied after every batch
-        self._target, self._rank = target, rank
+        self._target, self._rank, self._tag = target, rank, tag
         self._writer: PackWriter | None = None
         self._chunks: dict[str, dict[int, tuple[int, int]]] = {}
         self._lock = threading.Lock()  # the fast path appends from several threads
@@ -133,7 +133,7 @@ class RankPack:
     def _append(self, data: bytes | list[memoryview]) -> tuple[int, int]:
         with self._lock:
             if self._writer is None:
-                self._writer = self._target.open_pack(self._rank)
+                self._writer = self._target.open_pack(self._rank, self._tag)
             writer = self._writer
         offset, length = writer.append(data)
         return offset, length
@@ -194,14 +194,15 @@ def chunk_table(nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]
 
 
 def index_files(nodes: Mapping[str, JSON], documents: Mapping[str, bytes], present: Mapping[str, tuple[int, ...]],
-                packs: Sequence[PackFile], table: ChunkTable,
+                packs: Sequence[PackFile], table: ChunkTable, tag: str,
                 write: Callable[[str, bytes], None]) -> PackLayout:
     """Write the index file and, up to ``refs_max_chunks`` chunks, the kerchunk references (``write(name,
     bytes)``); the layout the manifest records."""
     data, sections = encode_index(packs, table)
-    write(INDEX_NAME, data)
+    name = index_name(tag)
+    write(name, data)
     if sum(len(rows) for rows in table.rows.values()) <= settings().refs_max_chunks:
         keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in table.rows}
         refs = reference_document(documents, keys, table, packs)
         write(REFS_NAME, json.dumps(refs, separators=(",", ":")).encode())
-    return PackLayout(tuple(packs), INDEX_NAME, len(data), crc32c.crc32c(data), sections)
+    return PackLayout(tuple(packs), name, len(data), crc32c.crc32c(data), sections)

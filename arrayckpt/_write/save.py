@@ -37,6 +37,7 @@ from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedChec
 from .._format.codecs import CodecChoice
 from .._format.jsontypes import JSON
 from .._format.manifest import FILES_VERSION, PACKED_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
+from .._format.packs import new_tag
 from .._format.zarr import GROUP_METADATA
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
 from .._layout.delta import plan_delta, stored_bytes
@@ -250,8 +251,9 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
     coordinator = _Coordinated()  # the coordinator's plan and write transaction, from planning to the commit
 
     def coordinate(reports: list[Report]) -> list[Reply | BaseException] | Resend:
-        replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, plan_cache)
-        coordinator.packed = request.packed(len(reports))
+        coordinator.pack_tag = new_tag() if request.packed(len(reports)) else None
+        replies, coordinator.plan, coordinator.transaction = _coordinate(reports, request, plan_cache,
+                                                                         coordinator.pack_tag)
         return replies
 
     try:
@@ -267,12 +269,12 @@ def finish_save(local: LocalState | None, error: BaseException | None, group: Gr
         part = reply.part
         assert isinstance(part, RankPlan)  # exchange expands this rank's part
         written, error = _attempt(lambda: _write_tasks(part, group.rank, local, target, where, changes, delta,
-                                                       reply.packed))
+                                                       reply.pack_tag))
         results = group.gather((error, written or ({}, {}, None)))
         outcome: BaseException | str | None = None
         if transaction is not None:
             assert results is not None and plan is not None  # the coordinator's, set with its transaction
-            outcome = _commit_or_abort(transaction, plan, results, request, group.size, coordinator.packed)
+            outcome = _commit_or_abort(transaction, plan, results, request, group.size, coordinator.pack_tag)
         try:
             outcome = group.broadcast(outcome)
         except CollectiveError as e:
@@ -319,13 +321,14 @@ class _Coordinated:
 
     plan: SavePlan | None = None
     transaction: WriteTransaction | None = None
-    packed: bool = False
+    pack_tag: str | None = None  # a packed save's tag (spec §16.1); None: one file per chunk
 
 
-def _coordinate(reports: list[Report], request: SaveRequest,
-                plan_cache: PlanCache) -> tuple[list[Reply | BaseException] | Resend, SavePlan | None,
-                                           WriteTransaction | None]:
-    """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction:
+def _coordinate(reports: list[Report], request: SaveRequest, plan_cache: PlanCache,
+                pack_tag: str | None) -> tuple[list[Reply | BaseException] | Resend, SavePlan | None,
+                                               WriteTransaction | None]:
+    """Plan the save (reusing the last layout when every rank's fingerprint matches it) and begin its transaction
+    (packed, with the tag ``pack_tag``):
     (every rank's reply, the plan, the transaction); or the error every rank must raise; or Resend."""
     size = len(reports)
     error = _first_error([r.error for r in reports])
@@ -354,10 +357,9 @@ def _coordinate(reports: list[Report], request: SaveRequest,
         transaction = request.begin_write()
     except ArrayckptError as e:
         return [e] * size, None, None
-    packed = request.packed(size)
     try:
         plan = plan_cache.with_key_encoding(plan, transaction.key_encoding)
-        if not packed:  # a packed checkpoint has its node metadata in its root only (spec §16.1)
+        if pack_tag is None:  # a packed checkpoint has its node metadata in its root only (spec §16.1)
             transaction.write_documents(plan.documents)
         if request.delta is not None:
             parts: list[RankLayout | RankPlan | None] = [explicit_part(plan, rank) for rank in range(size)]
@@ -365,7 +367,7 @@ def _coordinate(reports: list[Report], request: SaveRequest,
             every = plan_cache.rank_layouts(layout)
             parts = [None if r.plan_id == layout.plan_id else every[rank] for rank, r in enumerate(reports)]
         replies: list[Reply | BaseException] = [Reply(layout.plan_id, part, transaction.target,
-                                                      transaction.key_encoding, packed) for part in parts]
+                                                      transaction.key_encoding, pack_tag) for part in parts]
     except BaseException:
         transaction.abort()
         raise
@@ -376,15 +378,15 @@ Written = tuple[dict[str, float], Checksums, PackReport | None]  # what a rank r
 
 
 def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location, where: str,
-                 changes: Changes, delta: DeltaRequest | None, packed: bool) -> Written:
+                 changes: Changes, delta: DeltaRequest | None, pack_tag: str | None) -> Written:
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
     delta, only its changed chunks, or its changed rows). Returns the quantization error by key, the
     checksums of the chunks written and, for a packed save, where they lie in this rank's pack."""
-    if not packed:
+    if pack_tag is None:
         errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, target.kvstore,
-                                        target.write_context(), write_all)
+                                        target.write_context(), None)
         return errors, checksums, None
-    pack = RankPack(target, rank, where)
+    pack = RankPack(target, rank, where, pack_tag)
     try:
         errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, memory_kvstore,
                                         pack.context, pack.write)
@@ -396,9 +398,10 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
 
 def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, where: str, changes: Changes,
                 delta: DeltaRequest | None, kvstore: Callable[[str], JSON], context: StoreContext,
-                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]) -> tuple[dict[str, float],
-                                                                                           Checksums]:
-    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write``."""
+                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums] | None) -> tuple[
+                    dict[str, float], Checksums]:
+    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write`` (``None``:
+    ``write_all``, into files or objects of their own)."""
     jobs, device = [], []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes.pieces}
@@ -421,23 +424,24 @@ def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, 
             device.extend(device_parts(task.key, spec, task.path, data, held, task.box, outer[0] if outer else 0))
             continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
-    checksums = write_batched(jobs, device, context, where, write) if device else write(jobs, context, where)
-    if rank != 0 and (jobs or device) and write is write_all:  # on a shared filesystem each host fsyncs its writes
+    checksums = write_batched(jobs, device, context, where, write) if device else \
+        (write or write_all)(jobs, context, where)
+    if rank != 0 and (jobs or device) and write is None:  # on a shared filesystem each host fsyncs its writes
         target.finish_rank_writes()  # before reporting success (a pack is synced when it is closed)
     return errors, checksums
 
 
 def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: list[tuple[BaseException | None, Written]],
-                     request: SaveRequest, world_size: int, packed: bool) -> BaseException | str:
+                     request: SaveRequest, world_size: int, pack_tag: str | None) -> BaseException | str:
     """Commit (returning the new checkpoint's id) or abort (returning the error every rank raises)."""
     error = _first_error([e for e, _ in results])
     if error is None:
         try:
             manifest = build_manifest(plan, request.record, world_size, request.delta,
                                       [(errors, sums) for _, (errors, sums, _) in results], str(request.location))
-            if packed:
+            if pack_tag is not None:
                 manifest = packed_manifest(manifest, plan, [report for _, (_, _, report) in results], transaction,
-                                            str(request.location))
+                                           pack_tag, str(request.location))
             if request.delta is not None:
                 check_bases_unchanged(request.delta, request.location)
             request.check_guard()
@@ -450,14 +454,14 @@ def _commit_or_abort(transaction: WriteTransaction, plan: SavePlan, results: lis
 
 
 def packed_manifest(manifest: Manifest, plan: SavePlan, reports: list[PackReport | None],
-                     transaction: WriteTransaction, where: str) -> Manifest:
+                    transaction: WriteTransaction, pack_tag: str, where: str) -> Manifest:
     """``manifest`` with the packs the ranks reported and the chunk table (written now, before the commit)."""
     nodes = {path: array.metadata for path, array in plan.arrays.items()}
     present = manifest.delta_chunks
     packs, table = chunk_table(nodes, present, [r or PackReport(None) for r in reports], where)
     documents = {"zarr.json": json.dumps(GROUP_METADATA).encode()}
     documents.update((f"{path}/zarr.json", data) for path, data in plan.documents.items() if path)
-    layout = index_files(nodes, documents, present, packs, table, transaction.write_file)
+    layout = index_files(nodes, documents, present, packs, table, pack_tag, transaction.write_file)
     return dataclasses.replace(manifest, packs=layout, format_version=PACKED_VERSION)
 
 

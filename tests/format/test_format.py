@@ -92,7 +92,7 @@ def _manifest(**entries) -> dict:
     [
         ("not a dict", "must be a JSON object"),
         ({"entries": {}}, "no valid format_version"),
-        ({"format_version": 4, "entries": {}}, "format version 4 is not supported"),
+        ({"format_version": 5, "entries": {}}, "format version 5 is not supported"),
         ({"format_version": 1, "entries": [], "step": None}, "'entries' must be a JSON object"),
         ({"format_version": 1, "entries": {}, "step": "7"}, "'step' must be an integer"),
         (_manifest(w={"kind": "tensor", "keys": ["w"], "path": "../w", "dtype": "float32", "shape": [1]}),

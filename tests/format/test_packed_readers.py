@@ -70,3 +70,14 @@ def test_a_plain_zarr_reader_opening_the_directory_finds_no_arrays(tmp_path: Pat
     assert "arrayckpt" in group.attrs and group.attrs["arrayckpt"]["format_version"] == 4
     with arrayckpt.open(ck) as ckpt:  # arrayckpt reads it through the index
         assert np.array_equal(ckpt["steps"].numpy(), [3, 1, 4])
+
+
+def test_info_says_a_checkpoint_is_packed(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from arrayckpt.cli import main
+
+    save_with(_state(), tmp_path / "packed", SaveOptions(packed=True))
+    save_with(_state(), tmp_path / "files", SaveOptions(packed=False))
+    assert main(["info", str(tmp_path / "packed")]) == 0
+    assert "(format v4, packed: 1 pack, " in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "files")]) == 0
+    assert "(format v3, step" in capsys.readouterr().out

@@ -27,6 +27,9 @@ from arrayckpt._format.packs import (
     check_index,
     decode_section,
     encode_index,
+    index_name,
+    is_pack_key,
+    new_tag,
     pack_name,
     packs_member,
     parse_packs_member,
@@ -37,7 +40,7 @@ from arrayckpt._format.packs import (
 from arrayckpt._format.stored import max_chunk_file_bytes
 
 WHERE = "/ck"
-PACKS = [PackFile(pack_name(0, 0), 1000, 0), PackFile(pack_name(1, 0), 500, 1)]
+PACKS = [PackFile(pack_name(0), 1000, 0), PackFile(pack_name(1), 500, 1)]
 
 
 def _rows(*rows: tuple[int, int, int]) -> np.ndarray:
@@ -57,16 +60,18 @@ def _decode(data: bytes, n: int, max_length: int = 10_000, **options: object) ->
 # pack names and rows
 
 
-def test_pack_names_sort_by_rank_then_segment():
-    names = [pack_name(r, s) for r in (0, 2, 10, 999_999) for s in (0, 1, 999)]
-    assert names == sorted(names)
-    assert pack_name(3, 0) == "packs/r000003-000.pack"
+def test_pack_names_of_a_save_sort_by_rank_and_carry_its_tag():
+    names = [pack_name(r, "1f0c9a2e") for r in (0, 2, 10, 999_999)]
+    assert names == sorted(names) and all(n.startswith("packs/1f0c9a2e-r") for n in names)
+    assert pack_name(3) == "packs/r000003.pack" and index_name("ab") == "packs/ab-index.bin"
+    assert len({new_tag() for _ in range(100)}) == 100 and all(is_pack_key(pack_name(0, new_tag())) for _ in range(3))
 
 
-@pytest.mark.parametrize("rank, segment", [(-1, 0), (10**6, 0), (0, 1000), (0, -1), (True, 0), (1.0, 0), ("1", 0)])
-def test_pack_name_refuses_what_does_not_fit(rank, segment):
-    with pytest.raises(ValueError, match="must be an integer from 0 to"):
-        pack_name(rank, segment)
+@pytest.mark.parametrize("rank, tag", [(-1, ""), (10**6, ""), (True, ""), (1.0, ""), ("1", ""), (0, "XY"), (0, "../a"),
+                                       (0, "a" * 17)])
+def test_pack_name_refuses_what_does_not_fit(rank, tag):
+    with pytest.raises(ValueError, match="must be"):
+        pack_name(rank, tag)
 
 
 def test_row_of_maps_a_flat_chunk_index_to_its_row():
@@ -129,13 +134,13 @@ def test_encode_index_refuses_a_table_no_writer_makes():
 BAD_SECTIONS = [
     # rows, what the error says (the section is otherwise well formed: a valid crc32c)
     (_rows((2, 0, 8)), r"row 0 names pack 2, but the checkpoint has 2 pack files"),
-    (_rows((0, 0, 8), (0, 992, 9)), r"row 1 lies at bytes \[992, 1001\) of packs/r000000-000.pack, which has 1000"),
-    (_rows((1, 0, 501)), r"row 0 lies at bytes \[0, 501\) of packs/r000001-000.pack, which has 500 bytes"),
+    (_rows((0, 0, 8), (0, 992, 9)), r"row 1 lies at bytes \[992, 1001\) of packs/r000000.pack, which has 1000"),
+    (_rows((1, 0, 501)), r"row 0 lies at bytes \[0, 501\) of packs/r000001.pack, which has 500 bytes"),
     (_rows((1, 2**64 - 1, 8)), r"row 0 lies at bytes \[18446744073709551615, "),  # no wrap-around past 2**64
     (_rows((1, 8, 2**64 - 4)), r"row 0 is 18446744073709551612 bytes long, more than any chunk file"),
     (_rows((0, 0, 3)), r"row 0 is 3 bytes long, shorter than a chunk file's crc32c"),
     (_rows((0, 0, 600)), r"row 0 is 600 bytes long, more than any chunk file of this array holds \(550 bytes\)"),
-    (_rows((0, 0, 8), (1, 0, 8), (0, 4, 8)), r"row 2 at bytes \[4, 12\) of packs/r000000-000.pack overlaps row 0 "
+    (_rows((0, 0, 8), (1, 0, 8), (0, 4, 8)), r"row 2 at bytes \[4, 12\) of packs/r000000.pack overlaps row 0 "
                                              r"at \[0, 8\)"),
     (_rows((0, 100, 8), (0, 0, 200)), r"row 0 at bytes \[100, 108\) .* overlaps row 1 at \[0, 200\)"),
 ]
@@ -174,7 +179,7 @@ def test_decode_section_names_the_chunk_by_grid_index():
 def test_check_index_finds_chunks_of_two_arrays_that_share_bytes():
     table = ChunkTable({"a": _rows((0, 0, 8), (0, 100, 8)), "b": _rows((1, 0, 8), (0, 104, 20))})
     with pytest.raises(CorruptCheckpointError, match=r"^/ck: the pack index is wrong: array 'b', chunk \(1,\) \(row 1\)"
-                                                     r" at bytes \[104, 124\) of packs/r000000-000.pack overlaps array "
+                                                     r" at bytes \[104, 124\) of packs/r000000.pack overlaps array "
                                                      r"'a', row 1 at \[100, 108\); .*from a copy$"):
         check_index(PACKS, table, WHERE, {"b": StoredChunks((2,))})
     check_index(PACKS, ChunkTable({"a": _rows((0, 0, 8)), "b": _rows((0, 8, 8))}), WHERE)
@@ -186,11 +191,11 @@ def test_check_index_finds_chunks_of_two_arrays_that_share_bytes():
 def test_check_index_sorts_a_large_table():
     n = 200_000
     rows = np.stack([np.arange(n) % 2, (np.arange(n) // 2) * 64, np.full(n, 64)], axis=1).astype(np.uint64)
-    packs = [PackFile(pack_name(r, 0), n * 32, r) for r in (0, 1)]
+    packs = [PackFile(pack_name(r), n * 32, r) for r in (0, 1)]
     check_index(packs, ChunkTable({"a": rows[::2], "b": rows[1::2]}), WHERE)
     rows[-1, 1] -= 1
     with pytest.raises(CorruptCheckpointError, match=r"array 'b', row 99999 at bytes \[6399935, 6399999\) of "
-                                                     r"packs/r000001-000.pack overlaps array 'b', row 99998"):
+                                                     r"packs/r000001.pack overlaps array 'b', row 99998"):
         check_index(packs, ChunkTable({"a": rows[::2], "b": rows[1::2]}), WHERE)
 
 
@@ -236,8 +241,8 @@ BAD_MEMBERS = [
     (lambda m: [], r"must be an object of 'files', 'index' and 'sections', got \[\]"),
     (lambda m: {**m, "extra": 1}, "must be an object of 'files', 'index' and 'sections'"),
     (lambda m: {**m, "files": {}}, "'files' must be a list"),
-    (lambda m: {**m, "files": m["files"] * 2}, "lists the pack file 'packs/r000000-000.pack' twice"),
-    (lambda m: {**m, "index": {**m["index"], "name": "packs/r000001-000.pack"}}, "'index' must be"),
+    (lambda m: {**m, "files": m["files"] * 2}, "lists the pack file 'packs/r000000.pack' twice"),
+    (lambda m: {**m, "index": {**m["index"], "name": "packs/r000001.pack"}}, "'index' must be"),
     (lambda m: {**m, "index": {**m["index"], "name": "../index.bin"}}, "'index' must be"),
     (lambda m: {**m, "index": {**m["index"], "crc32c": 2**32}}, "'index' must be"),
     (lambda m: {**m, "index": {**m["index"], "size": -1}}, "'index' must be"),
@@ -280,8 +285,8 @@ def test_reference_document_inlines_documents_and_points_chunks_into_packs():
     refs = reference_document({"zarr.json": b'{"a": "\xc3\xa9"}', "w/zarr.json": b"{}"}, {"w": ["c.0", "c.1"]}, table,
                               PACKS)
     assert refs == {"version": 1, "refs": {"zarr.json": '{"a": "é"}', "w/zarr.json": "{}",
-                                           "w/c.0": ["packs/r000001-000.pack", 8, 12],
-                                           "w/c.1": ["packs/r000000-000.pack", 0, 20]}}
+                                           "w/c.0": ["packs/r000001.pack", 8, 12],
+                                           "w/c.1": ["packs/r000000.pack", 0, 20]}}
     assert json.loads(json.dumps(refs)) == refs
     with pytest.raises(ValueError, match="'w/meta.json' is not a node document's key"):
         reference_document({"w/meta.json": b"{}"}, {"w": ["c.0", "c.1"]}, table, PACKS)
@@ -318,7 +323,7 @@ def test_zarr_python_reads_a_packed_checkpoint_through_its_references(tmp_path: 
             pack.extend(data)
             turn += 1
     assert turn > 3
-    packs = [PackFile(pack_name(rank, 0), len(data), rank) for rank, data in enumerate(packs_data)]
+    packs = [PackFile(pack_name(rank), len(data), rank) for rank, data in enumerate(packs_data)]
     (ck / "packs").mkdir(parents=True)
     for pack, data in zip(packs, packs_data, strict=True):
         (ck / pack.name).write_bytes(data)

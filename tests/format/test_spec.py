@@ -485,7 +485,7 @@ def test_format_versions():
     assert Manifest.from_dict({"format_version": 3, "entries": {"t": entry}, "chunk_digests": {}}).format_version == 3
     with pytest.raises(FormatError, match="requires"):  # version 3 without its chunk digests
         Manifest.from_dict({"format_version": 3, "entries": {"t": entry}})
-    for version in (0, 4, True):
+    for version in (0, 5, True):
         with pytest.raises(FormatError, match="format_version|not supported"):
             Manifest.from_dict({"format_version": version, "entries": {}})
 

@@ -10,10 +10,13 @@ import policies
 import pytest
 import torch
 from crafted import edit_metadata
+from helpers import FILES_LAYOUT_ONLY
 from policies import WHOLE, Chunking
 
 import arrayckpt
 from arrayckpt._tools import verify as verify_module
+
+pytestmark = pytest.mark.usefixtures("storage_layout")  # every test on both layouts but those crafting chunk files
 
 
 @pytest.fixture
@@ -44,6 +47,7 @@ def test_a_sound_checkpoint_verifies(ckpt, chunking):
     assert report.chunks == 5 if chunking.name == "whole" else report.chunks > 5
 
 
+@FILES_LAYOUT_ONLY
 def test_all_damage_is_reported_by_key_and_chunk_file(ckpt, small_chunks):
     _save(ckpt, small_chunks)
     _flip(ckpt / "model" / "w" / "c.1.0")
@@ -62,6 +66,7 @@ def test_all_damage_is_reported_by_key_and_chunk_file(ckpt, small_chunks):
     assert report.to_dict()["ok"] is False and len(report.to_dict()["damage"]) == 4
 
 
+@FILES_LAYOUT_ONLY
 def test_per_rank_arrays_and_node_metadata_are_checked(ckpt):
     _save(ckpt)
     _flip(ckpt / "rng" / "%r0" / "c.0", at=0)
@@ -87,6 +92,7 @@ def test_damaged_root_document_is_reported(ckpt):
     assert [d.file for d in report.damage] == ["zarr.json"] and "damaged" in report.damage[0].problem
 
 
+@FILES_LAYOUT_ONLY
 def test_compressed_arrays_are_verified_through_tensorstore(ckpt, small_chunks):
     small_chunks.save({"w": torch.randn(32, 4)}, ckpt, codec="zstd")
     assert arrayckpt.verify(ckpt).ok
@@ -107,6 +113,7 @@ def test_progress_is_reported(ckpt):
 
 
 @pytest.mark.slow
+@FILES_LAYOUT_ONLY  # (edits the consolidated metadata)
 def test_verify_streams_chunks_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2**15 chunks (shape [2]*15, chunk [1]*15): a list of every ChunkRef took ~50 MB (1.5 KB a chunk); batches
     stay small."""

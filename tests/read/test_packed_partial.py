@@ -1,0 +1,90 @@
+"""Partial reads of packed shards (spec §16.3): a read needing a few inner chunks of a shard fetches its index and
+only those inner chunks (a 4→3 reshard then reads about what it needs), every byte still checked; a damaged inner
+chunk or a crafted shard index is an error naming the array, never another chunk's bytes."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from policies import small_chunks
+
+import arrayckpt
+from arrayckpt._read.checkpoint import stored_of
+
+INNER, OUTER = 64, 1024  # bytes: inner chunks of 2 rows of 8 float32, shards of 32 rows
+
+
+def _saved(codec: str | None = None) -> tuple[str, torch.Tensor]:
+    url = f"memory://partial/{uuid.uuid4().hex}"
+    w = torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8)
+    small_chunks(INNER, OUTER).save({"w": w}, url, packed=True, codec=codec)
+    return url, w
+
+
+def _counting(checkpoint: arrayckpt.Checkpoint) -> list[int]:
+    """The byte counts of every range the checkpoint's packs are read in, from now on."""
+    packed = stored_of(checkpoint).packed
+    assert packed is not None
+    sizes: list[int] = []
+    real = packed._read
+
+    def read(name, ranges):
+        sizes.extend(length for _, length in ranges)
+        return real(name, ranges)
+    packed._read = read
+    return sizes
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_a_slice_of_a_packed_shard_reads_about_what_it_needs(codec):
+    url, w = _saved(codec)
+    with arrayckpt.open(url) as ckpt:
+        assert ckpt["w"].metadata["codecs"][0]["name"] == "sharding_indexed"
+        stored_of(ckpt).packed.rows(["w"])  # the array's section of the pack index, read once per open
+        sizes = _counting(ckpt)
+        assert np.array_equal(ckpt["w"][35:38], w[35:38].numpy())  # 2 inner chunks of 16 in shard 1
+        needed = 2 * (2 * 8 * 4 + 4)  # the two inner chunks touched (rows and crc32c)
+        index = 16 * 16 + 4  # the shard's index
+        assert sizes[0] == index and len(sizes) == 3, sizes
+        assert sum(sizes[1:]) <= 1.1 * needed + (32 if codec else 0), sizes
+        sizes.clear()
+        assert np.array_equal(ckpt["w"].numpy(), w.numpy())  # a whole read fetches whole shards, once each
+        assert len(sizes) == 4  # the four shards
+
+
+def test_a_reshard_of_a_packed_save_reads_at_most_a_tenth_more_than_it_needs():
+    """Three readers each reading their third of the rows (a 4→3 reshard of a tensor saved in 4 row blocks)."""
+    url, w = _saved("zstd")
+    with arrayckpt.open(url) as ckpt:
+        stored_of(ckpt).packed.rows(["w"])
+        sizes = _counting(ckpt)
+        bounds = [0, 43, 86, 128]
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            assert np.array_equal(ckpt["w"][lo:hi], w[lo:hi].numpy())
+        whole = sum(sizes)
+    with arrayckpt.open(url) as ckpt:
+        stored_of(ckpt).packed.rows(["w"])
+        sizes = _counting(ckpt)
+        ckpt["w"].numpy()
+        once = sum(sizes)
+    assert whole <= 1.1 * once + 3 * (16 * 16 + 4), (whole, once)  # (a shard index read per partial shard)
+
+
+def test_a_damaged_inner_chunk_of_a_partly_read_shard_is_an_error():
+    url, w = _saved()
+    with arrayckpt.open(url) as ckpt:
+        packed = stored_of(ckpt).packed
+        pack, offset, _ = (int(v) for v in packed.rows(["w"])["w"][1])  # shard 1
+        name = packed.layout.packs[pack].name
+    from arrayckpt._storage import parse_location
+    store = parse_location(url).open_store()
+    data = bytearray(store.read(name).result().value)
+    data[offset + 70] ^= 0x01  # in its second inner chunk (rows 34-35)
+    store.write(name, bytes(data)).result()
+    with arrayckpt.open(url) as ckpt:
+        assert np.array_equal(ckpt["w"][40:42], w[40:42].numpy())  # another inner chunk of that shard reads fine
+        with pytest.raises(arrayckpt.CorruptCheckpointError, match="'w'"):
+            ckpt["w"][34:36]
