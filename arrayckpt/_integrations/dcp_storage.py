@@ -77,6 +77,7 @@ from .._errors import ArrayckptError, CheckpointExistsError, StateError
 from .._format.codecs import CodecChoice
 from .._format.keys import array_path, dotted
 from .._format.manifest import MAX_NDIM, ValueEntry
+from .._format.packs import new_tag
 from .._format.values import step_value
 from .._io.arrays import ArrayIO, Checksums, array_spec
 from .._layout.box import Box, grid_cells
@@ -110,7 +111,7 @@ class RankWork:
     tasks: tuple[WriteTask, ...]
     arrays: dict[str, ArrayPlan]  # the arrays the tasks write to, by path
     ties: bool = False  # two arrays could be one tensor: look for tied weights (``dcp_ties.py``)
-    packed: bool = False  # the rank's chunk files go into its one pack (spec §16), which it reports
+    pack_tag: str | None = None  # packed (spec §16): the save's tag; the rank's chunk files go into its one pack
     rank: int = 0  # this rank's place in the plans (its pack's rank)
 
 
@@ -142,7 +143,7 @@ class _Pending:
     plan: ArrayckptPlan
     mapping: dict[str, Any]  # DCP's fqn -> object path
     documents_written: bool  # the plan's zarr.json documents are being written (else: at the commit, or never)
-    packed: bool = False  # no zarr.json documents: the root holds the node metadata (spec §16.1)
+    pack_tag: str | None = None  # packed (its tag): no zarr.json documents, the root holds the node metadata (§16.1)
     pack: RankPack | None = None  # the coordinator's own pack, kept open from write_data for the pickles
     pack_rank: int = 0  # the coordinator's rank among the plans (its pack's)
 
@@ -321,8 +322,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         planned = self._plans.plan_save(descriptions, self.codec, self.chunking)
         transaction = _begin(location, self.overwrite)
         ties = may_tie(planned)
-        packed = packed_layout(self.packed, len(plans))
-        early = not packed and not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
+        pack_tag = new_tag() if packed_layout(self.packed, len(plans)) else None
+        early = pack_tag is None and not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
         try:
             planned = self._plans.with_key_encoding(planned, transaction.key_encoding)
             if early:  # write the documents meanwhile
@@ -332,12 +333,12 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             for rank, plan in enumerate(plans):
                 tasks = planned.layout.tasks[rank]
                 arrays = {t.path: planned.arrays[t.path] for t in tasks}
-                work = RankWork(transaction.target, str(location), tasks, arrays, ties, packed, rank)
+                work = RankWork(transaction.target, str(location), tasks, arrays, ties, pack_tag, rank)
                 out.append(dataclasses.replace(plan, storage_data=work))
         except BaseException:
             transaction.abort()
             raise
-        self._saves.begin(_Pending(transaction, planned, mapping, early, packed))
+        self._saves.begin(_Pending(transaction, planned, mapping, early, pack_tag))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -365,7 +366,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO and item.index.fqn not in skipped:
                 pieces.setdefault(item.index.fqn, []).append(_host_piece(item, planner.resolve_data(item), work))
-        pack = RankPack(work.target, work.rank, work.where) if work.packed else None
+        pack = None if work.pack_tag is None else RankPack(work.target, work.rank, work.where, work.pack_tag)
         try:
             sink = chunk_sink(work.target, pack)
             jobs = []
@@ -441,7 +442,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             plan = with_ties(plan, aliases)
         entries, pickles, members, containers = value_entries(plan, values, pending.mapping)
         arrays = dict(plan.arrays)
-        if pickles and pending.packed and pending.pack is None:
+        if pickles and pending.pack_tag is not None and pending.pack is None:
             raise ArrayckptError(f"{where}: the coordinator's pack is not open for the pickled values (DCP called "
                                  "write_data in another thread than prepare_global_plan?); save with packed=False")
         if pickles:  # (here, by the coordinator: into its pack when packed)
@@ -456,15 +457,15 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         assert not (aliases and pending.documents_written)  # ties are looked for only when documents wait
         full = dataclasses.replace(plan, entries=entries, arrays=arrays, containers=containers,
                                    documents=documents, consolidated_json=consolidated)
-        if not pending.documents_written and not pending.packed:  # (packed: the root holds them, spec §16.1)
+        if not pending.documents_written and pending.pack_tag is None:  # (packed: the root holds them, spec §16.1)
             transaction.write_documents(documents)
         created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter",
                    "dcp_save_id": self.save_id}  # DCP's StorageMeta.save_id, which ArrayckptReader gives back
         found = step_value({key: e.value for key, e in entries.items() if isinstance(e, ValueEntry)})
         record = Record(step=found.step if found is not None else None)  # DCP passes no step: the state's, if any
         manifest = build_manifest(full, record, len(results), None, [({}, sums) for sums in by_rank], where, created)
-        if pending.packed:
-            manifest = packed_manifest(manifest, full, packs, transaction, where)
+        if pending.pack_tag is not None:
+            manifest = packed_manifest(manifest, full, packs, transaction, pending.pack_tag, where)
         transaction.commit(manifest, consolidated)
 
     def _location(self) -> Location:
