@@ -142,3 +142,17 @@ def nodes_of(document: dict) -> dict:
     if "consolidated_metadata" in document:
         return document["consolidated_metadata"]["metadata"]
     return document["attributes"]["arrayckpt"]["nodes"]
+
+
+def zarr_group(path: str | os.PathLike[str]):  # -> zarr.Group (zarr imported here only)
+    """The local checkpoint at ``path`` as zarr-python opens it without arrayckpt, in either layout: the directory
+    itself, or a packed one through its kerchunk references (``docs/guide/reading-without-arrayckpt.md``)."""
+    import zarr
+
+    path = Path(path)
+    if not (path / "refs.json").exists():
+        return zarr.open_group(str(path), mode="r")
+    return zarr.open_group("reference://", mode="r", zarr_format=3, storage_options={
+        "fo": str(path / "refs.json"), "remote_protocol": "dir", "remote_options": {
+            "path": str(path), "asynchronous": True, "target_protocol": "async_wrapper",
+            "target_options": {"target_protocol": "file", "target_options": {}, "asynchronous": True}}})

@@ -13,11 +13,16 @@ hands the bytes to arrayckpt's planner, write path and commit, mirroring what ``
                                       <- scatter: each rank's plan carries its WriteTasks, the arrays they
                                          write to and the target Location in ``SavePlan.storage_data``
     every rank   write_data           its chunks, concurrently, straight from its tensors' memory
-                                      (``_io.arrays.write_all``); each WriteResult carries the crc32c of the
-                                      chunks it wrote, or the value of a BYTE_IO item        gather ->
-    coordinator  finish               values (and pickles, written here) enter the plan; every array's and
-                                      group's zarr.json, the manifest with its chunk digests, then the root
-                                      document, last: the commit
+                                      (``_io.arrays.write_all``; packed: into its one pack, ``RankPack``); each
+                                      WriteResult carries the crc32c of the chunks it wrote, or the value of a
+                                      BYTE_IO item, and once per rank its pack (``RankPacked``)   gather ->
+    coordinator  finish               values (and pickles, written here: packed, into the coordinator's pack,
+                                      kept open since its write_data) enter the plan; every array's and group's
+                                      zarr.json (packed: none, and the chunk table, ``packed_manifest``), the
+                                      manifest with its chunk digests, then the root document, last: the commit
+
+A save is packed (spec §16: one pack per rank, whatever the number of tensors) as ``arrayckpt.save``'s is: from
+``packed_from_ranks`` ranks of DCP's process group up, or as ``packed=`` says.
 
 A tensor the state holds under two keys (tied weights: GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``)
 is stored once, the second key an alias (spec §4.3), as ``arrayckpt.save`` stores it; DCP's plans carry no tensors,
@@ -72,8 +77,9 @@ from .._errors import ArrayckptError, CheckpointExistsError, StateError
 from .._format.codecs import CodecChoice
 from .._format.keys import array_path, dotted
 from .._format.manifest import MAX_NDIM, ValueEntry
+from .._format.packs import new_tag
 from .._format.values import step_value
-from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
+from .._io.arrays import ArrayIO, Checksums, array_spec
 from .._layout.box import Box, grid_cells
 from .._layout.chunking import DEFAULT_CHUNKING, ArrayPlan, ChunkPolicy
 from .._layout.plancache import PlanCache
@@ -83,12 +89,14 @@ from .._layout.tasks import WriteTask
 from .._storage import Beside, Location, parse_location
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
-from .._write.save import Record, build_manifest, created_info
+from .._write.options import packed_layout
+from .._write.packed import PackReport, RankPack
+from .._write.save import Record, build_manifest, created_info, packed_manifest
 from .._write.transaction import WriteTransaction, begin_write
 from .dcp_keys import key_parts, object_path
 from .dcp_options import accelerator_available, check_writer_options
 from .dcp_ties import TiesOnRank, agreed_ties, claim_ties, may_tie, tensor_items, with_ties
-from .dcp_values import ValueWritten, encode_item, value_entries, write_pickles
+from .dcp_values import ValueWritten, chunk_sink, encode_item, value_entries, write_pickles
 
 __all__ = ["ArrayckptWriter"]
 
@@ -103,6 +111,8 @@ class RankWork:
     tasks: tuple[WriteTask, ...]
     arrays: dict[str, ArrayPlan]  # the arrays the tasks write to, by path
     ties: bool = False  # two arrays could be one tensor: look for tied weights (``dcp_ties.py``)
+    pack_tag: str | None = None  # packed (spec §16): the save's tag; the rank's chunk files go into its one pack
+    rank: int = 0  # this rank's place in the plans (its pack's rank)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,18 @@ class ChunksWritten:
     checksums: dict[int, int]  # flat chunk index -> crc32c
 
 
+PACK_RESULT = "arrayckpt.pack"  # the MetadataIndex of the WriteResult that carries a rank's pack
+
+
+@dataclass(frozen=True)
+class RankPacked:
+    """``WriteResult.storage_data`` of a packed save's rank, once per rank: its pack and where its chunks lie in it
+    (their checksums travel in its :class:`ChunksWritten`)."""
+
+    rank: int
+    report: PackReport
+
+
 @dataclass
 class _Pending:
     """The coordinator's save between planning and the commit."""
@@ -120,7 +142,16 @@ class _Pending:
     transaction: WriteTransaction
     plan: ArrayckptPlan
     mapping: dict[str, Any]  # DCP's fqn -> object path
-    documents_written: bool  # the plan's zarr.json documents are being written (else: at the commit)
+    documents_written: bool  # the plan's zarr.json documents are being written (else: at the commit, or never)
+    pack_tag: str | None = None  # packed (its tag): no zarr.json documents, the root holds the node metadata (§16.1)
+    pack: RankPack | None = None  # the coordinator's own pack, kept open from write_data for the pickles
+    pack_rank: int = 0  # the coordinator's rank among the plans (its pack's)
+
+    def abort(self) -> None:
+        """Remove what the save wrote: the coordinator's pack (when still open), the transaction's target."""
+        if self.pack is not None:
+            self.pack.abort()
+        self.transaction.abort()
 
 
 class _Saves:
@@ -149,7 +180,12 @@ class _Saves:
             stale = [t for t in self._by_thread if t is me or not t.is_alive()]
             pending = [self._by_thread.pop(t) for t in stale]
         for p in pending:
-            p.transaction.abort()
+            p.abort()
+
+    def current(self) -> _Pending | None:
+        """This thread's planned save (the coordinator's ``write_data`` keeps its pack there)."""
+        with self._lock:
+            return self._by_thread.get(threading.current_thread())
 
     def abort_all(self) -> None:
         """Abort every planned save (the writer's finalizer)."""
@@ -157,7 +193,7 @@ class _Saves:
             pending = list(self._by_thread.values())
             self._by_thread.clear()
         for p in pending:
-            p.transaction.abort()
+            p.abort()
 
 
 class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
@@ -177,6 +213,10 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             explicitly replaces it there too, in place; ``False`` refuses everywhere.
         allow_pickle: as for :func:`arrayckpt.save`.
         storage_options: for object storage, as for :func:`arrayckpt.save`.
+        packed: as for :func:`arrayckpt.save`: ``True`` writes each rank's chunk files into one pack file (object)
+            per save, with an index (spec §16), ``False`` one file (object) per chunk, ``None`` (default) packed from
+            ``ARRAYCKPT_PACKED_FROM_RANKS`` ranks (2) of the DCP process group up: a save at scale writes a few
+            files per rank, not one per tensor shard.
         cache_staged_state_dict: ``FileSystemWriter``'s: with ``dcp.async_save`` (no ``async_stager=``) keep the CPU
             copy of the state for the next save (pinned where an accelerator is).
         filesystem_writer_options: ``FileSystemWriter``'s other arguments, accepted or refused as ``dcp_options.py``
@@ -207,8 +247,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: CodecChoice = None,
                  overwrite: bool | None = None, allow_pickle: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, cache_staged_state_dict: bool = False,
-                 **filesystem_writer_options: Any) -> None:
+                 storage_options: Mapping[str, Any] | None = None, packed: bool | None = None,
+                 cache_staged_state_dict: bool = False, **filesystem_writer_options: Any) -> None:
         implied = check_writer_options(filesystem_writer_options)  # ZStandard(): "zstd"
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -217,6 +257,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self.overwrite = overwrite
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
+        self.packed = packed
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self._saves = _Saves()
@@ -281,7 +322,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         planned = self._plans.plan_save(descriptions, self.codec, self.chunking)
         transaction = _begin(location, self.overwrite)
         ties = may_tie(planned)
-        early = not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
+        pack_tag = new_tag() if packed_layout(self.packed, len(plans)) else None
+        early = pack_tag is None and not self.allow_pickle and not ties  # no pickle can add an array, no tie remove one
         try:
             planned = self._plans.with_key_encoding(planned, transaction.key_encoding)
             if early:  # write the documents meanwhile
@@ -291,12 +333,12 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             for rank, plan in enumerate(plans):
                 tasks = planned.layout.tasks[rank]
                 arrays = {t.path: planned.arrays[t.path] for t in tasks}
-                work = RankWork(transaction.target, str(location), tasks, arrays, ties)
+                work = RankWork(transaction.target, str(location), tasks, arrays, ties, pack_tag, rank)
                 out.append(dataclasses.replace(plan, storage_data=work))
         except BaseException:
             transaction.abort()
             raise
-        self._saves.begin(_Pending(transaction, planned, mapping, early))
+        self._saves.begin(_Pending(transaction, planned, mapping, early, pack_tag))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -324,14 +366,23 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO and item.index.fqn not in skipped:
                 pieces.setdefault(item.index.fqn, []).append(_host_piece(item, planner.resolve_data(item), work))
-        jobs = []
-        for task in (t for t in work.tasks if t.key not in skipped):
-            box, data = _piece_holding(pieces, task)
-            spec = array_spec(work.target.kvstore(task.path), work.arrays[task.path].metadata)
-            jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(box)], task.box.slices(), task.path))
-        checksums = write_all(jobs, work.target.write_context(), work.where)
-        if jobs and not self.is_coordinator:  # on a shared filesystem each host fsyncs its own writes
-            work.target.finish_rank_writes()
+        pack = None if work.pack_tag is None else RankPack(work.target, work.rank, work.where, work.pack_tag)
+        try:
+            sink = chunk_sink(work.target, pack)
+            jobs = []
+            for task in (t for t in work.tasks if t.key not in skipped):
+                box, data = _piece_holding(pieces, task)
+                spec = array_spec(sink.kvstore(task.path), work.arrays[task.path].metadata)
+                jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(box)], task.box.slices(), task.path))
+            checksums = sink.write(jobs, sink.context, work.where)
+            if pack is not None:
+                results.extend(self._report_pack(pack, work))
+            elif jobs and not self.is_coordinator:  # on a shared filesystem each host fsyncs its own writes
+                work.target.finish_rank_writes()  # (a pack is synced when it is closed)
+        except BaseException:
+            if pack is not None:
+                pack.abort()
+            raise
         for fqn, held in pieces.items():
             path = array_path(fqn)
             array, found = work.arrays.get(path), checksums.get(path, {})
@@ -343,6 +394,16 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         future.set_result(results)
         return future
 
+    def _report_pack(self, pack: RankPack, work: RankWork) -> list[WriteResult]:
+        """This rank's pack, closed, as a result for the coordinator; the coordinator's own stays open until the
+        commit, for the pickled values it writes then (``finish``), and reports there."""
+        pending = self._saves.current() if self.is_coordinator else None
+        if pending is not None:
+            pending.pack, pending.pack_rank = pack, work.rank
+            return []
+        return [WriteResult(index=MetadataIndex(PACK_RESULT), size_in_bytes=0, storage_data=RankPacked(work.rank,
+                                                                                                        pack.close()))]
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, once every rank wrote: the values enter the manifest (pickles are written here),
         then every node's zarr.json, then the root document: the commit. On failure nothing is committed."""
@@ -353,7 +414,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         try:
             self._commit(pending, metadata, results)
         except BaseException:
-            pending.transaction.abort()
+            pending.abort()
             raise
 
     # --- the commit --------------------------------------------------------------------------------------
@@ -364,6 +425,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         by_rank: list[Checksums] = [{} for _ in results]  # what each rank wrote (the manifest records who wrote what)
         values: dict[str, ValueWritten] = {}
         ties: list[TiesOnRank] = [TiesOnRank(frozenset(), {}, frozenset())] * len(results)  # by rank
+        packs: list[PackReport | None] = [None] * len(results)  # by rank, where packed
         for rank, rank_results in enumerate(results):
             for result in rank_results:
                 data = result.storage_data
@@ -373,13 +435,21 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                     values.setdefault(result.index.fqn, data)
                 elif isinstance(data, TiesOnRank):
                     ties[rank] = data
+                elif isinstance(data, RankPacked):
+                    packs[data.rank] = data.report
         aliases = agreed_ties(ties, where) if any(t.claims for t in ties) else {}
         if aliases:  # stored once: the alias's array leaves the plan (its documents were not written yet)
             plan = with_ties(plan, aliases)
         entries, pickles, members, containers = value_entries(plan, values, pending.mapping)
         arrays = dict(plan.arrays)
-        if pickles:
-            arrays.update(write_pickles(pickles, arrays, transaction, by_rank[0], self.chunking))  # (here)
+        if pickles and pending.pack_tag is not None and pending.pack is None:
+            raise ArrayckptError(f"{where}: the coordinator's pack is not open for the pickled values (DCP called "
+                                 "write_data in another thread than prepare_global_plan?); save with packed=False")
+        if pickles:  # (here, by the coordinator: into its pack when packed)
+            sink = chunk_sink(transaction.target, pending.pack)
+            arrays.update(write_pickles(pickles, arrays, transaction, sink, by_rank[0], self.chunking))
+        if pending.pack is not None:
+            packs[pending.pack_rank] = pending.pack.close()
         order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}  # DCP's order of the state
         position = {key: min(order.get(fqn, len(order)) for fqn in members.get(key, (key,))) for key in entries}
         entries = dict(sorted(entries.items(), key=lambda kv: position[kv[0]]))
@@ -387,13 +457,15 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         assert not (aliases and pending.documents_written)  # ties are looked for only when documents wait
         full = dataclasses.replace(plan, entries=entries, arrays=arrays, containers=containers,
                                    documents=documents, consolidated_json=consolidated)
-        if not pending.documents_written:
+        if not pending.documents_written and pending.pack_tag is None:  # (packed: the root holds them, spec §16.1)
             transaction.write_documents(documents)
         created = {**created_info(len(results)), "writer": "arrayckpt.dcp.ArrayckptWriter",
                    "dcp_save_id": self.save_id}  # DCP's StorageMeta.save_id, which ArrayckptReader gives back
         found = step_value({key: e.value for key, e in entries.items() if isinstance(e, ValueEntry)})
         record = Record(step=found.step if found is not None else None)  # DCP passes no step: the state's, if any
         manifest = build_manifest(full, record, len(results), None, [({}, sums) for sums in by_rank], where, created)
+        if pending.pack_tag is not None:
+            manifest = packed_manifest(manifest, full, packs, transaction, pending.pack_tag, where)
         transaction.commit(manifest, consolidated)
 
     def _location(self) -> Location:

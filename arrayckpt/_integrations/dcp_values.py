@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from .._errors import PickleNotAllowedError, StateError
 from .._format.codecs import Codec
 from .._format.dtypes import DTYPES
+from .._format.jsontypes import JSON
 from .._format.keys import Key, array_path, dotted
 from .._format.manifest import ArrayEntry, Entry, PickleEntry, ValueEntry
 from .._format.values import NotJSONable, decode_value, encode_value
@@ -34,11 +35,16 @@ from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
 from .._layout.chunking import ArrayPlan, ChunkPolicy, plan_array
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._layout.saveplan import check_paths
+from .._write.packed import RankPack, memory_kvstore
 from .._write.transaction import WriteTransaction
 from .dcp_keys import key_parts, list_containers, object_path, regroup
 
-__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "encode_bytes", "encode_item", "value_entries",
-           "write_pickles"]
+if TYPE_CHECKING:
+    from .._io.arrays import StoreContext
+    from .._storage import Location
+
+__all__ = ["PICKLE_PROTOCOL", "ChunkSink", "ValueWritten", "Values", "chunk_sink", "encode_bytes", "encode_item",
+           "value_entries", "write_pickles"]
 
 PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
 
@@ -127,10 +133,29 @@ def _claim(made: dict[str, tuple[str, ...]], entries: Mapping[str, Entry], key: 
     made[key] = members
 
 
+@dataclass(frozen=True)
+class ChunkSink:
+    """Where a rank's chunk files go: ``write(jobs, context, where)``, each job's spec on ``kvstore(path)``: the
+    transaction's target (one file per chunk), or a :class:`RankPack`'s memory store and then the pack (spec §16)."""
+
+    kvstore: Callable[[str], JSON]
+    context: StoreContext
+    write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]
+
+
+def chunk_sink(target: Location, pack: RankPack | None) -> ChunkSink:
+    """The chunk files into ``pack`` where the save is packed, else one file per chunk below ``target``."""
+    if pack is None:
+        return ChunkSink(target.kvstore, target.write_context(), write_all)
+    return ChunkSink(memory_kvstore, pack.context, pack.write)
+
+
 def write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str, ArrayPlan],
-                   transaction: WriteTransaction, checksums: Checksums, chunking: ChunkPolicy) -> dict[str, ArrayPlan]:
-    """Plan and write (on the coordinator, before the commit) the uint8 arrays of the pickled values; their
-    chunks' checksums join ``checksums``. Returns their array plans by path."""
+                  transaction: WriteTransaction, sink: ChunkSink, checksums: Checksums,
+                  chunking: ChunkPolicy) -> dict[str, ArrayPlan]:
+    """Plan and write (on the coordinator, before the commit, into ``sink``: its pack when the save is packed) the
+    uint8 arrays of the pickled values; their chunks' checksums join ``checksums``. Returns their array plans by
+    path."""
     planned: dict[str, ArrayPlan] = {}
     for key in pickles:
         path = array_path(key)
@@ -140,8 +165,8 @@ def write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str,
         plan = plan_array(key, path, DTYPES["uint8"], (len(pickles[key][1]),), Codec(), chunking)
         planned[path] = dataclasses.replace(plan, key_encoding=transaction.key_encoding)
     check_paths({**arrays, **planned})  # the rules every save's arrays follow (nesting, letter case, lengths)
-    jobs = [ArrayIO(key, array_spec(transaction.target.kvstore(array_path(key)), planned[array_path(key)].metadata),
+    jobs = [ArrayIO(key, array_spec(sink.kvstore(array_path(key)), planned[array_path(key)].metadata),
                     np.frombuffer(data, np.uint8), None, array_path(key)) for key, (_, data) in pickles.items()]
-    for path, found in write_all(jobs, transaction.target.write_context(), str(transaction.location)).items():
+    for path, found in sink.write(jobs, sink.context, str(transaction.location)).items():
         checksums.setdefault(path, {}).update(found)
     return planned

@@ -12,12 +12,13 @@ A committed arrayckpt checkpoint there is kept: the save is refused (:func:`refu
 writer's opening and again at the commit) unless it asked to replace it (``Beside.REPLACE_CHECKPOINT`` with
 ``overwrite``: ``ArrayckptWriter(..., overwrite=True)`` given explicitly). Then it goes first — its root
 ``zarr.json``, then the arrayckpt files (``remove_arrayckpt_files``) of its top-level nodes, as its root document
-names them, where they hold nothing else; another checkpoint in a subdirectory is never one of them. What that
-replacement costs against one in a directory of its own (``local.py``), and why it is never a default: between the
-removal of the old root document and the new one's rename the directory loads as no checkpoint, so a kill there
-leaves neither (and the next save there is refused, naming the new nodes left in the way, until they are removed;
-``arrayckpt.gc`` does not touch the directory); and a reader of the old checkpoint that is reading meanwhile reads
-from the same directory, so its chunks' checksums fail rather than mix.
+names them (a packed one, spec §16: its ``packs`` folder and its ``refs.json``), where they hold nothing else;
+another checkpoint in a subdirectory is never one of them. What that replacement costs against one in a directory of
+its own (``local.py``), and why it is never a default: between the removal of the old root document and the new
+one's rename the directory loads as no checkpoint, so a kill there leaves neither (and the next save there is
+refused, naming the new nodes left in the way, until they are removed; ``arrayckpt.gc`` does not touch the
+directory); and a reader of the old checkpoint that is reading meanwhile reads from the same directory, so its
+chunks' checksums fail rather than mix.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from .._errors import CheckpointExistsError, CorruptCheckpointError
-from .._format.manifest import is_arrayckpt_root
+from .._format.jsontypes import member
+from .._format.manifest import MANIFEST_ATTRIBUTE, is_arrayckpt_root
+from .._format.packs import PACK_PREFIX, REFS_NAME, is_pack_key
 from .._io.smallfiles import read_regular_file
 from .base import ROOT_METADATA, arrayckpt_keys
 from .files import directory_files, remove_arrayckpt_files
@@ -37,18 +40,23 @@ from .renames import fsync_dir, rename_noreplace
 
 __all__ = ["checkpoint_nodes", "commit_beside", "refuse_shared_checkpoint"]
 
+_PACKS = PACK_PREFIX.rstrip("/")  # a packed checkpoint's folder of packs and index (spec §16.1)
+
 
 def checkpoint_nodes(target: Path) -> set[str]:
-    """The top-level nodes of the checkpoint committed in ``target`` (its root document's consolidated metadata),
-    none when there is none or it cannot tell: then nothing of it is removed, and a name the new checkpoint needs is
-    refused."""
+    """The top-level names of the checkpoint committed in ``target``: its nodes (its root document's consolidated
+    metadata), or for a packed one (spec §16.1) its packs folder and references; none when there is none or it
+    cannot tell: then nothing of it is removed, and a name the new checkpoint needs is refused."""
     try:
         document = json.loads(read_regular_file(target / ROOT_METADATA, ROOT_METADATA, follow=False))
-        nodes = document["consolidated_metadata"]["metadata"]
+        if not is_arrayckpt_root(document):
+            return set()
+        if member(document, "attributes", MANIFEST_ATTRIBUTE, "packs") is not None:
+            return {_PACKS, REFS_NAME}
+        nodes = member(document, "consolidated_metadata", "metadata")
     except (OSError, ValueError, KeyError, TypeError, RecursionError, CorruptCheckpointError):
         return set()
-    return {str(path).split("/")[0] for path in nodes} if isinstance(nodes, dict) and is_arrayckpt_root(document) \
-        else set()
+    return {str(path).split("/")[0] for path in nodes} if isinstance(nodes, dict) else set()
 
 
 def refuse_shared_checkpoint(where: str, others: list[str], nodes: set[str]) -> NoReturn:
@@ -64,11 +72,26 @@ def refuse_shared_checkpoint(where: str, others: list[str], nodes: set[str]) -> 
 
 def _holds_only_arrayckpt_files(path: Path) -> bool:
     """Whether ``path`` is a directory (not a link) whose every file is shaped like arrayckpt's, and nothing else
-    (no link, FIFO, ...)."""
+    (no link, FIFO, ...); or a packed checkpoint's references (a regular file)."""
+    if path.name == REFS_NAME:
+        return path.is_file() and not path.is_symlink()
     if path.is_symlink() or not path.is_dir():
         return False
     keys, _, odd = directory_files(path)
-    return odd is None and len(arrayckpt_keys(keys)) == len(keys)
+    return odd is None and len(arrayckpt_keys([f"{path.name}/{key}" for key in keys])) == len(keys)
+
+
+def _remove_old(path: Path) -> None:
+    """Remove the old checkpoint's top-level entry ``path``: its arrayckpt files, then the folders left empty."""
+    if path.name == REFS_NAME:
+        os.unlink(path)
+    elif path.name == _PACKS:  # (its packs and index: their names are arrayckpt's only below the checkpoint)
+        for key in directory_files(path)[0]:
+            if is_pack_key(f"{_PACKS}/{key}"):
+                os.unlink(path / key)
+        os.rmdir(path)
+    else:
+        remove_arrayckpt_files(path)
 
 
 def commit_beside(temporary: Path, target: Path, where: str, fsync: bool, replace: bool) -> None:
@@ -91,7 +114,7 @@ def commit_beside(temporary: Path, target: Path, where: str, fsync: bool, replac
         os.unlink(root)
         fsync_dir(target)
     for name in old:  # its nodes (only arrayckpt's files; the user's stay)
-        remove_arrayckpt_files(target / name)
+        _remove_old(target / name)
     for name in new:
         if not rename_noreplace(temporary / name, target / name):
             raise CheckpointExistsError(f"{where}: {name!r} appeared in the directory during the commit; nothing "

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._format.codecs import CodecChoice
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
+from .._settings import settings
 
 if TYPE_CHECKING:
     import numpy as np
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from .._storage import Location, Writer
     from .._torch.dist import Group
 
-__all__ = ["NO_SETUP", "Destination", "SaveOptions", "SaveSetup"]
+__all__ = ["NO_SETUP", "Destination", "SaveOptions", "SaveSetup", "packed_layout"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,9 @@ class SaveSetup:
 
 
 NO_SETUP = SaveSetup()
+
+
+def packed_layout(packed: bool | None, ranks: int) -> bool:
+    """Whether a save of ``ranks`` ranks is packed (spec §16), the rule of ``arrayckpt.save`` and of the DCP writer:
+    as ``packed`` says, else (``None``) from ``packed_from_ranks`` ranks up."""
+    return packed if packed is not None else ranks >= settings().packed_from_ranks

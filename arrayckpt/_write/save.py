@@ -48,7 +48,6 @@ from .._layout.rankplan import RankLayout, RankPlan, explicit_part
 from .._layout.saveplan import SavePlan, assemble, plan_layout
 from .._layout.tasks import RowsTask
 from .._read.checkpoint import Checkpoint, open_checkpoint
-from .._settings import settings
 from .._storage import Location, parse_location
 from .._torch.dist import Group, resolve_group
 from .._version import __version__
@@ -56,7 +55,7 @@ from .changes import NO_CHANGES, Changes, DeltaRequest, Reference, base_ref, chu
 from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
-from .options import NO_SETUP, SaveOptions, SaveSetup
+from .options import NO_SETUP, SaveOptions, SaveSetup, packed_layout
 from .packed import PackReport, RankPack, chunk_table, index_files, memory_kvstore
 from .transaction import WriteTransaction, begin_write
 
@@ -210,7 +209,7 @@ class SaveRequest:
         ``packed_from_ranks`` ranks up; never where the caller brings its own destination (peer memory)."""
         if self.setup.destination is not None:
             return False
-        return self.options.packed if self.options.packed is not None else ranks >= settings().packed_from_ranks
+        return packed_layout(self.options.packed, ranks)
 
     def check_guard(self) -> None:
         """Raise (on the coordinator; the save then fails on every rank) unless the caller's guard allows the save

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_helpers import run_ranks
-from helpers import assert_bit_equal
+from helpers import assert_bit_equal, zarr_group
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -30,7 +30,8 @@ from arrayckpt._layout.chunking import ChunkPolicy
 from arrayckpt.dcp import ArrayckptReader, ArrayckptWriter
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-              pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")]
+              pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning"),
+              pytest.mark.usefixtures("storage_layout")]
 
 TMP_MARKER = ".arrayckpt-tmp-"
 SMALL = ChunkPolicy(inner_chunk_bytes=24, outer_chunk_bytes=48, min_inner_chunk_bytes=8, smallest_chunk_bytes=8)
@@ -200,11 +201,16 @@ def _load_on_2(rank: int, world: int, root: str) -> None:
         _same_as(state, expected["step1"])
 
 
-@pytest.fixture(scope="module")
-def saved_on_3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    root = tmp_path_factory.mktemp("dcp-fsdp")
-    report = run_ranks(3, _save_on_3, str(root))[0]
-    return root, report
+_SAVED_ON_3: dict[str, tuple[Path, dict[str, Any]]] = {}  # by storage layout: the saves are made once per layout
+
+
+@pytest.fixture
+def saved_on_3(storage_layout: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The saves of ``_save_on_3`` in the test's layout (the ranks inherit it), made by the first test asking."""
+    if storage_layout not in _SAVED_ON_3:
+        root = tmp_path_factory.mktemp(f"dcp-fsdp-{storage_layout}")
+        _SAVED_ON_3[storage_layout] = root, run_ranks(3, _save_on_3, str(root))[0]
+    return _SAVED_ON_3[storage_layout]
 
 
 @pytest.mark.slow
@@ -213,7 +219,8 @@ def test_fsdp_saves_on_3_ranks_load_on_2_through_dcp_and_arrayckpt(saved_on_3: t
     run_ranks(2, _load_on_2, str(root))
 
 
-def test_dcp_written_checkpoint_is_a_normal_arrayckpt_checkpoint(saved_on_3: tuple[Path, dict]) -> None:
+def test_dcp_written_checkpoint_is_a_normal_arrayckpt_checkpoint(saved_on_3: tuple[Path, dict],
+                                                                 storage_layout: str) -> None:
     import zarr
 
     root, _ = saved_on_3
@@ -227,12 +234,21 @@ def test_dcp_written_checkpoint_is_a_normal_arrayckpt_checkpoint(saved_on_3: tup
             # the same keys and kinds as arrayckpt.save gives the same state
             assert {k: type(e) for k, e in ckpt.manifest.entries.items()} == {k: type(e) for k, e in native.items()}
             assert ckpt.manifest.created["world_size"] == 3
+            if storage_layout == "packed":  # one pack per rank, the index, the references; no node documents
+                packs = ckpt.manifest.packs
+                assert packs is not None and [p.rank for p in packs.packs] == [0, 1, 2]
+                assert sorted(p.name for p in path.rglob("*") if p.is_file()) == sorted(
+                    ["zarr.json", "refs.json", *(Path(p.name).name for p in packs.packs),
+                     Path(packs.index_name).name])
+            else:
+                assert ckpt.manifest.packs is None and not (path / "packs").exists()
             assert ckpt.plain_values["optim.param_groups"] == expected["optim.param_groups"]
             for key, tensor in tensors.items():
                 assert_bit_equal(ckpt[key].torch(), tensor)
-        group = zarr.open_group(str(path), mode="r")
+        group = zarr_group(path)
         assert_bit_equal(torch.from_numpy(group["model/fc1/weight"][:]), tensors["model.fc1.weight"])
-        assert group.attrs["arrayckpt"]["entries"]["step"]["value"] == 1
+        root_attributes = zarr.open_group(str(path), mode="r").attrs  # (packed: a group without members)
+        assert root_attributes["arrayckpt"]["entries"]["step"]["value"] == 1
     # several chunks per shard where the chunk targets are small; one per shard otherwise
     small = arrayckpt.open(root / "small-chunks")["model.fc1.weight"].metadata["chunk_grid"]
     whole = arrayckpt.open(root / "dcp")["model.fc1.weight"].metadata["chunk_grid"]
@@ -406,6 +422,23 @@ def test_pickles_only_with_consent(tmp_path: Path) -> None:
     assert target["obj"] is None and torch.equal(target["w"], torch.zeros(3))  # refused before anything was read
     dcp.load(target, storage_reader=ArrayckptReader(path, allow_pickle=True), no_dist=True)
     assert target["obj"] == Opaque("x") and torch.equal(target["w"], torch.ones(3))
+
+
+def test_packed_as_arrayckpt_save_chooses_it(tmp_path: Path, storage_layout: str) -> None:
+    # packed=None follows packed_from_ranks (the fixture's: 1 or never), as arrayckpt.save; a pickled value goes
+    # into the coordinator's pack, written at the commit
+    state = {"w": torch.arange(6.0), "obj": Opaque("x")}
+    for packed in (None, True, False):
+        path = tmp_path / f"packed-{packed}"
+        dcp.save(state, storage_writer=ArrayckptWriter(path, allow_pickle=True, packed=packed), no_dist=True)
+        expected = storage_layout == "packed" if packed is None else packed
+        with arrayckpt.open(path, allow_pickle=True) as ckpt:
+            packs = ckpt.manifest.packs
+            assert (packs is not None) == expected and ckpt.manifest.format_version == (4 if expected else 3)
+            assert packs is None or [p.rank for p in packs.packs] == [0]
+            assert ckpt.plain_values["obj"] == Opaque("x") and torch.equal(ckpt["w"].torch(), state["w"])
+        assert (path / "packs").is_dir() == expected and (path / "w").is_dir() != expected
+        assert arrayckpt.verify(path).ok
 
 
 @pytest.mark.parametrize(("state", "match"), [

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from dist_helpers import run_ranks
-from helpers import assert_bit_equal, nodes_of, write_root
+from helpers import assert_bit_equal, nodes_of, write_root, zarr_group
 from thread_ranks import run_thread_ranks
 from torch import nn
 
@@ -282,7 +282,7 @@ def test_dcp_reader_serves_the_alias_key(tmp_path):
             assert_bit_equal(target.state_dict()[key], value)
 
 
-def test_dcp_writer_stores_the_tie_once(tmp_path):
+def test_dcp_writer_stores_the_tie_once(tmp_path, storage_layout):
     import torch.distributed.checkpoint as dcp
     import zarr
 
@@ -298,9 +298,12 @@ def test_dcp_writer_stores_the_tie_once(tmp_path):
     manifest = _manifest(path)
     assert manifest["entries"][HEAD] == {"kind": "alias", "keys": ["model", "lm_head.weight"], "target": WTE}
     assert _arrays(path) == _arrays_of_save(model, tmp_path / "save") and not (path / "model" / "lm_head").exists()
-    root = zarr.open_group(str(path), mode="r")  # zarr-python: one array, its alias in its attributes
-    arrays = [name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Array)]
-    assert len(arrays) == len(model.state_dict()) - 1 and not any("lm_head" in a for a in arrays)
+    root = zarr_group(path)  # zarr-python: one array, its alias in its attributes
+    if storage_layout == "files":  # (through a packed one's references zarr-python lists no members below the root)
+        arrays = [name for name, node in root.members(max_depth=None) if isinstance(node, zarr.Array)]
+        assert len(arrays) == len(model.state_dict()) - 1 and not any("lm_head" in a for a in arrays)
+    with pytest.raises(KeyError):
+        root["model/lm_head/weight"]
     assert root["model/transformer/wte/weight"].attrs["arrayckpt"]["aliases"] == [HEAD]
     assert arrayckpt.verify(path).ok
     for tied in (True, False):
