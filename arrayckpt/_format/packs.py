@@ -52,7 +52,8 @@ from .zarr import ROOT_METADATA, chunk_keys, grid_counts, unravel
 
 __all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile",
            "PackLayout", "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "index_name",
-           "is_pack_key", "new_tag", "pack_name", "packs_member", "parse_packs_member", "reference_document", "row_of",
+           "is_pack_key", "new_tag", "pack_name", "packs_member", "parse_pack_name", "parse_packs_member",
+           "reference_document", "row_of",
            "stored_chunk_keys"]
 
 PACKS_MEMBER = "packs"  # the manifest member that describes a packed checkpoint
@@ -65,6 +66,7 @@ MAX_RANK = 999_999  # pack names hold six digits of rank, so that the packs of o
 MAX_SIZE = 2**63 - 1  # sizes and offsets stay within int64 and uint64 arithmetic alike
 _CRC = struct.Struct("<I")
 _TAG = re.compile(r"[0-9a-f]{1,16}")
+_PACK_NAME = re.compile(r"packs/(?:([0-9a-f]{1,16})-)?r([0-9]{6})\.pack")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # one file name: not hidden, no '.', '..', '/', '\\'
 
 
@@ -90,6 +92,17 @@ def pack_name(rank: int, tag: str = "") -> str:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_RANK:
         raise ValueError(f"pack rank {rank!r} must be an integer from 0 to {MAX_RANK}")
     return f"{PACK_PREFIX}{_tagged(tag)}r{rank:06d}.pack"
+
+
+def parse_pack_name(name: str) -> tuple[int, str] | None:
+    """The rank and tag of a pack named as :func:`pack_name` names them (``None``: another name, which spec §16.2
+    allows other writers), so that a copy writes the pack under the same name.
+
+    >>> parse_pack_name("packs/1f0c9a2e-r000003.pack"), parse_pack_name("packs/r000003.pack"), parse_pack_name("x")
+    ((3, '1f0c9a2e'), (3, ''), None)
+    """
+    found = _PACK_NAME.fullmatch(name)
+    return None if found is None else (int(found.group(2)), found.group(1) or "")
 
 
 def index_name(tag: str = "") -> str:
