@@ -34,6 +34,8 @@ import arrayckpt._tools.copy_files as copy_files_module
 from arrayckpt._manage.tiers import Remote
 from arrayckpt._storage import parse_location
 
+pytestmark = pytest.mark.usefixtures("storage_layout")
+
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch) -> None:
@@ -146,7 +148,8 @@ def test_restore_takes_the_newest_step_from_the_local_copy_else_the_remote_one(t
     fresh.save(3, _state(3))  # a full save (no local base), uploaded like any other
     fresh.close()
     assert fresh.tiers()[3] == ("local", "remote")
-    chunk = next((tmp_path / "a" / "step-00000002" / "model" / "w").glob("c*"))
+    step_2 = tmp_path / "a" / "step-00000002"
+    chunk = next(iter([*(step_2 / "packs").glob("*.pack"), *(step_2 / "model" / "w").glob("c*")]))  # either layout
     chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))  # damage the local copy
     damaged = arrayckpt.CheckpointManager(tmp_path / "a", remote=remote)
     with pytest.warns(RuntimeWarning, match="restoring step 2 from the remote tier"):

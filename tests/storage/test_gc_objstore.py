@@ -21,7 +21,8 @@ from s3_server import S3Server
 import arrayckpt
 from arrayckpt._storage.object import ObjectLocation, ObjectWriter, parse_object_url
 
-pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+pytestmark = [pytest.mark.slow,  # spawns processes, starts a server or runs a foreign stack
+              pytest.mark.usefixtures("storage_layout")]
 
 find_object_garbage = ObjectLocation.leftovers  # (found, kept) right below a prefix
 
