@@ -329,6 +329,7 @@ def test_local_to_s3_and_back_replacing_a_committed_checkpoint(s3_server: S3Serv
     _same_checkpoint(url, tmp_path / "back", src_options=options)
 
 
+@FILES_LAYOUT_ONLY  # retries per chunk file (a pack is retried whole: copy_packs.py)
 def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_nothing(
         s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
     # 9 attempts per file: with a quarter of PUTs failing, a file fails them all with p = 0.25**9 (the test is not
@@ -348,6 +349,43 @@ def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_noth
         copy(tmp_path / "src", f"s3://{s3_bucket}/b", dst_options=options)
     assert time.monotonic() - started < 10 and s3_proxy.injected["PUT"] <= len(_chunk_files(tmp_path / "src")) + 10
     assert s3_server.list_keys(s3_bucket, "b/") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
+def test_a_packed_copy_to_s3_and_back_writes_each_pack_once(s3_server: S3Server, s3_proxy: FaultProxy,
+                                                            s3_bucket: str, tmp_path: Path, tuned) -> None:
+    tuned(object_part_bytes=5 << 20)
+    options, url = {"endpoint_url": s3_proxy.endpoint}, f"s3://{s3_bucket}/run/ckpt"
+    arrayckpt.save({"big": torch.randn(3 << 20), "small": torch.arange(10.0), "step": 1}, tmp_path / "big")
+    s3_proxy.reset()
+    copy(tmp_path / "big", url, dst_options=options, read_back=True)
+    keys = sorted(k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/"))
+    assert len(keys) == 4 and keys[0].endswith("-index.bin") and keys[1].endswith("-r000000.pack"), keys
+    assert keys[2:] == ["refs.json", "zarr.json"] and keys[:2] == sorted(  # the source's names: its tag is kept
+        str(p.relative_to(tmp_path / "big")) for p in (tmp_path / "big" / "packs").iterdir())
+    # the 12 MiB pack is one multipart upload (create, three parts, complete); the index, refs and root one PUT each
+    assert s3_proxy.count("POST", path_contains=".pack") == 2 and s3_proxy.count("PUT", path_contains=".pack") == 3
+    assert [s3_proxy.count("PUT", path_contains=name) for name in ("index.bin", "refs.json", "ckpt/zarr.json")] == \
+        [1, 1, 1]
+    puts = [path for method, path, _, _ in s3_proxy.log if method == "PUT" and "lease" not in path]
+    assert puts[-1].endswith("/run/ckpt/zarr.json"), "the root must be written last"
+    _same_checkpoint(tmp_path / "big", url, dst_options=options)
+
+    arrayckpt.save({"small": torch.arange(10.0), "step": 2}, tmp_path / "small")
+    s3_proxy.reset()
+    copy(tmp_path / "small", url, dst_options=options, overwrite=True)  # one PUT for a pack of one part
+    assert s3_proxy.count("PUT", path_contains=".pack") == 1 and s3_proxy.count("POST", path_contains=".pack") == 0
+    keys = [k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/")]
+    root = json.loads(s3_server.client.get_object(Bucket=s3_bucket, Key="run/ckpt/zarr.json")["Body"].read())
+    assert len(keys) == 4 and stale_keys(keys, kept_of(root)) == []  # the replaced checkpoint's packs are gone
+    _same_checkpoint(tmp_path / "small", url, dst_options=options)
+    s3_proxy.reset()
+    back = copy(url, tmp_path / "back", src_options=options)
+    assert back.objects == 1 and s3_proxy.counts.get("PUT", 0) == 0
+    _same_checkpoint(url, tmp_path / "back", src_options=options)
+    assert sorted(p.name for p in (tmp_path / "back" / "packs").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "small" / "packs").iterdir())
 
 
 _KILLED_COPY = """
