@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_equal
+from helpers import FILES_LAYOUT_ONLY, assert_bit_equal
 from s3_server import S3Server
 
 import arrayckpt
@@ -337,6 +337,7 @@ def _flip_object(server: S3Server, bucket: str, key: str) -> None:
     server.client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
 
 
+@FILES_LAYOUT_ONLY  # damages a chunk file
 def test_restore_skips_a_damaged_newest_remote_step_and_never_writes_part_of_it(
         s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
     """The local tier is gone and the newest remote step is damaged (one flipped byte in a chunk of "b"): restore
@@ -444,6 +445,7 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, list[
 
 
 @pytest.mark.slow
+@FILES_LAYOUT_ONLY  # damages a chunk file
 def test_a_multi_rank_manager_holds_its_root_on_the_coordinator_and_restores_one_step_on_every_rank(
         tmp_path: Path) -> None:
     from dist_helpers import run_ranks
