@@ -52,8 +52,8 @@ from .zarr import ROOT_METADATA, chunk_keys, grid_counts, unravel
 
 __all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile",
            "PackLayout", "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "index_name",
-           "is_pack_key", "new_tag", "pack_name", "packs_member", "parse_packs_member", "reference_document", "row_of",
-           "stored_chunk_keys"]
+           "is_pack_key", "is_save_file", "new_tag", "pack_name", "packs_member", "parse_pack_name",
+           "parse_packs_member", "reference_document", "row_of", "stored_chunk_keys"]
 
 PACKS_MEMBER = "packs"  # the manifest member that describes a packed checkpoint
 PACK_PREFIX = "packs/"  # every pack file and the index file lie right below this folder of the checkpoint
@@ -65,12 +65,25 @@ MAX_RANK = 999_999  # pack names hold six digits of rank, so that the packs of o
 MAX_SIZE = 2**63 - 1  # sizes and offsets stay within int64 and uint64 arithmetic alike
 _CRC = struct.Struct("<I")
 _TAG = re.compile(r"[0-9a-f]{1,16}")
+_PACK_NAME = re.compile(r"packs/(?:([0-9a-f]{1,16})-)?r([0-9]{6})\.pack")
+_INDEX_NAME = re.compile(r"packs/(?:[0-9a-f]{1,16}-)?index\.bin")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # one file name: not hidden, no '.', '..', '/', '\\'
 
 
 def is_pack_key(key: str) -> bool:
     """Whether ``key`` (relative to a checkpoint) is where a packed checkpoint keeps its packs, index or references."""
     return key == REFS_NAME or _file_name(key)
+
+
+def is_save_file(key: str) -> bool:
+    """Whether ``key`` (relative to a checkpoint) is a pack or an index named as arrayckpt's saves name them
+    (:func:`pack_name`, :func:`index_name`): what ``gc`` takes as evidence that a prefix without a root document is
+    an interrupted packed save (it has no node documents, spec §16.1).
+
+    >>> is_save_file("packs/1f0c9a2e-r000003.pack"), is_save_file("packs/1f0c9a2e-index.bin"), is_save_file("refs.json")
+    (True, True, False)
+    """
+    return parse_pack_name(key) is not None or _INDEX_NAME.fullmatch(key) is not None
 
 
 def new_tag() -> str:
@@ -90,6 +103,17 @@ def pack_name(rank: int, tag: str = "") -> str:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_RANK:
         raise ValueError(f"pack rank {rank!r} must be an integer from 0 to {MAX_RANK}")
     return f"{PACK_PREFIX}{_tagged(tag)}r{rank:06d}.pack"
+
+
+def parse_pack_name(name: str) -> tuple[int, str] | None:
+    """The rank and tag of a pack named as :func:`pack_name` names them (``None``: another name, which spec §16.2
+    allows other writers), so that a copy writes the pack under the same name.
+
+    >>> parse_pack_name("packs/1f0c9a2e-r000003.pack"), parse_pack_name("packs/r000003.pack"), parse_pack_name("x")
+    ((3, '1f0c9a2e'), (3, ''), None)
+    """
+    found = _PACK_NAME.fullmatch(name)
+    return None if found is None else (int(found.group(2)), found.group(1) or "")
 
 
 def index_name(tag: str = "") -> str:

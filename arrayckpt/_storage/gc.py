@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 from .._errors import StateError
 from .._format.manifest import is_arrayckpt_root
+from .._format.packs import is_save_file
 from .._io.smallfiles import read_regular_file
 from .base import LEASE_NAME, ROOT_METADATA, Leftover, Leftovers, Location, arrayckpt_keys, parse_location
 from .files import directory_files, remove_arrayckpt_files
@@ -122,8 +123,10 @@ def object_leftovers(location: ObjectPrefix, min_age_s: float) -> Leftovers:
     - no live save lease ``P/.arrayckpt-lease`` is there (a first save is running: spec §9.4), whatever its age;
     - every object under ``P`` is arrayckpt-shaped (a ``zarr.json`` or a chunk name), and its ``zarr.json``
       documents are Zarr v3 groups or arrays, at least one of them an array that arrayckpt wrote
-      (``attributes.arrayckpt``): positive evidence that ``P`` is an interrupted arrayckpt save and not, say,
-      numbered objects or a Zarr store of someone else's;
+      (``attributes.arrayckpt``), or it holds packs or a pack index named as arrayckpt's packed saves name them
+      (``packs/<tag>-r<rank>.pack``, ``packs/<tag>-index.bin``: a packed save writes no node documents, spec
+      §16.1; its packs, index and ``refs.json`` are then removed as that save's): positive evidence that ``P`` is
+      an interrupted arrayckpt save and not, say, numbered objects or a Zarr store of someone else's;
     - its newest object is at least ``min_age_s`` old. On S3 the objects' ``LastModified`` (through s3fs,
       one listing per 1,000 objects), on GCS their ``updated`` time (through gcsfs), is compared with this machine's
       clock. Where the store gives no times (``memory://``, TensorStore's in-process store; S3 without s3fs, GCS
@@ -189,7 +192,9 @@ def judge_incomplete(keys: list[str], newest: float | None, read_documents: Read
     foreign = sorted(set(keys) - set(arrayckpt_keys(keys)))
     if foreign:
         return f"holds objects that are not arrayckpt's (e.g. {foreign[0]!r})", None
-    problem = _not_arrayckpt_documents(read_documents, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA])
+    packed = any(is_save_file(key) for key in keys)  # an interrupted packed save has no node documents (§16.1)
+    problem = _not_arrayckpt_documents(read_documents, [k for k in keys if k.rpartition("/")[2] == ROOT_METADATA],
+                                       packed)
     if problem:
         return problem, None
     now = time.time()  # after the listing: its objects are not younger than now
@@ -231,9 +236,13 @@ def _live_lease(where: ObjectPrefix) -> Holder | None:
     return live_holder(where.read_objects([LEASE_NAME]).get(LEASE_NAME))
 
 
-def _not_arrayckpt_documents(read_documents: Reader, documents: list[str]) -> str | None:
+def _not_arrayckpt_documents(read_documents: Reader, documents: list[str], packed: bool = False) -> str | None:
     """Why the ``zarr.json`` documents ``documents`` (read through ``read_documents``) do not show an
-    interrupted arrayckpt save (``None``: they do)."""
+    interrupted arrayckpt save (``None``: they do). ``packed``: packs or an index named as arrayckpt's saves name them
+    are there, which show one without any document (but no document may then be a committed checkpoint's root, or
+    another writer's)."""
+    if not documents and packed:
+        return None
     if not documents:
         return "no zarr.json of an arrayckpt array under it (only chunk-named objects): not known to be arrayckpt's"
     arrays = 0
@@ -254,7 +263,7 @@ def _not_arrayckpt_documents(read_documents: Reader, documents: list[str]) -> st
             if not (isinstance(attributes, dict) and isinstance(attributes.get("arrayckpt"), dict)):
                 return f"{name} describes an array arrayckpt did not write: not arrayckpt's"
             arrays += 1
-    if not arrays:
+    if not arrays and not packed:
         return "no zarr.json of an arrayckpt array under it: not known to be arrayckpt's"
     return None
 

@@ -5,7 +5,8 @@
 - ``inspect.py``: :func:`show` and :func:`diff`, values and comparisons without loading whole tensors;
 - ``chunkwise.py``: chunk-by-chunk access with bounded memory (what ``verify`` and ``diff`` walk);
 - ``copy.py``: :func:`copy`, a checkpoint and its chain of bases copied as stored between locations;
-  ``copy_files.py``: its chunk files copied, checked on the way, at a bounded rate;
+  ``copy_files.py``: its chunk files copied, checked on the way, at a bounded rate; ``copy_packs.py``: a packed
+  checkpoint's packs copied whole, every chunk in them checked;
 - ``estimate.py``: back-of-the-envelope sizing, and :func:`human_bytes`;
 - ``report/``: :func:`report`, a picture of a checkpoint as one HTML file.
 

@@ -16,6 +16,11 @@ What is checked, before anything is committed:
 - with ``read_back=True``, every object written is read back from the destination and compared (on S3 the upload is
   already checked by the store: TensorStore signs every PUT with the SHA-256 of its payload).
 
+A packed checkpoint (spec §16) is copied as its packs, each one file or object under its own name (on object storage
+a large one as one multipart upload), byte for byte, every chunk file in it checked as above and its table checked
+as ``verify`` checks it (``_tools/copy_packs.py``); then its index (its size and crc32c the manifest's) and its
+kerchunk references, the root document last. Its manifest, node metadata and tag are the source's.
+
 Delta checkpoints are copied as deltas. A base named by a relative path (what saves write when a delta and its base
 are on the same storage, e.g. ``../step-100``) goes to the same relative place at the destination, if that place is
 in the directory (prefix) holding the destination or inside one of ``base_roots`` (spec §10.1: the same rule that
@@ -33,9 +38,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import crc32c
 
 from .._errors import (
     ArrayckptError,
@@ -48,15 +55,27 @@ from .._errors import (
 from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
 from .._format.jsontypes import JSON, json_object, member
-from .._format.manifest import MANIFEST_ATTRIBUTE, ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
+from .._format.manifest import (
+    MANIFEST_ATTRIBUTE,
+    ArrayEntry,
+    PerRankEntry,
+    PickleEntry,
+    parse_root_document,
+    per_rank_path,
+)
+from .._format.packs import REFS_NAME, ChunkTable, PackFile, reference_document, stored_chunk_keys
 from .._format.paths import is_location_reference
-from .._format.zarr import check_array_metadata
+from .._format.zarr import GROUP_METADATA, ROOT_METADATA, check_array_metadata
 from .._read.checkpoint import open_location, stored_of
 from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
 from .copy_files import ArrayCopy, FileCopier, Progress, Throttle
+from .copy_packs import PackCopier
+
+if TYPE_CHECKING:
+    from .._read.packed import PackedChunks
 
 __all__ = ["CopyResult", "copy", "copy_checkpoint"]
 
@@ -174,14 +193,11 @@ def copy_checkpoint(source: Location, target: Location, *, overwrite: bool, thro
             layers.append((layers[-1][0].base, place))  # opened and checked to be the base the delta was saved on
         copied: list[str] = []
         objects = stored = 0
+        transfer = _Transfer(throttle, read_back, settings().copy_concurrency if concurrency is None else concurrency,
+                             progress)
         for index, (layer, place) in reversed(list(enumerate(layers))):
-            def file_copier(to: Location, layer: StoredCheckpoint = layer) -> FileCopier:
-                return FileCopier(layer.location, layer.node_kvstore(""), to, throttle=throttle, read_back=read_back,
-                            concurrency=settings().copy_concurrency if concurrency is None else concurrency,
-                            progress=progress)
-
             # a base's place holds nothing committed (checked above): overwrite only replaces a killed copy's leftovers
-            done = _copy_layer(layer, place, overwrite or index > 0, file_copier)
+            done = _copy_layer(layer, place, overwrite or index > 0, transfer)
             copied.append(str(place))
             objects, stored = objects + done.objects, stored + done.stored_bytes
         return CopyResult(str(source), str(target), checkpoint.manifest.id, tuple(copied), tuple(skipped), objects,
@@ -209,10 +225,27 @@ def _holds(place: Location, identity: str | None, base: bool) -> bool:
     return False
 
 
-def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool,
-                make_copier: Callable[[Location], FileCopier]) -> FileCopier:
-    """Copy one checkpoint of a chain (its base, if any, is in place already); returns the file copier that copied
-    its chunk files (with its counts)."""
+@dataclass(frozen=True)
+class _Transfer:
+    """How one copy moves bytes: its rate limit (shared), read-back, files in flight and progress callback."""
+
+    throttle: Throttle
+    read_back: bool
+    concurrency: int
+    progress: Progress | None
+
+
+class _Copied(NamedTuple):
+    """What one layer's copy moved: chunk files, and their stored bytes (a packed layer's: its packs' bytes)."""
+
+    objects: int
+    stored_bytes: int
+
+
+def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool, transfer: _Transfer) -> _Copied:
+    """Copy one checkpoint of a chain (its base, if any, is in place already), in its layout."""
+    if checkpoint.packed is not None:
+        return _copy_packed_layer(checkpoint, checkpoint.packed, target, overwrite, transfer)
     where = str(checkpoint.location)
     arrays = _arrays(checkpoint, where)
     with begin_write(target, overwrite) as transaction:
@@ -225,24 +258,97 @@ def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool,
             nodes[path] = node
         arrays = [ArrayCopy(a.path, a.key, a.source, nodes[a.path], a.present) for a in arrays]
         transaction.write_documents({path: json.dumps(node).encode() for path, node in nodes.items() if path})
-        copier = make_copier(transaction.target)
+        copier = FileCopier(checkpoint.location, checkpoint.node_kvstore(""), transaction.target,
+                            throttle=transfer.throttle, read_back=transfer.read_back,
+                            concurrency=transfer.concurrency, progress=transfer.progress)
         try:
             digests = copier.copy_arrays(arrays)
         except Exception as e:  # a chunk gone because the source was replaced meanwhile is not damage: say so
             checkpoint.raise_if_replaced(e)
             raise
-        recorded = checkpoint.manifest.chunk_digests
-        for array in arrays:
-            expected = recorded.get(array.path)
-            if expected is not None and digests[array.path] != expected:
-                raise CorruptCheckpointError(
-                    f"{where}: tensor {array.key!r}: the chunk files of array {array.path!r} do not hold the chunks "
-                    "saved there (each passes its own checksum, but their contents do not match the digest recorded "
-                    "at save): chunk files swapped, misplaced or copied from another checkpoint; nothing was copied")
+        _check_digests(checkpoint, arrays, digests, where)
         checkpoint.check_unchanged()  # object storage: what was read is the checkpoint that was opened
-        consolidated = "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(n)}" for p, n in nodes.items()) + "}"
-        transaction.commit(checkpoint.manifest, consolidated)
-    return copier
+        transaction.commit(checkpoint.manifest, _consolidated(nodes))
+    return _Copied(copier.objects, copier.stored_bytes)
+
+
+def _copy_packed_layer(checkpoint: StoredCheckpoint, packed: PackedChunks, target: Location, overwrite: bool,
+                       transfer: _Transfer) -> _Copied:
+    """Copy one packed checkpoint (spec §16): its packs under their names (each one file or object), then its index
+    and references, the root document last. Its node metadata, manifest and tag stay the source's: the tag makes
+    its pack names new at a destination holding another checkpoint, so replacing that one on object storage never
+    writes over its packs (refused in the one case it would: the same names, see :func:`_refuse_same_packs`)."""
+    where, layout = str(checkpoint.location), packed.layout
+    arrays = _arrays(checkpoint, where)
+    with begin_write(target, overwrite) as transaction:
+        _refuse_same_packs(target, checkpoint)
+        copier = PackCopier(packed, transaction.target, throttle=transfer.throttle, read_back=transfer.read_back,
+                            concurrency=transfer.concurrency, progress=transfer.progress)
+        try:
+            table = copier.table(arrays)
+            digests = copier.copy_packs(arrays, table)
+            index = packed.read_file(layout.index_name, [(0, layout.index_size)])[0] if layout.index_size else b""
+        except Exception as e:  # a pack gone because the source was replaced meanwhile is not damage: say so
+            checkpoint.raise_if_replaced(e)
+            raise
+        _check_digests(checkpoint, arrays, digests, where)
+        if len(index) != layout.index_size or crc32c.crc32c(index) != layout.index_crc:
+            raise CorruptCheckpointError(f"{where}: the pack index {layout.index_name} is not the one the manifest "
+                                         f"records ({len(index):,} bytes, crc32c {crc32c.crc32c(index):#010x}; "
+                                         f"recorded: {layout.index_size:,} bytes, {layout.index_crc:#010x}): it was "
+                                         "damaged or replaced; nothing was copied")
+        checkpoint.check_unchanged()  # object storage: what was read is the checkpoint that was opened
+        transaction.write_file(layout.index_name, index)
+        if sum(len(rows) for rows in table.rows.values()) <= settings().refs_max_chunks:  # as a save writes them
+            transaction.write_file(REFS_NAME, _references(checkpoint, table, layout.packs))
+        transaction.commit(checkpoint.manifest, _consolidated(dict(checkpoint.nodes)))
+    return _Copied(copier.objects, copier.stored_bytes)
+
+
+def _refuse_same_packs(target: Location, checkpoint: StoredCheckpoint) -> None:
+    """Refuse to replace a committed checkpoint at ``target`` that has packs or an index of the names the copy writes
+    (two saves that drew the same tag, about one chance in 4 billion): on object storage writing them would damage
+    it before the copy commits."""
+    try:
+        there = parse_root_document(target.read_root(), str(target))[0]
+    except ArrayckptError:
+        return  # nothing committed there (or damage, which the writer judged already)
+    layout = checkpoint.manifest.packs
+    if there.packs is None or layout is None or there.id == checkpoint.manifest.id:
+        return
+    mine = {pack.name for pack in layout.packs} | {layout.index_name}
+    same = sorted(mine & ({pack.name for pack in there.packs.packs} | {there.packs.index_name}))
+    if same:
+        raise CheckpointExistsError(f"{target}: the committed checkpoint there (id {there.id}) has packs of the names "
+                                    f"this copy writes (e.g. {same[0]}; saves drew the same tag): writing them would "
+                                    "damage it before the copy commits; delete it first, or copy elsewhere")
+
+
+def _references(checkpoint: StoredCheckpoint, table: ChunkTable, packs: tuple[PackFile, ...]) -> bytes:
+    """The kerchunk references of the copy (spec §16.4), made as a save makes them: from its node metadata and
+    table, so that what the copy writes is checked (a damaged ``refs.json`` of the source is never copied)."""
+    nodes = checkpoint.nodes
+    documents = {ROOT_METADATA: json.dumps(GROUP_METADATA).encode()}
+    documents.update((f"{path}/{ROOT_METADATA}", json.dumps(node).encode()) for path, node in nodes.items() if path)
+    present = checkpoint.manifest.delta_chunks
+    keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in table.rows}
+    return json.dumps(reference_document(documents, keys, table, packs), separators=(",", ":")).encode()
+
+
+def _check_digests(checkpoint: StoredCheckpoint, arrays: list[ArrayCopy], digests: Mapping[str, str],
+                   where: str) -> None:
+    recorded = checkpoint.manifest.chunk_digests
+    for array in arrays:
+        expected = recorded.get(array.path)
+        if expected is not None and digests[array.path] != expected:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {array.key!r}: the chunk files of array {array.path!r} do not hold the chunks "
+                "saved there (each passes its own checksum, but their contents do not match the digest recorded "
+                "at save): chunk files swapped, misplaced or copied from another checkpoint; nothing was copied")
+
+
+def _consolidated(nodes: Mapping[str, JSON]) -> str:
+    return "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(n)}" for p, n in nodes.items()) + "}"
 
 
 def _arrays(checkpoint: StoredCheckpoint, where: str) -> list[ArrayCopy]:

@@ -36,11 +36,11 @@ from .._storage import Location
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["RETRY_DELAYS", "ArrayCopy", "FileCopier", "Throttle"]
+__all__ = ["PERMANENT", "RETRY_DELAYS", "ArrayCopy", "Budget", "ChunkChecker", "FileCopier", "Throttle"]
 
 RETRY_DELAYS = (0.5, 2.0)  # seconds before each retry of a whole chunk file after a storage error
 # Errors no retry mends (in TensorStore's status names, or the OS's words): fail at once.
-_PERMANENT = ("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT", "FAILED_PRECONDITION",
+PERMANENT = ("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT", "FAILED_PRECONDITION",
               "RESOURCE_EXHAUSTED", "No space left", "Permission denied")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all), in array bytes (before compression)
@@ -68,7 +68,7 @@ class Throttle:
             time.sleep(start - now)
 
 
-class _Budget:
+class Budget:
     """At most ``limit`` bytes held by the workers at once (a single bigger claim waits until it is alone)."""
 
     def __init__(self, limit: int) -> None:
@@ -135,9 +135,8 @@ class FileCopier:
         self._target_name = str(target)
         self._throttle, self._read_back, self._concurrency = throttle, read_back, max(1, concurrency)
         self._progress = progress
-        self._budget = _Budget(settings().copy_in_flight_bytes)
-        self._decoders: dict[str, ChunkDecoder] = {}
-        self._decoding: ts.Context | None = None  # one TensorStore context (in-memory store) for every decoder
+        self._budget = Budget(settings().copy_in_flight_bytes)
+        self._checker = ChunkChecker()
         self._lock = threading.Lock()
         self.objects = self.stored_bytes = 0
 
@@ -181,7 +180,7 @@ class FileCopier:
                 try:
                     return self._copy_file_once(array, grid_index, name)
                 except StorageError as e:
-                    if delay is None or any(mark in str(e) for mark in _PERMANENT):
+                    if delay is None or any(mark in str(e) for mark in PERMANENT):
                         raise
                     time.sleep(delay)
             raise AssertionError("unreachable")
@@ -191,10 +190,7 @@ class FileCopier:
     def _copy_file_once(self, array: ArrayCopy, grid_index: tuple[int, ...], name: str) -> int:
         file = f"{array.path}/{name}"
         data = self._read(file)
-        crc = stored_content_crc(array.source, grid_index, data, f"{self._where}/{file}")
-        if crc is None:
-            decoded = self._decoder(array).decode(name, data, array.extent(grid_index), f"{self._where}/{file}")
-            crc = chunk_crc(decoded)
+        crc = self._checker.content_crc(array, grid_index, data, f"{self._where}/{file}")
         self._throttle.take(len(data))
         written = f"{array.path}/{chunk_key(array.target, grid_index)}"
         try:
@@ -228,6 +224,26 @@ class FileCopier:
         if result.state != "value":
             raise CorruptCheckpointError(f"{self._where}/{file}: chunk object is missing")
         return result.value
+
+
+class ChunkChecker:
+    """Checks chunk files as stored and gives their content checksums (spec §11.2): uncompressed ones byte for byte
+    (size, crc32c, shard index, inner chunks), compressed ones decoded through TensorStore, which checks the same.
+    Shared by the threads of one copy (its decoders are made once per array)."""
+
+    def __init__(self) -> None:
+        self._decoders: dict[str, ChunkDecoder] = {}
+        self._decoding: ts.Context | None = None  # one TensorStore context (in-memory store) for every decoder
+        self._lock = threading.Lock()
+
+    def content_crc(self, array: ArrayCopy, grid_index: tuple[int, ...], data: bytes, where: str) -> int:
+        """The content checksum of chunk ``grid_index`` of ``array`` from its chunk file's bytes ``data``; raises
+        ``CorruptCheckpointError`` naming ``where`` for a damaged one."""
+        crc = stored_content_crc(array.source, grid_index, data, where)
+        if crc is None:
+            name = chunk_key(array.source, grid_index)
+            crc = chunk_crc(self._decoder(array).decode(name, data, array.extent(grid_index), where))
+        return crc
 
     def _decoder(self, array: ArrayCopy) -> ChunkDecoder:
         with self._lock:

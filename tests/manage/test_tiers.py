@@ -34,6 +34,8 @@ import arrayckpt._tools.copy_files as copy_files_module
 from arrayckpt._manage.tiers import Remote
 from arrayckpt._storage import parse_location
 
+pytestmark = pytest.mark.usefixtures("storage_layout")
+
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch) -> None:
@@ -146,7 +148,8 @@ def test_restore_takes_the_newest_step_from_the_local_copy_else_the_remote_one(t
     fresh.save(3, _state(3))  # a full save (no local base), uploaded like any other
     fresh.close()
     assert fresh.tiers()[3] == ("local", "remote")
-    chunk = next((tmp_path / "a" / "step-00000002" / "model" / "w").glob("c*"))
+    step_2 = tmp_path / "a" / "step-00000002"
+    chunk = next(iter([*(step_2 / "packs").glob("*.pack"), *(step_2 / "model" / "w").glob("c*")]))  # either layout
     chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))  # damage the local copy
     damaged = arrayckpt.CheckpointManager(tmp_path / "a", remote=remote)
     with pytest.warns(RuntimeWarning, match="restoring step 2 from the remote tier"):
@@ -259,8 +262,11 @@ _UPLOADER_CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_kill_during_an_upload_leaves_the_remote_step_uncommitted_and_the_next_manager_uploads_it(
-        s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+        s3_server: S3Server, s3_bucket: str, tmp_path: Path, storage_layout: str) -> None:
     url, options = f"s3://{s3_bucket}/run", {"endpoint_url": s3_server.endpoint}
+    # killed once the upload has begun: files, with a chunk object written; packed, while its one pack is being read
+    # (paced): the pack lands whole, and the index and root right after it
+    begun = 1 if storage_layout == "packed" else 2
     child = subprocess.Popen([sys.executable, "-c", _UPLOADER_CHILD, str(tmp_path), url, s3_server.endpoint],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, **s3_server.env})
     try:
@@ -268,7 +274,7 @@ def test_a_kill_during_an_upload_leaves_the_remote_step_uncommitted_and_the_next
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             keys = s3_server.list_keys(s3_bucket, "run/step-00000001/")
-            if sum(not k.endswith("zarr.json") for k in keys) >= 2:
+            if sum(not k.endswith("zarr.json") for k in keys) >= begun:
                 break
             time.sleep(0.05)
         child.send_signal(signal.SIGKILL)

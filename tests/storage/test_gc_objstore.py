@@ -15,13 +15,14 @@ import uuid
 
 import pytest
 import torch
-from helpers import assert_bit_equal, crash
+from helpers import FILES_LAYOUT_ONLY, assert_bit_equal, crash
 from s3_server import S3Server
 
 import arrayckpt
 from arrayckpt._storage.object import ObjectLocation, ObjectWriter, parse_object_url
 
-pytestmark = pytest.mark.slow  # spawns processes, starts a server or runs a foreign stack
+pytestmark = [pytest.mark.slow,  # spawns processes, starts a server or runs a foreign stack
+              pytest.mark.usefixtures("storage_layout")]
 
 find_object_garbage = ObjectLocation.leftovers  # (found, kept) right below a prefix
 
@@ -73,6 +74,7 @@ def root() -> str:
 # --- memory:// ----------------------------------------------------------------------------------------------
 
 
+@FILES_LAYOUT_ONLY  # lists chunk objects (packed: below)
 def test_memory_removes_incomplete_checkpoints_only(root, monkeypatch):
     arrayckpt.save(_state(0), f"{root}/step-1")
     _interrupted_save(f"{root}/step-2", monkeypatch)
@@ -107,6 +109,22 @@ def test_memory_removes_incomplete_checkpoints_only(root, monkeypatch):
     assert arrayckpt.gc(root, min_age_s=0) == []
 
 
+@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
+def test_memory_removes_an_interrupted_packed_save_and_never_a_committed_ones_packs(root, monkeypatch):
+    arrayckpt.save(_state(0), f"{root}/step-1")
+    _interrupted_save(f"{root}/step-2", monkeypatch)
+    left = _keys(f"{root}/step-2")  # its packs, index and references, no node document (spec §16.1)
+    assert [k for k in left if not k.startswith("packs/")] == [".arrayckpt-lease", "refs.json"] and len(left) == 4
+    _put(f"{root}/refs-only", "refs.json", b"{}")  # no pack or index named as a save names them: not evidence
+    _put(f"{root}/foreign", "packs/r000000.pack", b"x")  # a pack name, but beside objects of someone else's
+    _put(f"{root}/foreign", "NOTES.txt", b"mine")
+    committed = _keys(f"{root}/step-1")
+    assert arrayckpt.gc(root, min_age_s=0) == [f"{root}/step-2"]
+    assert _keys(f"{root}/step-2") == [] and _keys(f"{root}/step-1") == committed
+    assert _keys(f"{root}/refs-only") == ["refs.json"] and len(_keys(f"{root}/foreign")) == 2
+    _same(f"{root}/step-1", _state(0))
+
+
 def test_memory_has_no_modification_times_so_only_min_age_zero_removes(root, monkeypatch):
     _interrupted_save(f"{root}/step-2", monkeypatch)
     assert arrayckpt.gc(root) == []  # default min_age_s=3600: a save of this process might still be running
@@ -116,6 +134,7 @@ def test_memory_has_no_modification_times_so_only_min_age_zero_removes(root, mon
     assert arrayckpt.gc(root, min_age_s=0) == [f"{root}/step-2"]
 
 
+@FILES_LAYOUT_ONLY  # counts chunk objects
 def test_memory_a_commit_after_the_listing_keeps_the_checkpoint(root, monkeypatch):
     _interrupted_save(f"{root}/step-2", monkeypatch)
     (leftover,), _ = find_object_garbage(parse_object_url(root), 0)

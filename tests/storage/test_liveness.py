@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_equal
+from helpers import FILES_LAYOUT_ONLY, assert_bit_equal
 from s3_server import S3Server
 
 import arrayckpt
@@ -39,6 +39,8 @@ from arrayckpt._storage.liveness import Holder
 from arrayckpt._write.options import SaveOptions, SaveSetup
 from arrayckpt._write.save import save_with
 from arrayckpt._write.transaction import WriteTransaction
+
+pytestmark = pytest.mark.usefixtures("storage_layout")
 
 SMALL = ChunkPolicy(inner_chunk_bytes=64, outer_chunk_bytes=256)  # several chunk files per tensor
 
@@ -104,7 +106,7 @@ def test_gc_looping_beside_saves_removes_nothing_they_hold(tmp_path: Path) -> No
 
 
 def test_a_live_saves_temporary_directory_is_kept_and_removed_files_are_never_committed(
-        tmp_path: Path, during_commit) -> None:
+        tmp_path: Path, during_commit, storage_layout: str) -> None:
     root = tmp_path / "run"
     seen: list = []
 
@@ -117,11 +119,13 @@ def test_a_live_saves_temporary_directory_is_kept_and_removed_files_are_never_co
     assert seen[0] == [] and len(seen[1]) == 1 and "a save is running in it" in seen[1][0][1]
     _check(root / "s", 1)
 
-    def remove_a_chunk(transaction):  # what a gc that ignores the lock (or a person) does
-        (transaction.target.path / "b" / "c.1.0").unlink()
+    def remove_a_chunk(transaction):  # what a gc that ignores the lock (or a person) does (packed: a rank's pack)
+        packs = sorted((transaction.target.path / "packs").glob("*.pack"))
+        (packs[0] if packs else transaction.target.path / "b" / "c.1.0").unlink()
 
     during_commit(remove_a_chunk)
-    with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) this save wrote are gone .*b/c\.1"):
+    gone = r"packs/.*\.pack" if storage_layout == "packed" else r"b/c\.1"
+    with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) this save wrote are gone .*" + gone):
         save_with(_state(2), root / "s", SaveOptions(overwrite=True), SaveSetup(chunking=SMALL))
     _check(root / "s", 1)  # the old one stays
 
@@ -185,7 +189,8 @@ def object_root(request: pytest.FixtureRequest) -> tuple[str, dict | None]:
     return f"s3://{bucket}/run", {"endpoint_url": server.endpoint}
 
 
-def test_a_first_save_on_object_storage_holds_a_lease_that_gc_respects(object_root, during_commit) -> None:
+def test_a_first_save_on_object_storage_holds_a_lease_that_gc_respects(object_root, during_commit,
+                                                                      storage_layout: str) -> None:
     root, options = object_root
     seen: list = []
 
@@ -199,11 +204,13 @@ def test_a_first_save_on_object_storage_holds_a_lease_that_gc_respects(object_ro
     _check(f"{root}/s", 1, options)
     assert ".arrayckpt-lease" not in parse_location(f"{root}/s", options).object_keys()  # released at the commit
 
-    def remove_a_chunk(transaction):
-        transaction.target.delete_objects(["b/c.1.0"])
+    def remove_a_chunk(transaction):  # packed: the index (the commit reads it back; packs were whole when uploaded)
+        index = [key for key in transaction.target.object_keys() if key.endswith("-index.bin")]
+        transaction.target.delete_objects(index or ["b/c.1.0"])
 
     during_commit(remove_a_chunk)
-    with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) .*b/c\.1\.0"):
+    gone = r"packs/.*-index\.bin" if storage_layout == "packed" else r"b/c\.1\.0"
+    with pytest.raises(arrayckpt.StorageError, match=r"not committed: 1 file\(s\) .*" + gone):
         save_with(_state(2), f"{root}/t", SaveOptions(storage_options=options), SaveSetup(chunking=SMALL))
     assert parse_location(f"{root}/t", options).object_keys() == []  # aborted: nothing left, the lease neither
 
@@ -330,6 +337,7 @@ def _flip_object(server: S3Server, bucket: str, key: str) -> None:
     server.client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
 
 
+@FILES_LAYOUT_ONLY  # damages a chunk file
 def test_restore_skips_a_damaged_newest_remote_step_and_never_writes_part_of_it(
         s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
     """The local tier is gone and the newest remote step is damaged (one flipped byte in a chunk of "b"): restore
@@ -437,6 +445,7 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, list[
 
 
 @pytest.mark.slow
+@FILES_LAYOUT_ONLY  # damages a chunk file
 def test_a_multi_rank_manager_holds_its_root_on_the_coordinator_and_restores_one_step_on_every_rank(
         tmp_path: Path) -> None:
     from dist_helpers import run_ranks

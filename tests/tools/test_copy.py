@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bit_equal
+from helpers import FILES_LAYOUT_ONLY, assert_bit_equal
 from policies import SHARDED, WHOLE, small_chunks
 from s3_server import FaultProxy, S3Server
 
@@ -34,9 +34,12 @@ from arrayckpt._format.integrity import chunk_crc
 from arrayckpt._format.stored import stored_content_crc
 from arrayckpt._format.zarr import chunk_key, grid_counts
 from arrayckpt._io.decode import ChunkDecoder
+from arrayckpt._read.checkpoint import stored_of
 from arrayckpt._storage.object import kept_of, stale_keys
 from arrayckpt._tools.copy import copy
 from arrayckpt._tools.copy_files import FileCopier
+
+pytestmark = pytest.mark.usefixtures("storage_layout")
 
 UNSHARDED_EDGES = small_chunks(256, 256)  # several unsharded chunks per tensor, clipped at the edges
 
@@ -72,6 +75,15 @@ def _chunk_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
+def _stored_chunks(path: str | Path, options: dict | None = None) -> int:
+    """How many chunk files the checkpoint stores (files, or chunks in its packs): what ``copy`` counts."""
+    with arrayckpt.open(path, storage_options=options) as ckpt:
+        packed = stored_of(ckpt).packed
+        if packed is None:
+            return len(_chunk_files(Path(path)))
+        return sum(len(packed.stored(array).order) for array in packed.layout.sections)
+
+
 # --- copying whole checkpoints ------------------------------------------------------------------------------------
 
 
@@ -82,7 +94,7 @@ def test_copy_is_bit_exact_with_the_same_manifest(tmp_path: Path, policy, codec)
     result = copy(tmp_path / "src", tmp_path / "dst")
     _same_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert result.copied == (str(tmp_path / "dst"),) and result.skipped == ()
-    assert result.objects == len(_chunk_files(tmp_path / "src")) and result.bytes_copied > 0
+    assert result.objects == _stored_chunks(tmp_path / "src") and result.bytes_copied > 0
     assert sorted(p.relative_to(tmp_path / "dst") for p in (tmp_path / "dst").rglob("*")) == \
         sorted(p.relative_to(tmp_path / "src") for p in (tmp_path / "src").rglob("*"))
     assert [p.name for p in tmp_path.iterdir() if "arrayckpt-tmp" in p.name] == []
@@ -102,6 +114,7 @@ def test_a_second_copy_of_the_same_checkpoint_copies_nothing_and_another_needs_o
         copy(tmp_path / "a", tmp_path / "a" / "inside")
 
 
+@FILES_LAYOUT_ONLY  # reads chunk files
 def test_fast_checks_agree_with_tensorstore_decoding(tmp_path: Path) -> None:
     """The content checksums read from uncompressed chunk files without decoding equal those of the decoded chunks,
     for unsharded chunks clipped at the edges and shards whose inner chunks split one or several dimensions."""
@@ -151,6 +164,7 @@ def _swap(a: Path, b: Path) -> None:
     b.write_bytes(data)
 
 
+@FILES_LAYOUT_ONLY  # damages chunk files (packs: below)
 @pytest.mark.parametrize("kind", list(DAMAGE))
 def test_damage_in_the_source_fails_the_copy_and_commits_nothing(tmp_path: Path, kind: str) -> None:
     policy, codec, damage, message = DAMAGE[kind]
@@ -164,6 +178,64 @@ def test_damage_in_the_source_fails_the_copy_and_commits_nothing(tmp_path: Path,
         copy(tmp_path / "src", tmp_path / "old", overwrite=True)
     assert torch.equal(_tensors(tmp_path / "old")["w"], torch.ones(3)) and arrayckpt.verify(tmp_path / "old").ok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "src"]
+
+
+def _pack_rows(path: Path, array: str) -> tuple[Path, list[tuple[int, int]]]:
+    """The pack file of a one-rank packed checkpoint and the ``(offset, length)`` of each chunk of ``array``."""
+    with arrayckpt.open(path) as ckpt:
+        packed = stored_of(ckpt).packed
+        rows = packed.rows([array])[array]
+        return path / packed.layout.packs[0].name, [(int(o), int(n)) for _, o, n in rows.tolist()]
+
+
+def _swap_chunks(pack: Path, rows: list[tuple[int, int]]) -> None:
+    (a, n), (b, m) = rows[0], rows[1]
+    assert n == m
+    data = bytearray(pack.read_bytes())
+    data[a:a + n], data[b:b + n] = data[b:b + n], data[a:a + n]
+    pack.write_bytes(bytes(data))
+
+
+PACK_DAMAGE = {
+    "flipped data byte": (lambda pack, rows, index: _flip(pack, rows[1][0] + 3), "checksum mismatch"),
+    "truncated pack": (lambda pack, rows, index: pack.write_bytes(pack.read_bytes()[:-7]), "truncated|shorter"),
+    "missing pack": (lambda pack, rows, index: pack.unlink(), "missing"),
+    "flipped byte in the index": (lambda pack, rows, index: _flip(index, 5), "pack index"),
+    "swapped chunk files": (lambda pack, rows, index: _swap_chunks(pack, rows), "do not hold the chunks saved there"),
+}
+
+
+@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
+@pytest.mark.parametrize("kind", list(PACK_DAMAGE))
+def test_damage_in_a_pack_fails_the_copy_and_commits_nothing(tmp_path: Path, kind: str) -> None:
+    damage, message = PACK_DAMAGE[kind]
+    small_chunks(256, 256).save({"w": torch.randn(64, 8)}, tmp_path / "src")  # 8 chunk files of one length
+    pack, rows = _pack_rows(tmp_path / "src", "w")
+    damage(pack, rows, next((tmp_path / "src" / "packs").glob("*-index.bin")))
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=message):
+        copy(tmp_path / "src", tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no copy, no temporary directory
+    arrayckpt.save({"w": torch.ones(3)}, tmp_path / "old")  # a committed checkpoint being replaced stays whole
+    with pytest.raises(arrayckpt.CorruptCheckpointError, match=message):
+        copy(tmp_path / "src", tmp_path / "old", overwrite=True)
+    assert torch.equal(_tensors(tmp_path / "old")["w"], torch.ones(3)) and arrayckpt.verify(tmp_path / "old").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "src"]
+
+
+@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
+def test_a_packed_copy_is_read_in_windows_of_whole_chunks_paced_and_read_back(tmp_path: Path, tuned) -> None:
+    small_chunks(256 << 10, 256 << 10).save({"w": torch.randn(8, 64 << 10)}, tmp_path / "src")  # 8 chunks, 1 pack
+    tuned(copy_in_flight_bytes=1200 << 10)  # windows of four chunk files at concurrency 1 (two at 2)
+    seen: list[tuple[int, int]] = []
+    started = time.monotonic()
+    result = copy(tmp_path / "src", tmp_path / "dst", max_bytes_per_second=8 << 20, read_back=True, concurrency=2,
+                  progress=lambda done, total: seen.append((done, total)))
+    elapsed = time.monotonic() - started
+    assert result.objects == 8 and result.bytes_copied == (tmp_path / "src" / _pack_rows(tmp_path / "src", "w")[0]
+                                                           .relative_to(tmp_path / "src")).stat().st_size
+    assert len(seen) == 4 and seen[-1] == (8 * (256 << 10), 8 * (256 << 10))  # a window of two chunks at a time
+    assert elapsed >= 6 * (256 << 10) / (8 << 20) * 0.95  # the first window starts at once
+    _same_checkpoint(tmp_path / "src", tmp_path / "dst")
 
 
 # --- delta chains -------------------------------------------------------------------------------------------------
@@ -203,6 +275,7 @@ def test_another_checkpoint_where_a_base_goes_is_never_overwritten(tmp_path: Pat
 # --- bounded memory, rate limit, read-back, progress --------------------------------------------------------------
 
 
+@FILES_LAYOUT_ONLY  # counts chunk files in flight (packs: below)
 def test_few_chunk_files_are_in_flight_and_the_rate_limit_paces_the_copy(tmp_path: Path, monkeypatch, tuned) -> None:
     small_chunks(256 << 10, 256 << 10).save({"w": torch.randn(8, 64 << 10)}, tmp_path / "src")  # 8 files of 256 KiB
     tuned(copy_in_flight_bytes=600 << 10)  # room for two of them
@@ -245,16 +318,18 @@ def test_local_to_s3_and_back_replacing_a_committed_checkpoint(s3_server: S3Serv
     _same_checkpoint(tmp_path / "one", url, dst_options=options)
     copy(tmp_path / "two", url, dst_options=options, overwrite=True)  # the other chunk key encoding (a new generation)
     _same_checkpoint(tmp_path / "two", url, dst_options=options)
-    with arrayckpt.open(url, storage_options=options) as ckpt:
-        assert ckpt["model.w"].metadata["chunk_key_encoding"]["name"] == "v2"
+    with arrayckpt.open(url, storage_options=options) as ckpt:  # (a packed copy keeps its nodes: no chunk objects)
+        packed = ckpt.manifest.packs is not None
+        assert packed or ckpt["model.w"].metadata["chunk_key_encoding"]["name"] == "v2"
     keys = [k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/")]
     root = json.loads(s3_server.client.get_object(Bucket=s3_bucket, Key="run/ckpt/zarr.json")["Body"].read())
     assert stale_keys(keys, kept_of(root)) == []  # the old generation is gone
     back = copy(url, tmp_path / "back", src_options=options)  # to a directory: the encoding the local writer uses
-    assert back.objects == len(_chunk_files(tmp_path / "two"))
+    assert back.objects == _stored_chunks(tmp_path / "two")
     _same_checkpoint(url, tmp_path / "back", src_options=options)
 
 
+@FILES_LAYOUT_ONLY  # retries per chunk file (a pack is retried whole: copy_packs.py)
 def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_nothing(
         s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str, tmp_path: Path, monkeypatch) -> None:
     # 9 attempts per file: with a quarter of PUTs failing, a file fails them all with p = 0.25**9 (the test is not
@@ -276,6 +351,43 @@ def test_transient_s3_errors_are_retried_per_file_and_permanent_ones_commit_noth
     assert s3_server.list_keys(s3_bucket, "b/") == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
+def test_a_packed_copy_to_s3_and_back_writes_each_pack_once(s3_server: S3Server, s3_proxy: FaultProxy,
+                                                            s3_bucket: str, tmp_path: Path, tuned) -> None:
+    tuned(object_part_bytes=5 << 20)
+    options, url = {"endpoint_url": s3_proxy.endpoint}, f"s3://{s3_bucket}/run/ckpt"
+    arrayckpt.save({"big": torch.randn(3 << 20), "small": torch.arange(10.0), "step": 1}, tmp_path / "big")
+    s3_proxy.reset()
+    copy(tmp_path / "big", url, dst_options=options, read_back=True)
+    keys = sorted(k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/"))
+    assert len(keys) == 4 and keys[0].endswith("-index.bin") and keys[1].endswith("-r000000.pack"), keys
+    assert keys[2:] == ["refs.json", "zarr.json"] and keys[:2] == sorted(  # the source's names: its tag is kept
+        str(p.relative_to(tmp_path / "big")) for p in (tmp_path / "big" / "packs").iterdir())
+    # the 12 MiB pack is one multipart upload (create, three parts, complete); the index, refs and root one PUT each
+    assert s3_proxy.count("POST", path_contains=".pack") == 2 and s3_proxy.count("PUT", path_contains=".pack") == 3
+    assert [s3_proxy.count("PUT", path_contains=name) for name in ("index.bin", "refs.json", "ckpt/zarr.json")] == \
+        [1, 1, 1]
+    puts = [path for method, path, _, _ in s3_proxy.log if method == "PUT" and "lease" not in path]
+    assert puts[-1].endswith("/run/ckpt/zarr.json"), "the root must be written last"
+    _same_checkpoint(tmp_path / "big", url, dst_options=options)
+
+    arrayckpt.save({"small": torch.arange(10.0), "step": 2}, tmp_path / "small")
+    s3_proxy.reset()
+    copy(tmp_path / "small", url, dst_options=options, overwrite=True)  # one PUT for a pack of one part
+    assert s3_proxy.count("PUT", path_contains=".pack") == 1 and s3_proxy.count("POST", path_contains=".pack") == 0
+    keys = [k.removeprefix("run/ckpt/") for k in s3_server.list_keys(s3_bucket, "run/ckpt/")]
+    root = json.loads(s3_server.client.get_object(Bucket=s3_bucket, Key="run/ckpt/zarr.json")["Body"].read())
+    assert len(keys) == 4 and stale_keys(keys, kept_of(root)) == []  # the replaced checkpoint's packs are gone
+    _same_checkpoint(tmp_path / "small", url, dst_options=options)
+    s3_proxy.reset()
+    back = copy(url, tmp_path / "back", src_options=options)
+    assert back.objects == 1 and s3_proxy.counts.get("PUT", 0) == 0
+    _same_checkpoint(url, tmp_path / "back", src_options=options)
+    assert sorted(p.name for p in (tmp_path / "back" / "packs").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "small" / "packs").iterdir())
+
+
 _KILLED_COPY = """
 import os, sys
 from arrayckpt._tools import copy_files
@@ -291,6 +403,7 @@ copy(sys.argv[1], sys.argv[2], dst_options={"endpoint_url": sys.argv[3]}, concur
 """
 
 
+@FILES_LAYOUT_ONLY  # kills the copy after three chunk files
 @pytest.mark.slow
 def test_a_copy_killed_midway_is_not_committed_and_an_overwrite_finishes_it(s3_server: S3Server, s3_bucket: str,
                                                                             tmp_path: Path) -> None:
