@@ -122,6 +122,7 @@ def test_tied_gpt2_is_stored_once_and_loads_into_tied_and_untied_models(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("storage_layout", ["files"], indirect=True)  # zarr-python opening the directory itself
 def test_zarr_python_sees_one_array_and_the_alias_as_an_attribute(tmp_path):
     model = _gpt2()
     path = tmp_path / "tied"
