@@ -27,7 +27,8 @@ per repeat (A B A B ...); each measurement set first saves and loads a tiny stat
 1. ``compare``, one process group per world size of ``--ranks``: per repeat, for arrayckpt
    (``arrayckpt.save`` / ``arrayckpt.load`` in place, uncompressed), DCP
    (``torch.distributed.checkpoint.save`` / ``.load``, default planner and ``FileSystemWriter`` /
-   ``FileSystemReader``) and ``dcp[arrayckpt]`` (the same DCP calls with arrayckpt's storage,
+   ``FileSystemReader``), ``arrayckpt[files]`` (``packed=False``: one file per chunk, the layout before the packed
+   default) and ``dcp[arrayckpt]`` (the same DCP calls with arrayckpt's storage,
    ``arrayckpt.dcp.ArrayckptWriter`` / ``ArrayckptReader``: DCP plans, arrayckpt stores), a save of the
    state then a load into zeroed targets of the same sharding; the checkpoint is deleted after.
 2. ``reshard``, one 4-rank process group: the state is saved once by each system with ``Shard(0)`` on
@@ -268,7 +269,13 @@ def verify(state: State, specs: Iterable[TensorSpec], mesh: Any, full: dict[str,
 def arrayckpt_save(state: State, path: str, group: Any) -> None:
     import arrayckpt
 
-    arrayckpt.save(state, path, process_group=group)
+    arrayckpt.save(state, path, process_group=group)  # packed from 2 ranks up (spec §16): the default
+
+
+def arrayckpt_files_save(state: State, path: str, group: Any) -> None:
+    import arrayckpt
+
+    arrayckpt.save(state, path, process_group=group, packed=False)  # one file per chunk (format version 3)
 
 
 def arrayckpt_load(state: State, path: str, group: Any, *, read_once: bool = False) -> None:
@@ -315,6 +322,7 @@ def dcp_storage_available() -> bool:
 
 
 DCP_ARRAYCKPT = "dcp[arrayckpt]"  # DCP's save/load with arrayckpt's StorageWriter/StorageReader
+ARRAYCKPT_FILES = "arrayckpt[files]"  # arrayckpt with one file per chunk (packed=False), against the packed default
 
 
 @dataclass(frozen=True)
@@ -324,7 +332,8 @@ class System:
     load: Callable[[State, str, Any], None]
 
 
-SYSTEMS = (System("arrayckpt", arrayckpt_save, arrayckpt_load), System("dcp", dcp_save, dcp_load),
+SYSTEMS = (System("arrayckpt", arrayckpt_save, arrayckpt_load),
+           System(ARRAYCKPT_FILES, arrayckpt_files_save, arrayckpt_load), System("dcp", dcp_save, dcp_load),
            *([System(DCP_ARRAYCKPT, dcp_arrayckpt_save, dcp_arrayckpt_load)] if dcp_storage_available() else []))
 
 
