@@ -34,7 +34,7 @@ from .._io.smallfiles import user_paths
 from .._layout.box import Box, grid_cells
 from .._settings import settings
 from .pools import batches
-from .staged import source_of, staged, staged_bytes
+from .staged import ChunkSource, source_of, staged, staged_bytes
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -366,6 +366,13 @@ def _read_packed_rows(jobs: list[ArrayIO], where: str) -> list[ArrayIO]:
     """Read the jobs of packed arrays in local pack files that the fast path takes (uncompressed row layouts) straight
     from the packs; the others are returned, to be staged for TensorStore."""
     fast, rest = _split_fast(jobs, local=False)
+    sources: dict[int, tuple[ChunkSource, list[str]]] = {}
+    for job, _ in fast:
+        hit = source_of(job.spec)
+        if hit is not None:
+            sources.setdefault(id(hit[0]), (hit[0], []))[1].append(hit[1])
+    for source, paths in sources.values():  # every section these jobs need, in one read per source
+        source.prepare(paths)
     taken = []
     for job, args in fast:
         hit = source_of(job.spec)

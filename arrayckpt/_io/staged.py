@@ -46,6 +46,14 @@ class ChunkSource(Protocol):
 
     def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
 
+    def prepare(self, paths: Sequence[str]) -> None:
+        """Read what finding the chunk files of arrays ``paths`` needs (their sections of the index), at once."""
+        ...
+
+    def fetch_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[list[bytes]]:
+        """:meth:`fetch` of several arrays at once (each pack read in one call, whatever array its ranges are of)."""
+        ...
+
     def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
         """For each ``(flat, ranges)``, the ``(offset, length)`` ranges of that chunk file (offsets within it; a
         range past its end is a ``CorruptCheckpointError``); ``(offset, -n)``: its last ``n`` bytes."""
@@ -155,13 +163,14 @@ def staged(wants: Sequence[Want], context: ts.Context) -> Staged:
     specs: dict[tuple[int, str], JSON] = {}
     try:
         pending = []
+        fetched = _fetch_all(list(wanted.values()))
         for key, entry in wanted.items():
             prefix = f"{entry.source.token}/{read}/{entry.path}/"
             flats = sorted(entry.chunks)
             metadata = json_object(entry.spec.get("metadata"))
             names = chunk_keys(metadata, (entry.chunks[flat] for flat in flats))
-            for name, data in zip(names, _fetch(entry, metadata, flats), strict=True):
-                pending.append(store.write(prefix + name, data))
+            for name, flat in zip(names, flats, strict=True):
+                pending.append(store.write(prefix + name, fetched[key][flat]))
             specs[key] = {**entry.spec, "kvstore": {"driver": "memory", "path": prefix}}
         for future in pending:
             future.result()
@@ -183,21 +192,34 @@ class _Wanted:
     inner: dict[int, set[int]]  # of a sharded array: flat index -> the inner chunks read (flat within the shard)
 
 
-def _fetch(entry: _Wanted, metadata: JSON, flats: list[int]) -> list[bytes]:
-    """The chunk files of ``flats``: whole, or, for a shard of which a read needs at most ``PARTIAL`` of the inner
-    chunks, a shard holding only those (``partial_shards``)."""
-    inner = inner_grid(metadata)
-    if inner is None:
-        return entry.source.fetch(entry.path, flats)
-    count = math.prod(inner[1])
-    partial = [flat for flat in flats if len(entry.inner.get(flat, ())) <= PARTIAL * count]
-    whole = [flat for flat in flats if flat not in set(partial)]
-    out = dict(zip(whole, entry.source.fetch(entry.path, whole), strict=True)) if whole else {}
-    if partial:
-        needed = [entry.inner[flat] for flat in partial]
-        out.update(zip(partial, partial_shards(entry.source.fetch_parts, entry.path, partial, needed, count),
-                       strict=True))
-    return [out[flat] for flat in flats]
+def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]]:
+    """Every chunk file the entries need, by entry and flat index: whole chunk files of all arrays of one source in
+    one call (each pack's ranges in one merged read: a load of hundreds of small arrays is a few requests per pack,
+    not one per array); a shard of which a read needs at most ``PARTIAL`` of the inner chunks as a compact shard of
+    only those (``partial_shards``)."""
+    out: dict[tuple[int, str], dict[int, bytes]] = {}
+    by_source: dict[int, list[tuple[_Wanted, list[int]]]] = {}
+    for entry in entries:
+        key = (id(entry.source), entry.path)
+        out[key] = {}
+        flats = sorted(entry.chunks)
+        inner = inner_grid(json_object(entry.spec.get("metadata")))
+        if inner is not None:
+            count = math.prod(inner[1])
+            partial = [flat for flat in flats if len(entry.inner.get(flat, ())) <= PARTIAL * count]
+            if partial:
+                needed = [entry.inner[flat] for flat in partial]
+                out[key].update(zip(partial, partial_shards(entry.source.fetch_parts, entry.path, partial, needed,
+                                                            count), strict=True))
+            flats = [flat for flat in flats if flat not in out[key]]
+        if flats:
+            by_source.setdefault(id(entry.source), []).append((entry, flats))
+    for requests in by_source.values():
+        source = requests[0][0].source
+        for (entry, flats), data in zip(requests, source.fetch_many([(e.path, f) for e, f in requests]),
+                                        strict=True):
+            out[(id(source), entry.path)].update(zip(flats, data, strict=True))
+    return out
 
 
 def staged_bytes(want: Want, itemsize: int) -> int:

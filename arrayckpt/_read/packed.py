@@ -39,6 +39,7 @@ class PackedChunks:
                  read_ranges: ReadRanges, where: str, root: str | None = None) -> None:
         self.layout, self.where = layout, where
         self._root = root  # the pinned directory, when the packs are local files
+        self._packs_checked = False  # whether its packs folder was checked not to be a link
         self.token = f"{TOKEN_PREFIX}{uuid.uuid4().hex}"
         self._nodes, self._present, self._read = nodes, present, read_ranges
         self._rows: dict[str, NDArray[np.uint64]] = {}
@@ -75,7 +76,9 @@ class PackedChunks:
         local files below the pinned directory (whose ``packs`` folder must not be a link: spec §12)."""
         if self._root is None:
             return None
-        check_no_links(self._root, PACK_PREFIX.rstrip("/"), self.where)
+        if not self._packs_checked:  # the pinned directory's packs folder, once per open checkpoint
+            check_no_links(self._root, PACK_PREFIX.rstrip("/"), self.where)
+            self._packs_checked = True
         table, stored = self.rows([path])[path], self.stored(path)
         order, names = stored.order, [f"{self._root.rstrip('/')}/{pack.name}" for pack in self.layout.packs]
 
@@ -125,24 +128,35 @@ class PackedChunks:
                 out[i][j] = piece
         return out
 
-    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
-        """The chunk files of array ``path`` at the flat indices ``flats``, read concurrently (one ranged read per
-        chunk, the ranges of one pack in one call)."""
-        if path not in self.layout.sections:
-            raise CorruptCheckpointError(f"{self.where}: array {path!r} has no section in the pack index")
-        table = self.rows([path])[path]
-        stored = self.stored(path)
-        order = stored.order
-        by_pack: dict[int, list[tuple[int, int, int]]] = {}  # pack -> (position in flats, offset, length)
-        for position, flat in enumerate(flats):
-            row = row_of(order, flat)
-            if row is None:
-                raise self._not_stored(path, stored, flat)
-            pack, offset, length = (int(v) for v in table[row])
-            by_pack.setdefault(pack, []).append((position, offset, length))
-        out: list[bytes] = [b""] * len(flats)
+    def prepare(self, paths: Sequence[str]) -> None:
+        """The sections of ``paths`` read now, in one call (a load's arrays: one ranged read of the index, merged)."""
+        self.rows([path for path in paths if path in self.layout.sections])
+
+    def fetch_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[list[bytes]]:
+        """The chunk files of several arrays (``(path, flats)`` each), their sections read in one call and the ranges
+        of each pack in one call (merged into few reads on object storage: ``pack_read_gap_bytes``)."""
+        for path, _ in requests:
+            if path not in self.layout.sections:
+                raise CorruptCheckpointError(f"{self.where}: array {path!r} has no section in the pack index")
+        tables = self.rows([path for path, _ in requests])
+        by_pack: dict[int, list[tuple[int, int, int, int]]] = {}  # pack -> (request, position, offset, length)
+        for i, (path, flats) in enumerate(requests):
+            table, stored = tables[path], self.stored(path)
+            order = stored.order
+            for position, flat in enumerate(flats):
+                row = row_of(order, flat)
+                if row is None:
+                    raise self._not_stored(path, stored, flat)
+                pack, offset, length = (int(v) for v in table[row])
+                by_pack.setdefault(pack, []).append((i, position, offset, length))
+        out: list[list[bytes]] = [[b""] * len(flats) for _, flats in requests]
         for pack, wanted in by_pack.items():
-            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, offset, length in wanted])
-            for (position, _, _), chunk in zip(wanted, data, strict=True):
-                out[position] = chunk
+            wanted.sort(key=lambda item: item[2])  # in pack order: neighbours merge into one read
+            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, _, offset, length in wanted])
+            for (i, position, _, _), chunk in zip(wanted, data, strict=True):
+                out[i][position] = chunk
         return out
+
+    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
+        """The chunk files of array ``path`` at the flat indices ``flats`` (:meth:`fetch_many` of one array)."""
+        return self.fetch_many([(path, flats)])[0]
