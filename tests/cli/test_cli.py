@@ -101,7 +101,8 @@ def test_info_of_a_two_rank_checkpoint_fits_the_terminal(tmp_path):
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert max(map(len, lines)) <= columns, max(lines, key=len)
-        assert "layers.39.mlp" in done.stdout and "step = 3" in done.stdout and "(format v3, step" in done.stdout
+        assert "layers.39.mlp" in done.stdout and "step = 3" in done.stdout
+        assert "(format v4, packed: 2 packs, step" in done.stdout  # two ranks: packed (spec §16)
         if columns >= 80:  # the summary is one item, never split
             assert "writers=2 ranks, 162 chunks (rank 0: 81, rank 1: 81)" in done.stdout
         tree = _run("info", "--tree", str(tmp_path / "c"), env={"COLUMNS": str(columns)}).stdout.splitlines()

@@ -166,6 +166,8 @@ def _load_as_rank(rank: int, url: str, options: dict) -> None:
     assert target["step"] == 3
 
 
+@pytest.mark.usefixtures("storage_layout")  # each chunk object's GETs: the files layout (packed: test_s3_packed)
+@pytest.mark.parametrize("storage_layout", ["files"], indirect=True)
 def test_two_rank_save_and_resharded_loads(s3_server: S3Server, s3_proxy: FaultProxy, s3_bucket: str) -> None:
     from dist_helpers import run_ranks
 

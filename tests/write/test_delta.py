@@ -166,6 +166,7 @@ def test_quantized_rows_record_their_error(tmp_path: Path, bits: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("storage_layout", ["files"], indirect=True)  # damages a chunk file by hand
 def test_damage_and_missing_or_replaced_bases_are_errors(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     state = _state(g)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from helpers import assert_bit_equal
+from helpers import assert_bit_equal, stored_chunks
 from policies import small_chunks
 
 import arrayckpt
@@ -254,7 +254,7 @@ def _four_ranks_2d_and_read_once(rank: int, world: int, path: str, replicated_pa
 def test_2d_mesh_save_loads_on_1d_mesh_and_read_once_reads_each_byte_once(tmp_path: Path):
     replicated = tmp_path / "replicated"
     arrayckpt.save({"rep": torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)}, replicated)
-    stored = (replicated / "rep" / "c.0.0").stat().st_size  # 4096 data bytes + 4 checksum bytes
+    stored = stored_chunks(replicated, "rep")["c.0.0"]  # 4096 data bytes + 4 checksum bytes
     reads = run_ranks(4, _four_ranks_2d_and_read_once, str(tmp_path / "ckpt"), str(replicated))
     assert sum(r[False] for r in reads) == 4 * stored
     assert sum(r[True] for r in reads) == stored
