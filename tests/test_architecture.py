@@ -50,7 +50,7 @@ LAYERS = [
     ("_manage",),  # the checkpoint manager: policies, tiers, uploader, restore, SIGTERM
     ("_integrations",),  # other stacks' plug-in points: DCP storage, Lightning CheckpointIO
     ("_cli",),  # the command line: parsing and printing, one module per group of commands
-    ("cli", "dcp", "deepspeed", "lightning"),
+    ("cli", "dcp", "deepspeed", "lightning", "torchtitan"),
     ("__init__",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -32,6 +32,7 @@ import torch
 
 from .._errors import ArrayckptError, FormatError, PickleNotAllowedError, warn_unpickling
 from .._format.manifest import PickleEntry
+from .._format.marker import is_marker
 from .._io.smallfiles import read_regular_file
 from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint, stored_of
@@ -99,7 +100,11 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint in directory ``path``, unpickled with :class:`MetadataUnpickler`."""
     file = Path(path) / METADATA_FILE
     try:  # a regular file of bounded size (not a FIFO, which would block; not /dev/zero)
-        metadata = MetadataUnpickler(io.BytesIO(read_regular_file(file, str(file)))).load()
+        data = read_regular_file(file, str(file))
+        if is_marker(data):
+            raise FormatError(f"{path}: an arrayckpt checkpoint (its {METADATA_FILE} is arrayckpt's DCP marker, spec "
+                              "§2.1), not a DCP one: open it with arrayckpt.open, or convert from it as arrayckpt")
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except FileNotFoundError:
         raise FormatError(f"{path}: no {METADATA_FILE}; not a DCP checkpoint (or its save did not finish)") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:

@@ -13,9 +13,11 @@
 - ``lightning_io.py``: PyTorch Lightning's ``CheckpointIO`` plug-in (see its docstring); ``lightning_callbacks.py``:
   its callbacks' states under readable keys;
 - ``deepspeed_engine.py``: fills an initialised DeepSpeed ZeRO engine's partitions from an arrayckpt checkpoint
-  (``arrayckpt.deepspeed.load``), each rank reading only its slices.
+  (``arrayckpt.deepspeed.load``), each rank reading only its slices;
+- ``torchtitan_manager.py``: TorchTitan's ``CheckpointManager`` with arrayckpt as DCP's storage.
 
-The public names are re-exported by ``arrayckpt.dcp``, ``arrayckpt.deepspeed`` and ``arrayckpt.lightning``. This
+The public names are re-exported by ``arrayckpt.dcp``, ``arrayckpt.deepspeed``, ``arrayckpt.lightning`` and
+``arrayckpt.torchtitan``. This
 layer sits above everything else of the package (``tests/test_architecture.py``): it may use any of it, and
 nothing below imports it.
 """

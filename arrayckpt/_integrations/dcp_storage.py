@@ -219,6 +219,9 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             files per rank, not one per tensor shard.
         cache_staged_state_dict: ``FileSystemWriter``'s: with ``dcp.async_save`` (no ``async_stager=``) keep the CPU
             copy of the state for the next save (pinned where an accelerator is).
+        dcp_marker: write, right after the commit, the file ``.metadata`` that DCP-based trainers look for to find
+            their checkpoints (TorchTitan's step discovery): arrayckpt's marker (spec §2.1), which DCP's own reader
+            refuses with a message naming :class:`ArrayckptReader` instead of misreading it. ``False``: no marker.
         filesystem_writer_options: ``FileSystemWriter``'s other arguments, accepted or refused as ``dcp_options.py``
             says.
 
@@ -248,7 +251,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
     def __init__(self, path: str | os.PathLike[str] | None = None, *, codec: CodecChoice = None,
                  overwrite: bool | None = None, allow_pickle: bool = False,
                  storage_options: Mapping[str, Any] | None = None, packed: bool | None = None,
-                 cache_staged_state_dict: bool = False, **filesystem_writer_options: Any) -> None:
+                 cache_staged_state_dict: bool = False, dcp_marker: bool = True,
+                 **filesystem_writer_options: Any) -> None:
         implied = check_writer_options(filesystem_writer_options)  # ZStandard(): "zstd"
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -258,6 +262,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
         self.packed = packed
+        self.dcp_marker = dcp_marker
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self._saves = _Saves()
@@ -467,6 +472,8 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
         if pending.pack_tag is not None:
             manifest = packed_manifest(manifest, full, packs, transaction, pending.pack_tag, where)
         transaction.commit(manifest, consolidated)
+        if self.dcp_marker:  # after the commit, as DCP writes its .metadata last: a step found is a step committed
+            transaction.location.write_marker()
 
     def _location(self) -> Location:
         if self.path is None:

@@ -257,10 +257,16 @@ class Location(abc.ABC):
         """:meth:`read_pack` into writable buffers of the caller, one per range and of its length."""
         raise NotImplementedError(f"{self}: this storage holds no packs")
 
+    def write_marker(self) -> None:
+        """Write the DCP marker (spec §2.1, ``_format/marker.py``) beside the committed checkpoint here, whole or not
+        at all, so that DCP-based tools that find checkpoints by their ``.metadata`` find this one."""
+        raise NotImplementedError(f"{self}: this storage takes no DCP marker")
+
     @abc.abstractmethod
     def delete(self) -> None:
-        """Remove the checkpoint here: the commit (root document) first, so that a deletion cut short leaves
-        an incomplete checkpoint, never a damaged committed one. Nothing here is not an error."""
+        """Remove the checkpoint here: its DCP marker (spec §2.1: only when it is arrayckpt's) and the commit (root
+        document) first, so that a deletion cut short leaves an incomplete checkpoint that no tool takes for a
+        checkpoint, never a damaged committed one. Nothing here is not an error."""
 
     @abc.abstractmethod
     def claim(self, patience_s: float = 0.0) -> Claim:

@@ -32,10 +32,11 @@ from typing import NoReturn
 from .._errors import CheckpointExistsError, CorruptCheckpointError
 from .._format.jsontypes import member
 from .._format.manifest import MANIFEST_ATTRIBUTE, is_arrayckpt_root
+from .._format.marker import MARKER_NAME
 from .._format.packs import PACK_PREFIX, REFS_NAME, is_pack_key
 from .._io.smallfiles import read_regular_file
 from .base import ROOT_METADATA, arrayckpt_keys
-from .files import directory_files, remove_arrayckpt_files
+from .files import directory_files, holds_marker, remove_arrayckpt_files, remove_marker
 from .renames import fsync_dir, rename_noreplace
 
 __all__ = ["checkpoint_nodes", "commit_beside", "refuse_shared_checkpoint"]
@@ -45,8 +46,14 @@ _PACKS = PACK_PREFIX.rstrip("/")  # a packed checkpoint's folder of packs and in
 
 def checkpoint_nodes(target: Path) -> set[str]:
     """The top-level names of the checkpoint committed in ``target``: its nodes (its root document's consolidated
-    metadata), or for a packed one (spec §16.1) its packs folder and references; none when there is none or it
-    cannot tell: then nothing of it is removed, and a name the new checkpoint needs is refused."""
+    metadata), or for a packed one (spec §16.1) its packs folder and references, and its DCP marker (spec §2.1) when
+    the ``.metadata`` there is arrayckpt's; none when there is none or it cannot tell: then nothing of it is removed,
+    and a name the new checkpoint needs is refused."""
+    nodes = _checkpoint_nodes(target)
+    return nodes | {MARKER_NAME} if nodes and holds_marker(target) else nodes
+
+
+def _checkpoint_nodes(target: Path) -> set[str]:
     try:
         document = json.loads(read_regular_file(target / ROOT_METADATA, ROOT_METADATA, follow=False))
         if not is_arrayckpt_root(document):
@@ -110,7 +117,8 @@ def commit_beside(temporary: Path, target: Path, where: str, fsync: bool, replac
             f"{where}: the directory holds {taken[:3]}, which the checkpoint needs for its keys (its top-level nodes) "
             "and which are not the old checkpoint's; move them away, or save to another directory")
     root = target / ROOT_METADATA
-    if os.path.lexists(root):  # the old checkpoint goes first: the directory loads as neither until the commit
+    if os.path.lexists(root):  # the old checkpoint goes first (its marker, then its root document): the directory
+        remove_marker(target)  # loads as neither, and is found as no checkpoint, until the commit
         os.unlink(root)
         fsync_dir(target)
     for name in old:  # its nodes (only arrayckpt's files; the user's stay)

@@ -12,10 +12,55 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from .._format.marker import MARKER, MARKER_NAME, is_marker
 from .._io.smallfiles import forget_pin, remember_pin
 from .base import ROOT_METADATA, arrayckpt_keys
+from .renames import fsync_dir
 
-__all__ = ["directory_files", "pin_directory", "remove_arrayckpt_files"]
+__all__ = ["directory_files", "holds_marker", "pin_directory", "remove_arrayckpt_files", "remove_marker",
+           "write_marker_file"]
+
+
+def write_marker_file(path: Path, fsync: bool) -> None:
+    """Write the DCP marker (spec §2.1) into the checkpoint directory ``path``: beside, then renamed into place (a
+    reader never sees part of it), durable before it returns with ``fsync``. A ``.metadata`` there that is not
+    arrayckpt's (DCP's own, of a DCP checkpoint the save was committed beside) is left as it is, and so is a link."""
+    if os.path.lexists(path / MARKER_NAME) and not holds_marker(path):
+        return
+    temporary = path / f"{MARKER_NAME}.tmp"
+    temporary.unlink(missing_ok=True)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(MARKER)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path / MARKER_NAME)
+    if fsync:
+        fsync_dir(path)
+
+
+def remove_marker(path: Path) -> None:
+    """Remove the DCP marker (spec §2.1) of the checkpoint directory ``path`` when the file there is arrayckpt's
+    marker, byte for byte (a ``.metadata`` of DCP's own, saved beside, is not arrayckpt's to remove); never through
+    a link."""
+    if holds_marker(path):
+        (path / MARKER_NAME).unlink(missing_ok=True)
+
+
+def holds_marker(path: Path) -> bool:
+    """Whether ``path/.metadata`` is a regular file (not a link) holding arrayckpt's marker, byte for byte."""
+    try:
+        fd = os.open(path / MARKER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # none, or a link (not arrayckpt's)
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and is_marker(os.read(fd, len(MARKER) + 1))
+    finally:
+        os.close(fd)
 
 
 def directory_files(path: Path) -> tuple[list[str], float, str | None]:

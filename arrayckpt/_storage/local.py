@@ -54,7 +54,7 @@ from .base import (
     relative_parts,
 )
 from .beside import checkpoint_nodes, commit_beside, refuse_shared_checkpoint
-from .files import pin_directory, remove_arrayckpt_files
+from .files import pin_directory, remove_arrayckpt_files, remove_marker, write_marker_file
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .packread import read_file_ranges
 from .packs import FilePackWriter
@@ -246,11 +246,16 @@ class LocalLocation(Location):
         if self.path.is_symlink():
             self.path.unlink(missing_ok=True)
             return
+        remove_marker(self.path)
         try:
             (self.path / ROOT_METADATA).unlink()
         except (FileNotFoundError, NotADirectoryError):
             pass
         remove_arrayckpt_files(self.path)
+
+    def write_marker(self) -> None:
+        """Written beside, then renamed into place (a reader never sees part of it), and made durable with the save."""
+        write_marker_file(self.path, self.fsync)
 
     def claim(self, patience_s: float = 0.0) -> RootLock:
         return RootLock(self.path)  # (a flock dies with its holder: nothing to wait for)

@@ -35,6 +35,7 @@ from .._errors import (
 )
 from .._format.jsontypes import JSON, json_object, member
 from .._format.manifest import MANIFEST_ATTRIBUTE, NODES_MEMBER, is_arrayckpt_root
+from .._format.marker import MARKER, MARKER_NAME, is_marker
 from .._format.packs import PACKS_MEMBER, REFS_NAME, is_pack_key
 from .._format.zarr import KEY_ENCODINGS, parse_chunk_key
 from .._settings import settings
@@ -288,11 +289,19 @@ class ObjectLocation(Location):
         return Lease(self.open_store(), MANAGER_LEASE, str(self), "another CheckpointManager holds this root",
                      patience_s)
 
+    def write_marker(self) -> None:
+        """One PUT (an object appears whole)."""
+        _wait([(MARKER_NAME, _write(self.open_store(), MARKER_NAME, MARKER, self))], self, "writing the DCP marker")
+
     def delete(self) -> None:
-        """Remove the checkpoint: the commit first (so a half-deleted one reads as incomplete), then the rest."""
+        """Remove the checkpoint: its DCP marker (when arrayckpt's) and the commit first (so a half-deleted one reads
+        as incomplete), then the rest."""
         store = self.open_store()
+        keys = _list(store, self)
+        if MARKER_NAME in keys and is_marker(_read(store, MARKER_NAME, self) or b""):
+            _delete(store, [MARKER_NAME], self)
         _delete(store, [ROOT_METADATA], self)
-        _delete(store, arrayckpt_keys(_list(store, self)), self)
+        _delete(store, [k for k in arrayckpt_keys(keys) if k != ROOT_METADATA], self)
 
 
 def parse_object_url(text: str, storage_options: Mapping[str, Any] | None = None) -> ObjectLocation:

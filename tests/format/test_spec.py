@@ -760,3 +760,18 @@ def test_row_layout_example(tmp_path):
         jobs, _ = rows_jobs(task, planned, data, held, rows["t"], None, lambda path: {"driver": "memory"})
         index[task.offset:task.offset + task.length] = jobs[0].data
     assert index.tolist() == [1, 3, -1, 6, 7, 9]
+
+
+def test_dcp_marker_is_the_bytes_the_spec_gives() -> None:
+    """§2.1: the marker's text as the spec gives it, and its bytes as the spec lays them out, are what writers write."""
+    import struct
+
+    from arrayckpt._format.marker import MARKER, MESSAGE
+
+    text = re.match(r"`M` = `([^`]*)`", _after("dcp-marker"), re.S)
+    assert text is not None
+    message = " ".join(text.group(1).split())
+    assert message == MESSAGE and f"{len(message.encode())} bytes" in _after("dcp-marker")
+    laid_out = (b"\x80\x02\x63operator\x0agetitem\x0a\x7d\x58" + struct.pack("<I", len(message.encode()))
+                + message.encode() + b"\x86\x52\x2e")
+    assert laid_out == MARKER

@@ -30,6 +30,7 @@ from dist_helpers import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
 import arrayckpt
+from arrayckpt._format.marker import MARKER
 from arrayckpt.dcp import ArrayckptReader, ArrayckptWriter
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -51,9 +52,10 @@ def _failure(error: BaseException) -> BaseException:
 
 
 def _entries(layout: str, *nodes: str) -> list[str]:
-    """The names a checkpoint of top-level nodes ``nodes`` has in its directory, in the test's storage layout: its
-    nodes, or (packed, spec §16.1) its packs and references; and its root document."""
-    return sorted([*(nodes if layout == "files" else ("packs", "refs.json")), "zarr.json"])
+    """The names a checkpoint of top-level nodes ``nodes`` that ``ArrayckptWriter`` saved has in its directory, in the
+    test's storage layout: its nodes, or (packed, spec §16.1) its packs and references; its root document and its
+    DCP marker (spec §2.1)."""
+    return sorted([*(nodes if layout == "files" else ("packs", "refs.json")), "zarr.json", ".metadata"])
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -122,8 +124,8 @@ def test_a_dcp_checkpoint_at_the_path_is_replaced_other_files_kept(tmp_path: Pat
     (latest / ".metadata.tmp").write_bytes(b"")  # what a DCP save that died before its commit leaves too
     dcp.save(_state(2), storage_writer=ArrayckptWriter(latest), no_dist=True)
     _assert_step(_loaded(latest), 2)
-    assert "zarr.json" in os.listdir(latest) and not any(n.endswith((".distcp", ".metadata")) for n in
-                                                          os.listdir(latest))
+    assert "zarr.json" in os.listdir(latest) and not any(n.endswith(".distcp") for n in os.listdir(latest))
+    assert (latest / ".metadata").read_bytes() == MARKER  # DCP's metadata replaced too: arrayckpt's marker now
     assert arrayckpt.verify(latest).ok and _leftovers(tmp_path) == []
 
     for extra, kind in (("notes.txt", "file"), ("sub", "directory"), ("__0_0.distcp.bak", "file")):
@@ -131,7 +133,8 @@ def test_a_dcp_checkpoint_at_the_path_is_replaced_other_files_kept(tmp_path: Pat
         dcp.save(_state(3), storage_writer=dcp.FileSystemWriter(other), no_dist=True)
         (other / extra).mkdir() if kind == "directory" else (other / extra).write_text("keep me")
         dcp.save(_state(4), storage_writer=ArrayckptWriter(other), no_dist=True)
-        assert sorted(os.listdir(other)) == sorted([".metadata", "__0_0.distcp", extra, *_entries(storage_layout, "w")])
+        assert sorted(os.listdir(other)) == sorted(["__0_0.distcp", extra, *_entries(storage_layout, "w")])
+        assert (other / ".metadata").read_bytes() != MARKER  # DCP's own, of the checkpoint kept beside: left as is
         _assert_step(_loaded(other), 4)
         _assert_step(_loaded(other, storage_reader=dcp.FileSystemReader(other)), 3)
     dcp.save(_state(6), storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
@@ -206,7 +209,7 @@ def test_a_committed_checkpoint_beside_other_files_is_kept_unless_overwrite_is_g
     message = str(error)
     assert isinstance(error, arrayckpt.CheckpointExistsError) and "\n" not in message and str(d) in message
     assert "committed arrayckpt checkpoint beside other files ('model.pt', 'nested')" in message
-    old = "'w'" if storage_layout == "files" else "'packs', 'refs.json'"
+    old = "'.metadata', 'w'" if storage_layout == "files" else "'.metadata', 'packs', 'refs.json'"
     assert f"save to another directory, or remove the old checkpoint ('zarr.json', {old}) first" in message
     assert "pass overwrite=True explicitly" in message
     with pytest.raises(CheckpointException, match="Checkpoint already exists and overwrite=False: .*remove the old"):

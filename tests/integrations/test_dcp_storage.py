@@ -238,7 +238,7 @@ def test_dcp_written_checkpoint_is_a_normal_arrayckpt_checkpoint(saved_on_3: tup
                 packs = ckpt.manifest.packs
                 assert packs is not None and [p.rank for p in packs.packs] == [0, 1, 2]
                 assert sorted(p.name for p in path.rglob("*") if p.is_file()) == sorted(
-                    ["zarr.json", "refs.json", *(Path(p.name).name for p in packs.packs),
+                    ["zarr.json", ".metadata", "refs.json", *(Path(p.name).name for p in packs.packs),
                      Path(packs.index_name).name])
             else:
                 assert ckpt.manifest.packs is None and not (path / "packs").exists()
