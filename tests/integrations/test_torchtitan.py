@@ -181,3 +181,19 @@ def test_fsdp_on_two_ranks(tmp_path: Path) -> None:
     assert checkpoint["0.weight"].shape == (16, 8)
     assert len(os.listdir(Path(folder, "step-20", "packs"))) == 3  # two packs and the index
     assert arrayckpt.verify(Path(folder, "step-20")).ok
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_resumes(tmp_path: Path, s3_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint.folder`` on S3 (moto on 127.0.0.1): TorchTitan lists and probes it through fsspec, arrayckpt
+    saves and loads there; the endpoint comes from the environment, as for both of them."""
+    import arrayckpt
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    folder = f"s3://{s3_bucket}/run/checkpoint"
+    first = run_ranks(1, _run, "arrayckpt", folder, 10, {})[0]
+    second = run_ranks(1, _run, "arrayckpt", folder, 20, {})[0]
+    assert (second["found"], second["resumed"]) == (10, True)
+    assert first["losses"] + second["losses"] == _uninterrupted(tmp_path)
+    assert arrayckpt.open(f"{folder}/step-20").step == 20
+    assert arrayckpt.verify(f"{folder}/step-20").ok
