@@ -1,6 +1,7 @@
 """TorchTitan's own checkpoint component (``torchtitan.components.checkpointer``, the real package) driven as its
 trainer drives it: ``build`` from the config, ``load()`` at start, ``save(step)`` after every step, with TorchTitan's
-``OptimizersContainer`` (AdamW) and ``LRSchedulersContainer``, a train state and ``keep_latest_k``.
+``OptimizersContainer`` (AdamW), ``LRSchedulersContainer`` and ``ParallelAwareDataloader`` (its position is part of
+the state), a train state and ``keep_latest_k``.
 
 TorchTitan's trainer does not run on CPU with torch 2.13; its checkpoint manager does, on gloo ranks on 127.0.0.1.
 What must hold after switching to :class:`arrayckpt.torchtitan.ArrayckptCheckpointManager` (one line of config):
@@ -39,6 +40,21 @@ class TrainState:
         self.step = int(state["step"])
 
 
+class Batches(torch.utils.data.IterableDataset):
+    """An endless stream of (x, y) batches, a different one per data-parallel rank: TorchTitan's dataloader keeps its
+    position in the checkpoint, so a resumed run gets the batches an uninterrupted one would."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Any:
+        n = 0
+        while True:
+            generator = torch.Generator().manual_seed(1000 * n + self.rank)
+            yield torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+            n += 1
+
+
 def _manager_class(name: str) -> Any:
     if name == "dcp":
         from torchtitan.components.checkpointer.dcp import CheckpointManager
@@ -53,6 +69,7 @@ def _run(rank: int, world: int, manager: str, folder: str, steps: int, options: 
     """Build the model, TorchTitan's optimizer and scheduler containers and checkpoint manager, resume with
     ``load()``, train up to ``steps`` saving after each step; the losses of the steps run here, and what was
     resumed."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
@@ -71,17 +88,18 @@ def _run(rank: int, world: int, manager: str, folder: str, steps: int, options: 
                                      model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=20)
     state = TrainState()
+    dataloader = ParallelAwareDataloader(Batches(rank), dp_rank=rank, dp_world_size=world, batch_size=None)
     checkpointer = _manager_class(manager).Config(enable=True, folder=folder, interval=5, keep_latest_k=2,
                                                   **options).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": state}, sd_adapter=None)
     found = checkpointer._find_load_step()
     resumed = checkpointer.load()
     losses = []
+    batches = iter(dataloader)
     for step in range(state.step + 1, steps + 1):
-        generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(4 * world, 8, generator=generator), torch.randn(4 * world, 4, generator=generator)
-        loss = torch.nn.functional.mse_loss(model(x[rank::world]), y[rank::world])
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
         optimizers.zero_grad()
         loss.backward()
         optimizers.step()
@@ -126,6 +144,7 @@ def test_switched_run_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert (step / ".metadata").read_bytes() == MARKER
     checkpoint = arrayckpt.open(step)
     assert checkpoint.step == 20 and checkpoint.plain_values["lr_scheduler.last_epoch"] == 20
+    assert isinstance(checkpoint.plain_values["dataloader.dp_rank_0"], bytes)  # its position, as TorchTitan pickles it
     assert checkpoint["0.weight"].shape == (16, 8) and "optimizer.state.0.weight.exp_avg" in checkpoint
     assert arrayckpt.verify(step).ok
     assert MESSAGE in run_ranks(1, _refused_by_dcp, str(step))[0]
