@@ -1,6 +1,6 @@
 """``arrayckpt convert SRC DST`` (from and to torch.save, safetensors, PyTorch DCP, Megatron ``torch_dist`` and
-DeepSpeed; to a Hugging Face model directory) and ``compact SRC DST`` (a delta checkpoint and its bases as one full
-checkpoint)."""
+``fsdp_dtensor``, and DeepSpeed; to a Hugging Face model directory) and ``compact SRC DST`` (a delta checkpoint and
+its bases as one full checkpoint)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetenso
 def add_convert(commands: Commands) -> argparse.ArgumentParser:
     """Add ``convert`` to the command line's subparsers."""
     convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
-                                  "torch_dist, DeepSpeed (from ZeRO or Universal, to a Universal Checkpoint); to a "
-                                  "Hugging Face model directory")
+                                  "torch_dist and fsdp_dtensor, DeepSpeed (from ZeRO or Universal, to a Universal "
+                                  "Checkpoint); to a Hugging Face model directory")
     convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
                          "file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
@@ -33,8 +33,8 @@ def add_convert(commands: Commands) -> argparse.ArgumentParser:
                          help="target format (default: arrayckpt, or from the target's suffix); hf: a directory "
                               "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
                               "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
-                              "megatron.core.dist_checkpointing.load loads; peft: a LoRA adapter directory "
-                              "PeftModel.from_pretrained loads")
+                              "megatron.core.dist_checkpointing.load loads (or fsdp_dtensor: --ckpt-format); peft: a "
+                              "LoRA adapter directory PeftModel.from_pretrained loads")
     convert.add_argument("--max-shard-size", type=size, default=None, metavar="SIZE",
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")
@@ -57,6 +57,9 @@ def add_convert(commands: Commands) -> argparse.ArgumentParser:
                          help="deepspeed: the module's names of the optimizer's parameters, one per line, in the "
                               "order its param groups list them (for an optimizer saved by number whose numbers "
                               "cannot be mapped unambiguously)")
+    convert.add_argument("--ckpt-format", default=None, choices=["torch_dist", "fsdp_dtensor"],
+                         help="megatron: the layout written, as Megatron-LM's --ckpt-format (default: torch_dist; "
+                              "fsdp_dtensor: Megatron-FSDP's DCP of the flattened state); a source's is detected")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing target")
     convert.add_argument("--allow-pickle", action="store_true",
                          help="store/read values only pickle can hold (only for sources you trust)")
@@ -104,7 +107,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                          max_shard_bytes=args.max_shard_size, select=args.select, tie=dict(args.tie) or None,
                          config=args.config, progress=counter, base_roots=args.base_root,
                          param_names=_param_names(args.param_names), key_prefix=args.key_prefix,
-                         adapter=args.adapter)
+                         adapter=args.adapter, ckpt_format=args.ckpt_format)
     finally:
         counter.close()
     if args.json:

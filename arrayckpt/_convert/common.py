@@ -5,8 +5,8 @@ Every converter streams: the source's index (safetensors header, DCP ``.metadata
 torch.save file) gives the structure first, then tensors are read one at a time and written by
 ``_write/stream.py::write_streaming`` (into arrayckpt) or appended to the target file (out of it). Bit
 patterns are kept exactly (bfloat16 and float8 included); nothing is cast. ``dispatch.py`` chooses the
-converter; ``torch_save.py``, ``safetensors.py``, ``dcp.py`` and ``megatron.py`` (over ``dcp.py``) are the
-formats; DeepSpeed is read by ``deepspeed.py`` (ZeRO, with ``deepspeed_files.py``) and
+converter; ``torch_save.py``, ``safetensors.py``, ``dcp.py``, ``megatron.py`` and ``megatron_fsdp.py`` (over
+``dcp.py``) are the formats; DeepSpeed is read by ``deepspeed.py`` (ZeRO, with ``deepspeed_files.py``) and
 ``deepspeed_universal_read.py``, written by ``deepspeed_universal.py`` (its Universal Checkpoint, from
 ``universal_plan.py``'s choice of tensors).
 """

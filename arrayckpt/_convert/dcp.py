@@ -26,7 +26,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import torch
 
@@ -39,7 +39,7 @@ from .._read.checkpoint import Checkpoint, stored_of
 from .._write.options import SaveOptions
 from .._write.stream import write_streaming
 from .common import ConvertResult, Progress, nested_state, refusal_reason, refuse_existing, write_failure
-from .dcp_payload import append_payload, check_chunks, read_in_place, storage_index
+from .dcp_payload import append_payload, check_chunks, check_data_files, read_in_place, storage_index
 from .switch import held_temporary, switch_directory, switch_files, switched_path
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
-__all__ = ["MetadataUnpickler", "dcp_file", "from_dcp", "meta_tensor", "new_directory", "read_dcp_metadata",
-           "refuse_pickles", "stream_into_dcp", "to_dcp"]
+__all__ = ["MetadataUnpickler", "dcp_file", "flat_dcp_state", "from_dcp", "meta_tensor", "new_directory",
+           "read_dcp_metadata", "refuse_pickles", "stream_into_dcp", "to_dcp"]
 
 _Loaded = TypeVar("_Loaded")  # what a state given to DCP's load holds: tensors loaded in place, or plain values
 
@@ -226,6 +226,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwr
     metadata = read_dcp_metadata(src)
     entries = metadata.state_dict_metadata
     storage = storage_index(metadata)
+    check_data_files(Path(src), storage, {f for f, m in entries.items() if isinstance(m, TensorStorageMetadata)})
     values: dict[str, object] = {fqn: None for fqn, m in entries.items() if isinstance(m, BytesStorageMetadata)}
     if values:
         if trusted_values:  # loaded with weights_only=False: say so, as torch.load does
@@ -278,12 +279,51 @@ def to_dcp(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bo
     if target.exists() and any(target.iterdir()):
         refuse_existing(target, overwrite)
     refuse_pickles(checkpoint)
-    state, skipped = nested_state(checkpoint, lambda key: meta_tensor(checkpoint, key))
-    keys = frozenset(k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None)
+    state, keys, skipped = flat_dcp_state(checkpoint)
     with new_directory(target, dcp_file, [METADATA_FILE]) as temporary:
         total = stream_into_dcp(checkpoint, state, keys, temporary, flatten=True, progress=progress)
     files = tuple(sorted(str(p) for p in target.iterdir()))
-    return ConvertResult("arrayckpt", "dcp", len(keys), total, files, skipped + _left_out_by_dcp(state))
+    tensors = sum(checkpoint.manifest.array_entry(k) is not None for k in checkpoint.manifest.entries)
+    return ConvertResult("arrayckpt", "dcp", tensors, total, files, skipped)
+
+
+def flat_dcp_state(checkpoint: Checkpoint) -> tuple[dict[str, object], frozenset[str], tuple[str, ...]]:
+    """The nested state for DCP's flattening save (:func:`stream_into_dcp` with ``flatten=True``): meta tensors
+    where DCP writes a tensor item, read when its writer reaches them; returned with the keys of those tensors and
+    the entries left out (per-rank entries; empty dicts, which DCP's save walks into and saves nothing for). An
+    array inside a value DCP saves whole (a tuple, a list of plain values: ``torch.save`` bytes; Megatron-LM's
+    ``np_rng_state`` tuple holds one) is read now, as it is saved with the value: a meta tensor there would be saved
+    as one, without its data."""
+    planned: dict[int, str] = {}  # id of each meta tensor handed out -> its array's key
+
+    def meta(key: str) -> torch.Tensor:
+        tensor = meta_tensor(checkpoint, key)
+        planned[id(tensor)] = key
+        return tensor
+
+    state, skipped = nested_state(checkpoint, meta)
+    read: set[str] = set()
+
+    def whole(value: object) -> object:
+        if isinstance(value, torch.Tensor) and id(value) in planned:
+            read.add(planned[id(value)])
+            return checkpoint[planned[id(value)]].torch()
+        if isinstance(value, (list, tuple)):
+            return type(value)(whole(v) for v in value)
+        if isinstance(value, dict):
+            return {k: whole(v) for k, v in value.items()}
+        return value
+
+    def walk(value: object) -> object:  # as DCP's traverse_state_dict: into dicts, and lists not saved whole
+        if isinstance(value, Mapping):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list) and not _saved_whole(value):
+            return [walk(v) for v in value]
+        return value if isinstance(value, torch.Tensor) else whole(value)
+
+    state = cast("dict[str, object]", walk(state))
+    keys = frozenset(k for k in checkpoint.manifest.entries if checkpoint.manifest.array_entry(k) is not None)
+    return state, keys - read, skipped + _left_out_by_dcp(state)
 
 
 def _left_out_by_dcp(value: object, path: tuple[str | int, ...] = ()) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import pickle
 import struct
 import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, cast
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["append_payload", "check_chunks", "read_in_place", "storage_index"]
+__all__ = ["append_payload", "check_chunks", "check_data_files", "read_in_place", "storage_index"]
 
 _READ_BUFFER = 16 << 20  # bounce buffer for a chunk whose place in the whole tensor is not contiguous
 
@@ -309,6 +309,21 @@ def _pread_into(fd: int, target: npt.NDArray[np.uint8], offset: int, where: str)
         if got <= 0:
             raise FormatError(f"{where}: the data file ends {len(view) - done} bytes early")
         done += got
+
+
+def check_data_files(src: Path, storage: Mapping[tuple[str, tuple[int, ...]], _StorageInfo],
+                     tensors: Collection[str]) -> None:
+    """Every data file the metadata names is there: else the first item it holds is named (one of ``tensors``
+    first), before anything is read (a save's rank whose ``__<rank>_0.distcp`` was not copied)."""
+    held: dict[str, list[str]] = collections.defaultdict(list)
+    for (fqn, _), info in storage.items():
+        held[str(getattr(info, "relative_path", ""))].append(f"{'tensor' if fqn in tensors else 'value'} {fqn!r}")
+    for name, items in sorted(held.items()):
+        if name and not _payload_file(src, name).exists():
+            items.sort(key=lambda item: not item.startswith("tensor"))
+            more = f" and {len(items) - 1} more items" if len(items) > 1 else ""
+            raise FormatError(f"{src}: data file {name} is missing, which holds {items[0]}{more}; the DCP checkpoint "
+                              "is incomplete (a rank's file not copied, or a save cut short)")
 
 
 def storage_index(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], _StorageInfo]:

@@ -2,10 +2,10 @@
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
 DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
 (``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
-Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
-safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``) goes both ways. Only
-arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``, Megatron-LM's ``fsdp_dtensor``) goes
+both ways; ``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only,
+and read back as the safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``)
+goes both ways. Only arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
 when used, after checking that torch is there."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
         if (p / ADAPTER_CONFIG).is_file():
             return "peft"  # PeftModel.save_pretrained's directory (its adapter_model.safetensors is not a model's)
         if (p / ".metadata").is_file():
-            return "dcp"
+            return "megatron" if _megatron_dcp(p / ".metadata") else "dcp"  # Megatron-LM's fsdp_dtensor: plain DCP
         if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
             return "deepspeed"  # a DeepSpeed checkpoint directory ('latest[_universal]' names the tag) or a tag
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
@@ -60,6 +60,19 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
         if magic == b"PK" or magic[:1] == b"\x80":  # torch.save's zip format, or its legacy pickle format
             return "torch"
     return None
+
+
+def _megatron_dcp(metadata: Path) -> bool:
+    """Whether DCP's ``.metadata`` names ``checkpoint_version``, an entry of every Megatron-LM DCP save
+    (``megatron_fsdp.py::MARKER``): a search of its bytes, block by block, without unpickling it (the converter
+    reads it with its allow-list unpickler and checks the entry itself)."""
+    marker, tail = b"checkpoint_version", b""
+    with open(metadata, "rb") as f:
+        while block := f.read(1 << 20):
+            if marker in tail + block:
+                return True
+            tail = block[-len(marker):]
+    return False
 
 
 SUFFIXES = {"safetensors": (".safetensors",), "torch": (".pt", ".pth", ".bin", ".ckpt")}
@@ -90,11 +103,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             config: AdapterConfig | None = None, progress: Progress | None = None,
             base_roots: Sequence[str | os.PathLike[str]] | None = None,
             param_names: Sequence[str] | None = None, key_prefix: str = "",
-            adapter: str | None = None) -> ConvertResult:
+            adapter: str | None = None, ckpt_format: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
-    megatron (Megatron-Core ``torch_dist``) into any of them, and a LoRA adapter (peft) both ways. deepspeed is read
-    from a ZeRO checkpoint (stage 1, 2 or 3; its directory or a tag directory) or a Universal Checkpoint, and written
-    as a Universal Checkpoint.
+    megatron (Megatron-Core ``torch_dist``, or Megatron-LM's ``fsdp_dtensor``: ``ckpt_format``) into any of them,
+    and a LoRA adapter (peft) both ways. deepspeed is read from a ZeRO checkpoint (stage 1, 2 or 3; its directory or a
+    tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -149,6 +162,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         key_prefix: into arrayckpt: the key prefix to store the source's keys under (``"model"``).
         adapter: for peft: the adapter's name (exported: the one of several in the checkpoint; imported: the name
             put into the keys, default ``"default"``).
+        ckpt_format: for ``to_format="megatron"``: Megatron-LM's ``--ckpt-format`` of the directory written,
+            ``"torch_dist"`` (default; ``dist_checkpointing.load`` reads it) or ``"fsdp_dtensor"`` (Megatron-FSDP:
+            DCP of the flattened state, what Megatron-LM's fsdp_dtensor load reads). Read back, either is detected.
 
     Returns:
         What was written, and what the target format could not hold.
@@ -186,6 +202,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     if path is not None:  # read whole when the export is written: refuse /dev/zero, a FIFO or a huge file now
         name = ADAPTER_CONFIG if to_format == "peft" else "config.json"
         check_user_file(Path(path) / name if Path(path).is_dir() else path, f"a {name}")
+    if ckpt_format is not None and to_format != "megatron":
+        raise FormatError("ckpt_format is for a Megatron export: to_format='megatron' (--to megatron); a Megatron "
+                          "source's layout is detected")
     if param_names is not None and to_format != "deepspeed":
         raise FormatError("param_names is for a DeepSpeed Universal Checkpoint: to_format='deepspeed' (--to deepspeed)")
     source = "safetensors" if from_format == "hf" else from_format or detect_format(src)
@@ -218,7 +237,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     if source == "arrayckpt":
         return _out_of(src, dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
                        max_shard_bytes=max_shard_bytes, hf=hf, peft=peft, progress=progress,
-                       base_roots=base_roots, param_names=param_names)
+                       base_roots=base_roots, param_names=param_names, ckpt_format=ckpt_format)
     into = _converter(_INTO[source], f"converting {source} to {target}")
     if target == "hf":  # refused before the (long) first half
         refuse_earlier_export(Path(dst), overwrite)
@@ -234,7 +253,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
         try:
             result = _out_of(os.path.join(temp, "ckpt"), dst, target, overwrite=overwrite, allow_pickle=allow_pickle,
                              max_shard_bytes=max_shard_bytes, hf=hf, peft=peft, progress=progress,
-                             param_names=param_names)
+                             param_names=param_names, ckpt_format=ckpt_format)
         except ArrayckptError as e:
             raise _naming_source(e, os.path.join(temp, "ckpt"), src) from e
     return dataclasses.replace(result, source_format=first.source_format,
@@ -250,7 +269,7 @@ def _naming_source(error: ArrayckptError, temporary: str, src: str | os.PathLike
 def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: str, *, overwrite: bool,
             allow_pickle: bool, max_shard_bytes: int | None, hf: HfOptions, peft: PeftOptions,
             progress: Progress | None, base_roots: Sequence[str | os.PathLike[str]] | None = None,
-            param_names: Sequence[str] | None = None) -> ConvertResult:
+            param_names: Sequence[str] | None = None, ckpt_format: str | None = None) -> ConvertResult:
     """An arrayckpt checkpoint into ``target``."""
     if target == "hf":
         with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint, \
@@ -265,7 +284,9 @@ def _out_of(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             return to_safetensors(checkpoint, dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                                   progress=progress)
     out_of = _converter(_OUT_OF[target], f"converting arrayckpt to {target}")
-    extra = {"param_names": param_names} if target == "deepspeed" else {}
+    extra: dict[str, object] = {"param_names": param_names} if target == "deepspeed" else {}
+    if ckpt_format is not None:
+        extra["ckpt_format"] = ckpt_format
     with open_checkpoint(src, allow_pickle=allow_pickle, base_roots=base_roots) as checkpoint:
         return out_of(checkpoint, dst, overwrite=overwrite, progress=progress, **extra)
 

@@ -9,7 +9,8 @@ Such a checkpoint (``megatron/core/dist_checkpointing``: ``serialization.save``,
                                       every ShardedObject as DCP bytes under "<key>/shard_<offsets>_<shape>"
 
 A Megatron-LM save directory holding ``latest_checkpointed_iteration.txt`` is read at the iteration it names
-(``iter_0000100/``). The mapping into arrayckpt (:func:`from_megatron`):
+(``iter_0000100/``). Megatron-LM's ``--ckpt-format fsdp_dtensor`` (Megatron-FSDP: plain DCP, no ``metadata.json``) is
+told apart there and converted by ``megatron_fsdp.py``, both ways. The mapping into arrayckpt (:func:`from_megatron`):
 
 - every ShardedTensor is the array named by its sharded key, unchanged (``decoder.layers.mlp.linear_fc1.weight``,
   ``optimizer.state.exp_avg.decoder...``), with its global shape and dtype: DCP's reader (``dcp.py``) joins the
@@ -66,13 +67,16 @@ from .._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy
 from .._read.checkpoint import Checkpoint
 from .common import ConvertResult, Progress, refusal_reason, refuse_existing, restore_containers
 from .dcp import METADATA_FILE, dcp_file, from_dcp, meta_tensor, new_directory, refuse_pickles, stream_into_dcp
+from .megatron_fsdp import CKPT_FORMAT, from_fsdp_dtensor, is_fsdp_dtensor, to_fsdp_dtensor
 
-__all__ = ["COMMON_FILE", "CONFIG_FILE", "WRITTEN_CONFIG", "checkpoint_directory", "from_megatron", "to_megatron"]
+__all__ = ["CKPT_FORMATS", "COMMON_FILE", "CONFIG_FILE", "WRITTEN_CONFIG", "checkpoint_directory", "from_megatron",
+           "to_megatron"]
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's save directory: which iter_XXXXXXX is newest
 SUPPORTED_BACKENDS = ("torch_dist",)
+CKPT_FORMATS = ("torch_dist", CKPT_FORMAT)  # Megatron-LM's --ckpt-format values written here
 # metadata.json as Megatron-Core writes it for its torch_dist save (asdict(CheckpointingConfig("torch_dist", 1)));
 # its loader builds CheckpointingConfig(**json), so no other member may be there
 WRITTEN_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -142,8 +146,12 @@ def _common(directory: Path, allow_pickle: bool) -> dict[str, Any]:
 def from_megatron(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
                   allow_pickle: bool = False, progress: Progress | None = None,
                   chunking: ChunkPolicy = DEFAULT_CHUNKING, key_prefix: str = "") -> ConvertResult:
-    """A Megatron-Core ``torch_dist`` checkpoint into arrayckpt (the mapping is this module's docstring)."""
+    """A Megatron-Core ``torch_dist`` checkpoint into arrayckpt (the mapping is this module's docstring), or a
+    Megatron-LM ``fsdp_dtensor`` one (``megatron_fsdp.py``), told apart by their files."""
     directory = checkpoint_directory(Path(src))
+    if is_fsdp_dtensor(directory):
+        return from_fsdp_dtensor(directory, dst, overwrite=overwrite, allow_pickle=allow_pickle, progress=progress,
+                                 chunking=chunking, key_prefix=key_prefix)
     config = _config(directory)
     common = _common(directory, allow_pickle)
     extra = {**{str(k): v for k, v in common.items()}, "megatron": {"metadata": config}}
@@ -156,9 +164,10 @@ def from_megatron(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, o
 
 
 def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrite: bool = False,
-                progress: Progress | None = None) -> ConvertResult:
+                progress: Progress | None = None, ckpt_format: str = "torch_dist") -> ConvertResult:
     """An arrayckpt checkpoint into a Megatron-Core ``torch_dist`` directory (the mapping is this module's
-    docstring): ``common.pt``, then DCP's own save of the ShardedTensors and ShardedObjects, each tensor read only
+    docstring), or with ``ckpt_format="fsdp_dtensor"`` a Megatron-LM ``fsdp_dtensor`` one (``megatron_fsdp.py``).
+    ``torch_dist``: ``common.pt``, then DCP's own save of the ShardedTensors and ShardedObjects, each tensor read only
     when written and appended to one ``__0_0.distcp`` (memory: the largest tensor), then ``metadata.json``;
     written into a hidden directory beside ``dst`` and switched into place whole (``dcp.py::new_directory``): a
     kill leaves the old checkpoint or the new one there, and the hidden directory a rerun or ``arrayckpt gc``
@@ -166,6 +175,10 @@ def to_megatron(checkpoint: Checkpoint, dst: str | os.PathLike[str], *, overwrit
     entry points ``metadata.json`` and ``.metadata`` first out and last in: a kill may leave a directory that does
     not load, never a mix). ``notes`` say when ``common.pt`` holds what Megatron's
     loader (``torch.load``, ``weights_only=True``) refuses without an allow-list."""
+    if ckpt_format == CKPT_FORMAT:
+        return to_fsdp_dtensor(checkpoint, dst, overwrite=overwrite, progress=progress)
+    if ckpt_format != "torch_dist":
+        raise FormatError(f"ckpt_format {ckpt_format!r}: Megatron checkpoints are written as {', '.join(CKPT_FORMATS)}")
     target = Path(dst)
     if target.exists() and any(target.iterdir()):
         refuse_existing(target, overwrite)
