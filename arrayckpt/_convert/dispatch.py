@@ -27,12 +27,13 @@ from .hf import HfOptions, refuse_earlier_export, to_hf
 from .peft import ADAPTER_CONFIG, AdapterConfig, PeftOptions, refuse_earlier_adapter, to_peft
 from .safetensors import to_safetensors
 from .switch import held_temporary
-from .whatis import checkpoint_steps, explain_path
+from .whatis import checkpoint_steps, explain_path, torch_checkpointing_kind
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch")
-DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft")  # targets that are directories
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch", "torch_checkpointing")
+# targets that are directories
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "torch_checkpointing")
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -41,6 +42,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     if p.is_dir():
         if os.path.lexists(p / ROOT_METADATA):  # a link or device in its place too: the reader refuses it, naming it
             return "arrayckpt"
+        if torch_checkpointing_kind(p) == "metadata":  # its metadata.pkl: no other format has one
+            return "torch_checkpointing"
         if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
         if (p / ADAPTER_CONFIG).is_file():
@@ -49,6 +52,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "dcp"
         if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
             return "deepspeed"  # a DeepSpeed checkpoint directory ('latest[_universal]' names the tag) or a tag
+        if torch_checkpointing_kind(p) == "files":  # <item>_<rank>.pt only: saved without a resharder
+            return "torch_checkpointing"
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
             return "safetensors"
         return None
@@ -286,9 +291,10 @@ def _no_new_empty_directory(target: Path) -> Iterator[None]:
 
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
-         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron", "peft": "peft:from_peft"}
+         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron", "peft": "peft:from_peft",
+         "torch_checkpointing": "torch_checkpointing:from_torch_checkpointing"}
 _OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal",
-           "megatron": "megatron:to_megatron"}
+           "megatron": "megatron:to_megatron", "torch_checkpointing": "torch_checkpointing:to_torch_checkpointing"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:
