@@ -2,7 +2,8 @@
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
 DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
 (``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) goes both ways; ``hf`` (a Hugging
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``) and ``torch_checkpointing`` (PyTorch's
+``CheckpointManager`` directories, ``torch_checkpointing.py``) go both ways; ``hf`` (a Hugging
 Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read back as the
 safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``) goes both ways. Only
 arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
@@ -97,7 +98,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             param_names: Sequence[str] | None = None, key_prefix: str = "",
             adapter: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
-    megatron (Megatron-Core ``torch_dist``) into any of them, and a LoRA adapter (peft) both ways. deepspeed is read
+    megatron (Megatron-Core ``torch_dist``) and torch_checkpointing (a ``CheckpointManager`` directory, saved by any
+    number of ranks; written for one) into any of them, and a LoRA adapter (peft) both ways. deepspeed is read
     from a ZeRO checkpoint (stage 1, 2 or 3; its directory or a tag directory) or a Universal Checkpoint, and written
     as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
@@ -136,8 +138,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     Args:
         src: the checkpoint to convert: a file or a directory.
         dst: where to write it.
-        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"``, ``"megatron"`` or
-            ``"peft"`` (default: detected).
+        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"``, ``"megatron"``,
+            ``"torch_checkpointing"`` or ``"peft"`` (default: detected).
         to_format: one of those, or ``"hf"`` (default: what ``dst``'s suffix says, else arrayckpt).
         overwrite: replace what is at ``dst``.
         allow_pickle: read and write values that need pickle (only from sources you trust).

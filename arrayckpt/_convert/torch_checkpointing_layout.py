@@ -219,7 +219,7 @@ def tensor_plan(src: Path, layout: Layout, states: Mapping[int, object], item: s
     elif type(first).__name__ == "DTensor":
         shape, pieces = tuple(first.shape), _dtensor_pieces(_spec_of(first), tuple(first.shape), key, src)
     elif all(hasattr(first, name) for name in CHECKPOINTABLE):
-        shape, pieces = tuple(int(n) for n in getattr(first, "global_shape")), \
+        shape, pieces = tuple(int(n) for n in _attributes(first)["global_shape"]), \
             [p for rank, leaf in held.items() for p in _boxes(_attributes(leaf), rank, key, src)]
     else:
         plain = True
