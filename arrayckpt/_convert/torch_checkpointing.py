@@ -122,10 +122,8 @@ def _load(file: Path, allow_pickle: bool) -> object:
             return _load_weights_only(file)
         except PickleNotAllowedError as e:
             if not allow_pickle:
-                reason = str(e).split("(", 1)[-1].split(")", 1)[0]
-                raise PickleNotAllowedError(f"{file}: holds pickled content that weights_only loading refuses "
-                                            f"({reason}); converting it needs allow_pickle=True (--allow-pickle), "
-                                            "only for checkpoints you trust") from None
+                raise PickleNotAllowedError(f"{e}; or convert it with allow_pickle=True (--allow-pickle), only for "
+                                            "checkpoints you trust") from None
             warn_unpickling(f"{file}: unpickling it fully")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)

@@ -256,3 +256,19 @@ def test_two_spawned_ranks_with_dtensor_shards(tmp_path: Path) -> None:
         assert torch.equal(ckpt["model.plain"].torch(), torch.full((2,), 7.0))
         assert ckpt.plain_values["step"] == 3
     shutil.rmtree(tmp_path / "src")
+
+
+class _Mine(torch.Tensor):
+    """A tensor subclass of the user's: weights_only loading refuses its class."""
+
+
+def test_a_file_holding_other_classes_needs_allow_pickle(tmp_path: Path) -> None:
+    src = tmp_path / "mine"
+    src.mkdir()
+    torch.save({"w": torch.ones(2).as_subclass(_Mine)}, src / "model_0.pt")
+    with pytest.raises(arrayckpt.PickleNotAllowedError, match=r"model_0\.pt: refused to unpickle it .*allow_pickle"):
+        arrayckpt.convert(src, tmp_path / "ckpt")
+    with pytest.warns(arrayckpt.PickleWarning):
+        arrayckpt.convert(src, tmp_path / "ckpt", allow_pickle=True)
+    with arrayckpt.open(tmp_path / "ckpt") as ckpt:
+        assert torch.equal(ckpt["model.w"].torch(), torch.ones(2))
