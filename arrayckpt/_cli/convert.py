@@ -1,6 +1,6 @@
 """``arrayckpt convert SRC DST`` (from and to torch.save, safetensors, PyTorch DCP, Megatron ``torch_dist`` and
-``fsdp_dtensor``, and DeepSpeed; to a Hugging Face model directory) and ``compact SRC DST`` (a delta checkpoint and
-its bases as one full checkpoint)."""
+``fsdp_dtensor``, DeepSpeed and ``torch_checkpointing``; to a Hugging Face model directory) and ``compact SRC DST``
+(a delta checkpoint and its bases as one full checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from .text import emit
 
 __all__ = ["add_compact", "add_convert"]
 
-FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch"]
+FORMATS = ["arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch", "torch_checkpointing"]
 
 
 def add_convert(commands: Commands) -> argparse.ArgumentParser:
     """Add ``convert`` to the command line's subparsers."""
     convert = commands.add_parser("convert", help="convert from/to torch.save, safetensors, PyTorch DCP, Megatron "
                                   "torch_dist and fsdp_dtensor, DeepSpeed (from ZeRO or Universal, to a Universal "
-                                  "Checkpoint); to a Hugging Face model directory")
-    convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed or Megatron directory, .pt file, .safetensors "
-                         "file/index/dir")
+                                  "Checkpoint), torch_checkpointing; to a Hugging Face model directory")
+    convert.add_argument("src", help="source: arrayckpt, DCP, DeepSpeed, Megatron or torch_checkpointing directory, "
+                         ".pt file, .safetensors file/index/dir")
     convert.add_argument("dst", help="target path (its suffix can give the format: .safetensors, .pt)")
     convert.add_argument("--from", dest="from_format", choices=FORMATS,
                          help="source format (default: detected)")
@@ -34,7 +34,8 @@ def add_convert(commands: Commands) -> argparse.ArgumentParser:
                               "from_pretrained loads (the model's weights only); deepspeed: a Universal Checkpoint "
                               "engine.load_checkpoint resumes with load_universal; megatron: a torch_dist directory "
                               "megatron.core.dist_checkpointing.load loads (or fsdp_dtensor: --ckpt-format); peft: a "
-                              "LoRA adapter directory PeftModel.from_pretrained loads")
+                              "LoRA adapter directory PeftModel.from_pretrained loads; torch_checkpointing: a "
+                              "directory its CheckpointManager loads")
     convert.add_argument("--max-shard-size", type=size, default=None, metavar="SIZE",
                          help="safetensors/hf output: shards of at most SIZE (e.g. 5GB) with an index JSON (hf "
                               "default: 50GB, as save_pretrained)")

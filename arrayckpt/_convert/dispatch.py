@@ -2,10 +2,11 @@
 ``dcp``, ``deepspeed``, ``megatron``); between two other formats through a temporary arrayckpt checkpoint.
 DeepSpeed is read as ZeRO checkpoints (and Universal Checkpoints) and written as a Universal Checkpoint
 (``deepspeed_universal.py``; a DeepSpeed engine also resumes from the arrayckpt checkpoint itself:
-``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``, Megatron-LM's ``fsdp_dtensor``) goes
-both ways; ``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only,
-and read back as the safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``)
-goes both ways. Only arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
+``arrayckpt.deepspeed.load``); ``megatron`` (Megatron-Core's ``torch_dist``, Megatron-LM's ``fsdp_dtensor``) and
+``torch_checkpointing`` (PyTorch's ``CheckpointManager`` directories, ``torch_checkpointing.py``) go both ways;
+``hf`` (a Hugging Face export: the model's weights for ``from_pretrained``, ``hf.py``) is written only, and read
+back as the safetensors it is; ``peft`` (a LoRA adapter for ``PeftModel.from_pretrained``, ``peft.py``) goes both
+ways. Only arrayckpt -> safetensors, hf and peft run without torch; the other converters are imported
 when used, after checking that torch is there."""
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from .hf import HfOptions, refuse_earlier_export, to_hf
 from .peft import ADAPTER_CONFIG, AdapterConfig, PeftOptions, refuse_earlier_adapter, to_peft
 from .safetensors import to_safetensors
 from .switch import held_temporary
-from .whatis import checkpoint_steps, explain_path
+from .whatis import checkpoint_steps, explain_path, torch_checkpointing_kind
 
 __all__ = ["FORMATS", "convert", "detect_format"]
 
-FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch")
-DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft")  # targets that are directories
+FORMATS = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "safetensors", "torch", "torch_checkpointing")
+# targets that are directories
+DIRECTORIES = ("arrayckpt", "dcp", "deepspeed", "hf", "megatron", "peft", "torch_checkpointing")
 
 
 def detect_format(path: str | os.PathLike[str]) -> str | None:
@@ -41,6 +43,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
     if p.is_dir():
         if os.path.lexists(p / ROOT_METADATA):  # a link or device in its place too: the reader refuses it, naming it
             return "arrayckpt"
+        if torch_checkpointing_kind(p) == "metadata":  # its metadata.pkl: no other format has one
+            return "torch_checkpointing"
         if (p / "metadata.json").is_file() or (p / "latest_checkpointed_iteration.txt").is_file():
             return "megatron"  # Megatron-Core dist_checkpointing (a DCP directory plus metadata.json, common.pt)
         if (p / ADAPTER_CONFIG).is_file():
@@ -49,6 +53,8 @@ def detect_format(path: str | os.PathLike[str]) -> str | None:
             return "megatron" if _megatron_dcp(p / ".metadata") else "dcp"  # Megatron-LM's fsdp_dtensor: plain DCP
         if (p / "latest").is_file() or (p / "latest_universal").is_file() or list(p.glob("*_model_states.pt")):
             return "deepspeed"  # a DeepSpeed checkpoint directory ('latest[_universal]' names the tag) or a tag
+        if torch_checkpointing_kind(p) == "files":  # <item>_<rank>.pt only: saved without a resharder
+            return "torch_checkpointing"
         if list(p.glob("*.safetensors.index.json")) or list(p.glob("*.safetensors")):
             return "safetensors"
         return None
@@ -105,9 +111,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
             param_names: Sequence[str] | None = None, key_prefix: str = "",
             adapter: str | None = None, ckpt_format: str | None = None) -> ConvertResult:
     """Convert the checkpoint at ``src`` into ``dst``: any of arrayckpt, torch, safetensors, dcp, deepspeed and
-    megatron (Megatron-Core ``torch_dist``, or Megatron-LM's ``fsdp_dtensor``: ``ckpt_format``) into any of them,
-    and a LoRA adapter (peft) both ways. deepspeed is read from a ZeRO checkpoint (stage 1, 2 or 3; its directory or a
-    tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
+    megatron (Megatron-Core ``torch_dist``, or Megatron-LM's ``fsdp_dtensor``: ``ckpt_format``) and
+    torch_checkpointing (a ``CheckpointManager`` directory, saved by any number of ranks; written for one) into any
+    of them, and a LoRA adapter (peft) both ways. deepspeed is read from a ZeRO checkpoint (stage 1, 2 or 3; its
+    directory or a tag directory) or a Universal Checkpoint, and written as a Universal Checkpoint.
     Between two formats other than arrayckpt, the tensors go through a temporary arrayckpt checkpoint beside
     ``dst`` (streamed both ways, one tensor at a time; removed at the end).
 
@@ -144,8 +151,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, from_fo
     Args:
         src: the checkpoint to convert: a file or a directory.
         dst: where to write it.
-        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"``, ``"megatron"`` or
-            ``"peft"`` (default: detected).
+        from_format: ``"arrayckpt"``, ``"torch"``, ``"safetensors"``, ``"dcp"``, ``"deepspeed"``, ``"megatron"``,
+            ``"torch_checkpointing"`` or ``"peft"`` (default: detected).
         to_format: one of those, or ``"hf"`` (default: what ``dst``'s suffix says, else arrayckpt).
         overwrite: replace what is at ``dst``.
         allow_pickle: read and write values that need pickle (only from sources you trust).
@@ -307,9 +314,10 @@ def _no_new_empty_directory(target: Path) -> Iterator[None]:
 
 # The converters that need torch, by format: module and function, imported when used.
 _INTO = {"torch": "torch_save:from_torch", "safetensors": "safetensors:from_safetensors", "dcp": "dcp:from_dcp",
-         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron", "peft": "peft:from_peft"}
+         "deepspeed": "deepspeed:from_deepspeed", "megatron": "megatron:from_megatron", "peft": "peft:from_peft",
+         "torch_checkpointing": "torch_checkpointing:from_torch_checkpointing"}
 _OUT_OF = {"torch": "torch_save:to_torch", "dcp": "dcp:to_dcp", "deepspeed": "deepspeed_universal:to_universal",
-           "megatron": "megatron:to_megatron"}
+           "megatron": "megatron:to_megatron", "torch_checkpointing": "torch_checkpointing:to_torch_checkpointing"}
 
 
 def _converter(target: str, what: str) -> Callable[..., ConvertResult]:

@@ -6,14 +6,30 @@ checkpoint". Both the command line and ``convert`` use it; it imports nothing (t
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["checkpoint_steps", "explain_path"]
+__all__ = ["checkpoint_steps", "explain_path", "torch_checkpointing_kind"]
 
 ROOT_DOCUMENT = "zarr.json"  # the root zarr.json a committed checkpoint has (`_format.zarr.ROOT_METADATA`)
 MAX_LISTED = 8
+TCP_METADATA = "metadata.pkl"  # torch_checkpointing's metadata (`_convert.torch_checkpointing_layout.METADATA_FILE`)
+TCP_RANK_FILE = re.compile(r".+_\d+\.pt")  # its default per-item, per-rank torch.save files: model_0.pt
+
+
+def torch_checkpointing_kind(directory: Path) -> str | None:
+    """How ``directory`` looks like a ``torch_checkpointing`` checkpoint: ``"metadata"`` (its ``metadata.pkl``),
+    ``"files"`` (``.pt`` files all named ``<item>_<rank>.pt``, rank 0 among them: its default layout, written
+    without metadata when no item declares a resharder), or ``None``. The caller checks the formats with a marker
+    of their own first (DeepSpeed's ``*_model_states.pt`` never end in ``_<digits>.pt``)."""
+    if (directory / TCP_METADATA).is_file():
+        return "metadata"
+    names = [child.name for child in directory.iterdir() if child.name.endswith(".pt")]
+    if names and all(TCP_RANK_FILE.fullmatch(n) for n in names) and any(n.endswith("_0.pt") for n in names):
+        return "files"
+    return None
 
 
 def checkpoint_steps(directory: Path) -> list[str]:
@@ -56,6 +72,8 @@ def explain_path(path: str, verb: str = "name") -> str | None:
             return f"{path}: {kind} checkpoint, not an arrayckpt one; {convert}"
         if (p / "latest").is_file() or next(p.glob("*_model_states.pt"), None) is not None:
             return f"{path}: a DeepSpeed checkpoint, not an arrayckpt one; {convert}"
+        if torch_checkpointing_kind(p) is not None:
+            return f"{path}: a torch_checkpointing checkpoint, not an arrayckpt one; {convert}"
         if next(p.glob("*.safetensors"), None) is not None or next(p.glob("*.safetensors.index.json"), None):
             return f"{path}: safetensors files, not an arrayckpt checkpoint; {convert}"
         steps = checkpoint_steps(p)

@@ -1,4 +1,5 @@
-"""Shard descriptions: which box of a global tensor this rank holds, from DTensor or explicit ``Shard``.
+"""Shard descriptions: which box of a global tensor this rank holds, from DTensor, explicit ``Shard``, or a tensor
+implementing the ``CheckpointableTensor`` protocol (``torch_checkpointing``'s, which torch is to carry too).
 
 Every array leaf of the state becomes a :class:`LocalPiece` (its global shape, the box this rank holds, and
 whether this rank's copy is a replica); the coordinator only ever sees these metadata, never data.
@@ -7,14 +8,14 @@ whether this rank's copy is a replica); the coordinator only ever sees these met
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .._errors import StateError
 from .._layout.box import Box
 
-__all__ = ["LocalPiece", "PerRank", "Shard", "local_piece", "to_local_box"]
+__all__ = ["CheckpointableTensor", "LocalPiece", "PerRank", "Shard", "is_checkpointable", "local_piece", "to_local_box"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,40 @@ class LocalPiece:
     tensor: torch.Tensor  # the local data, shaped like ``box``
 
 
+@runtime_checkable
+class CheckpointableTensor(Protocol):
+    """A local tensor saying which boxes of a global tensor it holds (``torch_checkpointing.CheckpointableTensor``,
+    the protocol torch 2.14 is to carry): shard ``i`` is ``tensor[local_offsets[i]:+local_sizes[i]]``, at
+    ``global_offsets[i]`` of a tensor of ``global_shape``. Recognised by these four attributes (duck typing), so that
+    neither package is needed to save or load one; such a tensor is saved and loaded as a :class:`Shard` is.
+
+    Examples:
+        >>> import arrayckpt, torch, tempfile, os
+        >>> class Rows(torch.Tensor):  # rows 2..3 of a 4x3 tensor, as a framework's local tensor would say
+        ...     global_shape, global_offsets, local_offsets, local_sizes = (4, 3), ((2, 0),), ((0, 0),), ((2, 3),)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> arrayckpt.save({"w": torch.arange(12.0).reshape(4, 3)}, path)
+        >>> rows = torch.zeros(2, 3).as_subclass(Rows)
+        >>> _ = arrayckpt.load({"w": rows}, path)
+        >>> rows.as_subclass(torch.Tensor)
+        tensor([[ 6.,  7.,  8.],
+                [ 9., 10., 11.]])
+    """
+
+    global_shape: Any  # a sequence of ints: tuple[int, ...]
+    global_offsets: Any  # one sequence of ints per shard
+    local_offsets: Any
+    local_sizes: Any
+
+
+def is_checkpointable(value: object) -> bool:
+    """Whether ``value`` is a tensor implementing :class:`CheckpointableTensor` (ours, or torch's where it has one)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    theirs = getattr(torch, "CheckpointableTensor", None)
+    return isinstance(value, CheckpointableTensor) or (isinstance(theirs, type) and isinstance(value, theirs))
+
+
 def _is_dtensor(value: object) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "placements")
 
@@ -119,8 +154,42 @@ def local_piece(value: torch.Tensor | Shard, key: str, rank: int, memo: Placemen
                           value.tensor)
     if _is_dtensor(value):
         return _dtensor_piece(value, key, memo)
+    if is_checkpointable(value):
+        return _checkpointable_piece(value, key)
     shape = tuple(value.shape)
     return LocalPiece(shape, Box.whole(shape), rank, value)
+
+
+def _checkpointable_piece(value: torch.Tensor, key: str) -> LocalPiece:
+    """The one shard a :class:`CheckpointableTensor` holds, as a :class:`Shard` would say it (replica 0); none: an
+    empty piece, as a rank outside a DTensor's mesh holds. Several shards in one local tensor would be several pieces
+    of one key on one rank, which the save plan does not have: refused."""
+    attributes = (value.global_shape, value.global_offsets, value.local_offsets, value.local_sizes)  # type: ignore[attr-defined]
+    try:
+        global_shape = tuple(int(n) for n in attributes[0])
+        shards = [tuple(tuple(int(n) for n in box) for box in triple)
+                  for triple in zip(attributes[1], attributes[2], attributes[3], strict=True)]
+    except (TypeError, ValueError) as e:
+        raise StateError(f"{key!r}: its CheckpointableTensor attributes (global_shape, global_offsets, local_offsets, "
+                         f"local_sizes) are not shapes and one offset/size per shard: {e}") from e
+    local = value.as_subclass(torch.Tensor)
+    if not shards:
+        empty = (0,) * len(global_shape)
+        return LocalPiece(global_shape, Box(empty, empty), 1, local[tuple(slice(0, 0) for _ in global_shape)])
+    if len(shards) > 1:
+        raise StateError(f"{key!r}: a CheckpointableTensor holding {len(shards)} shards on one rank is not supported "
+                         "yet (a save holds one piece of each key per rank); give each rank one shard per tensor")
+    global_offset, local_offset, size = shards[0]
+    box = Box(local_offset, size)
+    if len(size) != len(global_shape) or len(local_offset) != local.dim() or \
+            any(o + n > s for o, n, s in zip(box.offset, box.shape, local.shape, strict=True)):
+        raise StateError(f"{key!r}: its CheckpointableTensor shard at {local_offset} of size {size} does not fit in "
+                         f"its local tensor of shape {tuple(local.shape)}")
+    if len(global_offset) != len(global_shape) or \
+            any(o < 0 or o + n > g for o, n, g in zip(global_offset, size, global_shape, strict=True)):
+        raise StateError(f"{key!r}: its CheckpointableTensor shard of size {size} at {global_offset} does not fit in "
+                         f"its global shape {global_shape}")
+    return LocalPiece(global_shape, Box(global_offset, size), 0, local[box.slices()])
 
 
 def to_local_box(value: Any, key: str) -> tuple[tuple[int, ...], Box, torch.Tensor]:
