@@ -38,20 +38,20 @@ TOKEN_PREFIX = "arrayckpt-packed-"  # the first path segment of a packed array's
 
 
 class ChunkSource(Protocol):
-    """Where a packed checkpoint's chunk files are: ``fetch(path, flats)`` returns the bytes of the chunk files of
-    array ``path`` at those flat C-order grid indices (raising a ``CorruptCheckpointError`` naming the checkpoint,
-    the array and the chunk for one it does not store, or whose bytes cannot be read whole)."""
+    """Where a packed checkpoint's chunk files are, by array path and flat C-order grid index (``token`` names it
+    in the memory kvstore specs of its arrays)."""
 
     token: str
-
-    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
 
     def prepare(self, paths: Sequence[str]) -> None:
         """Read what finding the chunk files of arrays ``paths`` needs (their sections of the index), at once."""
         ...
 
     def fetch_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[list[bytes]]:
-        """:meth:`fetch` of several arrays at once (each pack read in one call, whatever array its ranges are of)."""
+        """For each ``(path, flats)``, the bytes of the chunk files of array ``path`` at those flat C-order grid
+        indices, all arrays at once (each pack read in one call, whatever array its ranges are of). A chunk the source
+        does not store, or whose bytes cannot be read whole, is a ``CorruptCheckpointError`` naming the checkpoint,
+        the array and the chunk."""
         ...
 
     def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
