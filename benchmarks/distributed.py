@@ -59,7 +59,6 @@ machine may be shared and have few cores (all ranks share them): trust medians o
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import inspect
@@ -69,11 +68,9 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,10 +79,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from save_load import _libc, _version, fs_type  # noqa: E402  (shared with the single-process benchmark)
+from spawned_ranks import (  # noqa: E402  (shared with s3_ranks.py)
+    State,
+    TensorSpec,
+    between_barriers,
+    contiguous_stride,
+    leaf,
+    local_rows,
+    nest,
+    same_bits,
+    spawn,
+)
 
 GB = 1e9
 MIB = 2**20
@@ -98,30 +105,10 @@ OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
 RESHARD_FROM, RESHARD_TO = 4, 3
 TARGET_TIME_RATIO = 1.1
 TARGET_BYTES_RATIO = 1.25
-PG_TIMEOUT = datetime.timedelta(minutes=10)
 F32, BF16 = torch.float32, torch.bfloat16
-
-Where = tuple[str, ...]  # where a tensor sits in the nested state dict
-State = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------- the state
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    path: Where
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    sharded: bool  # DTensor Shard(0) on the mesh; else a plain tensor, identical on every rank
-
-    @property
-    def name(self) -> str:
-        return "/".join(self.path)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _uneven(rows: int) -> int:
@@ -183,40 +170,13 @@ def global_bytes(specs: Iterable[TensorSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
-def nest(items: Iterable[tuple[Where, Any]]) -> State:
-    state: State = {}
-    for path, value in items:
-        node = state
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return state
-
-
-def leaf(state: State, path: Where) -> torch.Tensor:
-    for part in path:
-        state = state[part]
-    return state  # type: ignore[return-value]
-
-
 # --------------------------------------------------------------------------------- rank-side state views
-
-
-def local_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows [start, stop) of part ``index`` of ``rows`` split like ``torch.chunk`` (DTensor ``Shard(0)``)."""
-    size = -(-rows // parts)
-    start = min(rows, index * size)
-    return start, min(rows, start + size)
 
 
 def row_range(spec: TensorSpec, mesh: Any) -> tuple[int, int]:
     if not spec.sharded:
         return 0, spec.shape[0]
     return local_rows(spec.shape[0], mesh.size(), mesh.get_local_rank())
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 def rank_state(specs: Sequence[TensorSpec], mesh: Any, full: dict[str, torch.Tensor] | None) -> State:
@@ -250,16 +210,12 @@ def zero_fill(state: State, specs: Iterable[TensorSpec]) -> None:
         local_tensor(leaf(state, s.path)).zero_()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def verify(state: State, specs: Iterable[TensorSpec], mesh: Any, full: dict[str, torch.Tensor], what: str) -> None:
     """Every local shard of ``state`` must equal its rows of the global tensor, bit for bit."""
     for s in specs:
         start, stop = row_range(s, mesh)
         got = local_tensor(leaf(state, s.path))
-        if not torch.equal(_bits(got), _bits(full[s.name][start:stop])):
+        if not same_bits(got, full[s.name][start:stop]):
             raise AssertionError(f"{what}: {s.name} rows {start}:{stop} differ from the saved data")
 
 
@@ -394,7 +350,6 @@ class Job:
     root: str
     repeats: int
     read_once: bool
-    out: str
 
 
 @dataclass
@@ -413,14 +368,15 @@ class RankRun:
     def measure(self, key: dict[str, Any], op: Callable[[], object] | None, needed: int = 0) -> None:
         """Time ``op`` (``None``: this rank takes no part) between world barriers; keep a sample."""
         settle()
-        dist.barrier()
-        before = bytes_read_so_far()
-        cpu_start, start = cpu_seconds(), time.perf_counter()
-        if op is not None:
-            op()
-        seconds = time.perf_counter() - start if op is not None else None
-        cpu, after = cpu_seconds() - cpu_start, bytes_read_so_far()
-        dist.barrier()
+
+        def counted() -> tuple[int | None, float, int | None]:  # bytes read before, CPU seconds, bytes read after
+            before, cpu_start = bytes_read_so_far(), cpu_seconds()
+            if op is not None:
+                op()
+            return before, cpu_seconds() - cpu_start, bytes_read_so_far()
+
+        (before, cpu, after), elapsed = between_barriers(counted)
+        seconds = elapsed if op is not None else None
         read = None if before is None or after is None else after - before
         self.samples.append({**key, "seconds": seconds, "cpu_s": cpu, "bytes_read": read, "bytes_needed": needed})
         if seconds is not None and self.rank == 0:
@@ -451,12 +407,6 @@ class RankRun:
         if target is not None and verify_on is not None:
             what = f"{variant.label} {key['saved_ranks']}->{variant.loaded_ranks}"
             verify(target, self.job.specs, verify_on, self.job.full, what)
-
-    def gather(self) -> list[dict[str, Any]] | None:
-        everyone: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(self.samples, everyone, dst=0)
-        return None if everyone is None else [s for samples in everyone for s in samples]
-
 
 def warm_up(run: RankRun, meshes: dict[int, Any], groups: dict[int, Any]) -> None:
     """Save and load a tiny state with every system on every mesh (imports, pools, gloo connections)."""
@@ -538,18 +488,11 @@ def run_reshard(run: RankRun) -> None:
 JOBS = {"compare": run_compare, "reshard": run_reshard}
 
 
-def rank_main(rank: int, world: int, port: int, job: Job) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
-    try:
-        run = RankRun(job, rank, world)
-        JOBS[job.kind](run)
-        samples = run.gather()
-        if samples is not None:
-            Path(job.out).write_text(json.dumps(merge_ranks(samples)))
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank: int, world: int, job: Job) -> list[dict[str, Any]]:
+    """One rank of a measurement set (``spawned_ranks.spawn``): its samples."""
+    run = RankRun(job, rank, world)
+    JOBS[job.kind](run)
+    return run.samples
 
 
 def merge_ranks(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -567,19 +510,6 @@ def merge_ranks(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        "bytes_read": None if None in reads else sum(reads),
                        "bytes_needed": sum(s["bytes_needed"] for s in group)})
     return merged
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(job: Job, world: int) -> list[dict[str, Any]]:
-    """Run ``job`` on ``world`` spawned ranks in a fresh gloo process group; its merged samples."""
-    torch_mp.start_processes(rank_main, args=(world, free_port(), job), nprocs=world, join=True,
-                             start_method="spawn")
-    return json.loads(Path(job.out).read_text())
 
 
 # --------------------------------------------------------------------------------------------- reporting
@@ -824,8 +754,9 @@ def run_all(args: argparse.Namespace, specs: tuple[TensorSpec, ...], root: Path,
     samples: list[dict[str, Any]] = []
     for kind, world in sets:
         print(f"{kind}: {world} ranks on {root}", flush=True)
-        out = root / f"samples-{kind}-{world}.json"
-        samples += spawn(Job(kind, specs, full, str(root), args.repeats, read_once, str(out)), world)
+        threads = max(1, (os.cpu_count() or 1) // world)
+        per_rank = spawn(rank_main, Job(kind, specs, full, str(root), args.repeats, read_once), world, threads)
+        samples += merge_ranks([sample for taken in per_rank for sample in taken])
     return summarise(samples, global_bytes(specs))
 
 

@@ -51,14 +51,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
-import math
 import os
 import platform
 import re
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -68,23 +65,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from s3_server import FaultProxy, LogEntry, S3Server, patched_environ, s3_test_env, s3fs_storage_options  # noqa: E402
+from spawned_ranks import (  # noqa: E402  (shared with distributed.py)
+    State,
+    TensorSpec,
+    between_barriers,
+    contiguous_stride,
+    leaf,
+    local_rows,
+    nest,
+    same_bits,
+    spawn,
+)
 
 MIB = 2**20
 DATA_STD = 0.02
-PG_TIMEOUT = datetime.timedelta(minutes=10)
 SYSTEMS = ("arrayckpt[packed]", "arrayckpt[files]", "dcp")
 PHASES = ("save", "open", "load", "reshard")
 KINDS = ("PUT", "part", "POST", "GET", "HEAD", "LIST", "DELETE")
 DATA_SUFFIXES = (".pack", ".distcp")  # data objects; in the files layout, every chunk key too (CHUNK_KEY)
 CHUNK_KEY = re.compile(r"(^|/)c([./]\d+)*$")  # a Zarr v3 chunk key, "." or "/" separated: c, c.0.1, c/0/1
 TARGET_READ_RATIO = 1.1  # issue 35: a reshard reads at most 1.1x the bytes it needs
-
-State = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------- the state
@@ -120,28 +124,14 @@ class Model:
         return [*out, ("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    path: tuple[str, ...]  # where it sits in the nested state dict
-    shape: tuple[int, ...]
-    sharded: bool  # Shard(0) over the ranks; else (a 0-d step) the same on every rank
-
-    @property
-    def name(self) -> str:
-        return "/".join(self.path)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * 4
-
-
 def specs_of(model: Model) -> tuple[TensorSpec, ...]:
     params = model.params()
-    specs = [TensorSpec(("model", name), shape, True) for name, shape in params]
+    f32 = torch.float32
+    specs = [TensorSpec(("model", name), shape, f32, True) for name, shape in params]
     for name, shape in params:
-        specs += [TensorSpec(("optim", "state", name, "exp_avg"), shape, True),
-                  TensorSpec(("optim", "state", name, "exp_avg_sq"), shape, True),
-                  TensorSpec(("optim", "state", name, "step"), (), False)]
+        specs += [TensorSpec(("optim", "state", name, "exp_avg"), shape, f32, True),
+                  TensorSpec(("optim", "state", name, "exp_avg_sq"), shape, f32, True),
+                  TensorSpec(("optim", "state", name, "step"), (), f32, False)]
     return tuple(specs)
 
 
@@ -158,29 +148,6 @@ def build_global(specs: Sequence[TensorSpec], seed: int) -> dict[str, torch.Tens
     return out
 
 
-def local_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows [start, stop) of part ``index`` of ``rows`` split like ``torch.chunk`` (DTensor ``Shard(0)``)."""
-    size = -(-rows // parts)
-    start = min(rows, index * size)
-    return start, min(rows, start + size)
-
-
-def nest(items: Sequence[tuple[tuple[str, ...], Any]]) -> State:
-    state: State = {}
-    for path, value in items:
-        node = state
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return state
-
-
-def leaf(state: State, path: tuple[str, ...]) -> Any:
-    for part in path:
-        state = state[part]
-    return state
-
-
 # ------------------------------------------------------------------------------------------ rank side
 
 
@@ -194,7 +161,6 @@ class Job:
     endpoints: tuple[str, ...]  # rank r talks to S3 through endpoints[r] (its own counting proxy)
     specs: tuple[TensorSpec, ...]
     full: dict[str, torch.Tensor]
-    out: str
 
 
 def _quiet_dcp() -> Any:
@@ -224,9 +190,8 @@ def rank_state(job: Job, rank: int, world: int, mesh: Any, *, zeros: bool) -> tu
         if job.system == "dcp":
             from torch.distributed.tensor import DTensor, Shard
 
-            stride = tuple(math.prod(s.shape[d + 1:]) for d in range(len(s.shape)))
             items.append((s.path, DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size(s.shape),
-                                                     stride=stride)))
+                                                     stride=contiguous_stride(s.shape))))
         else:
             offset = (start,) + (0,) * (len(s.shape) - 1)
             items.append((s.path, arrayckpt.Shard(local, global_shape=s.shape, global_offset=offset)))
@@ -240,7 +205,7 @@ def check(job: Job, state: State, rank: int, world: int) -> None:
         got = got.tensor if hasattr(got, "global_offset") else got.to_local() if hasattr(got, "to_local") else got
         start, stop = local_rows(s.shape[0], world, rank) if s.sharded else (0, 0)
         want = job.full[s.name][start:stop] if s.sharded else job.full[s.name]
-        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+        if not same_bits(got, want):
             raise AssertionError(f"{job.system} {job.phase}: {s.name} on rank {rank} differs from the saved data")
 
 
@@ -265,45 +230,18 @@ def run_op(job: Job, rank: int, world: int, state: State, mesh: Any) -> None:
         arrayckpt.load(state, job.url, storage_options=options)
 
 
-def rank_main(rank: int, world: int, port: int, job: Job) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
-    try:
-        mesh = None
-        if job.system == "dcp":
-            from torch.distributed.device_mesh import init_device_mesh
+def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
+    """One rank of a phase (``spawned_ranks.spawn``): its seconds and the bytes of its pieces."""
+    mesh = None
+    if job.system == "dcp":
+        from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (world,))
-        state, nbytes = rank_state(job, rank, world, mesh, zeros=job.phase != "save")
-        dist.barrier()
-        start = time.perf_counter()
-        run_op(job, rank, world, state, mesh)
-        seconds = time.perf_counter() - start
-        dist.barrier()
-        if job.phase != "save":
-            check(job, state, rank, world)
-        everyone: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object({"seconds": seconds, "bytes": nbytes}, everyone, dst=0)
-        if everyone is not None:
-            Path(job.out).write_text(json.dumps(everyone))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(job: Job, world: int) -> list[dict[str, Any]]:
-    """Run ``job`` on ``world`` fresh ranks; each rank's seconds and local bytes."""
-    torch_mp.start_processes(rank_main, args=(world, free_port(), job), nprocs=world, join=True,
-                             start_method="spawn")
-    return json.loads(Path(job.out).read_text())
+        mesh = init_device_mesh("cpu", (world,))
+    state, nbytes = rank_state(job, rank, world, mesh, zeros=job.phase != "save")
+    _, seconds = between_barriers(lambda: run_op(job, rank, world, state, mesh))
+    if job.phase != "save":
+        check(job, state, rank, world)
+    return {"seconds": seconds, "bytes": nbytes}
 
 
 # ------------------------------------------------------------------------------------------- counting
@@ -400,7 +338,6 @@ class Bench:
     sizes: Sizes
     specs: tuple[TensorSpec, ...]
     full: dict[str, torch.Tensor]
-    tmp: str
     log_dir: Path | None  # each phase's requests, rank by rank, are written here when given
 
     def reset(self) -> None:
@@ -417,9 +354,8 @@ class Bench:
             per_rank = [{"seconds": time.perf_counter() - start, "bytes": 0}]
             logs = [list(self.local.log)]
         else:
-            job = Job(system, phase, url, tuple(p.endpoint for p in self.proxies[:ranks]), self.specs, self.full,
-                      os.path.join(self.tmp, f"{uuid.uuid4().hex}.json"))
-            per_rank = spawn(job, ranks)
+            job = Job(system, phase, url, tuple(p.endpoint for p in self.proxies[:ranks]), self.specs, self.full)
+            per_rank = spawn(rank_main, job, ranks, threads=1)
             logs = [list(p.log) for p in self.proxies[:ranks]]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -528,13 +464,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
     phases: list[Phase] = []
     stored: dict[str, dict[str, int]] = {}
-    with tempfile.TemporaryDirectory(prefix="s3-ranks-") as tmp, patched_environ(s3_test_env()), \
-            S3Server() as server:
+    with patched_environ(s3_test_env()), S3Server() as server:
         bucket = server.create_bucket()
         proxies = tuple(FaultProxy(server.endpoint) for _ in range(max(args.ranks, args.reshard_to)))
         local = FaultProxy(server.endpoint)
         try:
-            bench = Bench(server, bucket, proxies, local, Sizes(server, bucket), specs, full, tmp, args.log_dir)
+            bench = Bench(server, bucket, proxies, local, Sizes(server, bucket), specs, full, args.log_dir)
             for system in args.systems:
                 got, stored[system] = run_system(bench, system, args.ranks, args.reshard_to)
                 phases += got

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,24 +27,19 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from .._errors import PickleNotAllowedError, StateError
 from .._format.codecs import Codec
 from .._format.dtypes import DTYPES
-from .._format.jsontypes import JSON
 from .._format.keys import Key, array_path, dotted
 from .._format.manifest import ArrayEntry, Entry, PickleEntry, ValueEntry
 from .._format.values import NotJSONable, decode_value, encode_value
-from .._io.arrays import ArrayIO, Checksums, array_spec, write_all
+from .._io.arrays import ArrayIO, Checksums, array_spec
 from .._layout.chunking import ArrayPlan, ChunkPolicy, plan_array
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._layout.saveplan import check_paths
-from .._write.packed import RankPack, memory_kvstore
+from .._write.packed import ChunkDestination, chunk_destination
 from .._write.transaction import WriteTransaction
 from .dcp_keys import key_parts, list_containers, object_path, regroup
 
-if TYPE_CHECKING:
-    from .._io.arrays import StoreContext
-    from .._storage import Location
-
-__all__ = ["PICKLE_PROTOCOL", "ChunkSink", "ValueWritten", "Values", "chunk_sink", "encode_bytes", "encode_item",
-           "value_entries", "write_pickles"]
+__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "chunk_sink", "encode_bytes", "encode_item", "value_entries",
+           "write_pickles"]
 
 PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
 
@@ -133,27 +128,15 @@ def _claim(made: dict[str, tuple[str, ...]], entries: Mapping[str, Entry], key: 
     made[key] = members
 
 
-@dataclass(frozen=True)
-class ChunkSink:
-    """Where a rank's chunk files go: ``write(jobs, context, where)``, each job's spec on ``kvstore(path)``: the
-    transaction's target (one file per chunk), or a :class:`RankPack`'s memory store and then the pack (spec §16)."""
-
-    kvstore: Callable[[str], JSON]
-    context: StoreContext
-    write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]
-
-
-def chunk_sink(target: Location, pack: RankPack | None) -> ChunkSink:
-    """The chunk files into ``pack`` where the save is packed, else one file per chunk below ``target``."""
-    if pack is None:
-        return ChunkSink(target.kvstore, target.write_context(), write_all)
-    return ChunkSink(memory_kvstore, pack.context, pack.write)
+#: The name ``dcp_storage.py`` imports (left to its owners this round); it should import ``chunk_destination`` from
+#: ``_write/packed.py`` itself, and this line go.
+chunk_sink = chunk_destination
 
 
 def write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str, ArrayPlan],
-                  transaction: WriteTransaction, sink: ChunkSink, checksums: Checksums,
+                  transaction: WriteTransaction, destination: ChunkDestination, checksums: Checksums,
                   chunking: ChunkPolicy) -> dict[str, ArrayPlan]:
-    """Plan and write (on the coordinator, before the commit, into ``sink``: its pack when the save is packed) the
+    """Plan and write (on the coordinator, before the commit, to ``destination``: its pack when the save is packed) the
     uint8 arrays of the pickled values; their chunks' checksums join ``checksums``. Returns their array plans by
     path."""
     planned: dict[str, ArrayPlan] = {}
@@ -165,8 +148,8 @@ def write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str,
         plan = plan_array(key, path, DTYPES["uint8"], (len(pickles[key][1]),), Codec(), chunking)
         planned[path] = dataclasses.replace(plan, key_encoding=transaction.key_encoding)
     check_paths({**arrays, **planned})  # the rules every save's arrays follow (nesting, letter case, lengths)
-    jobs = [ArrayIO(key, array_spec(sink.kvstore(array_path(key)), planned[array_path(key)].metadata),
+    jobs = [ArrayIO(key, array_spec(destination.kvstore(array_path(key)), planned[array_path(key)].metadata),
                     np.frombuffer(data, np.uint8), None, array_path(key)) for key, (_, data) in pickles.items()]
-    for path, found in sink.write(jobs, sink.context, str(transaction.location)).items():
+    for path, found in destination.write(jobs, destination.context, str(transaction.location)).items():
         checksums.setdefault(path, {}).update(found)
     return planned

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from .._errors import ClosedCheckpointError
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, outer_chunk_shape
 from .shards import PARTIAL, inner_chunks, inner_grid, partial_shards
@@ -38,20 +39,20 @@ TOKEN_PREFIX = "arrayckpt-packed-"  # the first path segment of a packed array's
 
 
 class ChunkSource(Protocol):
-    """Where a packed checkpoint's chunk files are: ``fetch(path, flats)`` returns the bytes of the chunk files of
-    array ``path`` at those flat C-order grid indices (raising a ``CorruptCheckpointError`` naming the checkpoint,
-    the array and the chunk for one it does not store, or whose bytes cannot be read whole)."""
+    """Where a packed checkpoint's chunk files are, by array path and flat C-order grid index (``token`` names it
+    in the memory kvstore specs of its arrays)."""
 
     token: str
-
-    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]: ...
 
     def prepare(self, paths: Sequence[str]) -> None:
         """Read what finding the chunk files of arrays ``paths`` needs (their sections of the index), at once."""
         ...
 
     def fetch_many(self, requests: Sequence[tuple[str, Sequence[int]]]) -> list[list[bytes]]:
-        """:meth:`fetch` of several arrays at once (each pack read in one call, whatever array its ranges are of)."""
+        """For each ``(path, flats)``, the bytes of the chunk files of array ``path`` at those flat C-order grid
+        indices, all arrays at once (each pack read in one call, whatever array its ranges are of). A chunk the source
+        does not store, or whose bytes cannot be read whole, is a ``CorruptCheckpointError`` naming the checkpoint,
+        the array and the chunk."""
         ...
 
     def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
@@ -77,7 +78,8 @@ def register(source: ChunkSource) -> None:
 
 
 def source_of(spec: JSON) -> tuple[ChunkSource, str] | None:
-    """The chunk source and array path of a packed array's spec, or ``None`` for any other array."""
+    """The chunk source and array path of a packed array's spec, or ``None`` for any other array; a
+    :class:`ClosedCheckpointError` naming the array once its checkpoint is closed and gone."""
     kvstore = json_object(spec.get("kvstore"))
     path = kvstore.get("path")
     if kvstore.get("driver") != "memory" or not isinstance(path, str) or not path.startswith(TOKEN_PREFIX):
@@ -85,8 +87,9 @@ def source_of(spec: JSON) -> tuple[ChunkSource, str] | None:
     token, _, node = path.rstrip("/").partition("/")
     with _LOCK:
         source = _SOURCES.get(token)
-    if source is None:
-        raise RuntimeError(f"the packed checkpoint of array {node!r} was closed; open it again")
+    if source is None:  # its checkpoint was closed and collected; the spec outlived it
+        raise ClosedCheckpointError(f"array {node!r}: the checkpoint was closed; its data can no longer be read "
+                                    "(open it again: arrayckpt.open)")
     return source, node
 
 

@@ -156,7 +156,3 @@ class PackedChunks:
             for (i, position, _, _), chunk in zip(wanted, data, strict=True):
                 out[i][position] = chunk
         return out
-
-    def fetch(self, path: str, flats: Sequence[int]) -> list[bytes]:
-        """The chunk files of array ``path`` at the flat indices ``flats`` (:meth:`fetch_many` of one array)."""
-        return self.fetch_many([(path, flats)])[0]

@@ -20,7 +20,7 @@ import torch
 
 from .._format.dtypes import DType
 from .._format.jsontypes import JSON
-from .._io.arrays import ArrayIO, Checksums, write_all
+from .._io.arrays import ArrayIO, Checksums
 from .._io.pools import batches
 from .._layout.box import Box, row_pieces
 from .._torch.dtypes import numpy_view
@@ -98,10 +98,10 @@ def _stage(parts: Sequence[DevicePart]) -> tuple[Batch, list[ArrayIO]]:
 
 
 def write_batched(jobs: list[ArrayIO], parts: list[DevicePart], context: StoreContext, where: str,
-                  write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums] | None = None) -> Checksums:
+                  write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]) -> Checksums:
     """Write ``jobs`` (host data) and ``parts`` (device data), the device data a batch at a time: batch ``k + 1``
-    copies while batch ``k`` is written (the host jobs are written while the first batch copies)."""
-    write = write or write_all  # (looked up at the call: tests wrap it)
+    copies while batch ``k`` is written (the host jobs are written while the first batch copies); each by ``write``
+    (a :class:`~.packed.ChunkDestination`'s: files, or the rank's pack)."""
     out: Checksums = {}
     groups = batches(parts, lambda part: aligned(part.nbytes), settings().batch_bytes)
     with ExitStack() as pending:  # on an error, every batch in flight is waited for before its buffers go back

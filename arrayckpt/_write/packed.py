@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from .._storage.base import Location
     from .._storage.packs import PackWriter
 
-__all__ = ["PackReport", "RankPack", "chunk_table", "index_files"]
+__all__ = ["ChunkDestination", "PackReport", "RankPack", "chunk_destination", "chunk_table", "index_files",
+           "memory_kvstore"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,25 @@ def _batches(jobs: Sequence[ArrayIO], budget: int) -> list[list[ArrayIO]]:
         by_node.setdefault(job.node or job.key, []).append(job)
     groups = batches(list(by_node.values()), lambda group: sum(job.data.nbytes for job in group), budget)
     return [[job for group in batch for job in group] for batch in groups]
+
+
+@dataclass(frozen=True)
+class ChunkDestination:
+    """Where one rank's chunk files go, and how: ``write(jobs, context, where)``, each job's spec on ``kvstore(path)``
+    (made by :func:`chunk_destination`, which holds the one choice between the two layouts)."""
+
+    kvstore: Callable[[str], JSON]
+    context: StoreContext
+    write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums]
+    pack: RankPack | None  # the pack they go into (the caller closes or aborts it); None: one file per chunk
+
+
+def chunk_destination(target: Location, pack: RankPack | None) -> ChunkDestination:
+    """The chunk files into ``pack`` where the save is packed (spec §16: encoded in its memory store, then appended
+    to it), else one file (object) per chunk below ``target`` (``write_all``)."""
+    if pack is None:
+        return ChunkDestination(target.kvstore, target.write_context(), write_all, None)
+    return ChunkDestination(memory_kvstore, pack.context, pack.write, pack)
 
 
 def chunk_table(nodes: Mapping[str, JSON], present: Mapping[str, tuple[int, ...]], reports: Sequence[PackReport],

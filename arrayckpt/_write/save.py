@@ -35,11 +35,10 @@ import torch
 
 from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedCheckpointError, StateError
 from .._format.codecs import CodecChoice
-from .._format.jsontypes import JSON
 from .._format.manifest import FILES_VERSION, PACKED_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
 from .._format.packs import new_tag
 from .._format.zarr import GROUP_METADATA
-from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused, write_all
+from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
 from .._layout.plainvalues import unsent_agree
@@ -56,13 +55,11 @@ from .describe import HostView, LocalState, describe_local, host_view
 from .devicewrite import DeviceData, device_parts, device_view, write_batched
 from .exchange import Agreement, Reply, Report, Resend, exchange, plan_cache_for
 from .options import NO_SETUP, SaveOptions, SaveSetup, packed_layout
-from .packed import PackReport, RankPack, chunk_table, index_files, memory_kvstore
+from .packed import ChunkDestination, PackReport, RankPack, chunk_destination, chunk_table, index_files
 from .transaction import WriteTransaction, begin_write
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-    from .._io.arrays import StoreContext
 
 __all__ = ["Record", "SaveRequest", "begin_save", "build_manifest", "created_info", "finish_save", "packed_manifest",
            "save", "save_with"]
@@ -389,26 +386,20 @@ def _write_tasks(part: RankPlan, rank: int, local: LocalState, target: Location,
     """Write this rank's share: each task is a box of one array, cut from this rank's local piece (for a
     delta, only its changed chunks, or its changed rows). Returns the quantization error by key, the
     checksums of the chunks written and, for a packed save, where they lie in this rank's pack."""
-    if pack_tag is None:
-        errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, target.kvstore,
-                                        target.write_context(), None)
-        return errors, checksums, None
-    pack = RankPack(target, rank, where, pack_tag)
+    destination = chunk_destination(target, None if pack_tag is None else RankPack(target, rank, where, pack_tag))
     try:
-        errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, memory_kvstore,
-                                        pack.context, pack.write)
-        return errors, checksums, pack.close()
+        errors, checksums = _write_jobs(part, rank, local, target, where, changes, delta, destination)
+        return errors, checksums, None if destination.pack is None else destination.pack.close()
     except BaseException:
-        pack.abort()
+        if destination.pack is not None:
+            destination.pack.abort()
         raise
 
 
 def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, where: str, changes: Changes,
-                delta: DeltaRequest | None, kvstore: Callable[[str], JSON], context: StoreContext,
-                write: Callable[[Sequence[ArrayIO], StoreContext, str], Checksums] | None) -> tuple[
-                    dict[str, float], Checksums]:
-    """:func:`_write_tasks`' jobs, each array's chunks written through ``kvstore(path)`` by ``write`` (``None``:
-    ``write_all``, into files or objects of their own)."""
+                delta: DeltaRequest | None, destination: ChunkDestination) -> tuple[dict[str, float], Checksums]:
+    """:func:`_write_tasks`' jobs, each array's chunks written to ``destination`` (one file per chunk, or its
+    pack)."""
     jobs, device = [], []
     errors: dict[str, float] = {}
     found = {change.key: change for change in changes.pieces}
@@ -419,10 +410,10 @@ def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, 
         if isinstance(task, RowsTask):
             assert delta is not None
             more, errors[task.key] = rows_jobs(task, part, data, held, changes.rows[task.key],  # type: ignore[arg-type]
-                                               delta.bits(task.key), kvstore)
+                                               delta.bits(task.key), destination.kvstore)
             jobs.extend(more)
             continue
-        spec = array_spec(kvstore(task.path), part.arrays[task.path].metadata)
+        spec = array_spec(destination.kvstore(task.path), part.arrays[task.path].metadata)
         if mode == "chunks":
             jobs.extend(chunk_jobs(task, found[task.key], spec, data, held))
             continue
@@ -431,10 +422,10 @@ def _write_jobs(part: RankPlan, rank: int, local: LocalState, target: Location, 
             device.extend(device_parts(task.key, spec, task.path, data, held, task.box, outer[0] if outer else 0))
             continue
         jobs.append(ArrayIO(task.key, spec, data[task.box.relative_to(held)], task.box.slices(), task.path))
-    checksums = write_batched(jobs, device, context, where, write) if device else \
-        (write or write_all)(jobs, context, where)
-    if rank != 0 and (jobs or device) and write is None:  # on a shared filesystem each host fsyncs its writes
-        target.finish_rank_writes()  # before reporting success (a pack is synced when it is closed)
+    write, context = destination.write, destination.context
+    checksums = write_batched(jobs, device, context, where, write) if device else write(jobs, context, where)
+    if rank != 0 and (jobs or device) and destination.pack is None:  # on a shared filesystem each host fsyncs its
+        target.finish_rank_writes()  # writes before reporting success (a pack is synced when it is closed)
     return errors, checksums
 
 

@@ -17,7 +17,7 @@ import arrayckpt
 from arrayckpt._io import pools
 from arrayckpt._read import load as load_module
 from arrayckpt._torch import transfer
-from arrayckpt._write import devicewrite
+from arrayckpt._write import packed
 
 BATCH = 64 << 10
 
@@ -55,13 +55,13 @@ def deferred(monkeypatch):
     log: list = []
     copier = DeferredCopier(log)
     monkeypatch.setattr(transfer, "_pool", transfer.HostPool())
-    real_write = devicewrite.write_all
+    real_write = packed.write_all  # chunk_destination's
 
     def write_all(jobs, context, where):
         log.append(("write", sorted({job.key for job in jobs})))
         return real_write(jobs, context, where)
 
-    monkeypatch.setattr(devicewrite, "write_all", write_all)
+    monkeypatch.setattr(packed, "write_all", write_all)
     with transfer.transfer_settings(staged=lambda t: True, copier=lambda device: copier, batch_bytes=BATCH,
                                     pinned=False):
         yield log

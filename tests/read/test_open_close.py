@@ -26,6 +26,8 @@ from policies import SHARDED
 import arrayckpt
 from arrayckpt import ClosedCheckpointError
 from arrayckpt._io import smallfiles
+from arrayckpt._io.arrays import ArrayIO, read_into
+from arrayckpt._io.staged import source_of
 from arrayckpt._read.checkpoint import stored_of
 
 CLOSED = "the checkpoint was closed"
@@ -37,11 +39,13 @@ def _state() -> dict[str, Any]:
             "step": 7}
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "local-packed", "memory-packed"])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A saved checkpoint: a local directory, or ``memory://`` (object storage)."""
-    path = str(tmp_path / "ckpt") if request.param == "local" else f"memory://openclose-{uuid.uuid4().hex[:8]}/ckpt"
-    arrayckpt.save(_state(), path, step=7, allow_pickle=True)
+    """A saved checkpoint: a local directory, or ``memory://`` (object storage); one file per chunk, or packed (spec
+    §16: its arrays are read through chunk files staged in memory, ``_io/staged.py``)."""
+    local = request.param.startswith("local")
+    path = str(tmp_path / "ckpt") if local else f"memory://openclose-{uuid.uuid4().hex[:8]}/ckpt"
+    arrayckpt.save(_state(), path, step=7, allow_pickle=True, packed=request.param.endswith("-packed"))
     return path
 
 
@@ -113,6 +117,20 @@ def test_reads_after_close_fail_naming_the_checkpoint(where: str, read: str) -> 
     with pytest.raises(arrayckpt.ArrayckptError, match=CLOSED):  # a LazyArray kept past the close too
         array[0]
     assert issubclass(ClosedCheckpointError, ValueError)  # as I/O on a closed Python file
+
+
+def test_a_packed_array_read_past_its_collected_checkpoint_fails_naming_it(tmp_path: Path) -> None:
+    """A packed array's spec names its chunk source by a token held weakly (``_io/staged.py``): a spec kept past
+    its checkpoint's close and collection is read as a closed checkpoint's, naming the array."""
+    path = tmp_path / "ckpt"
+    arrayckpt.save({"w": torch.ones(3)}, path, packed=True)
+    with arrayckpt.open(path) as ckpt:
+        spec, context = stored_of(ckpt).read_spec("w"), stored_of(ckpt).read_context
+        assert source_of(spec) is not None
+    del ckpt
+    gc.collect()
+    with pytest.raises(ClosedCheckpointError, match=f"array 'w': {CLOSED}"):
+        read_into([ArrayIO("w", spec, np.empty(3, np.float32))], context, str(path))
 
 
 def test_metadata_stays_readable_after_close(where: str) -> None:

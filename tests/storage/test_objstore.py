@@ -95,15 +95,15 @@ def test_failed_overwrite_leaves_old_checkpoint_and_no_garbage(monkeypatch: pyte
     old = _state(1)
     arrayckpt.save(old, url)
     before = _keys(url)
-    from arrayckpt._write import save as _save
+    from arrayckpt._write import packed as _packed  # chunk_destination's write_all
 
-    real = _save.write_all
+    real = _packed.write_all
 
     def failing(jobs, context, where):  # write everything, then fail as a flaky rank would
         real(jobs, context, where)
         raise arrayckpt.StorageError(f"{where}: injected failure")
 
-    monkeypatch.setattr(_save, "write_all", failing)
+    monkeypatch.setattr(_packed, "write_all", failing)
     with pytest.raises(arrayckpt.StorageError, match="injected failure"):
         arrayckpt.save(_state(2), url, overwrite=True)
     assert _keys(url) == before

@@ -164,22 +164,6 @@ def _swap(a: Path, b: Path) -> None:
     b.write_bytes(data)
 
 
-@FILES_LAYOUT_ONLY  # damages chunk files (packs: below)
-@pytest.mark.parametrize("kind", list(DAMAGE))
-def test_damage_in_the_source_fails_the_copy_and_commits_nothing(tmp_path: Path, kind: str) -> None:
-    policy, codec, damage, message = DAMAGE[kind]
-    policy.save({"w": torch.randn(40, 8)}, tmp_path / "src", codec=codec)
-    damage(_chunk_files(tmp_path / "src" / "w"))
-    with pytest.raises(arrayckpt.CorruptCheckpointError, match=message):
-        copy(tmp_path / "src", tmp_path / "new")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no copy, no temporary directory
-    arrayckpt.save({"w": torch.ones(3)}, tmp_path / "old")  # a committed checkpoint being replaced stays whole
-    with pytest.raises(arrayckpt.CorruptCheckpointError, match=message):
-        copy(tmp_path / "src", tmp_path / "old", overwrite=True)
-    assert torch.equal(_tensors(tmp_path / "old")["w"], torch.ones(3)) and arrayckpt.verify(tmp_path / "old").ok
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "src"]
-
-
 def _pack_rows(path: Path, array: str) -> tuple[Path, list[tuple[int, int]]]:
     """The pack file of a one-rank packed checkpoint and the ``(offset, length)`` of each chunk of ``array``."""
     with arrayckpt.open(path) as ckpt:
@@ -205,13 +189,27 @@ PACK_DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("storage_layout", ["packed"], indirect=True)
-@pytest.mark.parametrize("kind", list(PACK_DAMAGE))
-def test_damage_in_a_pack_fails_the_copy_and_commits_nothing(tmp_path: Path, kind: str) -> None:
-    damage, message = PACK_DAMAGE[kind]
-    small_chunks(256, 256).save({"w": torch.randn(64, 8)}, tmp_path / "src")  # 8 chunk files of one length
-    pack, rows = _pack_rows(tmp_path / "src", "w")
-    damage(pack, rows, next((tmp_path / "src" / "packs").glob("*-index.bin")))
+def _damaged(layout: str, kind: str, src: Path) -> str:
+    """Save a checkpoint at ``src`` in ``layout`` and damage it as ``kind`` says (``DAMAGE``: its chunk files;
+    ``PACK_DAMAGE``: its pack or index); the error message the copy must fail with."""
+    if layout == "files":
+        policy, codec, damage, message = DAMAGE[kind]
+        policy.save({"w": torch.randn(40, 8)}, src, codec=codec)
+        damage(_chunk_files(src / "w"))
+        return message
+    pack_damage, message = PACK_DAMAGE[kind]
+    small_chunks(256, 256).save({"w": torch.randn(64, 8)}, src)  # 8 chunk files of one length
+    pack, rows = _pack_rows(src, "w")
+    pack_damage(pack, rows, next((src / "packs").glob("*-index.bin")))
+    return message
+
+
+@pytest.mark.parametrize(("storage_layout", "kind"), [*(("files", kind) for kind in DAMAGE),
+                                                      *(("packed", kind) for kind in PACK_DAMAGE)],
+                         indirect=["storage_layout"])
+def test_damage_in_the_source_fails_the_copy_and_commits_nothing(tmp_path: Path, storage_layout: str,
+                                                                 kind: str) -> None:
+    message = _damaged(storage_layout, kind, tmp_path / "src")
     with pytest.raises(arrayckpt.CorruptCheckpointError, match=message):
         copy(tmp_path / "src", tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no copy, no temporary directory

@@ -11,6 +11,7 @@ from dist_helpers import run_ranks
 from helpers import assert_bit_equal, random_tensor
 
 import arrayckpt
+import arrayckpt._write.packed as packed_module
 import arrayckpt._write.save as save_module
 
 pytestmark = pytest.mark.usefixtures("storage_layout")  # every test holds in both layouts (spec §2, §16)
@@ -70,13 +71,13 @@ def test_second_save_waits_or_refuses_while_the_first_runs(tmp_path, monkeypatch
     import threading
 
     gate = threading.Event()
-    real = save_module.write_all
+    real = packed_module.write_all  # chunk_destination's
 
     def slow(*args, **kwargs):
         gate.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(save_module, "write_all", slow)
+    monkeypatch.setattr(packed_module, "write_all", slow)
     first = arrayckpt.async_save({"w": torch.ones(3)}, tmp_path / "one")
     with pytest.raises(arrayckpt.CheckpointBusyError, match="still running"):
         arrayckpt.async_save({"w": torch.ones(3)}, tmp_path / "two", if_busy="error")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import arrayckpt
-import arrayckpt._write.save as save_module
+import arrayckpt._write.packed as packed_module  # chunk_destination's write_all
 from arrayckpt._write import asynchronous
 
 STATE_BYTES = 1000 * 4 + 10 * 10 * 2  # what _state() stages: its tensors, not its plain value
@@ -47,13 +47,13 @@ def _nothing_held() -> Iterator[None]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The background writes wait until the event is set: a save stays in flight meanwhile."""
     event = threading.Event()
-    real = save_module.write_all
+    real = packed_module.write_all
 
     def slow(*args, **kwargs):
         event.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(save_module, "write_all", slow)
+    monkeypatch.setattr(packed_module, "write_all", slow)
     return event
 
 
@@ -87,7 +87,7 @@ def test_keep_buffers_false_holds_nothing_once_the_save_is_over(tmp_path, gate, 
 
 
 def test_keep_buffers_false_frees_them_when_the_save_fails_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_module, "write_all", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
+    monkeypatch.setattr(packed_module, "write_all", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
     handle = arrayckpt.async_save(_state(), tmp_path / "ckpt", keep_buffers=False)
     with pytest.raises(arrayckpt.StorageError, match="x"):
         handle.wait()
@@ -123,7 +123,7 @@ def test_release_refuses_during_a_save_in_flight_or_waits_for_it(tmp_path, gate)
 
 
 def test_release_leaves_a_failed_saves_error_to_its_handle(tmp_path, monkeypatch):
-    monkeypatch.setattr(save_module, "write_all", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
+    monkeypatch.setattr(packed_module, "write_all", lambda *a, **k: (_ for _ in ()).throw(arrayckpt.StorageError("x")))
     handle = arrayckpt.async_save(_state(), tmp_path / "ckpt")
     arrayckpt.release_host_buffers()  # waits for the save; does not raise its error
     assert handle.done()

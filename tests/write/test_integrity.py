@@ -115,8 +115,8 @@ _KILLED_SAVE = textwrap.dedent(
         def write_half(jobs, context, where):
             real(jobs[: len(jobs) // 2], context, where)
             os._exit(17)
-        import arrayckpt._write.save as save_module
-        save_module.write_all = write_half
+        import arrayckpt._write.packed as packed_module  # chunk_destination's write_all
+        packed_module.write_all = write_half
     elif point == "before-commit":
         storage.LocalWriter.commit = lambda self, root: os._exit(17)
     elif point == "during-commit":
@@ -151,12 +151,12 @@ def test_killed_save_leaves_no_committed_checkpoint_and_the_previous_intact(ckpt
 
 def test_failed_save_cleans_up_and_keeps_previous(ckpt, monkeypatch):
     arrayckpt.save({"w": torch.ones(4), "step": 1}, ckpt)
-    import arrayckpt._write.save as save_module
+    import arrayckpt._write.packed as packed_module  # chunk_destination's write_all
 
     def fail(*args, **kwargs):
         raise arrayckpt.StorageError("disk on fire")
 
-    monkeypatch.setattr(save_module, "write_all", fail)
+    monkeypatch.setattr(packed_module, "write_all", fail)
     with pytest.raises(arrayckpt.StorageError, match="disk on fire"):
         arrayckpt.save({"w": torch.zeros(4), "step": 2}, ckpt, overwrite=True)
     assert arrayckpt.open(ckpt).plain_values["step"] == 1
