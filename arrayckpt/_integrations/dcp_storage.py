@@ -90,13 +90,13 @@ from .._storage import Beside, Location, parse_location
 from .._torch.dtypes import dtype_of_torch
 from .._torch.tensors import readable_numpy
 from .._write.options import packed_layout
-from .._write.packed import PackReport, RankPack
+from .._write.packed import PackReport, RankPack, chunk_destination
 from .._write.save import Record, build_manifest, created_info, packed_manifest
 from .._write.transaction import WriteTransaction, begin_write
 from .dcp_keys import key_parts, object_path
 from .dcp_options import accelerator_available, check_writer_options
 from .dcp_ties import TiesOnRank, agreed_ties, claim_ties, may_tie, tensor_items, with_ties
-from .dcp_values import ValueWritten, chunk_sink, encode_item, value_entries, write_pickles
+from .dcp_values import ValueWritten, encode_item, value_entries, write_pickles
 
 __all__ = ["ArrayckptWriter"]
 
@@ -373,7 +373,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
                 pieces.setdefault(item.index.fqn, []).append(_host_piece(item, planner.resolve_data(item), work))
         pack = None if work.pack_tag is None else RankPack(work.target, work.rank, work.where, work.pack_tag)
         try:
-            sink = chunk_sink(work.target, pack)
+            sink = chunk_destination(work.target, pack)
             jobs = []
             for task in (t for t in work.tasks if t.key not in skipped):
                 box, data = _piece_holding(pieces, task)
@@ -451,7 +451,7 @@ class ArrayckptWriter(StorageWriter, BlockingAsyncStager):
             raise ArrayckptError(f"{where}: the coordinator's pack is not open for the pickled values (DCP called "
                                  "write_data in another thread than prepare_global_plan?); save with packed=False")
         if pickles:  # (here, by the coordinator: into its pack when packed)
-            sink = chunk_sink(transaction.target, pending.pack)
+            sink = chunk_destination(transaction.target, pending.pack)
             arrays.update(write_pickles(pickles, arrays, transaction, sink, by_rank[0], self.chunking))
         if pending.pack is not None:
             packs[pending.pack_rank] = pending.pack.close()

@@ -34,11 +34,11 @@ from .._io.arrays import ArrayIO, Checksums, array_spec
 from .._layout.chunking import ArrayPlan, ChunkPolicy, plan_array
 from .._layout.saveplan import SavePlan as ArrayckptPlan
 from .._layout.saveplan import check_paths
-from .._write.packed import ChunkDestination, chunk_destination
+from .._write.packed import ChunkDestination
 from .._write.transaction import WriteTransaction
 from .dcp_keys import key_parts, list_containers, object_path, regroup
 
-__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "chunk_sink", "encode_bytes", "encode_item", "value_entries",
+__all__ = ["PICKLE_PROTOCOL", "ValueWritten", "Values", "encode_bytes", "encode_item", "value_entries",
            "write_pickles"]
 
 PICKLE_PROTOCOL = 5  # as ``arrayckpt.save(..., allow_pickle=True)`` pickles
@@ -126,11 +126,6 @@ def _claim(made: dict[str, tuple[str, ...]], entries: Mapping[str, Entry], key: 
         raise StateError(f"DCP keys {list(other)} and {list(members)} would both be stored under key {key!r}; "
                          "rename one")
     made[key] = members
-
-
-#: The name ``dcp_storage.py`` imports (left to its owners this round); it should import ``chunk_destination`` from
-#: ``_write/packed.py`` itself, and this line go.
-chunk_sink = chunk_destination
 
 
 def write_pickles(pickles: Mapping[str, tuple[Key, bytes]], arrays: Mapping[str, ArrayPlan],
