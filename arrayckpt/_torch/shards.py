@@ -7,8 +7,9 @@ whether this rank's copy is a replica); the coordinator only ever sees these met
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -123,10 +124,10 @@ class CheckpointableTensor(Protocol):
                 [ 9., 10., 11.]])
     """
 
-    global_shape: Any  # a sequence of ints: tuple[int, ...]
-    global_offsets: Any  # one sequence of ints per shard
-    local_offsets: Any
-    local_sizes: Any
+    global_shape: Sequence[int]
+    global_offsets: Sequence[Sequence[int]]  # one per shard
+    local_offsets: Sequence[Sequence[int]]
+    local_sizes: Sequence[Sequence[int]]
 
 
 def is_checkpointable(value: object) -> bool:
@@ -164,7 +165,8 @@ def _checkpointable_piece(value: torch.Tensor, key: str) -> LocalPiece:
     """The one shard a :class:`CheckpointableTensor` holds, as a :class:`Shard` would say it (replica 0); none: an
     empty piece, as a rank outside a DTensor's mesh holds. Several shards in one local tensor would be several pieces
     of one key on one rank, which the save plan does not have: refused."""
-    attributes = (value.global_shape, value.global_offsets, value.local_offsets, value.local_sizes)  # type: ignore[attr-defined]
+    described = cast(CheckpointableTensor, value)  # (is_checkpointable said so)
+    attributes = (described.global_shape, described.global_offsets, described.local_offsets, described.local_sizes)
     try:
         global_shape = tuple(int(n) for n in attributes[0])
         shards = [tuple(tuple(int(n) for n in box) for box in triple)
