@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .._errors import FormatError
-from .._io.smallfiles import read_regular_file
+from .._io.smallfiles import first_link, read_regular_file
 from .._layout.box import Box, cover_problem
 
 __all__ = ["METADATA_FILE", "Layout", "Piece", "TensorPlan", "leaf_at", "local_tensor", "read_layout",
@@ -42,6 +42,7 @@ SUPPORTED_VERSION = "2.0"  # distributed_metadata._CURRENT_VERSION (1.0 is an ol
 DTENSOR = "DTensorShardingMetadata"
 BOXES = "default_tensor_v1"  # DefaultShardingMetadata's registered type name
 CHECKPOINTABLE = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+MAX_RANKS = 2**20  # a world size beyond any job: what a crafted file name or world_size could claim
 NestedPath = tuple[str | int, ...]
 _MISSING = object()
 
@@ -95,7 +96,7 @@ def read_layout(directory: Path) -> Layout:
     found: dict[str, dict[int, str]] = {}
     for path in directory.iterdir():
         match = RANK_FILE.fullmatch(path.name)
-        if match and path.is_file():
+        if match and _rank_file_here(directory, path.name):
             found.setdefault(match[1], {})[int(match[2])] = path.name
     sharding: dict[str, dict[NestedPath, tuple[tuple[Mapping[str, Any], tuple[int, ...]], ...]]] = {}
     if document is None:
@@ -112,12 +113,24 @@ def read_layout(directory: Path) -> Layout:
             found[item] = {}  # the files metadata.pkl names for its items, not those found by name
             for rank, layout in _items(described, "rank_to_layout_info", directory):
                 name = _file_of(item, int(rank), layout, directory)
-                if (directory / name).is_file():
+                if _rank_file_here(directory, name):
                     found[item][int(rank)] = name
             sharding[item] = {_nested_path(text, directory): tuple(_groups(groups, directory))
                               for text, groups in _items(described, "nested_path_to_metadata", directory)}
+    if world > MAX_RANKS:  # (crafted: a file model_99999999.pt, or such a world_size; the missing files are listed)
+        raise FormatError(f"{directory}: a world size of {world:,} ranks; at most {MAX_RANKS:,} are read")
     missing = {item: tuple(rank_file(item, r) for r in range(world) if r not in ranks) for item, ranks in found.items()}
     return Layout(world, found, {k: v for k, v in missing.items() if v}, sharding, document is not None)
+
+
+def _rank_file_here(directory: Path, name: str) -> bool:
+    """Whether ``name`` is a regular file below ``directory`` reached without a link: a link in its place, or on the
+    way to it, is damage (never followed out of the checkpoint)."""
+    link = first_link(str(directory), name)
+    if link is not None:
+        raise FormatError(f"{directory}: {link} is a symbolic link; a checkpoint's files are never read through one: "
+                          "replace it with the file itself")
+    return (directory / name).is_file()
 
 
 def _items(described: object, member: str, directory: Path) -> Iterator[tuple[Any, Any]]:

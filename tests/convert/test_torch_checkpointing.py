@@ -15,6 +15,7 @@ import torch
 import arrayckpt
 from arrayckpt._convert.dispatch import detect_format
 from arrayckpt._convert.whatis import explain_path
+from arrayckpt._errors import FormatError
 from arrayckpt.cli import main
 
 tcp = pytest.importorskip("torch_checkpointing")
@@ -272,3 +273,23 @@ def test_a_file_holding_other_classes_needs_allow_pickle(tmp_path: Path) -> None
         arrayckpt.convert(src, tmp_path / "ckpt", allow_pickle=True)
     with arrayckpt.open(tmp_path / "ckpt") as ckpt:
         assert torch.equal(ckpt["model.w"].torch(), torch.ones(2))
+
+
+def test_a_link_among_the_rank_files_and_an_absurd_world_size_are_refused(tmp_path: Path) -> None:
+    """A crafted source: a rank file that is a symbolic link (to a file outside) is never read through; a file name
+    claiming rank 99,999,999 does not make the reader list a hundred million missing files."""
+    from arrayckpt._convert.torch_checkpointing_layout import read_layout
+
+    outside = tmp_path / "outside.pt"
+    torch.save({"w": torch.ones(2)}, outside)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    torch.save({"w": torch.ones(2)}, linked / "model_0.pt")
+    (linked / "model_1.pt").symlink_to(outside)
+    with pytest.raises(FormatError, match="symbolic link"):
+        read_layout(linked)
+    absurd = tmp_path / "absurd"
+    absurd.mkdir()
+    torch.save({"w": torch.ones(2)}, absurd / "model_99999999.pt")
+    with pytest.raises(FormatError, match="world size of 100,000,000"):
+        read_layout(absurd)
