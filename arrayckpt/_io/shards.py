@@ -20,13 +20,16 @@ from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import grid_indices, outer_chunk_shape
 
-#: Ranges of chunk files of one array: ``(path, [(flat, [(offset, length), ...]), ...]) -> bytes per range``
+#: Ranges of chunk files of any arrays: ``[(path, flat, [(offset, length), ...]), ...] -> bytes per range``
 #: (``ChunkSource.fetch_parts``; a negative length: the last bytes of the chunk file).
-FetchParts = Callable[[str, Sequence[tuple[int, Sequence[tuple[int, int]]]]], list[list[bytes]]]
+FetchParts = Callable[[Sequence["Part"]], list[list[bytes]]]
+#: Ranges of one chunk file: array path, flat C-order grid index, ``(offset, length)`` ranges within the file.
+Part = tuple[str, int, Sequence[tuple[int, int]]]
+#: A shard read in part: array path, flat grid index, the inner chunks needed, inner chunks per shard.
+PartialShard = tuple[str, int, set[int], int]
 
-__all__ = ["PARTIAL", "FetchParts", "inner_chunks", "inner_grid", "partial_shards"]
+__all__ = ["FetchParts", "Part", "PartialShard", "inner_chunks", "inner_grid", "partial_shards"]
 
-PARTIAL = 0.5  # a shard of which a read needs at most this share of the inner chunks is read in part
 MISSING = 2**64 - 1  # a shard index entry of an inner chunk that is not stored
 _CRC = struct.Struct("<I")
 _INDEX_CODECS = ([{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],)
@@ -61,15 +64,16 @@ def inner_chunks(part: Sequence[tuple[int, int]], inner: Sequence[int], counts: 
     return out
 
 
-def partial_shards(fetch_parts: FetchParts, path: str, flats: Sequence[int], needed: Sequence[set[int]],
-                   count: int) -> list[bytes]:
-    """For each shard ``flats[i]`` of array ``path``, a compact shard holding only its inner chunks ``needed[i]``
-    (``count``: inner chunks per shard): two rounds of ranged reads (the indexes, then the inner chunks)."""
-    index_bytes = count * 16
-    indexes = fetch_parts(path, [(flat, [(0, -(index_bytes + 4))]) for flat in flats])
-    wanted: list[tuple[int, list[tuple[int, int]]]] = []
+def partial_shards(fetch_parts: FetchParts, shards: Sequence[PartialShard]) -> list[bytes]:
+    """For each shard ``(path, flat, needed, count)``, a compact shard holding only its inner chunks ``needed``
+    (``count``: inner chunks per shard): two rounds of ranged reads for all shards of a read together, whatever array
+    they are of (the indexes, then the inner chunks), so that a reshard of hundreds of arrays is two merged reads per
+    pack, not two per array."""
+    indexes = fetch_parts([(path, flat, [(0, -(count * 16 + 4))]) for path, flat, _, count in shards])
+    wanted: list[Part] = []
     entries_of: list[np.ndarray] = []
-    for flat, (raw,), need in zip(flats, indexes, needed, strict=True):
+    for (path, flat, need, count), (raw,) in zip(shards, indexes, strict=True):
+        index_bytes = count * 16
         if len(raw) != index_bytes + 4 or crc32c.crc32c(raw[:index_bytes]) != _CRC.unpack(raw[index_bytes:])[0]:
             raise CorruptCheckpointError(f"array {path!r}: the shard index of chunk {flat} fails its checksum; the "
                                          "checkpoint is damaged: restore it from a copy")
@@ -80,10 +84,10 @@ def partial_shards(fetch_parts: FetchParts, path: str, flats: Sequence[int], nee
             offset, size = (int(v) for v in entries[j])
             if offset != MISSING:
                 ranges.append((offset, size))
-        wanted.append((flat, ranges))
-    bodies = fetch_parts(path, wanted)
+        wanted.append((path, flat, ranges))
+    bodies = fetch_parts(wanted)
     out = []
-    for pieces, entries, need in zip(bodies, entries_of, needed, strict=True):
+    for pieces, entries, (_, _, need, count) in zip(bodies, entries_of, shards, strict=True):
         index = np.full((count, 2), MISSING, "<u8")
         offset, stored = 0, iter(pieces)
         for j in sorted(need):

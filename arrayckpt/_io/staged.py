@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from .._errors import ClosedCheckpointError
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, outer_chunk_shape
-from .shards import PARTIAL, inner_chunks, inner_grid, partial_shards
+from .shards import Part, PartialShard, inner_chunks, inner_grid, partial_shards
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -55,9 +55,10 @@ class ChunkSource(Protocol):
         the array and the chunk."""
         ...
 
-    def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
-        """For each ``(flat, ranges)``, the ``(offset, length)`` ranges of that chunk file (offsets within it; a
-        range past its end is a ``CorruptCheckpointError``); ``(offset, -n)``: its last ``n`` bytes."""
+    def fetch_parts(self, parts: Sequence[Part]) -> list[list[bytes]]:
+        """For each ``(path, flat, ranges)``, the ``(offset, length)`` ranges of that chunk file of array ``path``
+        (offsets within it; a range past its end is a ``CorruptCheckpointError``); ``(offset, -n)``: its last ``n``
+        bytes. Parts of any arrays at once (each pack read in one call)."""
         ...
 
     def locate(self, path: str) -> Locate | None:
@@ -198,30 +199,34 @@ class _Wanted:
 def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]]:
     """Every chunk file the entries need, by entry and flat index: whole chunk files of all arrays of one source in
     one call (each pack's ranges in one merged read: a load of hundreds of small arrays is a few requests per pack,
-    not one per array); a shard of which a read needs at most ``PARTIAL`` of the inner chunks as a compact shard of
-    only those (``partial_shards``)."""
+    not one per array); a shard of which a read needs only some inner chunks as a compact shard of only those
+    (``partial_shards``, all such shards of a source together), so that a reshard reads about what it needs."""
     out: dict[tuple[int, str], dict[int, bytes]] = {}
-    by_source: dict[int, list[tuple[_Wanted, list[int]]]] = {}
+    whole: dict[int, list[tuple[_Wanted, list[int]]]] = {}
+    partial: dict[int, list[PartialShard]] = {}
+    sources: dict[int, ChunkSource] = {}
     for entry in entries:
-        key = (id(entry.source), entry.path)
-        out[key] = {}
+        out[(id(entry.source), entry.path)] = {}
+        sources[id(entry.source)] = entry.source
         flats = sorted(entry.chunks)
         inner = inner_grid(json_object(entry.spec.get("metadata")))
         if inner is not None:
             count = math.prod(inner[1])
-            partial = [flat for flat in flats if len(entry.inner.get(flat, ())) <= PARTIAL * count]
-            if partial:
-                needed = [entry.inner[flat] for flat in partial]
-                out[key].update(zip(partial, partial_shards(entry.source.fetch_parts, entry.path, partial, needed,
-                                                            count), strict=True))
-            flats = [flat for flat in flats if flat not in out[key]]
+            shards = [(entry.path, flat, entry.inner[flat], count) for flat in flats
+                      if len(entry.inner.get(flat, ())) < count]
+            partial.setdefault(id(entry.source), []).extend(shards)
+            flats = [flat for flat in flats if len(entry.inner.get(flat, ())) >= count]
         if flats:
-            by_source.setdefault(id(entry.source), []).append((entry, flats))
-    for requests in by_source.values():
-        source = requests[0][0].source
-        for (entry, flats), data in zip(requests, source.fetch_many([(e.path, f) for e, f in requests]),
-                                        strict=True):
-            out[(id(source), entry.path)].update(zip(flats, data, strict=True))
+            whole.setdefault(id(entry.source), []).append((entry, flats))
+    for key, shards in partial.items():
+        if shards:
+            compact = partial_shards(sources[key].fetch_parts, shards)
+            for (path, flat, _, _), shard in zip(shards, compact, strict=True):
+                out[(key, path)][flat] = shard
+    for key, requests in whole.items():
+        chunk_files = sources[key].fetch_many([(e.path, f) for e, f in requests])
+        for (entry, flats), files in zip(requests, chunk_files, strict=True):
+            out[(key, entry.path)].update(zip(flats, files, strict=True))
     return out
 
 

@@ -23,8 +23,11 @@ from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_sectio
 from .._format.stored import max_chunk_file_bytes
 from .._format.zarr import chunk_key, grid_counts, unravel
 from .._io.fastio import Locate
+from .._io.pools import map_kept
+from .._io.shards import Part
 from .._io.smallfiles import check_no_links
 from .._io.staged import TOKEN_PREFIX, register
+from .._settings import settings
 
 __all__ = ["PackedChunks", "ReadRanges"]
 
@@ -100,18 +103,18 @@ class PackedChunks:
         chunk reads are: for ``verify``, which checks whole files (their sizes, the index's crc32c)."""
         return self._read(name, ranges)
 
-    def fetch_parts(self, path: str, parts: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[bytes]]:
-        """For each ``(flat, ranges)``, those ``(offset, length)`` ranges of that chunk file of array ``path``
-        (``(0, -n)``: its last ``n`` bytes), read concurrently, the ranges of one pack in one call; a range outside
-        the chunk file is damage (its bytes would be another chunk's)."""
-        table, stored = self.rows([path])[path], self.stored(path)
-        order = stored.order
+    def fetch_parts(self, parts: Sequence[Part]) -> list[list[bytes]]:
+        """For each ``(path, flat, ranges)``, those ``(offset, length)`` ranges of that chunk file of array ``path``
+        (``(0, -n)``: its last ``n`` bytes), of any arrays, the ranges of one pack in one call (merged into few reads
+        on object storage); a range outside the chunk file is damage (its bytes would be another chunk's)."""
+        tables = self.rows(sorted({path for path, _, _ in parts}))
         by_pack: dict[int, list[tuple[int, int, int, int]]] = {}  # pack -> (part, range, offset, length)
-        for i, (flat, ranges) in enumerate(parts):
-            row = row_of(order, flat)
+        for i, (path, flat, ranges) in enumerate(parts):
+            stored = self.stored(path)
+            row = row_of(stored.order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
-            pack, base, size = (int(v) for v in table[row])
+            pack, base, size = (int(v) for v in tables[path][row])
             for j, (offset, length) in enumerate(ranges):
                 if length < 0:
                     offset, length = size + length, -length
@@ -121,10 +124,9 @@ class PackedChunks:
                         f"its shard index points at bytes [{offset}, {offset + length}) of it: the checkpoint is "
                         "damaged or crafted; restore it from a copy")
                 by_pack.setdefault(pack, []).append((i, j, base + offset, length))
-        out: list[list[bytes]] = [[b""] * len(ranges) for _, ranges in parts]
-        for pack, wanted in by_pack.items():
-            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, _, offset, length in wanted])
-            for (i, j, _, _), piece in zip(wanted, data, strict=True):
+        out: list[list[bytes]] = [[b""] * len(ranges) for _, _, ranges in parts]
+        for pack, data in self._read_packs(by_pack).items():
+            for (i, j, _, _), piece in zip(by_pack[pack], data, strict=True):
                 out[i][j] = piece
         return out
 
@@ -150,9 +152,18 @@ class PackedChunks:
                 pack, offset, length = (int(v) for v in table[row])
                 by_pack.setdefault(pack, []).append((i, position, offset, length))
         out: list[list[bytes]] = [[b""] * len(flats) for _, flats in requests]
-        for pack, wanted in by_pack.items():
-            wanted.sort(key=lambda item: item[2])  # in pack order: neighbours merge into one read
-            data = self._read(self.layout.packs[pack].name, [(offset, length) for _, _, offset, length in wanted])
-            for (i, position, _, _), chunk in zip(wanted, data, strict=True):
+        for pack, data in self._read_packs(by_pack).items():
+            for (i, position, _, _), chunk in zip(by_pack[pack], data, strict=True):
                 out[i][position] = chunk
         return out
+
+    def _read_packs(self, by_pack: Mapping[int, Sequence[tuple[int, int, int, int]]]) -> dict[int, list[bytes]]:
+        """The ranges ``(_, _, offset, length)`` of each pack, each pack's in one call (merged into few GETs on object
+        storage), the packs concurrently: on object storage every call is a round trip, and a reshard reads from
+        several ranks' packs."""
+        def one(pack: int) -> list[bytes]:
+            return self._read(self.layout.packs[pack].name, [(offset, length) for *_, offset, length in by_pack[pack]])
+        packs = list(by_pack)
+        if len(packs) <= 1:
+            return {pack: one(pack) for pack in packs}
+        return dict(zip(packs, map_kept("pack-files", min(len(packs), settings().io_threads), one, packs), strict=True))

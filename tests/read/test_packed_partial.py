@@ -13,6 +13,7 @@ from policies import small_chunks
 
 import arrayckpt
 from arrayckpt._read.checkpoint import stored_of
+from arrayckpt._read.packed import PackedChunks
 
 INNER, OUTER = 64, 1024  # bytes: inner chunks of 2 rows of 8 float32, shards of 32 rows
 
@@ -88,3 +89,30 @@ def test_a_damaged_inner_chunk_of_a_partly_read_shard_is_an_error():
         assert np.array_equal(ckpt["w"][40:42], w[40:42].numpy())  # another inner chunk of that shard reads fine
         with pytest.raises(arrayckpt.CorruptCheckpointError, match="'w'"):
             ckpt["w"][34:36]
+
+
+def test_the_partial_shards_of_a_load_are_read_together_whatever_their_array(monkeypatch):
+    """A reshard's load of many arrays, each needing part of some shards: the shard indexes of all of them in one
+    round of reads, their inner chunks in a second (two reads of the pack, not two per array), and about the bytes
+    it needs; each value still exact."""
+    url = f"memory://partial/{uuid.uuid4().hex}"
+    state = {f"w{i}": torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8) + 1000 * i for i in range(6)}
+    small_chunks(INNER, OUTER).save(state, url, packed=True, codec="zstd")
+    calls: list[tuple[str, int]] = []
+    real_init = PackedChunks.__init__
+
+    def counting_init(self, layout, nodes, present, read_ranges, *args, **kwargs):
+        def read(name, ranges):
+            calls.append((name, sum(length for _, length in ranges)))
+            return read_ranges(name, ranges)
+        real_init(self, layout, nodes, present, read, *args, **kwargs)
+    monkeypatch.setattr(PackedChunks, "__init__", counting_init)
+    out = {key: torch.zeros(43, 8) for key in state}
+    arrayckpt.load({key: arrayckpt.Shard(t, global_shape=(128, 8), global_offset=(43, 0)) for key, t in out.items()},
+                   url)
+    for key, value in state.items():
+        assert torch.equal(out[key], value[43:86]), key
+    packs = [size for name, size in calls if name.endswith(".pack")]
+    assert len(packs) == 2, calls  # one pack: the indexes of all partly read shards, then their inner chunks
+    needed = 6 * 22 * (2 * 8 * 4 + 4)  # 22 inner chunks of 2 rows (rows 42..85) per array, compressed at most
+    assert sum(packs) <= 1.1 * needed + 6 * 2 * (16 * 16 + 4), calls  # plus two shard indexes per array
