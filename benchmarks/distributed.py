@@ -36,7 +36,7 @@ per repeat (A B A B ...); each measurement set first saves and loads a tiny stat
    targets ``Shard(0)`` on a 3-rank mesh over ranks 0-2 (4 -> 3, a subgroup; rank 3 waits). Reported:
    reshard / same-topology time (target <= 1.1) and, for arrayckpt, the bytes read from storage by the 3
    ranks vs the bytes they need (their local shards, plus every replicated tensor once per rank;
-   target <= 1.25).
+   target <= 1.1).
 3. ``read_once`` (when ``arrayckpt.load`` has the keyword): the same loads with ``read_once=True``: data
    several ranks need is read by one and sent over the process group. Reported: bytes read from storage
    summed over ranks, and time, with vs without.
@@ -104,7 +104,7 @@ VOCAB_PER_WIDTH = 8
 OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
 RESHARD_FROM, RESHARD_TO = 4, 3
 TARGET_TIME_RATIO = 1.1
-TARGET_BYTES_RATIO = 1.25
+TARGET_BYTES_RATIO = 1.1  # issue 35: a 4->3 reshard reads at most 1.1x the bytes it needs
 F32, BF16 = torch.float32, torch.bfloat16
 
 

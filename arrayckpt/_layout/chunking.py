@@ -44,7 +44,7 @@ class ChunkPolicy:
 
     inner_chunk_bytes: int = 4 << 20  # read unit: small enough for cheap reshard reads, big enough for throughput
     outer_chunk_bytes: int = 64 << 20  # write unit: one file per outer chunk; several per big tensor (parallelism)
-    min_inner_chunk_bytes: int = 256 << 10  # smaller read units cost more in index entries and calls than they save
+    min_inner_chunk_bytes: int = 64 << 10  # smaller read units cost more in index entries and calls than they save
     inner_chunks_per_shard: int = 16  # a shard read at another sharding fetches at most ~2/16 of a shard too much
     # Chunks forced (by awkward shard steps) 16x below their target and under 32 KiB cost more than they help.
     fragmentation_limit: int = 16
