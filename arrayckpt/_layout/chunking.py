@@ -50,6 +50,10 @@ class ChunkPolicy:
     fragmentation_limit: int = 16
     smallest_chunk_bytes: int = 32 << 10
     row_chunk_bytes: int = 4 << 20  # chunks of a rows delta's arrays (row indices and values)
+    # Replicated pieces this small are gathered on one writer (up to gather_rank_bytes each): every rank of a load
+    # reads all of them (AdamW's 0-d steps), in one ranged read of one pack rather than one per writer's pack.
+    gather_piece_bytes: int = 64 << 10
+    gather_rank_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

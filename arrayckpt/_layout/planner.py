@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -226,7 +226,8 @@ def _lay_out_arrays(descriptions: Sequence[LocalDescription], codec: CodecChoice
         parts = descriptions[int(s.rank[firsts[k]])].table.parts_of(int(s.local[firsts[k]]))
         entries[name] = (PickleEntry(name, parts, math.prod(shape)) if kind == "pickle"
                          else ArrayEntry(name, parts, dtype, shape, kind))  # type: ignore[arg-type]
-    single, replicated, loads = _work(s, holders_sorted, group_starts, counts, itemsizes, outers, len(descriptions))
+    single, replicated, loads = _work(s, holders_sorted, group_starts, counts, itemsizes, outers, len(descriptions),
+                                      chunking)
     per_rank = _per_rank_arrays(descriptions, plans, codec, chunking, loads)
     tasks = _tasks(s, single, [replicated, per_rank], plans, len(descriptions))
     order = {name: (int(s.rank[f]), 0, int(s.local[f])) for name, f in zip(s.keys, s.first.tolist(), strict=True)}
@@ -343,9 +344,12 @@ def _row_products(a: np.ndarray) -> np.ndarray:
 
 
 def _work(s: _Stacked, holders: np.ndarray, starts: np.ndarray, counts: np.ndarray, itemsizes: np.ndarray,
-          outers: np.ndarray, world: int) -> tuple[np.ndarray, _Work, list[int]]:
+          outers: np.ndarray, world: int, chunking: ChunkPolicy) -> tuple[np.ndarray, _Work, list[int]]:
     """The rows of the unreplicated boxes (each written by its holder, in rank order), the tasks of the replicated
-    ones, and every rank's bytes."""
+    ones, and every rank's bytes. Replicated pieces of at most ``chunking.gather_piece_bytes`` (AdamW's 0-d
+    ``step`` of every parameter) are gathered on few writers (:func:`_gatherer`), not spread one per rank: every rank
+    of a load reads them all, and gathered in one pack they are one ranged read, not one read per writer's pack
+    (723 steps of a Llama-70B state over 1,024 ranks: 723 reads per rank, 740,000 per load)."""
     single = holders[starts[counts == 1]]
     nbytes = _row_products(s.shape[single]) * itemsizes[s.key[single]]
     loads = np.bincount(s.rank[single], weights=nbytes, minlength=world).astype(np.int64).tolist()
@@ -379,9 +383,13 @@ def _work(s: _Stacked, holders: np.ndarray, starts: np.ndarray, counts: np.ndarr
             items.append((math.prod(n) * itemsize, i, o, n))
     items.sort(key=lambda item: -item[0])
     chosen: list[int] = []
+    gathered: dict[int, int] = {}  # rank -> bytes of the small replicated pieces it writes
     for nb, i, _, _ in items:
         candidates = candidate_ranks[bounds[i]:bounds[i + 1]]  # ascending: ties go to the lowest rank
         rank = min(candidates, key=loads.__getitem__)
+        if nb <= chunking.gather_piece_bytes:
+            rank = _gatherer(candidates, gathered, nb, chunking.gather_rank_bytes, rank)
+            gathered[rank] = gathered.get(rank, 0) + nb
         loads[rank] += nb
         chosen.append(candidate_rows[bounds[i] + candidates.index(rank)])
     width = s.shape.shape[1]
@@ -389,6 +397,18 @@ def _work(s: _Stacked, holders: np.ndarray, starts: np.ndarray, counts: np.ndarr
     return single, _Work(s.rank[picked], s.local[picked], s.key[picked],
                          np.array([o for _, _, o, _ in items], np.int64).reshape(-1, width),
                          np.array([n for _, _, _, n in items], np.int64).reshape(-1, width)), loads
+
+
+def _gatherer(candidates: list[int], gathered: Mapping[int, int], nb: int, limit: int, least_loaded: int) -> int:
+    """The writer of a small replicated piece: of its holders, the one already writing the most small pieces that
+    stays within ``limit`` bytes of them (ties to the lowest rank), else the least loaded (which starts a new
+    gathering)."""
+    best, most = least_loaded, 0
+    for rank in candidates:
+        have = gathered.get(rank, 0)
+        if have > most and have + nb <= limit:
+            best, most = rank, have
+    return best
 
 
 def _per_rank_arrays(descriptions: Sequence[LocalDescription], plans: list[ArrayPlan], codec: CodecChoice,

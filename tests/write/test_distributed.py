@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -148,7 +150,7 @@ def test_plan_refuses_disagreeing_global_shapes():
 
 
 def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas():
-    policy = small_chunks(1024, 4096).policy
+    policy = dataclasses.replace(small_chunks(1024, 4096).policy, gather_piece_bytes=1)  # nothing gathered
     # 64x64 fp32 = 16 KiB replicated on 4 ranks -> 4 outer chunks of 4 KiB, one per rank
     descriptions = [_d("rep", r, (0, 0), (64, 64), (64, 64), replica=r) for r in range(4)]
     planned = plan_save(descriptions, None, policy)
@@ -161,6 +163,32 @@ def test_replicated_tensor_is_stored_once_with_writes_spread_over_replicas():
                                                            Box((0,), (256,)), r) for i in range(8)))
             for r in range(4)]
     assert plan_save(many, None, policy).bytes_by_rank == (2048, 2048, 2048, 2048)
+
+
+def test_small_replicated_pieces_are_gathered_on_one_writer():
+    """AdamW's 0-d ``step`` of every parameter, replicated on every rank: one rank writes them all (every rank of a
+    load reads them all: one ranged read of one pack, not one per rank's pack); big replicated pieces are still
+    spread, and the gathering stops at ``gather_rank_bytes``."""
+    def described(policy, world=8, steps=40):
+        descriptions = []
+        for r in range(world):
+            arrays = [ArrayDescription(f"p{i}.step", (f"p{i}.step",), "tensor", "float32", (), Box((), ()), r)
+                      for i in range(steps)]
+            arrays.append(ArrayDescription("big", ("big",), "tensor", "float32", (64, 4096),
+                                           Box((0, 0), (64, 4096)), r))
+            descriptions.append(LocalDescription(arrays=tuple(arrays)))
+        return plan_save(descriptions, None, policy)
+
+    policy = small_chunks(64 << 10, 128 << 10).policy
+    planned = described(policy)
+    writers = {task.key: rank for rank, tasks in enumerate(planned.tasks) for task in tasks}
+    assert len({writers[f"p{i}.step"] for i in range(40)}) == 1, writers
+    big = sorted(rank for rank, tasks in enumerate(planned.tasks) for task in tasks if task.key == "big")
+    assert len(set(big)) == 8  # 1 MiB in 8 outer chunks of 128 KiB (above gather_piece_bytes): one per replica
+    capped = described(dataclasses.replace(policy, gather_rank_bytes=40))
+    writers = {task.key: rank for rank, tasks in enumerate(capped.tasks) for task in tasks}
+    counts = sorted(list(writers.values()).count(rank) for rank in {writers[f"p{i}.step"] for i in range(40)})
+    assert counts[-1] == 10 and len(counts) >= 4  # at most 40 bytes (ten 0-d float32) per gathering writer
 
 
 def test_uneven_and_2d_shard_grids_align_chunks_with_every_shard():
