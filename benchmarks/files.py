@@ -22,6 +22,12 @@ default chunk policy (``plan``: seconds, one process). Then, from the plan:
   (``SEGMENT_BYTES``: 1 GiB files, 64 MiB objects), kept to show why it was replaced;
 - ``dcp``: DCP's ``FileSystemWriter`` with its defaults (one ``.distcp`` file per rank, ``thread_count=1``, and
   ``.metadata``);
+- ``load_gets`` (max per rank) and ``load_gets_spread``: the GETs a load at the same sharding issues on object
+  storage per rank, from the plan (the formula that ``s3_ranks.py`` measures at 2 and 4 real ranks): the root, the
+  sections of the index it needs (merged into GETs of at most ``object_part_bytes``), its own pack (likewise), and one
+  GET per other rank's pack that holds replicated pieces it holds (AdamW's 0-d steps; a writer's small pieces lie
+  together at the end of its pack). ``load_gets`` with small replicated pieces gathered on one writer (the planner's
+  ``gather_piece_bytes``), ``load_gets_spread`` with them spread one per rank by load (before);
 - ``root_mib``: today's root document (manifest, chunk digests, ``created.writers``, consolidated metadata), and
   ``index_mib``: the packed layout's chunk table (24 bytes per stored chunk and a crc32c per array,
   ``_format/packs.py``), which a loader reads by array, not whole.
@@ -33,6 +39,7 @@ constant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -52,7 +59,7 @@ import arrayckpt  # noqa: E402
 from arrayckpt._format.manifest import encode_root_document  # noqa: E402
 from arrayckpt._format.packs import ROW_SIZE  # noqa: E402
 from arrayckpt._layout import saveplan  # noqa: E402
-from arrayckpt._layout.chunking import DEFAULT_CHUNKING  # noqa: E402
+from arrayckpt._layout.chunking import DEFAULT_CHUNKING, ChunkPolicy  # noqa: E402
 from arrayckpt._settings import settings  # noqa: E402
 from arrayckpt._write.describe import describe_local  # noqa: E402
 from arrayckpt._write.save import Record, build_manifest  # noqa: E402
@@ -95,15 +102,42 @@ def _groups(paths: list[str]) -> int:
     return len({"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)})
 
 
+def _plan(descriptions: list[Any], policy: ChunkPolicy) -> Any:
+    layout = saveplan.plan_layout(descriptions, tuple(saveplan.fingerprint(d) for d in descriptions), None, policy)
+    return saveplan.assemble(layout, [(d.values, d.per_rank) for d in descriptions])
+
+
+def load_gets(plan: Any, descriptions: list[Any], index_bytes: int) -> int:
+    """The most GETs one rank's load at the same sharding issues on object storage (module docstring: the root, the
+    index sections, its own pack, one GET per other writer of replicated pieces it holds)."""
+    part = settings().object_part_bytes
+    holders: dict[str, set[int]] = {}  # a key held whole, identically, by several ranks: replicated
+    boxes: dict[str, set[Any]] = {}
+    for rank, description in enumerate(descriptions):
+        for item in description.arrays:
+            holders.setdefault(item.key, set()).add(rank)
+            boxes.setdefault(item.key, set()).add(item.box)
+    replicated = {key for key, ranks in holders.items() if len(ranks) > 1 and len(boxes[key]) == 1}
+    writers_of: dict[str, set[int]] = {}
+    for writer, tasks in enumerate(plan.tasks):
+        for task in tasks:
+            if task.key in replicated:
+                writers_of.setdefault(task.key, set()).add(writer)
+    worst = 0
+    for rank, load in enumerate(plan.bytes_by_rank):
+        others = {w for key, ws in writers_of.items() if rank in holders[key] for w in ws} - {rank}
+        worst = max(worst, 1 + math.ceil(index_bytes / part) + math.ceil(load / part) + len(others))
+    return worst
+
+
 def measure(ranks: int) -> dict[str, Any]:
     params = parameters()
     descriptions = [describe_local(rank_state(r, ranks, params), r, False, _no_data).description
                     for r in range(ranks)]
     started = time.perf_counter()
-    layout = saveplan.plan_layout(descriptions, tuple(saveplan.fingerprint(d) for d in descriptions), None,
-                                  DEFAULT_CHUNKING)
-    plan = saveplan.assemble(layout, [(d.values, d.per_rank) for d in descriptions])
+    plan = _plan(descriptions, DEFAULT_CHUNKING)
     plan_s = time.perf_counter() - started
+    spread = _plan(descriptions, dataclasses.replace(DEFAULT_CHUNKING, gather_piece_bytes=1))
     chunks = {path: math.prod(-(-n // c) for n, c in zip(a.shape, a.outer_chunk, strict=True))
               for path, a in plan.arrays.items()}
     stored = sum(chunks.values())
@@ -117,12 +151,15 @@ def measure(ranks: int) -> dict[str, Any]:
     # the packed layout as written (spec §16): a pack per rank that writes anything (one file, or one multipart
     # object), the index and the root, and refs.json up to refs_max_chunks stored chunks
     one_per_rank = int((loads > 0).sum()) + 2 + (stored <= settings().refs_max_chunks)
+    index_bytes = stored * ROW_SIZE + 4 * len(chunks)
     return {"ranks": ranks, "arrays": len(plan.arrays), "plan_s": round(plan_s, 2),
             "files": stored + len(plan.arrays) + _groups(list(plan.arrays)) + 1, "chunk_files": stored,
             "packed_files": packed_local, "packed_objects": packed_object, "packed_multipart": one_per_rank,
             "dcp_files": ranks + 1,
             "bytes_per_rank_gib": round(float(loads.max()) / 2**30, 2),
-            "root_mib": round(len(root) / MIB, 2), "index_mib": round((stored * ROW_SIZE + 4 * len(chunks)) / MIB, 2)}
+            "root_mib": round(len(root) / MIB, 2), "index_mib": round(index_bytes / MIB, 2),
+            "load_gets": load_gets(plan, descriptions, index_bytes),
+            "load_gets_spread": load_gets(spread, descriptions, index_bytes)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = []
     columns = ("ranks", "arrays", "files", "packed_files", "packed_objects", "packed_multipart", "dcp_files",
-               "bytes_per_rank_gib", "root_mib", "index_mib", "plan_s")
+               "bytes_per_rank_gib", "root_mib", "index_mib", "load_gets", "load_gets_spread", "plan_s")
     print(" ".join(f"{c:>12}" for c in columns))
     for ranks in (int(r) for r in args.ranks.split(",")):
         row = measure(ranks)
