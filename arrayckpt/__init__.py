@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from ._tools.damage import Damage
     from ._tools.estimate import SizeEstimate, estimate_size
     from ._tools.inspect import DiffReport, SliceSummary, TensorDiff, diff, show
+    from ._tools.refs import RefsResult, write_refs
     from ._tools.report.build import report
     from ._tools.verify import VerifyReport, verify
     from ._torch.shards import PerRank, Shard
@@ -117,6 +118,7 @@ _LAZY: dict[str, str] = {
     "OptimalInterval": "._manage.policy",
     "PeerMemory": "._peer.config",
     "PerRank": "._torch.shards",
+    "RefsResult": "._tools.refs",
     "PickleNotAllowedError": "._errors",
     "PickleWarning": "._errors",
     "Remote": "._manage.tiers",
@@ -147,6 +149,7 @@ _LAZY: dict[str, str] = {
     "save": "._write.save",
     "show": "._tools.inspect",
     "verify": "._tools.verify",
+    "write_refs": "._tools.refs",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

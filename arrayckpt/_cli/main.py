@@ -4,9 +4,10 @@
 ``verify PATH`` reads and checks every chunk (exit status 1 on damage); ``show PATH KEY [SLICE]`` prints
 values and statistics; ``diff A B`` compares two checkpoints (exit status 1 when they differ);
 ``convert SRC DST`` converts from and to torch.save, safetensors, PyTorch DCP and DeepSpeed; ``compact SRC DST``
-turns a delta checkpoint and its bases into one full checkpoint; ``estimate`` and ``interval`` size
-checkpoints and their frequency. Paths may be URLs (``s3://bucket/prefix``; endpoint and credentials from
-the standard AWS environment variables). ``--json`` prints JSON for scripts.
+turns a delta checkpoint and its bases into one full checkpoint; ``refs PATH`` writes a packed checkpoint's kerchunk
+references for zarr-python; ``estimate`` and ``interval`` size checkpoints and their frequency. Paths may be URLs
+(``s3://bucket/prefix``; endpoint and credentials from the standard AWS environment variables). ``--json`` prints
+JSON for scripts.
 
 This module holds the parser (each command's own arguments are added by its module) and :func:`main`, the one place
 where an error becomes one line on stderr and an exit status.
@@ -27,7 +28,7 @@ from .info import add_info
 from .inspect import add_diff, add_show, add_verify
 from .report import add_report
 from .sizing import add_estimate, add_interval
-from .storage import add_gc, add_sync
+from .storage import add_gc, add_refs, add_sync
 from .text import emit, escaped
 
 __all__ = ["build_parser", "cli_message", "main"]
@@ -35,11 +36,11 @@ __all__ = ["build_parser", "cli_message", "main"]
 # Every command, in the order ``--help`` lists them: ``add(subparsers)`` adds its parser, with ``func`` to run.
 COMMANDS: tuple[Callable[[Commands], argparse.ArgumentParser], ...] = (
     add_info, add_gc, add_verify, add_show, add_diff, add_estimate, add_interval, add_convert, add_compact,
-    add_report, add_sync,
+    add_report, add_sync, add_refs,
 )
 # The commands that read an arrayckpt checkpoint, and the arguments that name it.
 READ_COMMANDS = {"info": ("path",), "verify": ("path",), "show": ("path",), "diff": ("a", "b"), "compact": ("src",),
-                 "report": ("path",)}
+                 "report": ("path",), "refs": ("path",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(commands)
-    for name in ("info", "verify", "show", "diff", "compact", "convert"):  # sync and report add their own
+    for name in ("info", "verify", "show", "diff", "compact", "convert"):  # sync, report, refs: their own
         add_base_root_option(commands.choices[name])
     return parser
 

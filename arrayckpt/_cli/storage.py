@@ -1,5 +1,6 @@
-"""``arrayckpt gc ROOT`` (remove what interrupted saves left, and only that) and ``sync SRC DST``
-(:func:`arrayckpt.copy`: a committed checkpoint and its chain copied as stored, checked, committed last)."""
+"""``arrayckpt gc ROOT`` (remove what interrupted saves left, and only that), ``sync SRC DST``
+(:func:`arrayckpt.copy`: a committed checkpoint and its chain copied as stored, checked, committed last) and
+``refs PATH`` (:func:`arrayckpt.write_refs`: a packed checkpoint's kerchunk references, written on demand)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import sys
 
 from .._format.jsontypes import JSON
-from .common import Commands, add_base_root_option
+from .common import Commands, add_base_root_option, print_json
 from .text import emit
 
-__all__ = ["add_gc", "add_sync"]
+__all__ = ["add_gc", "add_refs", "add_sync"]
 
 
 def add_gc(commands: Commands) -> argparse.ArgumentParser:
@@ -117,6 +118,33 @@ def cmd_sync(args: argparse.Namespace) -> int:
           f"({', '.join(result.copied)}), {result.objects} chunk files, {result.bytes_copied / 2**20:.1f} MiB")
     if result.skipped:
         emit(f"already in place: {', '.join(result.skipped)}")
+    return 0
+
+
+def add_refs(commands: Commands) -> argparse.ArgumentParser:
+    """Add the ``refs`` command to the ``arrayckpt`` command line's subparsers; returns its parser."""
+    refs = commands.add_parser("refs", help="write refs.json, the kerchunk references through which zarr-python reads "
+                                            "a packed checkpoint without arrayckpt (a save writes them only up to "
+                                            "refs_max_chunks chunks); replaces any there")
+    refs.add_argument("path", help="packed checkpoint directory or URL (s3://bucket/prefix, gs://...)")
+    refs.add_argument("--json", action="store_true", help="print JSON")
+    add_base_root_option(refs)
+    refs.set_defaults(func=cmd_refs)
+    return refs
+
+
+def cmd_refs(args: argparse.Namespace) -> int:
+    """``arrayckpt refs PATH``: exit status 0 once the references are written; a checkpoint that is not packed, or
+    whose pack index is damaged, is refused (nothing written) by the command line's handler, in one line."""
+    from .._tools.estimate import human_bytes
+    from .._tools.refs import write_refs
+
+    result = write_refs(args.path, base_roots=args.base_root)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    emit(f"wrote {result.refs}: kerchunk references of {result.chunks:,} chunk{'' if result.chunks == 1 else 's'} "
+         f"({human_bytes(result.size)})")
     return 0
 
 

@@ -32,6 +32,7 @@ over the whole table (no two chunks of different arrays share bytes).
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 import secrets
@@ -53,7 +54,8 @@ from .zarr import ROOT_METADATA, chunk_keys, grid_counts, unravel
 __all__ = ["INDEX_NAME", "PACKS_MEMBER", "PACK_PREFIX", "REFS_NAME", "ROW_SIZE", "ChunkTable", "PackFile",
            "PackLayout", "Section", "StoredChunks", "check_index", "decode_section", "encode_index", "index_name",
            "is_pack_key", "is_save_file", "new_tag", "pack_name", "packs_member", "parse_pack_name",
-           "parse_packs_member", "reference_document", "row_of", "stored_chunk_keys"]
+           "parse_packs_member", "reference_document", "reference_root", "references_file", "row_of",
+           "stored_chunk_keys"]
 
 PACKS_MEMBER = "packs"  # the manifest member that describes a packed checkpoint
 PACK_PREFIX = "packs/"  # every pack file and the index file lie right below this folder of the checkpoint
@@ -425,25 +427,27 @@ def parse_packs_member(obj: object, where: str, arrays: Collection[str] | None =
     return PackLayout(tuple(packs), index["name"], index["size"], index["crc32c"], parsed)
 
 
-def reference_document(documents: Mapping[str, bytes], chunk_keys: Mapping[str, Sequence[str]], table: ChunkTable,
+def reference_document(nodes: Mapping[str, bytes], chunk_keys: Mapping[str, Sequence[str]], table: ChunkTable,
                        packs: Sequence[PackFile]) -> JSON:
     """The kerchunk v1 references of a packed checkpoint, for zarr-python through fsspec's ``ReferenceFileSystem``:
-    ``{"version": 1, "refs": {...}}`` with every node document (``documents``: ``"zarr.json"``,
-    ``"<path>/zarr.json"`` → its bytes) inline as UTF-8 text, and every stored chunk ``"<path>/<chunk key>"`` as
-    ``[pack name, offset, length]``; ``chunk_keys``: per array path, its stored chunks' keys in table order
-    (:func:`stored_chunk_keys`). Pack names stay relative to the checkpoint: a reader resolves them with a ``dir``
-    filesystem rooted there, so the references survive moving the checkpoint.
+    ``{"version": 1, "refs": {...}}`` with every node's document (``nodes``: node path → its ``zarr.json`` bytes,
+    every node but the root) inline as UTF-8 text at ``"<path>/zarr.json"``, a root ``"zarr.json"`` that is a plain
+    group whose ``consolidated_metadata`` holds them all (:func:`reference_root`), and every stored chunk
+    ``"<path>/<chunk key>"`` as ``[pack name, offset, length]``; ``chunk_keys``: per array path, its stored chunks'
+    keys in table order (:func:`stored_chunk_keys`). Pack names stay relative to the checkpoint: a reader resolves
+    them with a ``dir`` filesystem rooted there, so the references survive moving the checkpoint.
 
-    >>> reference_document({"zarr.json": b"{}"}, {"w": ["c.0"]}, ChunkTable({"w": np.array([[0, 8, 12]], np.uint64)}),
-    ...                    [PackFile("packs/r000000.pack", 20, 0)])
-    {'version': 1, 'refs': {'zarr.json': '{}', 'w/c.0': ['packs/r000000.pack', 8, 12]}}
+    >>> reference_document({"w": b"{}"}, {"w": ["c.0"]}, ChunkTable({"w": np.array([[0, 8, 12]], np.uint64)}),
+    ...                    [PackFile("packs/r000000.pack", 20, 0)])["refs"]  # doctest: +NORMALIZE_WHITESPACE
+    {'zarr.json': '{"zarr_format": 3, "node_type": "group", "attributes": {}, "consolidated_metadata": {"kind":
+    "inline", "must_understand": false, "metadata": {"w": {}}}}', 'w/zarr.json': '{}', 'w/c.0':
+    ['packs/r000000.pack', 8, 12]}
     """
-    refs: JSON = {}
-    for key, data in documents.items():
-        if key != ROOT_METADATA and not key.endswith(f"/{ROOT_METADATA}"):
-            raise ValueError(f"reference_document: {key!r} is not a node document's key ('zarr.json' or "
-                             "'<path>/zarr.json')")
-        refs[key] = data.decode("utf-8")  # a JSON document never begins with "base64:", kerchunk's one escape
+    refs: JSON = {ROOT_METADATA: reference_root(nodes)}
+    for path, data in nodes.items():
+        if not is_node_path(path):
+            raise ValueError(f"reference_document: {path!r} is not a node path (spec §3.2)")
+        refs[f"{path}/{ROOT_METADATA}"] = data.decode("utf-8")  # JSON never begins with "base64:", kerchunk's escape
     if set(chunk_keys) != set(table.rows):
         raise ValueError(f"reference_document: the chunk keys name arrays {sorted(chunk_keys)}, the chunk table "
                          f"{sorted(table.rows)}: give the keys of every array in the table")
@@ -456,3 +460,27 @@ def reference_document(documents: Mapping[str, bytes], chunk_keys: Mapping[str, 
         for key, (pack, offset, length) in zip(keys, rows.tolist(), strict=True):
             refs[f"{path}/{key}"] = [names[pack], offset, length]
     return {"version": 1, "refs": refs}
+
+
+def reference_root(nodes: Mapping[str, bytes]) -> str:
+    """The root ``zarr.json`` of the references: a plain group (no manifest: a reader of the references reads
+    arrays) whose ``consolidated_metadata`` holds every node's document, as a files-layout root's does (spec §8).
+    zarr-python then finds every member from this one document: listing the hierarchy instead fails through
+    fsspec's ``ReferenceFileSystem`` below the top level (zarr-python 3.1's ``FsspecStore.list_dir`` asks for
+    ``/model``, a key the references, relative like every kerchunk key, do not have), so without it
+    ``group.members(max_depth=None)`` stops at the root's children."""
+    consolidated = ", ".join(f"{json.dumps(path)}: {data.decode('utf-8')}" for path, data in nodes.items())
+    return ('{"zarr_format": 3, "node_type": "group", "attributes": {}, "consolidated_metadata": {"kind": "inline", '
+            '"must_understand": false, "metadata": {' + consolidated + "}}}")
+
+
+def references_file(nodes: Mapping[str, JSON], documents: Mapping[str, bytes], present: Mapping[str, tuple[int, ...]],
+                    table: ChunkTable, packs: Sequence[PackFile]) -> bytes:
+    """The bytes of ``refs.json`` (:data:`REFS_NAME`): :func:`reference_document` of every array of ``table``, its
+    stored chunks' keys from its metadata in ``nodes`` (checked, or written by arrayckpt) and ``present`` (the
+    stored chunks of the arrays of chunks deltas, by path), in compact JSON. ``documents``: every node's
+    ``zarr.json`` bytes but the root's, by node path. The one way a save, ``copy`` and ``arrayckpt refs`` make them,
+    so that all three write the same bytes for one checkpoint (the chunks by array path, in sorted order: a save's
+    table lists its arrays in the order it planned them, a checkpoint opened in the order of its node metadata)."""
+    keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in sorted(table.rows)}
+    return json.dumps(reference_document(documents, keys, table, packs), separators=(",", ":")).encode()

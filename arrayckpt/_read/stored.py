@@ -192,13 +192,15 @@ class StoredCheckpoint:
                                          "checkpoints")
         return base
 
-    def check_unchanged(self) -> None:
+    def check_unchanged(self, pinned_too: bool = False) -> None:
         """After reading data: where storage cannot pin a checkpoint for reading (object storage), make sure the
         checkpoint and the bases read through were not replaced meanwhile, or the data read may mix two
-        checkpoints. One small read per such layer; nothing to do where reads are pinned (local directories)."""
+        checkpoints. One small read per such layer; nothing to do where reads are pinned (local directories), unless
+        ``pinned_too``: before writing something made from what was read into the location (``arrayckpt refs``),
+        where the pinned directory may no longer be the one at its path."""
         layer: StoredCheckpoint | None = self
         while layer is not None:
-            if not layer.location.pins_reads and layer.location.changed_since(layer._generation):
+            if (pinned_too or not layer.location.pins_reads) and layer.location.changed_since(layer._generation):
                 raise ReplacedCheckpointError(
                     f"{layer.location}: the checkpoint was replaced (or removed) while it was being read; "
                     "what was read may mix two checkpoints: open it again")

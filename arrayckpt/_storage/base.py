@@ -257,6 +257,12 @@ class Location(abc.ABC):
         """:meth:`read_pack` into writable buffers of the caller, one per range and of its length."""
         raise NotImplementedError(f"{self}: this storage holds no packs")
 
+    def write_references(self, data: bytes) -> None:
+        """Write ``data`` as the kerchunk references (``refs.json``, spec §16.4) of the committed packed checkpoint
+        here, replacing any, whole or not at all (a reader sees the old file or the new one): ``arrayckpt refs``.
+        Never through a link. ``NotImplementedError`` where the storage holds no packs."""
+        raise NotImplementedError(f"{self}: this storage holds no packs")
+
     def write_marker(self) -> None:
         """Write the DCP marker (spec §2.1, ``_format/marker.py``) beside the committed checkpoint here, whole or not
         at all, so that DCP-based tools that find checkpoints by their ``.metadata`` find this one."""

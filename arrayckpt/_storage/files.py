@@ -8,17 +8,20 @@ that is not arrayckpt's, nor anything a link points to, is ever removed.
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from .._errors import CorruptCheckpointError
 from .._format.marker import MARKER, MARKER_NAME, is_marker
-from .._io.smallfiles import forget_pin, remember_pin
+from .._format.packs import PACK_PREFIX, REFS_NAME
+from .._io.smallfiles import check_no_links, forget_pin, remember_pin
 from .base import ROOT_METADATA, arrayckpt_keys
 from .renames import fsync_dir
 
 __all__ = ["directory_files", "holds_marker", "pin_directory", "remove_arrayckpt_files", "remove_marker",
-           "write_marker_file"]
+           "write_marker_file", "write_references_file"]
 
 
 def write_marker_file(path: Path, fsync: bool) -> None:
@@ -39,6 +42,35 @@ def write_marker_file(path: Path, fsync: bool) -> None:
     finally:
         os.close(fd)
     os.replace(temporary, path / MARKER_NAME)
+    if fsync:
+        fsync_dir(path)
+
+
+def write_references_file(path: Path, data: bytes, fsync: bool, where: str) -> None:
+    """Replace ``refs.json`` of the packed checkpoint directory ``path`` by ``data``, atomically: written to a new
+    file in its ``packs`` folder (a name arrayckpt owns there, so that one left by a killed process goes with the
+    checkpoint), then renamed into place; durable before it returns with ``fsync``. A link at ``packs`` or
+    ``refs.json`` is refused, never followed or replaced (spec §12); ``where`` names the checkpoint in errors."""
+    for name in (PACK_PREFIX.rstrip("/"), REFS_NAME):
+        check_no_links(str(path), name, where)
+    if not (path / PACK_PREFIX).is_dir():
+        raise CorruptCheckpointError(f"{where}: the checkpoint has no {PACK_PREFIX} folder, so it is not packed "
+                                     "(or lost its packs): it has no references to write")
+    temporary = path / f"{PACK_PREFIX}refs-{secrets.token_hex(8)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path / REFS_NAME)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     if fsync:
         fsync_dir(path)
 

@@ -54,7 +54,7 @@ from .base import (
     relative_parts,
 )
 from .beside import checkpoint_nodes, commit_beside, refuse_shared_checkpoint
-from .files import pin_directory, remove_arrayckpt_files, remove_marker, write_marker_file
+from .files import pin_directory, remove_arrayckpt_files, remove_marker, write_marker_file, write_references_file
 from .liveness import RootLock, create_held_directory, exclusive_directory
 from .packread import read_file_ranges
 from .packs import FilePackWriter
@@ -252,6 +252,13 @@ class LocalLocation(Location):
         except (FileNotFoundError, NotADirectoryError):
             pass
         remove_arrayckpt_files(self.path)
+
+    def write_references(self, data: bytes) -> None:
+        """Written into ``packs/``, then renamed over ``refs.json`` and made durable (unless ``fsync=False``): a
+        process killed meanwhile leaves a file named as arrayckpt's own there (``is_pack_key``), which a delete or an
+        overwrite removes with the checkpoint, never a stranger at its top. A link at ``refs.json`` or ``packs`` is
+        refused (spec §12)."""
+        write_references_file(self.path, data, self.fsync, str(self))
 
     def write_marker(self) -> None:
         """Written beside, then renamed into place (a reader never sees part of it), and made durable with the save."""

@@ -289,6 +289,10 @@ class ObjectLocation(Location):
         return Lease(self.open_store(), MANAGER_LEASE, str(self), "another CheckpointManager holds this root",
                      patience_s)
 
+    def write_references(self, data: bytes) -> None:
+        """One PUT (an object appears whole)."""
+        _wait([(REFS_NAME, _write(self.open_store(), REFS_NAME, data, self))], self, "writing the references")
+
     def write_marker(self) -> None:
         """One PUT (an object appears whole)."""
         _wait([(MARKER_NAME, _write(self.open_store(), MARKER_NAME, MARKER, self))], self, "writing the DCP marker")

@@ -7,6 +7,8 @@
 - ``copy.py``: :func:`copy`, a checkpoint and its chain of bases copied as stored between locations;
   ``copy_files.py``: its chunk files copied, checked on the way, at a bounded rate; ``copy_packs.py``: a packed
   checkpoint's packs copied whole, every chunk in them checked;
+- ``refs.py``: :func:`write_refs`, a packed checkpoint's kerchunk references written on demand (and the one way
+  ``copy`` makes them too);
 - ``estimate.py``: back-of-the-envelope sizing, and :func:`human_bytes`;
 - ``report/``: :func:`report`, a picture of a checkpoint as one HTML file.
 

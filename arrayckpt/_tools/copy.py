@@ -42,43 +42,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import crc32c
-
 from .._errors import (
     ArrayckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    FormatError,
     IncompleteCheckpointError,
 )
-from .._format.codecs import check_checksummed
-from .._format.dtypes import dtype_by_name
 from .._format.jsontypes import JSON, json_object, member
-from .._format.manifest import (
-    MANIFEST_ATTRIBUTE,
-    ArrayEntry,
-    PerRankEntry,
-    PickleEntry,
-    parse_root_document,
-    per_rank_path,
-)
-from .._format.packs import REFS_NAME, ChunkTable, PackFile, reference_document, stored_chunk_keys
+from .._format.manifest import MANIFEST_ATTRIBUTE, parse_root_document
+from .._format.packs import REFS_NAME
 from .._format.paths import is_location_reference
-from .._format.zarr import GROUP_METADATA, ROOT_METADATA, check_array_metadata
 from .._read.checkpoint import open_location, stored_of
 from .._read.stored import StoredCheckpoint
 from .._settings import settings
 from .._storage import Location, follow_base, parse_location, parse_roots
 from .._write.transaction import begin_write
-from .copy_files import ArrayCopy, FileCopier, Progress, Throttle
-from .copy_packs import PackCopier
+from .copy_files import ArrayCopy, FileCopier, Progress, Throttle, checked_arrays
+from .copy_packs import PackCopier, checked_table, read_index
+from .refs import references
 
 if TYPE_CHECKING:
     from .._read.packed import PackedChunks
 
 __all__ = ["CopyResult", "copy", "copy_checkpoint"]
 
+NOTHING_COPIED = "nothing was copied"
 
 
 @dataclass(frozen=True)
@@ -247,7 +236,7 @@ def _copy_layer(checkpoint: StoredCheckpoint, target: Location, overwrite: bool,
     if checkpoint.packed is not None:
         return _copy_packed_layer(checkpoint, checkpoint.packed, target, overwrite, transfer)
     where = str(checkpoint.location)
-    arrays = _arrays(checkpoint, where)
+    arrays = checked_arrays(checkpoint, where)
     with begin_write(target, overwrite) as transaction:
         encoding = transaction.key_encoding  # what the destination's writer needs (object storage: the generation)
         nodes: dict[str, JSON] = {}
@@ -279,28 +268,23 @@ def _copy_packed_layer(checkpoint: StoredCheckpoint, packed: PackedChunks, targe
     its pack names new at a destination holding another checkpoint, so replacing that one on object storage never
     writes over its packs (refused in the one case it would: the same names, see :func:`_refuse_same_packs`)."""
     where, layout = str(checkpoint.location), packed.layout
-    arrays = _arrays(checkpoint, where)
+    arrays = checked_arrays(checkpoint, where)
     with begin_write(target, overwrite) as transaction:
         _refuse_same_packs(target, checkpoint)
         copier = PackCopier(packed, transaction.target, throttle=transfer.throttle, read_back=transfer.read_back,
                             concurrency=transfer.concurrency, progress=transfer.progress)
         try:
-            table = copier.table(arrays)
+            table = checked_table(packed, [array.path for array in arrays], NOTHING_COPIED)
             digests = copier.copy_packs(arrays, table)
-            index = packed.read_file(layout.index_name, [(0, layout.index_size)])[0] if layout.index_size else b""
+            index = read_index(packed, NOTHING_COPIED)
         except Exception as e:  # a pack gone because the source was replaced meanwhile is not damage: say so
             checkpoint.raise_if_replaced(e)
             raise
         _check_digests(checkpoint, arrays, digests, where)
-        if len(index) != layout.index_size or crc32c.crc32c(index) != layout.index_crc:
-            raise CorruptCheckpointError(f"{where}: the pack index {layout.index_name} is not the one the manifest "
-                                         f"records ({len(index):,} bytes, crc32c {crc32c.crc32c(index):#010x}; "
-                                         f"recorded: {layout.index_size:,} bytes, {layout.index_crc:#010x}): it was "
-                                         "damaged or replaced; nothing was copied")
         checkpoint.check_unchanged()  # object storage: what was read is the checkpoint that was opened
         transaction.write_file(layout.index_name, index)
         if sum(len(rows) for rows in table.rows.values()) <= settings().refs_max_chunks:  # as a save writes them
-            transaction.write_file(REFS_NAME, _references(checkpoint, table, layout.packs))
+            transaction.write_file(REFS_NAME, references(checkpoint, table, layout.packs))
         transaction.commit(checkpoint.manifest, _consolidated(dict(checkpoint.nodes)))
     return _Copied(copier.objects, copier.stored_bytes)
 
@@ -324,17 +308,6 @@ def _refuse_same_packs(target: Location, checkpoint: StoredCheckpoint) -> None:
                                     "damage it before the copy commits; delete it first, or copy elsewhere")
 
 
-def _references(checkpoint: StoredCheckpoint, table: ChunkTable, packs: tuple[PackFile, ...]) -> bytes:
-    """The kerchunk references of the copy (spec §16.4), made as a save makes them: from its node metadata and
-    table, so that what the copy writes is checked (a damaged ``refs.json`` of the source is never copied)."""
-    nodes = checkpoint.nodes
-    documents = {ROOT_METADATA: json.dumps(GROUP_METADATA).encode()}
-    documents.update((f"{path}/{ROOT_METADATA}", json.dumps(node).encode()) for path, node in nodes.items() if path)
-    present = checkpoint.manifest.delta_chunks
-    keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in table.rows}
-    return json.dumps(reference_document(documents, keys, table, packs), separators=(",", ":")).encode()
-
-
 def _check_digests(checkpoint: StoredCheckpoint, arrays: list[ArrayCopy], digests: Mapping[str, str],
                    where: str) -> None:
     recorded = checkpoint.manifest.chunk_digests
@@ -349,33 +322,3 @@ def _check_digests(checkpoint: StoredCheckpoint, arrays: list[ArrayCopy], digest
 
 def _consolidated(nodes: Mapping[str, JSON]) -> str:
     return "{" + ", ".join(f"{json.dumps(p)}: {json.dumps(n)}" for p, n in nodes.items()) + "}"
-
-
-def _arrays(checkpoint: StoredCheckpoint, where: str) -> list[ArrayCopy]:
-    """Every array node of the checkpoint (validated before its grid is walked) and the chunks it stores."""
-    keys: dict[str, str] = {}
-    deltas: dict[str, str] = {}  # array path -> key, for the arrays of chunks deltas
-    for key, entry in checkpoint.manifest.entries.items():
-        if isinstance(entry, ArrayEntry):
-            keys[entry.path] = key
-            if entry.delta is not None and entry.delta.mode == "chunks":
-                deltas[entry.path] = key
-            elif entry.delta is not None:
-                keys.update({f"{entry.path}/{name}": key for name in ("rows", "values", "codes", "scale", "offset")})
-        elif isinstance(entry, PickleEntry):
-            keys[entry.path] = key
-        elif isinstance(entry, PerRankEntry):
-            keys.update({per_rank_path(key, rank): key for rank in range(len(entry.items))})
-    out = []
-    for path, node in checkpoint.nodes.items():
-        if not (isinstance(node, dict) and node.get("node_type") == "array"):
-            continue
-        shape = node.get("shape")
-        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
-            raise FormatError(f"{where}: array {path!r}: shape {shape!r} is not a list of integers")
-        check_array_metadata(node, tuple(shape), node.get("data_type"), f"{where}: array {path!r}")  # type: ignore[arg-type]
-        check_checksummed(node, f"{where}: array {path!r}")
-        dtype_by_name(node["data_type"])
-        present = tuple(sorted(checkpoint.present_chunks(deltas[path]))) if path in deltas else None
-        out.append(ArrayCopy(path, keys.get(path, path), node, node, present))
-    return out

@@ -21,12 +21,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._errors import ArrayckptError, CorruptCheckpointError, StorageError
+from .._errors import ArrayckptError, CorruptCheckpointError, FormatError, StorageError
+from .._format.codecs import check_checksummed
 from .._format.dtypes import dtype_by_name
 from .._format.integrity import ChunkDigest, chunk_crc
 from .._format.jsontypes import JSON
+from .._format.manifest import ArrayEntry, PerRankEntry, PickleEntry, per_rank_path
 from .._format.stored import stored_content_crc
-from .._format.zarr import array_shape, chunk_key, grid_counts, grid_indices, outer_chunk_shape
+from .._format.zarr import (
+    array_shape,
+    check_array_metadata,
+    chunk_key,
+    grid_counts,
+    grid_indices,
+    outer_chunk_shape,
+)
 from .._io.arrays import LazyContext, resolve_context
 from .._io.decode import ChunkDecoder
 from .._io.smallfiles import read_checkpoint_file
@@ -36,7 +45,10 @@ from .._storage import Location
 if TYPE_CHECKING:
     import tensorstore as ts
 
-__all__ = ["PERMANENT", "RETRY_DELAYS", "ArrayCopy", "Budget", "ChunkChecker", "FileCopier", "Throttle"]
+    from .._read.stored import StoredCheckpoint
+
+__all__ = ["PERMANENT", "RETRY_DELAYS", "ArrayCopy", "Budget", "ChunkChecker", "FileCopier", "Throttle",
+           "checked_arrays"]
 
 RETRY_DELAYS = (0.5, 2.0)  # seconds before each retry of a whole chunk file after a storage error
 # Errors no retry mends (in TensorStore's status names, or the OS's words): fail at once.
@@ -263,3 +275,36 @@ def _open(spec: JSON, context: ts.Context | LazyContext, where: str) -> ts.KvSto
         return ts.KvStore.open(spec, context=resolve_context(context)).result()
     except Exception as e:
         raise StorageError(f"{where}: cannot open the store: {e}") from e
+
+
+def checked_arrays(checkpoint: StoredCheckpoint, where: str) -> list[ArrayCopy]:
+    """Every array node of the checkpoint, its metadata checked as untrusted input before its grid is walked (its
+    shape, chunking, codecs with their crc32c, data type), with the entry it belongs to and the chunks it stores:
+    what ``copy`` copies and ``arrayckpt refs`` makes references of. Raises :class:`FormatError` naming ``where``
+    and the array."""
+    keys: dict[str, str] = {}
+    deltas: dict[str, str] = {}  # array path -> key, for the arrays of chunks deltas
+    for key, entry in checkpoint.manifest.entries.items():
+        if isinstance(entry, ArrayEntry):
+            keys[entry.path] = key
+            if entry.delta is not None and entry.delta.mode == "chunks":
+                deltas[entry.path] = key
+            elif entry.delta is not None:
+                keys.update({f"{entry.path}/{name}": key for name in ("rows", "values", "codes", "scale", "offset")})
+        elif isinstance(entry, PickleEntry):
+            keys[entry.path] = key
+        elif isinstance(entry, PerRankEntry):
+            keys.update({per_rank_path(key, rank): key for rank in range(len(entry.items))})
+    out = []
+    for path, node in checkpoint.nodes.items():
+        if not (isinstance(node, dict) and node.get("node_type") == "array"):
+            continue
+        shape = node.get("shape")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+            raise FormatError(f"{where}: array {path!r}: shape {shape!r} is not a list of integers")
+        check_array_metadata(node, tuple(shape), node.get("data_type"), f"{where}: array {path!r}")  # type: ignore[arg-type]
+        check_checksummed(node, f"{where}: array {path!r}")
+        dtype_by_name(node["data_type"])
+        present = tuple(sorted(checkpoint.present_chunks(deltas[path]))) if path in deltas else None
+        out.append(ArrayCopy(path, keys.get(path, path), node, node, present))
+    return out

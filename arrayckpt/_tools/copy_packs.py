@@ -36,7 +36,37 @@ from .._settings import settings
 from .._storage import Location
 from .copy_files import PERMANENT, RETRY_DELAYS, ArrayCopy, Budget, ChunkChecker, Progress, Throttle
 
-__all__ = ["PackCopier"]
+__all__ = ["PackCopier", "checked_table", "read_index"]
+
+
+def checked_table(packed: PackedChunks, paths: Sequence[str], outcome: str) -> ChunkTable:
+    """The chunk table of the arrays ``paths`` of ``packed``, checked as ``verify`` checks it: every section decoded
+    and checked (its length, crc32c, rows inside the packs, no overlap), and no chunk of two arrays sharing bytes.
+    What ``copy`` copies and ``arrayckpt refs`` makes references of: a damaged table is refused, never passed on.
+    Raises :class:`CorruptCheckpointError` naming the checkpoint (``outcome`` ends the one for an array without a
+    section: ``nothing was copied``)."""
+    layout, where = packed.layout, packed.where
+    for path in paths:
+        if path not in layout.sections:
+            raise CorruptCheckpointError(f"{where}: array {path!r} has no section in the pack index (the manifest is "
+                                         f"damaged or crafted); {outcome}")
+    rows = packed.rows(paths)
+    table = ChunkTable(rows)
+    check_index(layout.packs, table, where, {path: packed.stored(path) for path in rows})
+    return table
+
+
+def read_index(packed: PackedChunks, outcome: str) -> bytes:
+    """The whole index file of ``packed``, which must be the one its manifest records (its size and crc32c): a copy
+    writes it as it is. Raises :class:`CorruptCheckpointError` naming the checkpoint; ``outcome`` ends it."""
+    layout = packed.layout
+    index = packed.read_file(layout.index_name, [(0, layout.index_size)])[0] if layout.index_size else b""
+    if len(index) != layout.index_size or crc32c.crc32c(index) != layout.index_crc:
+        raise CorruptCheckpointError(f"{packed.where}: the pack index {layout.index_name} is not the one the manifest "
+                                     f"records ({len(index):,} bytes, crc32c {crc32c.crc32c(index):#010x}; recorded: "
+                                     f"{layout.index_size:,} bytes, {layout.index_crc:#010x}): it was damaged or "
+                                     f"replaced; {outcome}")
+    return index
 
 
 class PackCopier:
@@ -55,18 +85,6 @@ class PackCopier:
         self._lock = threading.Lock()
         self._done = self._total = 0
         self.objects = self.stored_bytes = 0
-
-    def table(self, arrays: Sequence[ArrayCopy]) -> ChunkTable:
-        """The checked chunk table of ``arrays`` (every section decoded and checked, no overlaps across arrays)."""
-        layout = self._packed.layout
-        for array in arrays:
-            if array.path not in layout.sections:
-                raise CorruptCheckpointError(f"{self._where}: array {array.path!r} has no section in the pack index "
-                                             "(the manifest is damaged or crafted); nothing was copied")
-        rows = self._packed.rows([array.path for array in arrays])
-        table = ChunkTable(rows)
-        check_index(layout.packs, table, self._where, {path: self._packed.stored(path) for path in rows})
-        return table
 
     def copy_packs(self, arrays: Sequence[ArrayCopy], table: ChunkTable) -> dict[str, str]:
         """Copy every pack, checking every chunk file of ``arrays`` in them (``table``: :meth:`table`); returns each

@@ -11,7 +11,6 @@ itself (name, size). The coordinator concatenates the ranks' packs (rank order),
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +29,7 @@ from .._format.packs import (
     StoredChunks,
     encode_index,
     index_name,
-    reference_document,
-    stored_chunk_keys,
+    references_file,
 )
 from .._format.zarr import grid_counts, parse_chunk_key
 from .._io.arrays import ArrayIO, Checksums, LazyContext, resolve_context, split_rows, write_all
@@ -217,12 +215,11 @@ def index_files(nodes: Mapping[str, JSON], documents: Mapping[str, bytes], prese
                 packs: Sequence[PackFile], table: ChunkTable, tag: str,
                 write: Callable[[str, bytes], None]) -> PackLayout:
     """Write the index file and, up to ``refs_max_chunks`` chunks, the kerchunk references (``write(name,
-    bytes)``); the layout the manifest records."""
+    bytes)``; ``documents``: every node's ``zarr.json`` but the root's, by node path); the layout the manifest
+    records. Above that many chunks ``arrayckpt refs`` writes the references on demand (``_tools/refs.py``)."""
     data, sections = encode_index(packs, table)
     name = index_name(tag)
     write(name, data)
     if sum(len(rows) for rows in table.rows.values()) <= settings().refs_max_chunks:
-        keys = {path: stored_chunk_keys(nodes[path], present.get(path)) for path in table.rows}
-        refs = reference_document(documents, keys, table, packs)
-        write(REFS_NAME, json.dumps(refs, separators=(",", ":")).encode())
+        write(REFS_NAME, references_file(nodes, documents, present, table, packs))
     return PackLayout(tuple(packs), name, len(data), crc32c.crc32c(data), sections)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import pickle
 import socket
@@ -37,7 +36,6 @@ from .._errors import ArrayckptError, CollectiveError, FormatError, ReplacedChec
 from .._format.codecs import CodecChoice
 from .._format.manifest import FILES_VERSION, PACKED_VERSION, ArrayEntry, Manifest, parse_metrics, parse_root_document
 from .._format.packs import new_tag
-from .._format.zarr import GROUP_METADATA
 from .._io.arrays import ArrayIO, Checksums, array_spec, collector_paused
 from .._layout.delta import plan_delta, stored_bytes
 from .._layout.digests import chunk_digests, chunk_writers
@@ -457,8 +455,7 @@ def packed_manifest(manifest: Manifest, plan: SavePlan, reports: list[PackReport
     nodes = {path: array.metadata for path, array in plan.arrays.items()}
     present = manifest.delta_chunks
     packs, table = chunk_table(nodes, present, [r or PackReport(None) for r in reports], where)
-    documents = {"zarr.json": json.dumps(GROUP_METADATA).encode()}
-    documents.update((f"{path}/zarr.json", data) for path, data in plan.documents.items() if path)
+    documents = {path: data for path, data in plan.documents.items() if path}
     layout = index_files(nodes, documents, present, packs, table, pack_tag, transaction.write_file)
     return dataclasses.replace(manifest, packs=layout, format_version=PACKED_VERSION)
 

@@ -282,14 +282,15 @@ def test_parse_packs_member_wants_a_section_for_exactly_the_stored_arrays():
 
 def test_reference_document_inlines_documents_and_points_chunks_into_packs():
     table = ChunkTable({"w": _rows((1, 8, 12), (0, 0, 20))})
-    refs = reference_document({"zarr.json": b'{"a": "\xc3\xa9"}', "w/zarr.json": b"{}"}, {"w": ["c.0", "c.1"]}, table,
-                              PACKS)
-    assert refs == {"version": 1, "refs": {"zarr.json": '{"a": "é"}', "w/zarr.json": "{}",
+    refs = reference_document({"w": b'{"a": "\xc3\xa9"}'}, {"w": ["c.0", "c.1"]}, table, PACKS)
+    root = ('{"zarr_format": 3, "node_type": "group", "attributes": {}, "consolidated_metadata": {"kind": "inline", '
+            '"must_understand": false, "metadata": {"w": {"a": "é"}}}}')
+    assert refs == {"version": 1, "refs": {"zarr.json": root, "w/zarr.json": '{"a": "é"}',
                                            "w/c.0": ["packs/r000001.pack", 8, 12],
                                            "w/c.1": ["packs/r000000.pack", 0, 20]}}
-    assert json.loads(json.dumps(refs)) == refs
-    with pytest.raises(ValueError, match="'w/meta.json' is not a node document's key"):
-        reference_document({"w/meta.json": b"{}"}, {"w": ["c.0", "c.1"]}, table, PACKS)
+    assert json.loads(json.dumps(refs)) == refs and json.loads(root)["consolidated_metadata"]["metadata"]
+    with pytest.raises(ValueError, match="'w/zarr.json' is not a node path"):
+        reference_document({"w/zarr.json": b"{}"}, {"w": ["c.0", "c.1"]}, table, PACKS)
     with pytest.raises(ValueError, match="has 1 chunk keys and 2 rows"):
         reference_document({}, {"w": ["c.0"]}, table, PACKS)
     with pytest.raises(ValueError, match=r"the chunk keys name arrays \['v'\], the chunk table \['w'\]"):
@@ -341,8 +342,8 @@ def test_zarr_python_reads_a_packed_checkpoint_through_its_references(tmp_path: 
                                max_chunk_file_bytes(meta), crc=crc)
         assert np.array_equal(found, rows[path])
 
-    documents = {str(p.relative_to(source)): p.read_bytes() for p in source.rglob("zarr.json")}
-    assert set(documents) == {"zarr.json", "model/zarr.json", "model/w/zarr.json", "steps/zarr.json"}
+    documents = {str(p.parent.relative_to(source)): p.read_bytes() for p in source.rglob("*/zarr.json")}
+    assert set(documents) == {"model", "model/w", "steps"}
     (ck / "refs.json").write_text(json.dumps(reference_document(documents, keys, table, packs)))
     group = zarr.open_group("reference://", mode="r", zarr_format=3, storage_options={
         "fo": f"{ck}/refs.json", "remote_protocol": "dir", "remote_options": {
