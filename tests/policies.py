@@ -42,8 +42,10 @@ class Chunking:
 
 def small_chunks(inner: int, outer: int) -> Chunking:
     """Inner chunks of about ``inner`` bytes in outer chunks of about ``outer`` bytes (the other limits of the
-    default policy stay)."""
-    return Chunking(f"{inner}/{outer}", ChunkPolicy(inner_chunk_bytes=inner, outer_chunk_bytes=outer))
+    default policy stay), and only replicated scalars (at most 8 bytes) gathered on one writer: small tensors get the
+    layout and the writers big ones get."""
+    return Chunking(f"{inner}/{outer}", ChunkPolicy(inner_chunk_bytes=inner, outer_chunk_bytes=outer,
+                                                    gather_piece_bytes=8))
 
 
 WHOLE = Chunking("whole", DEFAULT_CHUNKING)  # small tensors are one chunk each
