@@ -90,10 +90,15 @@ class LazyArray:
     @property
     def spec(self) -> JSON:
         """The TensorStore spec of this array (metadata included, so opening needs no request). A rows delta
-        has no array of the tensor's shape: read it by slicing instead."""
+        has no array of the tensor's shape, and a packed checkpoint's arrays (spec §16) no kvstore TensorStore can
+        open on its own (their chunk files are byte ranges of packs): read those by slicing instead."""
         if self.entry.delta is not None and self.entry.delta.mode == "rows":
             raise TypeError(f"{self._stored.location}: tensor {self.key!r} is stored as changed rows of its base; "
                             "it has no array of its own to open (slice it, or use .torch())")
+        if self._stored.packed is not None:
+            raise TypeError(f"{self._stored.location}: tensor {self.key!r} is stored in the checkpoint's packs, which "
+                            "TensorStore cannot open as a kvstore of its own: slice it or use .numpy()/.torch(), or "
+                            "read the checkpoint's refs.json with zarr-python (written by `arrayckpt refs`)")
         return array_spec(self._stored.node_kvstore(self.entry.path), self.metadata)
 
     def __getitem__(self, index: Any) -> np.ndarray:  # any numpy index (numpy types it as a union of its own)
