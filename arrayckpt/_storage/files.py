@@ -32,18 +32,28 @@ def write_marker_file(path: Path, fsync: bool) -> None:
         return
     temporary = path / f"{MARKER_NAME}.tmp"
     temporary.unlink(missing_ok=True)
+    _replace_whole(temporary, path / MARKER_NAME, MARKER, fsync)
+
+
+def _replace_whole(temporary: Path, target: Path, data: bytes, fsync: bool) -> None:
+    """``data`` written to the new file ``temporary`` (never through a link; removed on failure), then renamed over
+    ``target``, so a reader sees the old file or the whole new one; durable before it returns with ``fsync``."""
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        view = memoryview(MARKER)
-        while view:
-            view = view[os.write(fd, view):]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path / MARKER_NAME)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     if fsync:
-        fsync_dir(path)
+        fsync_dir(target.parent)
 
 
 def write_references_file(path: Path, data: bytes, fsync: bool, where: str) -> None:
@@ -56,23 +66,7 @@ def write_references_file(path: Path, data: bytes, fsync: bool, where: str) -> N
     if not (path / PACK_PREFIX).is_dir():
         raise CorruptCheckpointError(f"{where}: the checkpoint has no {PACK_PREFIX} folder, so it is not packed "
                                      "(or lost its packs): it has no references to write")
-    temporary = path / f"{PACK_PREFIX}refs-{secrets.token_hex(8)}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path / REFS_NAME)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    if fsync:
-        fsync_dir(path)
+    _replace_whole(path / f"{PACK_PREFIX}refs-{secrets.token_hex(8)}.tmp", path / REFS_NAME, data, fsync)
 
 
 def remove_marker(path: Path) -> None:
