@@ -5,7 +5,7 @@ A :class:`PackedChunks` is the :class:`~arrayckpt._io.staged.ChunkSource` of one
 layer gives its arrays specs on a ``memory`` kvstore named by its token (:meth:`PackedChunks.kvstore`), and the IO
 layer asks it for the chunk files a read touches. An array's section of the index file is read the first time one
 of its chunks is (one ranged read for the sections of every array a call needs), checked as untrusted input
-(``_format/packs.py::decode_section``) and kept while the checkpoint is open.
+(``_format/packs.py::decode_sections``) and kept while the checkpoint is open.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON
-from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_section, row_of
+from .._format.packs import PACK_PREFIX, PackLayout, SectionBytes, StoredChunks, decode_sections, row_of
 from .._format.stored import max_chunk_file_bytes
 from .._format.zarr import chunk_key, grid_counts, unravel
 from .._io.fastio import Locate
@@ -43,6 +43,7 @@ class PackedChunks:
         self.token = f"{TOKEN_PREFIX}{uuid.uuid4().hex}"
         self._nodes, self._present, self._read = nodes, present, read_ranges
         self._rows: dict[str, NDArray[np.uint64]] = {}
+        self._stored: dict[str, StoredChunks] = {}
         self._lock = threading.Lock()
         register(self)
 
@@ -51,8 +52,12 @@ class PackedChunks:
         return {"driver": "memory", "path": f"{self.token}/{path}/"}
 
     def stored(self, path: str) -> StoredChunks:
-        """Which chunks array ``path`` stores, in table order."""
-        return StoredChunks(tuple(grid_counts(self._nodes[path])), self._present.get(path))
+        """Which chunks array ``path`` stores, in table order (worked out from its metadata once per open checkpoint:
+        every chunk lookup needs it)."""
+        found = self._stored.get(path)
+        if found is None:
+            found = self._stored[path] = StoredChunks(tuple(grid_counts(self._nodes[path])), self._present.get(path))
+        return found
 
     def rows(self, paths: Sequence[str]) -> dict[str, NDArray[np.uint64]]:
         """The checked rows (pack index, offset, length) of each array of ``paths``, read once: the sections not
@@ -62,12 +67,12 @@ class PackedChunks:
         if missing:
             sections = [self.layout.sections[path] for path in missing]
             data = self._read(self.layout.index_name, [(s.offset, s.length) for s in sections])
-            for path, section, raw in zip(missing, sections, data, strict=True):
-                stored = self.stored(path)
-                rows = decode_section(raw, path, len(stored.order), self.layout.packs, self.where,
-                                      max_chunk_file_bytes(self._nodes[path]), crc=section.crc, stored=stored)
-                with self._lock:
-                    self._rows[path] = rows
+            read = [SectionBytes(path, raw, len(self.stored(path).order), max_chunk_file_bytes(self._nodes[path]),
+                                 section.crc, self.stored(path))
+                    for path, section, raw in zip(missing, sections, data, strict=True)]
+            decoded = decode_sections(read, self.layout.packs, self.where)  # checked together: one pass of numpy
+            with self._lock:
+                self._rows.update(zip(missing, decoded, strict=True))
         with self._lock:
             return {path: self._rows[path] for path in paths}
 

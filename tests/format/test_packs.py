@@ -23,9 +23,11 @@ from arrayckpt._format.packs import (
     ChunkTable,
     PackFile,
     Section,
+    SectionBytes,
     StoredChunks,
     check_index,
     decode_section,
+    decode_sections,
     encode_index,
     index_name,
     is_pack_key,
@@ -166,6 +168,45 @@ def test_decode_section_refuses_another_row_count_and_damage():
     foreign = _section(_rows((0, 16, 8), (0, 24, 8)))  # valid in itself, but not the section the manifest records
     with pytest.raises(CorruptCheckpointError, match=r"has the crc32c 0x[0-9a-f]{8}, the manifest records 0x"):
         _decode(foreign, 2, crc=struct.unpack("<I", data[-4:])[0])
+
+
+def _bytes(path: str, rows: np.ndarray, max_length: int = 550, **options: object) -> SectionBytes:
+    return SectionBytes(path, _section(rows), len(rows), max_length, **options)  # type: ignore[arg-type]
+
+
+def test_decode_sections_reads_each_section_as_decode_section_does():
+    # 'a' and 'c' share bytes: a load checks each section alone; only verify's check_index looks across them
+    good = [_bytes("a", _rows((0, 0, 8), (1, 0, 8))), _bytes("b", _rows()), _bytes("c", _rows((0, 4, 8)))]
+    decoded = decode_sections(good, PACKS, WHERE)
+    alone = [decode_section(s.data, s.path, s.n_stored, PACKS, WHERE, s.max_length) for s in good]
+    assert [r.tolist() for r in decoded] == [r.tolist() for r in alone] and all(r.dtype == np.uint64 for r in decoded)
+    assert decode_sections([], PACKS, WHERE) == []
+
+
+@pytest.mark.parametrize("rows, match", BAD_SECTIONS)
+def test_decode_sections_refuses_a_crafted_section_as_decode_section_does(rows, match):
+    sections = [_bytes("model/v", _rows((0, 0, 8), (0, 8, 8))), _bytes("model/w", rows)]
+    with pytest.raises(CorruptCheckpointError, match=f"^/ck: the pack index section of array 'model/w' is wrong: "
+                                                     f"{match}.*restore the checkpoint from a copy$"):
+        decode_sections(sections, PACKS, WHERE)
+
+
+def test_decode_sections_names_the_first_bad_section():
+    damaged = bytearray(_section(_rows((0, 0, 8))))
+    damaged[3] ^= 1
+    bad_rows, bad_crc = _bytes("a", _rows((0, 0, 3))), SectionBytes("b", bytes(damaged), 1, 550)
+    with pytest.raises(CorruptCheckpointError, match="array 'a' is wrong: row 0 is 3 bytes long"):
+        decode_sections([bad_rows, bad_crc], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match="array 'b' fails its checksum"):
+        decode_sections([bad_crc, bad_rows], PACKS, WHERE)
+    other = _bytes("c", _rows((0, 16, 8)))
+    foreign = other._replace(crc=struct.unpack("<I", other.data[-4:])[0] ^ 1)  # the manifest records another
+    with pytest.raises(CorruptCheckpointError, match=r"array 'c' has the crc32c 0x[0-9a-f]{8}, the manifest records"):
+        decode_sections([_bytes("a", _rows((0, 0, 8))), foreign], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match=r"array 'c' has 28 bytes, 52 expected"):
+        decode_sections([other._replace(n_stored=2)], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match=r"chunk \(3, 1\) \(row 0\) names pack 5"):
+        decode_sections([_bytes("d", _rows((5, 0, 8)), stored=StoredChunks((4, 2), (7,)))], PACKS, WHERE)
 
 
 def test_decode_section_names_the_chunk_by_grid_index():
