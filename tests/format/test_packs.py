@@ -6,6 +6,8 @@ packs a real checkpoint's chunk files into two pack files and reads every array 
 from __future__ import annotations
 
 import json
+import random
+import re
 import struct
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from arrayckpt._format.packs import (
     row_of,
     stored_chunk_keys,
 )
+from arrayckpt._format.paths import is_node_path
 from arrayckpt._format.stored import max_chunk_file_bytes
 
 WHERE = "/ck"
@@ -309,6 +312,27 @@ BAD_MEMBERS = [
 def test_parse_packs_member_refuses_a_crafted_member(change, match):
     with pytest.raises(FormatError, match=f"^/ck: manifest member 'packs' .*{match}.*damaged or crafted$"):
         parse_packs_member(change(_member()), WHERE)
+
+
+def _node_path_by_segments(path: object) -> bool:
+    """Spec §3.2's node-path grammar segment by segment, as ``is_node_path`` was written before it matched whole
+    paths at once (the reference it must agree with)."""
+    segment, rank = re.compile(r"%|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+"), re.compile(r"%r(?:0|[1-9][0-9]*)")
+    if not isinstance(path, str) or not path:
+        return False
+    *parents, last = path.split("/")
+    ok = [bool(segment.fullmatch(s)) and not s.startswith("__") for s in (*parents, last)]
+    return all(ok[:-1]) and (ok[-1] or bool(rank.fullmatch(last)))
+
+
+def test_node_paths_of_sections_follow_the_grammar_segment_by_segment():
+    pieces = ["a", "Z9", "_", "-", "%", "/", "r", "%2F", "%2f", "%r", "%r0", "%r10", "%r01", "__", ".", "..", " ", "\n",
+              "\x00", "é", "\\"]
+    rng = random.Random(7)
+    samples = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 7))) for _ in range(20_000)]
+    samples += [None, 3, "a/__b", "__a", "a/_b", "%r1/a", "a/%r1", "a//b", "/a", "a/", "a\n", "model/layers/0/w"]
+    assert [is_node_path(p) for p in samples] == [_node_path_by_segments(p) for p in samples]
+    assert sum(map(is_node_path, samples)) > 1000
 
 
 def test_parse_packs_member_wants_a_section_for_exactly_the_stored_arrays():
