@@ -91,7 +91,7 @@ class PackedChunks:
             row = row_of(order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
-            pack, offset, length = (int(v) for v in table[row])
+            pack, offset, length = table[row].tolist()
             return names[pack], offset, length, f"{path}/{chunk_key(self._nodes[path], unravel(flat, stored.counts))}"
         return where_is
 
@@ -116,7 +116,7 @@ class PackedChunks:
             row = row_of(order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
-            pack, base, size = (int(v) for v in table[row])
+            pack, base, size = table[row].tolist()
             for j, (offset, length) in enumerate(ranges):
                 if length < 0:
                     offset, length = size + length, -length
@@ -152,7 +152,7 @@ class PackedChunks:
                 row = row_of(order, flat)
                 if row is None:
                     raise self._not_stored(path, stored, flat)
-                pack, offset, length = (int(v) for v in table[row])
+                pack, offset, length = table[row].tolist()
                 by_pack.setdefault(pack, []).append((i, position, offset, length))
         out: list[list[bytes]] = [[b""] * len(flats) for _, flats in requests]
         for pack, wanted in by_pack.items():
