@@ -25,8 +25,9 @@ Every byte of the index and of the member is untrusted input (spec §12: a valid
 section's row count, pack indices, extents, lengths and overlaps are checked before any of it is used, and every
 problem is a :class:`CorruptCheckpointError` (in a section) or a :class:`FormatError` (in the member) of one line
 naming the checkpoint, the array and the chunk. Order of the checks a reader makes: :func:`parse_packs_member` when
-the root document is opened; :func:`decode_section` for each array it reads; ``verify`` also :func:`check_index`
-over the whole table (no two chunks of different arrays share bytes).
+the root document is opened; :func:`decode_section` for each array it reads (:func:`decode_sections`: the same
+checks for all the arrays of a load at once); ``verify`` also :func:`check_index` over the whole table (no two chunks
+of different arrays share bytes).
 """
 
 from __future__ import annotations
