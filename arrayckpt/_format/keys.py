@@ -14,12 +14,17 @@ import re
 
 from .._errors import FormatError
 
-__all__ = ["Key", "array_path", "dotted", "parse_array_path", "parse_key_parts", "prefix_parts", "valid_segment"]
+__all__ = ["SEGMENT_PATTERN", "Key", "array_path", "dotted", "parse_array_path", "parse_key_parts", "prefix_parts",
+           "valid_segment"]
 
 Key = tuple[str | int, ...]
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-_SEGMENT = re.compile(r"%|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+")
+# One escaped path segment (spec §3.2): "%" alone, or safe characters and upper-case %XX escapes, at least one. Written
+# as an unrolled loop (safe characters, then escapes each followed by safe characters), the same language as
+# ``%|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+`` matched about twice as fast (``paths.py`` matches whole node paths with it).
+SEGMENT_PATTERN = r"%|[A-Za-z0-9_-]+(?:%[0-9A-F]{2}[A-Za-z0-9_-]*)*|(?:%[0-9A-F]{2}[A-Za-z0-9_-]*)+"
+_SEGMENT = re.compile(SEGMENT_PATTERN)
 EMPTY_SEGMENT = "%"  # an empty segment ("a..b"); a lone "%" can never come from escaping
 
 

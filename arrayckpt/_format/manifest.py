@@ -21,7 +21,7 @@ from .dtypes import DType, dtype_by_name
 from .integrity import INTEGRITY_MEMBER, PLACEHOLDER, parse_chunk_digests, seal, valid_digest
 from .jsontypes import JSON
 from .keys import Key, array_path, parse_array_path, parse_key_parts
-from .packs import PACKS_MEMBER, PackLayout, packs_member, parse_packs_member
+from .packs import PACKS_MEMBER, PackLayout, check_section_arrays, packs_member, parse_packs_member
 from .paths import BaseRef, check_node_paths
 
 __all__ = [
@@ -500,7 +500,7 @@ def parse_root_document(document: object, where: str) -> tuple[Manifest, dict[st
     if manifest.packs is not None:
         arrays = [path for path, node in metadata.items()
                   if isinstance(node, dict) and node.get("node_type") == "array"]
-        parse_packs_member(attributes[MANIFEST_ATTRIBUTE][PACKS_MEMBER], where, arrays)
+        check_section_arrays(manifest.packs, arrays, where)  # the member itself was parsed with the manifest
     return manifest, metadata
 
 

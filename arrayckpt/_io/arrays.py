@@ -310,12 +310,14 @@ def _write_store(store: ts.TensorStore, job: ArrayIO) -> ts.WriteFutures:
 def read_into(jobs: Sequence[ArrayIO], context: StoreContext, where: str) -> None:
     """Read every array concurrently straight into the given (writable) memory (fast path as for writes); packed
     arrays' chunk files staged in memory first (``staged.py``), a batch of ``pack_batch_bytes`` at a time."""
-    plain = [job for job in jobs if source_of(job.spec) is None]
+    sources = [source_of(job.spec) for job in jobs]
+    plain = [job for job, source in zip(jobs, sources, strict=True) if source is None]
     if plain:
         _both_paths(plain, context, where, "read", read_rows, _read_store)
     if len(plain) == len(jobs):
         return
-    packed = _read_packed_rows([job for job in jobs if source_of(job.spec) is not None], where)
+    packed = _read_packed_rows([(job, source) for job, source in zip(jobs, sources, strict=True) if source is not None],
+                               where)
     size = lambda job: staged_bytes((job.spec, job.index), job.data.itemsize)  # noqa: E731
     for batch in batches(packed, size, settings().pack_batch_bytes):
         staging = staged([(job.spec, job.index) for job in batch], resolve_context(context))
@@ -362,21 +364,22 @@ def typed_data(job: ArrayIO) -> np.ndarray:
     return job.data if name is None else as_typed(job.data, dtype_by_name(name))
 
 
-def _read_packed_rows(jobs: list[ArrayIO], where: str) -> list[ArrayIO]:
-    """Read the jobs of packed arrays in local pack files that the fast path takes (uncompressed row layouts) straight
-    from the packs; the others are returned, to be staged for TensorStore."""
-    fast, rest = _split_fast(jobs, local=False)
+def _read_packed_rows(jobs: list[tuple[ArrayIO, tuple[ChunkSource, str]]], where: str) -> list[ArrayIO]:
+    """Read the jobs of packed arrays (each with its chunk source and array path: ``staged.source_of``) in local pack
+    files that the fast path takes (uncompressed row layouts) straight from the packs; the others are returned, to be
+    staged for TensorStore."""
+    hits = {id(job): hit for job, hit in jobs}
+    fast, rest = _split_fast([job for job, _ in jobs], local=False)
     sources: dict[int, tuple[ChunkSource, list[str]]] = {}
     for job, _ in fast:
-        hit = source_of(job.spec)
-        if hit is not None:
-            sources.setdefault(id(hit[0]), (hit[0], []))[1].append(hit[1])
+        source, path = hits[id(job)]
+        sources.setdefault(id(source), (source, []))[1].append(path)
     for source, paths in sources.values():  # every section these jobs need, in one read per source
         source.prepare(paths)
     taken = []
     for job, args in fast:
-        hit = source_of(job.spec)
-        locate = hit[0].locate(hit[1]) if hit is not None else None
+        source, path = hits[id(job)]
+        locate = source.locate(path)
         if locate is None:
             rest.append(job)
         else:

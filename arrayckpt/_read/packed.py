@@ -5,7 +5,7 @@ A :class:`PackedChunks` is the :class:`~arrayckpt._io.staged.ChunkSource` of one
 layer gives its arrays specs on a ``memory`` kvstore named by its token (:meth:`PackedChunks.kvstore`), and the IO
 layer asks it for the chunk files a read touches. An array's section of the index file is read the first time one
 of its chunks is (one ranged read for the sections of every array a call needs), checked as untrusted input
-(``_format/packs.py::decode_section``) and kept while the checkpoint is open.
+(``_format/packs.py::decode_sections``) and kept while the checkpoint is open.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from .._errors import CorruptCheckpointError
 from .._format.jsontypes import JSON
-from .._format.packs import PACK_PREFIX, PackLayout, StoredChunks, decode_section, row_of
+from .._format.packs import PACK_PREFIX, PackLayout, SectionBytes, StoredChunks, decode_sections, row_of
 from .._format.stored import max_chunk_file_bytes
 from .._format.zarr import chunk_key, grid_counts, unravel
 from .._io.fastio import Locate
@@ -46,6 +46,7 @@ class PackedChunks:
         self.token = f"{TOKEN_PREFIX}{uuid.uuid4().hex}"
         self._nodes, self._present, self._read = nodes, present, read_ranges
         self._rows: dict[str, NDArray[np.uint64]] = {}
+        self._stored: dict[str, StoredChunks] = {}
         self._lock = threading.Lock()
         register(self)
 
@@ -54,8 +55,12 @@ class PackedChunks:
         return {"driver": "memory", "path": f"{self.token}/{path}/"}
 
     def stored(self, path: str) -> StoredChunks:
-        """Which chunks array ``path`` stores, in table order."""
-        return StoredChunks(tuple(grid_counts(self._nodes[path])), self._present.get(path))
+        """Which chunks array ``path`` stores, in table order (worked out from its metadata once per open checkpoint:
+        every chunk lookup needs it)."""
+        found = self._stored.get(path)
+        if found is None:
+            found = self._stored[path] = StoredChunks(tuple(grid_counts(self._nodes[path])), self._present.get(path))
+        return found
 
     def rows(self, paths: Sequence[str]) -> dict[str, NDArray[np.uint64]]:
         """The checked rows (pack index, offset, length) of each array of ``paths``, read once: the sections not
@@ -65,12 +70,12 @@ class PackedChunks:
         if missing:
             sections = [self.layout.sections[path] for path in missing]
             data = self._read(self.layout.index_name, [(s.offset, s.length) for s in sections])
-            for path, section, raw in zip(missing, sections, data, strict=True):
-                stored = self.stored(path)
-                rows = decode_section(raw, path, len(stored.order), self.layout.packs, self.where,
-                                      max_chunk_file_bytes(self._nodes[path]), crc=section.crc, stored=stored)
-                with self._lock:
-                    self._rows[path] = rows
+            read = [SectionBytes(path, raw, len(self.stored(path).order), max_chunk_file_bytes(self._nodes[path]),
+                                 section.crc, self.stored(path))
+                    for path, section, raw in zip(missing, sections, data, strict=True)]
+            decoded = decode_sections(read, self.layout.packs, self.where)  # checked together: one pass of numpy
+            with self._lock:
+                self._rows.update(zip(missing, decoded, strict=True))
         with self._lock:
             return {path: self._rows[path] for path in paths}
 
@@ -89,7 +94,7 @@ class PackedChunks:
             row = row_of(order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
-            pack, offset, length = (int(v) for v in table[row])
+            pack, offset, length = table[row].tolist()
             return names[pack], offset, length, f"{path}/{chunk_key(self._nodes[path], unravel(flat, stored.counts))}"
         return where_is
 
@@ -114,7 +119,7 @@ class PackedChunks:
             row = row_of(stored.order, flat)
             if row is None:
                 raise self._not_stored(path, stored, flat)
-            pack, base, size = (int(v) for v in tables[path][row])
+            pack, base, size = tables[path][row].tolist()
             for j, (offset, length) in enumerate(ranges):
                 if length < 0:
                     offset, length = size + length, -length
@@ -149,7 +154,7 @@ class PackedChunks:
                 row = row_of(order, flat)
                 if row is None:
                     raise self._not_stored(path, stored, flat)
-                pack, offset, length = (int(v) for v in table[row])
+                pack, offset, length = table[row].tolist()
                 by_pack.setdefault(pack, []).append((i, position, offset, length))
         out: list[list[bytes]] = [[b""] * len(flats) for _, flats in requests]
         for pack, data in self._read_packs(by_pack).items():

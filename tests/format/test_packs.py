@@ -6,6 +6,8 @@ packs a real checkpoint's chunk files into two pack files and reads every array 
 from __future__ import annotations
 
 import json
+import random
+import re
 import struct
 from pathlib import Path
 
@@ -23,9 +25,11 @@ from arrayckpt._format.packs import (
     ChunkTable,
     PackFile,
     Section,
+    SectionBytes,
     StoredChunks,
     check_index,
     decode_section,
+    decode_sections,
     encode_index,
     index_name,
     is_pack_key,
@@ -37,6 +41,7 @@ from arrayckpt._format.packs import (
     row_of,
     stored_chunk_keys,
 )
+from arrayckpt._format.paths import is_node_path
 from arrayckpt._format.stored import max_chunk_file_bytes
 
 WHERE = "/ck"
@@ -168,6 +173,45 @@ def test_decode_section_refuses_another_row_count_and_damage():
         _decode(foreign, 2, crc=struct.unpack("<I", data[-4:])[0])
 
 
+def _bytes(path: str, rows: np.ndarray, max_length: int = 550, **options: object) -> SectionBytes:
+    return SectionBytes(path, _section(rows), len(rows), max_length, **options)  # type: ignore[arg-type]
+
+
+def test_decode_sections_reads_each_section_as_decode_section_does():
+    # 'a' and 'c' share bytes: a load checks each section alone; only verify's check_index looks across them
+    good = [_bytes("a", _rows((0, 0, 8), (1, 0, 8))), _bytes("b", _rows()), _bytes("c", _rows((0, 4, 8)))]
+    decoded = decode_sections(good, PACKS, WHERE)
+    alone = [decode_section(s.data, s.path, s.n_stored, PACKS, WHERE, s.max_length) for s in good]
+    assert [r.tolist() for r in decoded] == [r.tolist() for r in alone] and all(r.dtype == np.uint64 for r in decoded)
+    assert decode_sections([], PACKS, WHERE) == []
+
+
+@pytest.mark.parametrize("rows, match", BAD_SECTIONS)
+def test_decode_sections_refuses_a_crafted_section_as_decode_section_does(rows, match):
+    sections = [_bytes("model/v", _rows((0, 0, 8), (0, 8, 8))), _bytes("model/w", rows)]
+    with pytest.raises(CorruptCheckpointError, match=f"^/ck: the pack index section of array 'model/w' is wrong: "
+                                                     f"{match}.*restore the checkpoint from a copy$"):
+        decode_sections(sections, PACKS, WHERE)
+
+
+def test_decode_sections_names_the_first_bad_section():
+    damaged = bytearray(_section(_rows((0, 0, 8))))
+    damaged[3] ^= 1
+    bad_rows, bad_crc = _bytes("a", _rows((0, 0, 3))), SectionBytes("b", bytes(damaged), 1, 550)
+    with pytest.raises(CorruptCheckpointError, match="array 'a' is wrong: row 0 is 3 bytes long"):
+        decode_sections([bad_rows, bad_crc], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match="array 'b' fails its checksum"):
+        decode_sections([bad_crc, bad_rows], PACKS, WHERE)
+    other = _bytes("c", _rows((0, 16, 8)))
+    foreign = other._replace(crc=struct.unpack("<I", other.data[-4:])[0] ^ 1)  # the manifest records another
+    with pytest.raises(CorruptCheckpointError, match=r"array 'c' has the crc32c 0x[0-9a-f]{8}, the manifest records"):
+        decode_sections([_bytes("a", _rows((0, 0, 8))), foreign], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match=r"array 'c' has 28 bytes, 52 expected"):
+        decode_sections([other._replace(n_stored=2)], PACKS, WHERE)
+    with pytest.raises(CorruptCheckpointError, match=r"chunk \(3, 1\) \(row 0\) names pack 5"):
+        decode_sections([_bytes("d", _rows((5, 0, 8)), stored=StoredChunks((4, 2), (7,)))], PACKS, WHERE)
+
+
 def test_decode_section_names_the_chunk_by_grid_index():
     rows = _rows((0, 0, 8), (0, 8, 8), (5, 0, 8))
     with pytest.raises(CorruptCheckpointError, match=r"chunk \(3, 1\) \(row 2\) names pack 5"):
@@ -268,6 +312,27 @@ BAD_MEMBERS = [
 def test_parse_packs_member_refuses_a_crafted_member(change, match):
     with pytest.raises(FormatError, match=f"^/ck: manifest member 'packs' .*{match}.*damaged or crafted$"):
         parse_packs_member(change(_member()), WHERE)
+
+
+def _node_path_by_segments(path: object) -> bool:
+    """Spec §3.2's node-path grammar segment by segment, as ``is_node_path`` was written before it matched whole
+    paths at once (the reference it must agree with)."""
+    segment, rank = re.compile(r"%|(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+"), re.compile(r"%r(?:0|[1-9][0-9]*)")
+    if not isinstance(path, str) or not path:
+        return False
+    *parents, last = path.split("/")
+    ok = [bool(segment.fullmatch(s)) and not s.startswith("__") for s in (*parents, last)]
+    return all(ok[:-1]) and (ok[-1] or bool(rank.fullmatch(last)))
+
+
+def test_node_paths_of_sections_follow_the_grammar_segment_by_segment():
+    pieces = ["a", "Z9", "_", "-", "%", "/", "r", "%2F", "%2f", "%r", "%r0", "%r10", "%r01", "__", ".", "..", " ", "\n",
+              "\x00", "é", "\\"]
+    rng = random.Random(7)
+    samples = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 7))) for _ in range(20_000)]
+    samples += [None, 3, "a/__b", "__a", "a/_b", "%r1/a", "a/%r1", "a//b", "/a", "a/", "a\n", "model/layers/0/w"]
+    assert [is_node_path(p) for p in samples] == [_node_path_by_segments(p) for p in samples]
+    assert sum(map(is_node_path, samples)) > 1000
 
 
 def test_parse_packs_member_wants_a_section_for_exactly_the_stored_arrays():
