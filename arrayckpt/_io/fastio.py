@@ -117,7 +117,7 @@ def _row_layout(metadata: JSON) -> RowLayout | None:
         return None
     row_bytes = dtype.itemsize * math.prod(shape[1:])
     rows, outer = (shape[0], chunk[0]) if shape else (1, 1)
-    if _plain(codecs, dtype.itemsize):
+    if plain_pipeline(codecs, dtype.itemsize):
         return RowLayout(rows, row_bytes, outer, outer, len(shape), separator)
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
         return None
@@ -129,7 +129,7 @@ def _row_layout(metadata: JSON) -> RowLayout | None:
         or not shape
         or inner[1:] != list(shape[1:])
         or outer % inner[0]
-        or not _plain(config.get("codecs"), dtype.itemsize)
+        or not plain_pipeline(config.get("codecs"), dtype.itemsize)
         or index_codecs != [_BYTES_CODECS[1], _CRC32C]
         or config.get("index_location", "end") != "end"
     ):
@@ -137,7 +137,7 @@ def _row_layout(metadata: JSON) -> RowLayout | None:
     return RowLayout(rows, row_bytes, outer, inner[0], len(shape), separator)
 
 
-def _plain(codecs: object, itemsize: int) -> bool:
+def plain_pipeline(codecs: object, itemsize: int) -> bool:
     """Exactly ``bytes`` (little-endian, or endian-free for one-byte types) then ``crc32c``."""
     allowed = _BYTES_CODECS if itemsize == 1 else _BYTES_CODECS[1:]
     return isinstance(codecs, list) and len(codecs) == 2 and codecs[0] in allowed and codecs[1] == _CRC32C

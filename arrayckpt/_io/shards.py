@@ -10,6 +10,8 @@ index read is untrusted (its crc32c and every entry's bounds are checked) and so
 
 from __future__ import annotations
 
+import itertools
+import math
 import struct
 from collections.abc import Callable, Sequence
 
@@ -17,18 +19,21 @@ import crc32c
 import numpy as np
 
 from .._errors import CorruptCheckpointError
+from .._format.dtypes import DTYPES
 from .._format.jsontypes import JSON, json_object
-from .._format.zarr import grid_indices, outer_chunk_shape
+from .._format.zarr import array_shape, grid_indices, outer_chunk_shape
+from .fastio import plain_pipeline
 
 #: Ranges of chunk files of any arrays: ``[(path, flat, [(offset, length), ...]), ...] -> bytes per range``
 #: (``ChunkSource.fetch_parts``; a negative length: the last bytes of the chunk file).
 FetchParts = Callable[[Sequence["Part"]], list[list[bytes]]]
 #: Ranges of one chunk file: array path, flat C-order grid index, ``(offset, length)`` ranges within the file.
 Part = tuple[str, int, Sequence[tuple[int, int]]]
-#: A shard read in part: array path, flat grid index, the inner chunks needed, inner chunks per shard.
-PartialShard = tuple[str, int, set[int], int]
+#: A shard read in part: array path, flat grid index, the inner chunks needed, inner chunks per shard, and the
+#: encoded size of every inner chunk where the shard's layout is predictable (:func:`fixed_inner_size`), else None.
+PartialShard = tuple[str, int, set[int], int, int | None]
 
-__all__ = ["FetchParts", "Part", "PartialShard", "inner_chunks", "inner_grid", "partial_shards"]
+__all__ = ["FetchParts", "Part", "PartialShard", "fixed_inner_size", "inner_chunks", "inner_grid", "partial_shards"]
 
 MISSING = 2**64 - 1  # a shard index entry of an inner chunk that is not stored
 _CRC = struct.Struct("<I")
@@ -64,39 +69,77 @@ def inner_chunks(part: Sequence[tuple[int, int]], inner: Sequence[int], counts: 
     return out
 
 
+def fixed_inner_size(metadata: JSON, grid_index: Sequence[int]) -> int | None:
+    """The encoded size of each inner chunk of the shard at ``grid_index``, when where each lies is known before its
+    index is read: inner chunks stored plain (``bytes`` then ``crc32c``: the default, uncompressed), so each has the
+    same size, and all of them stored (no inner chunk of the shard lies wholly outside the array), so that inner chunk
+    ``j`` is bytes ``[j * size, (j + 1) * size)`` as arrayckpt writes them. ``None`` otherwise."""
+    grid, codecs, data_type = inner_grid(metadata), metadata.get("codecs"), metadata.get("data_type")
+    dtype = DTYPES.get(data_type) if isinstance(data_type, str) else None
+    if grid is None or dtype is None or not isinstance(codecs, list):  # (a sharded array has one codec)
+        return None
+    if not plain_pipeline(json_object(json_object(codecs[0]).get("configuration")).get("codecs"), dtype.itemsize):
+        return None
+    inner, counts = grid
+    outer, shape = outer_chunk_shape(metadata), array_shape(metadata)
+    for g, o, i, c, n in zip(grid_index, outer, inner, counts, shape, strict=True):
+        if -(-(min(n, (g + 1) * o) - g * o) // i) != c:  # inner chunks past the array's edge are not stored
+            return None
+    return dtype.itemsize * math.prod(inner) + 4
+
+
 def partial_shards(fetch_parts: FetchParts, shards: Sequence[PartialShard]) -> list[bytes]:
-    """For each shard ``(path, flat, needed, count)``, a compact shard holding only its inner chunks ``needed``
-    (``count``: inner chunks per shard): two rounds of ranged reads for all shards of a read together, whatever array
-    they are of (the indexes, then the inner chunks), so that a reshard of hundreds of arrays is two merged reads per
-    pack, not two per array."""
-    indexes = fetch_parts([(path, flat, [(0, -(count * 16 + 4))]) for path, flat, _, count in shards])
-    wanted: list[Part] = []
-    entries_of: list[np.ndarray] = []
-    for (path, flat, need, count), (raw,) in zip(shards, indexes, strict=True):
-        index_bytes = count * 16
-        if len(raw) != index_bytes + 4 or crc32c.crc32c(raw[:index_bytes]) != _CRC.unpack(raw[index_bytes:])[0]:
-            raise CorruptCheckpointError(f"array {path!r}: the shard index of chunk {flat} fails its checksum; the "
-                                         "checkpoint is damaged: restore it from a copy")
-        entries = np.frombuffer(raw[:index_bytes], "<u8").reshape(count, 2)
-        entries_of.append(entries)
-        ranges = []
-        for j in sorted(need):
+    """For each shard ``(path, flat, needed, count, fixed)``, a compact shard holding only its inner chunks
+    ``needed`` (``count``: inner chunks per shard), all shards of a read together, whatever array they are of. The
+    shard indexes are read in one round, with the inner chunks of the shards whose layout is predictable (``fixed``:
+    their offsets are known before the index is read); the index then confirms each prediction (a crc32c-checked
+    entry equal to the range read), and only the inner chunks not predicted, or predicted wrong, are read in a second
+    round: a reshard of hundreds of arrays is one or two merged reads per pack, not two per array."""
+    first: list[Part] = []
+    for path, flat, need, count, fixed in shards:
+        guesses = [] if fixed is None else [(j * fixed, fixed) for j in sorted(need)]
+        first.append((path, flat, [(0, -(count * 16 + 4)), *guesses]))
+    fetched = fetch_parts(first)
+    pieces_of: list[dict[int, bytes]] = []
+    second: list[Part] = []
+    missed_of: list[tuple[int, list[int]]] = []  # per part of the second round: its shard, its inner chunks
+    for position, ((path, flat, need, count, fixed), (raw, *guessed)) in enumerate(zip(shards, fetched, strict=True)):
+        entries = _checked_index(raw, count, path, flat)
+        pieces: dict[int, bytes] = {}
+        missed: list[int] = []
+        for j, guess in itertools.zip_longest(sorted(need), guessed):
             offset, size = (int(v) for v in entries[j])
-            if offset != MISSING:
-                ranges.append((offset, size))
-        wanted.append((path, flat, ranges))
-    bodies = fetch_parts(wanted)
-    out = []
-    for pieces, entries, (_, _, need, count) in zip(bodies, entries_of, shards, strict=True):
-        index = np.full((count, 2), MISSING, "<u8")
-        offset, stored = 0, iter(pieces)
-        for j in sorted(need):
-            if int(entries[j][0]) == MISSING:
+            if offset == MISSING:
                 continue  # not stored: TensorStore names it when the read asks for it
-            piece = next(stored)
-            index[j] = (offset, len(piece))
-            offset += len(piece)
-        body = b"".join(pieces)
-        raw_index = index.tobytes()
-        out.append(body + raw_index + _CRC.pack(crc32c.crc32c(raw_index)))
-    return out
+            if fixed is not None and (offset, size) == (j * fixed, fixed):
+                pieces[j] = guess
+            else:
+                missed.append(j)
+        pieces_of.append(pieces)
+        if missed:
+            second.append((path, flat, [(int(entries[j][0]), int(entries[j][1])) for j in missed]))
+            missed_of.append((position, missed))
+    for (position, missed), data in zip(missed_of, fetch_parts(second) if second else [], strict=True):
+        pieces_of[position].update(zip(missed, data, strict=True))
+    return [_compact(pieces, count) for pieces, (_, _, _, count, _) in zip(pieces_of, shards, strict=True)]
+
+
+def _checked_index(raw: bytes, count: int, path: str, flat: int) -> np.ndarray:
+    """The ``(offset, size)`` entries of a shard index read from storage, its crc32c checked."""
+    index_bytes = count * 16
+    if len(raw) != index_bytes + 4 or crc32c.crc32c(raw[:index_bytes]) != _CRC.unpack(raw[index_bytes:])[0]:
+        raise CorruptCheckpointError(f"array {path!r}: the shard index of chunk {flat} fails its checksum; the "
+                                     "checkpoint is damaged: restore it from a copy")
+    return np.frombuffer(raw[:index_bytes], "<u8").reshape(count, 2)
+
+
+def _compact(pieces: dict[int, bytes], count: int) -> bytes:
+    """A shard of ``count`` inner chunks holding only ``pieces`` (by inner chunk), its other entries "not stored"."""
+    index = np.full((count, 2), MISSING, "<u8")
+    offset, body = 0, []
+    for j in sorted(pieces):
+        index[j] = (offset, len(pieces[j]))
+        offset += len(pieces[j])
+        body.append(pieces[j])
+    raw_index = index.tobytes()
+    return b"".join(body) + raw_index + _CRC.pack(crc32c.crc32c(raw_index))

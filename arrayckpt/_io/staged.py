@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from .._errors import ClosedCheckpointError
 from .._format.jsontypes import JSON, json_object
 from .._format.zarr import array_shape, chunk_keys, grid_counts, grid_indices, outer_chunk_shape
-from .shards import Part, PartialShard, inner_chunks, inner_grid, partial_shards
+from .shards import Part, PartialShard, fixed_inner_size, inner_chunks, inner_grid, partial_shards
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -212,8 +212,9 @@ def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]
         inner = inner_grid(json_object(entry.spec.get("metadata")))
         if inner is not None:
             count = math.prod(inner[1])
-            shards = [(entry.path, flat, entry.inner[flat], count) for flat in flats
-                      if len(entry.inner.get(flat, ())) < count]
+            metadata = json_object(entry.spec.get("metadata"))
+            shards = [(entry.path, flat, entry.inner[flat], count, fixed_inner_size(metadata, entry.chunks[flat]))
+                      for flat in flats if len(entry.inner.get(flat, ())) < count]
             partial.setdefault(id(entry.source), []).extend(shards)
             flats = [flat for flat in flats if len(entry.inner.get(flat, ())) >= count]
         if flats:
@@ -221,7 +222,7 @@ def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]
     for key, shards in partial.items():
         if shards:
             compact = partial_shards(sources[key].fetch_parts, shards)
-            for (path, flat, _, _), shard in zip(shards, compact, strict=True):
+            for (path, flat, *_), shard in zip(shards, compact, strict=True):
                 out[(key, path)][flat] = shard
     for key, requests in whole.items():
         chunk_files = sources[key].fetch_many([(e.path, f) for e, f in requests])

@@ -116,3 +116,53 @@ def test_the_partial_shards_of_a_load_are_read_together_whatever_their_array(mon
     assert len(packs) == 2, calls  # one pack: the indexes of all partly read shards, then their inner chunks
     needed = 6 * 22 * (2 * 8 * 4 + 4)  # 22 inner chunks of 2 rows (rows 42..85) per array, compressed at most
     assert sum(packs) <= 1.1 * needed + 6 * 2 * (16 * 16 + 4), calls  # plus two shard indexes per array
+
+
+def _swap_inner_chunks(url: str, shard: int, a: int, b: int) -> None:
+    """Rewrite shard ``shard`` of ``w`` (uncompressed) with inner chunks ``a`` and ``b`` stored in each other's
+    place, its index saying so (a valid shard, though not laid out as arrayckpt lays shards out)."""
+    import struct
+
+    import crc32c
+
+    from arrayckpt._storage import parse_location
+    with arrayckpt.open(url) as ckpt:
+        packed = stored_of(ckpt).packed
+        pack, offset, length = (int(v) for v in packed.rows(["w"])["w"][shard])
+        name = packed.layout.packs[pack].name
+    store = parse_location(url).open_store()
+    data = bytearray(store.read(name).result().value)
+    chunk = bytes(data[offset:offset + length])
+    count = 16
+    index = np.frombuffer(chunk[-(count * 16 + 4):-4], "<u8").reshape(count, 2).copy()
+    pieces = [chunk[int(o):int(o) + int(n)] for o, n in index]
+    order = list(range(count))
+    order[a], order[b] = b, a
+    body, position = b"", 0
+    for j in order:
+        index[j] = (position, len(pieces[j]))
+        body += pieces[j]
+        position += len(pieces[j])
+    raw = index.tobytes()
+    data[offset:offset + length] = body + raw + struct.pack("<I", crc32c.crc32c(raw))
+    store.write(name, bytes(data)).result()
+
+
+def test_an_uncompressed_partial_read_is_one_round_and_a_shard_laid_out_otherwise_still_reads_right():
+    """Uncompressed inner chunks lie where arrayckpt puts them, so a partial read fetches them with the shard index
+    in one round; the index (crc32c-checked) confirms each one, and a shard laid out otherwise (two inner chunks
+    swapped, its index saying so: valid Zarr) is read right in a second round, never from the predicted bytes."""
+    url, w = _saved()
+    with arrayckpt.open(url) as ckpt:
+        stored_of(ckpt).packed.rows(["w"])
+        sizes = _counting(ckpt)
+        assert np.array_equal(ckpt["w"][42:44], w[42:44].numpy())  # inner chunk 5 of shard 1
+        assert len(sizes) == 2 and sizes == [16 * 16 + 4, 2 * 8 * 4 + 4], sizes  # one call: index, chunk
+    _swap_inner_chunks(url, 1, 5, 6)
+    with arrayckpt.open(url) as ckpt:
+        stored_of(ckpt).packed.rows(["w"])
+        sizes = _counting(ckpt)
+        assert np.array_equal(ckpt["w"][42:46], w[42:46].numpy())  # inner chunks 5 and 6, swapped on storage
+        assert np.array_equal(ckpt["w"][40:42], w[40:42].numpy())  # chunk 4, where it was predicted
+        assert np.array_equal(ckpt["w"].numpy(), w.numpy())
+    assert len(sizes) > 2
