@@ -209,10 +209,10 @@ def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]
         out[(id(entry.source), entry.path)] = {}
         sources[id(entry.source)] = entry.source
         flats = sorted(entry.chunks)
-        inner = inner_grid(json_object(entry.spec.get("metadata")))
+        metadata = json_object(entry.spec.get("metadata"))
+        inner = inner_grid(metadata)
         if inner is not None:
             count = math.prod(inner[1])
-            metadata = json_object(entry.spec.get("metadata"))
             shards = [(entry.path, flat, entry.inner[flat], count, fixed_inner_size(metadata, entry.chunks[flat]))
                       for flat in flats if len(entry.inner.get(flat, ())) < count]
             partial.setdefault(id(entry.source), []).extend(shards)

@@ -151,6 +151,14 @@ def test_chunk_plan_examples():
     assert choose_chunks((0, 3), 4) == ((1, 3), (1, 3))
 
 
+def test_arrays_split_across_ranks_get_smaller_inner_chunks_than_whole_ones():
+    """A 1 MiB float32 array: whole (one process), inner chunks of MIN_INNER (256 KiB, 4 of them: a whole read
+    pays per inner chunk); split over 4 ranks (256 KiB shards), 16 inner chunks of MIN_SPLIT_INNER (64 KiB) per
+    shard, so that a load at 3 ranks reads little more than it needs."""
+    assert choose_chunks((1024, 256), 4) == ((1024, 256), (256, 256))
+    assert choose_chunks((1024, 256), 4, (256, None)) == ((256, 256), (64, 256))
+
+
 def test_writer_runs_round_trip_and_malformed_records_are_ignored():
     import numpy as np
 
