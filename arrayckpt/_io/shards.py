@@ -69,11 +69,12 @@ def inner_chunks(part: Sequence[tuple[int, int]], inner: Sequence[int], counts: 
     return out
 
 
-def fixed_inner_size(metadata: JSON, grid_index: Sequence[int]) -> int | None:
-    """The encoded size of each inner chunk of the shard at ``grid_index``, when where each lies is known before its
-    index is read: inner chunks stored plain (``bytes`` then ``crc32c``: the default, uncompressed), so each has the
-    same size, and all of them stored (no inner chunk of the shard lies wholly outside the array), so that inner chunk
-    ``j`` is bytes ``[j * size, (j + 1) * size)`` as arrayckpt writes them. ``None`` otherwise."""
+def fixed_inner_size(metadata: JSON, grid_index: Sequence[int], length: int) -> int | None:
+    """The encoded size of each inner chunk of the shard at ``grid_index`` (a chunk file of ``length`` bytes), when
+    where each lies is known before its index is read: inner chunks stored plain (``bytes`` then ``crc32c``: the
+    default, uncompressed), so each has the same size, all of them stored (none lies wholly outside the array) and
+    the file exactly that long, so that inner chunk ``j`` is bytes ``[j * size, (j + 1) * size)`` as arrayckpt writes
+    them, and a guess never reaches past the file. ``None`` otherwise."""
     grid, codecs, data_type = inner_grid(metadata), metadata.get("codecs"), metadata.get("data_type")
     dtype = DTYPES.get(data_type) if isinstance(data_type, str) else None
     if grid is None or dtype is None or not isinstance(codecs, list):  # (a sharded array has one codec)
@@ -85,7 +86,9 @@ def fixed_inner_size(metadata: JSON, grid_index: Sequence[int]) -> int | None:
     for g, o, i, c, n in zip(grid_index, outer, inner, counts, shape, strict=True):
         if -(-(min(n, (g + 1) * o) - g * o) // i) != c:  # inner chunks past the array's edge are not stored
             return None
-    return dtype.itemsize * math.prod(inner) + 4
+    size = dtype.itemsize * math.prod(inner) + 4
+    count = math.prod(counts)
+    return size if length == count * size + count * 16 + 4 else None
 
 
 def partial_shards(fetch_parts: FetchParts, shards: Sequence[PartialShard]) -> list[bytes]:

@@ -61,6 +61,11 @@ class ChunkSource(Protocol):
         bytes. Parts of any arrays at once (each pack read in one call)."""
         ...
 
+    def lengths(self, path: str, flats: Sequence[int]) -> list[int]:
+        """The byte length of each chunk file of array ``path`` at those flat C-order grid indices (from the checked
+        table; a chunk the source does not store is a ``CorruptCheckpointError``)."""
+        ...
+
     def locate(self, path: str) -> Locate | None:
         """Where each chunk file of array ``path`` lies in a local pack file (for ``fastio``), or ``None`` when
         the packs are not local files."""
@@ -213,8 +218,11 @@ def _fetch_all(entries: list[_Wanted]) -> dict[tuple[int, str], dict[int, bytes]
         inner = inner_grid(metadata)
         if inner is not None:
             count = math.prod(inner[1])
-            shards = [(entry.path, flat, entry.inner[flat], count, fixed_inner_size(metadata, entry.chunks[flat]))
-                      for flat in flats if len(entry.inner.get(flat, ())) < count]
+            parts = [flat for flat in flats if len(entry.inner.get(flat, ())) < count]
+            lengths = entry.source.lengths(entry.path, parts) if parts else []
+            shards = [(entry.path, flat, entry.inner[flat], count,
+                       fixed_inner_size(metadata, entry.chunks[flat], length))
+                      for flat, length in zip(parts, lengths, strict=True)]
             partial.setdefault(id(entry.source), []).extend(shards)
             flats = [flat for flat in flats if len(entry.inner.get(flat, ())) >= count]
         if flats:

@@ -108,6 +108,17 @@ class PackedChunks:
         chunk reads are: for ``verify``, which checks whole files (their sizes, the index's crc32c)."""
         return self._read(name, ranges)
 
+    def lengths(self, path: str, flats: Sequence[int]) -> list[int]:
+        """The byte length of each chunk file of array ``path`` at ``flats``, from its checked section."""
+        table, stored = self.rows([path])[path], self.stored(path)
+        out = []
+        for flat in flats:
+            row = row_of(stored.order, flat)
+            if row is None:
+                raise self._not_stored(path, stored, flat)
+            out.append(int(table[row][2]))
+        return out
+
     def fetch_parts(self, parts: Sequence[Part]) -> list[list[bytes]]:
         """For each ``(path, flat, ranges)``, those ``(offset, length)`` ranges of that chunk file of array ``path``
         (``(0, -n)``: its last ``n`` bytes), of any arrays, the ranges of one pack in one call (merged into few reads

@@ -87,8 +87,8 @@ class PackCopier:
         self.objects = self.stored_bytes = 0
 
     def copy_packs(self, arrays: Sequence[ArrayCopy], table: ChunkTable) -> dict[str, str]:
-        """Copy every pack, checking every chunk file of ``arrays`` in them (``table``: :meth:`table`); returns each
-        array's digest of its chunks' content checksums (spec §11.2)."""
+        """Copy every pack, checking every chunk file of ``arrays`` in them (``table``: :func:`checked_table`);
+        returns each array's digest of its chunks' content checksums (spec §11.2)."""
         grids = [list(array.chunks()) for array in arrays]
         crcs = [np.zeros(len(grid), np.uint64) for grid in grids]
         by_pack: list[list[tuple[int, int, int, int]]] = [[] for _ in self._packed.layout.packs]

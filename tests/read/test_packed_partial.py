@@ -12,6 +12,7 @@ import torch
 from policies import small_chunks
 
 import arrayckpt
+from arrayckpt._io.shards import fixed_inner_size
 from arrayckpt._read.checkpoint import stored_of
 from arrayckpt._read.packed import PackedChunks
 
@@ -118,9 +119,9 @@ def test_the_partial_shards_of_a_load_are_read_together_whatever_their_array(mon
     assert sum(packs) <= 1.1 * needed + 6 * 2 * (16 * 16 + 4), calls  # plus two shard indexes per array
 
 
-def _swap_inner_chunks(url: str, shard: int, a: int, b: int) -> None:
-    """Rewrite shard ``shard`` of ``w`` (uncompressed) with inner chunks ``a`` and ``b`` stored in each other's
-    place, its index saying so (a valid shard, though not laid out as arrayckpt lays shards out)."""
+def _relaid_shard(url: str, shard: int, order: list[int]) -> None:
+    """Rewrite shard ``shard`` of ``w`` (uncompressed) holding its inner chunks in ``order`` (those left out not
+    stored), its index saying so: a valid shard, though not laid out as arrayckpt lays shards out."""
     import struct
 
     import crc32c
@@ -136,8 +137,7 @@ def _swap_inner_chunks(url: str, shard: int, a: int, b: int) -> None:
     count = 16
     index = np.frombuffer(chunk[-(count * 16 + 4):-4], "<u8").reshape(count, 2).copy()
     pieces = [chunk[int(o):int(o) + int(n)] for o, n in index]
-    order = list(range(count))
-    order[a], order[b] = b, a
+    index[:] = 2**64 - 1  # not stored, unless placed below
     body, position = b"", 0
     for j in order:
         index[j] = (position, len(pieces[j]))
@@ -158,7 +158,7 @@ def test_an_uncompressed_partial_read_is_one_round_and_a_shard_laid_out_otherwis
         sizes = _counting(ckpt)
         assert np.array_equal(ckpt["w"][42:44], w[42:44].numpy())  # inner chunk 5 of shard 1
         assert len(sizes) == 2 and sizes == [16 * 16 + 4, 2 * 8 * 4 + 4], sizes  # one call: index, chunk
-    _swap_inner_chunks(url, 1, 5, 6)
+    _relaid_shard(url, 1, [0, 1, 2, 3, 4, 6, 5, *range(7, 16)])
     with arrayckpt.open(url) as ckpt:
         stored_of(ckpt).packed.rows(["w"])
         sizes = _counting(ckpt)
@@ -166,3 +166,20 @@ def test_an_uncompressed_partial_read_is_one_round_and_a_shard_laid_out_otherwis
         assert np.array_equal(ckpt["w"][40:42], w[40:42].numpy())  # chunk 4, where it was predicted
         assert np.array_equal(ckpt["w"].numpy(), w.numpy())
     assert len(sizes) > 2
+
+
+def test_inner_chunks_are_guessed_only_where_the_shard_is_laid_out_whole():
+    """Offsets are guessed only for an uncompressed shard of exactly the length arrayckpt's layout gives it (every
+    inner chunk stored, at full size, then the index): a valid shorter one (an inner chunk not stored) or a compressed
+    one is read index first, so a guess can never reach past a chunk file and read as damage."""
+    url, _ = _saved()
+    with arrayckpt.open(url) as ckpt:
+        metadata = ckpt["w"].metadata
+        length = int(stored_of(ckpt).packed.rows(["w"])["w"][1][2])
+    whole = 16 * (2 * 8 * 4 + 4) + 16 * 16 + 4
+    assert length == whole
+    assert fixed_inner_size(metadata, (1, 0), whole) == 2 * 8 * 4 + 4
+    assert fixed_inner_size(metadata, (1, 0), whole - (2 * 8 * 4 + 4)) is None  # an inner chunk not stored
+    zstd_url, _ = _saved("zstd")
+    with arrayckpt.open(zstd_url) as ckpt:
+        assert fixed_inner_size(ckpt["w"].metadata, (1, 0), whole) is None
